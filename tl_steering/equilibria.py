@@ -523,7 +523,7 @@ class PointClassification(Result):
             (dense), or the n_eigs of largest real part followed by the n_eigs of smallest real part (arpack).
         label: "attractor" | "repeller" | "saddle" | "degenerate".
         rotational: any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones for arpack).
-        index: number of eigenvalues with Re > tol (a lower bound, at most n_eigs, for arpack).
+        index: number of eigenvalues with Re > tol (for arpack: among the 2·n_eigs computed, a lower bound).
         spectral_abscissa: max Re.
         near_zero: number of eigenvalues with |Re| <= tol (among the computed ones).
         max_im_re: largest |Im|/|Re| over the non-real eigenvalues (0 if all are real, inf for a pure-imaginary pair).
@@ -567,7 +567,8 @@ class EquilibriaResult(Result):
         labels: "attractor" | "repeller" | "saddle" per point, or "degenerate" when near-zero modes leave the sign
             pattern undecided (non-hyperbolic; not in the paper's vocabulary).
         rotational: per point, any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones).
-        index: per point, the number of eigenvalues with Re > tol (unstable directions; capped at n_eigs for ARPACK).
+        index: per point, the number of eigenvalues with Re > tol (unstable directions); for ARPACK only the
+            2·n_eigs computed ones are counted, so it is a lower bound there.
         spectral_abscissa: max Re per point.
         near_zero: per point, the number of eigenvalues with |Re| <= tol (among the computed ones).
         max_im_re: per point, max |Im|/|Re| over the non-real eigenvalues.

