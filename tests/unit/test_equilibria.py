@@ -3,6 +3,7 @@
 No model is loaded. Tolerances are stated per comparison; everything runs in float64 on CPU.
 """
 
+import re
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ import plotly.graph_objects as go
 import pytest
 import scipy.linalg
 import torch
+from jaxtyping import TypeCheckError
 
 from tl_steering.equilibria import (
     DENSE_MAX_DIM,
@@ -409,23 +411,35 @@ def test_tangent_basis_is_orthonormal_and_tangent():
 # bad input
 
 
+# Under the suite's runtime type checking (--jaxtyping-packages=tl_steering,beartype.beartype) a value outside a
+# Literal or a non-callable field is rejected by the type checker before the body runs; without it, the body
+# raises InputError with the message below.
+TYPED = (InputError, TypeCheckError)
+
+
+def _assert_message(excinfo: pytest.ExceptionInfo, match: str) -> None:
+    if excinfo.type is InputError or issubclass(excinfo.type, InputError):
+        assert re.search(match, str(excinfo.value)), str(excinfo.value)
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "match", "typed"),
     [
-        (dict(dim=1), "dim must be an int >= 2"),
-        (dict(n_starts=0), "n_starts must be an int >= 1"),
-        (dict(method="newton"), "unknown method"),
-        (dict(eigensolver="lapack"), "unknown eigensolver"),
-        (dict(eigensolver="arpack", n_eigs=4), "n_eigs <= 3"),
-        (dict(starts=torch.ones(2, 5, dtype=F64)), r"starts must have shape \[m, 6\]"),
-        (dict(starts=torch.zeros(1, 6, dtype=F64)), "finite non-zero"),
-        (dict(tol=0.0), "tol must be a float"),
+        (dict(dim=1), "dim must be an int >= 2", False),
+        (dict(n_starts=0), "n_starts must be an int >= 1", False),
+        (dict(method="newton"), "unknown method", True),
+        (dict(eigensolver="lapack"), "unknown eigensolver", True),
+        (dict(eigensolver="arpack", n_eigs=4), "n_eigs <= 3", False),
+        (dict(starts=torch.ones(2, 5, dtype=F64)), r"starts must have shape \[m, 6\]", False),
+        (dict(starts=torch.zeros(1, 6, dtype=F64)), "finite non-zero", False),
+        (dict(tol=0.0), "tol must be a float", False),
     ],
 )
-def test_bad_options_raise_input_error(kwargs, match):
+def test_bad_options_raise_input_error(kwargs, match, typed):
     args = dict(field=_linear(M_SYM), dim=6, n_starts=4) | kwargs
-    with pytest.raises(InputError, match=match):
+    with pytest.raises(TYPED if typed else InputError) as excinfo:
         find_equilibria(**args)
+    _assert_message(excinfo, match)
 
 
 def test_bad_fields_raise_input_error():
@@ -435,7 +449,9 @@ def test_bad_fields_raise_input_error():
         find_equilibria(lambda u: u * float("nan"), 4, n_starts=2)
     with pytest.raises(InputError, match="torch tensor"):
         find_equilibria(lambda u: u.numpy(), 4, n_starts=2)
-    with pytest.raises(InputError, match="callable"):
+    with pytest.raises(TYPED) as excinfo:
         find_equilibria("not a field", 4, n_starts=2)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="single"):
+    _assert_message(excinfo, "callable")
+    with pytest.raises(TYPED) as excinfo:  # a batch where one point is expected
         classify_point(lambda u: u, torch.ones(2, 3, dtype=F64))
+    _assert_message(excinfo, "single")

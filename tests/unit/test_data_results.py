@@ -1,0 +1,60 @@
+"""Token windows from pydoc_data and the Result serialisation round-trip."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import tl_steering as ts
+from tl_steering.errors import InputError
+from tl_steering.results import Provenance, Result, register
+
+
+def test_text_tokens_deterministic_and_bos(tiny):
+    a = ts.text_tokens(tiny, n_windows=4, length=32, seed=0)
+    b = ts.text_tokens(tiny, n_windows=4, length=32, seed=0)
+    c = ts.text_tokens(tiny, n_windows=4, length=32, seed=1)
+    assert a.shape == (4, 32) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert (a[:, 0] == tiny.tokenizer.bos_token_id).all()  # tiny models prepend BOS
+    text = tiny.tokenizer.decode(a[0, 1:])
+    assert sum(ch.isalpha() for ch in text) > 10  # real English text from the language reference
+    assert a._tl_steering_corpus == "pydoc:4x32:seed0"
+
+
+def test_text_tokens_from_file(tiny, tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog. " * 50)
+    t = ts.text_tokens(tiny, source=str(p), n_windows=2, length=16)
+    assert t.shape == (2, 16)
+    with pytest.raises(InputError, match="neither 'pydoc'"):
+        ts.text_tokens(tiny, source=str(tmp_path / "missing.txt"))
+    with pytest.raises(InputError, match="windows"):
+        ts.text_tokens(tiny, source=str(p), n_windows=1000, length=64)
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class _Demo(Result):
+    values: torch.Tensor
+    spectrum: torch.Tensor
+    labels: list[str]
+    scalars: dict[str, float]
+
+
+def test_result_round_trip(tmp_path):
+    r = _Demo(values=torch.tensor([1.0, float("nan"), 3.0], dtype=torch.float64),
+              spectrum=torch.tensor([1 + 2j, -0.5j], dtype=torch.complex128),
+              labels=["saddle", "attractor"], scalars={"a": 0.5, "inf": float("inf")},
+              provenance=Provenance(model="x", seed=3, extra={"layers": [1, 2]}))
+    d = r.to_dict()
+    json.dumps(d, allow_nan=False)  # strict JSON
+    for suffix in (".json", ".safetensors"):
+        path = r.save(tmp_path / f"r{suffix}")
+        back = _Demo.load(path)
+        assert torch.equal(back.values.nan_to_num(7.0), r.values.nan_to_num(7.0))
+        assert back.values.dtype == torch.float64
+        assert torch.equal(back.spectrum, r.spectrum)
+        assert back.labels == r.labels and back.scalars["inf"] == float("inf")
+        assert back.provenance.seed == 3 and back.provenance.extra == {"layers": [1, 2]}
