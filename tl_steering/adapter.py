@@ -424,9 +424,12 @@ class ModelAdapter:
         logits = self.run_with_hooks(tokens, fwd_hooks, return_type="logits")
         return next_token_loss(logits, tokens)
 
-    def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = ()
-                       ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Forward, collecting the activations at ``names`` (detached) with our own light hooks."""
+    def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = (),
+                       check_finite_acts: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward, collecting the activations at ``names`` (detached) with our own light hooks.
+
+        Raises :class:`NonFiniteError` naming the layer and site when a collected activation has NaN/Inf.
+        """
         store: dict[str, Tensor] = {}
 
         def saver(name: str) -> Callable:
@@ -439,6 +442,10 @@ class ModelAdapter:
         missing = [n for n in names if n not in store]
         if missing:
             raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
+        if check_finite_acts:
+            for n in names:
+                layer, site = _split_hook_name(n)
+                check_finite(store[n], layer, site)
         return logits, store
 
     # -- checks ------------------------------------------------------------------------------------------
@@ -522,6 +529,13 @@ def check_finite(x: Tensor, layer: int | None, site: str) -> None:
             f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
             "and any hooks of yours on that point; in float16 try float32 or bfloat16."
         )
+
+
+def _split_hook_name(name: str) -> tuple[int | None, str]:
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
+        return int(parts[1]), ".".join(parts[2:])
+    return None, name
 
 
 def next_token_loss(logits: Tensor, tokens: Tensor) -> Float[Tensor, "batch pos_minus_1"]:
