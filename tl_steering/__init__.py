@@ -1,15 +1,56 @@
 """tl_steering: feed-forward steering diagnostics (arXiv:2608.02071) on TransformerLens models.
 
-Public surface: loaders (:func:`load_model`, :func:`tiny_model`, :func:`text_tokens`), the adapter
-(:class:`ModelAdapter`), geometry (:mod:`tl_steering.geometry`), hook factories (:mod:`tl_steering.hooks`),
-probes, the paper's protocols, and the parallel executor.
+The data path reads one way: model -> hooks -> metrics -> results -> figures/report.
+
+* loading: :func:`load_model`, :func:`tiny_model`, :func:`text_tokens`; the adapter :class:`ModelAdapter`
+* geometry: :mod:`tl_steering.geometry` (pure float64 sphere math)
+* hooks: :mod:`tl_steering.hooks` (``ffn_component``, ``ffn_gate``, ``parallel_blocks``, ``attention_gain``)
+* probes: :func:`probe`
+* protocols: :func:`angular_deficit`, :func:`ffn_ablation`, :func:`diversity`, :func:`parallel_defect`
+* dynamics: :func:`critical_points`, :func:`find_equilibria`, :func:`prefix_sensitivity`,
+  :func:`prefix_statistics`, :func:`calibrate_gates`
+* execution: :func:`parallelize`
 """
 
 __version__ = "0.1.0"
 
-from . import errors
+from . import errors, geometry, hooks
 from .adapter import ModelAdapter, adapt, tl_version
+from .critical import critical_points, critical_points_all_layers
 from .data import text_tokens
+from .equilibria import EquilibriaResult, classify_point, find_equilibria
+from .gates import calibrate_gates
 from .loading import load_model, tiny_model
+from .parallel import parallelize
+from .prefix import prefix_sensitivity, prefix_statistics
+from .probe import probe
+from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect
+from .results import Provenance, Result
 
-__all__ = ["ModelAdapter", "adapt", "errors", "load_model", "text_tokens", "tiny_model", "tl_version"]
+__all__ = [
+    "EquilibriaResult",
+    "ModelAdapter",
+    "Provenance",
+    "Result",
+    "adapt",
+    "angular_deficit",
+    "calibrate_gates",
+    "classify_point",
+    "critical_points",
+    "critical_points_all_layers",
+    "diversity",
+    "errors",
+    "ffn_ablation",
+    "find_equilibria",
+    "geometry",
+    "hooks",
+    "load_model",
+    "parallel_defect",
+    "parallelize",
+    "prefix_sensitivity",
+    "prefix_statistics",
+    "probe",
+    "text_tokens",
+    "tiny_model",
+    "tl_version",
+]

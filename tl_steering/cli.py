@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
         path = run_report(
             model=args.model, backend=args.backend, text=args.text, windows=args.windows, length=args.length,
-            out=args.out, device=args.device, seed=args.seed, quick=args.quick,
+            out=args.out, device=args.device, seed=args.seed, quick=args.quick, progress=not args.no_progress,
         )
         print(f"report written to {path}")
         return 0

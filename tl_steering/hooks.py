@@ -38,6 +38,10 @@ def _skip_mask(act: Tensor, skip_positions: Sequence[int]) -> Tensor | None:
     return mask[:, None]
 
 
+def _layer_seed(seed: int, layer: int) -> int:
+    return (int(seed) * 1_000_003 + int(layer)) % (2**63 - 1)
+
+
 def ffn_component(
     model: Any,
     keep: Keep = "tangential",
@@ -63,7 +67,8 @@ def ffn_component(
         reference: ``"ffn_input"`` (resid_mid for sequential blocks, resid_pre for parallel blocks; the
             default, see MATH_SPEC §5) or ``"resid_pre"``.
         skip_positions: positions left intact (e.g. ``(0,)`` keeps the attention sink's FFN write).
-        seed: seed of the random-tangent control.
+        seed: seed of the random-tangent control. The noise of layer l is drawn from a generator seeded with
+            (seed, l) at every forward: the same hooks and inputs give the same forward every time.
     """
     ad = adapt(model)
     if keep not in KEEPS:
@@ -71,7 +76,6 @@ def ffn_component(
     if reference not in ("ffn_input", "resid_pre"):
         raise InputError(f"reference must be 'ffn_input' or 'resid_pre', got {reference!r}")
     hooks: HookList = []
-    gen: dict[str, torch.Generator] = {}
     for layer in ad.layers(layers):
         ref_name = ad.hook_name(layer, reference)
         out_name = ad.hook_name(layer, "mlp_out")
@@ -97,10 +101,10 @@ def ffn_component(
                 if keep == "tangential":
                     new = tan
                 else:
-                    key = str(act.device)
-                    if key not in gen:
-                        gen[key] = torch.Generator(device=act.device).manual_seed(seed)
-                    noise = torch.randn(phi.shape, generator=gen[key], device=act.device, dtype=torch.float64)
+                    # a fresh generator per call, seeded by (seed, layer): the same hooks give the same noise in
+                    # every forward (and different, independent noise per layer)
+                    gen = torch.Generator(device=act.device).manual_seed(_layer_seed(seed, layer))
+                    noise = torch.randn(phi.shape, generator=gen, device=act.device, dtype=torch.float64)
                     noise = geo.tangential_part(noise, u)
                     new = geo.normalize(noise) * tan.norm(dim=-1, keepdim=True)
             mask = _skip_mask(act, skip_positions)

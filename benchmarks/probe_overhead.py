@@ -1,0 +1,176 @@
+"""Cost of a streaming probe on SmolLM2-135M (8 x 128 pydoc tokens), against a plain forward and the cache route.
+
+Three variants:
+
+* ``plain``: ``model(tokens)`` under ``torch.no_grad()``;
+* ``probe``: the same forward inside ``tl_steering.probe(model)`` with every metric on every layer (hooks
+  attached and removed inside each timed repeat);
+* ``cache``: ``model.run_with_cache(tokens, names_filter=<the 5 residual/branch sites of every layer>)`` then
+  the same metrics computed afterwards from the cache (``ProbeTrace.add_cache``: the probe's own arithmetic,
+  so only the route differs).
+
+Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) times after a warm-up each, and
+reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine).
+Memory: one subprocess (``sys.executable``) per variant; ``ru_maxrss`` of that subprocess (model loading
+included, so a ceiling) and the peak RSS of one run above the RSS just before it (``VmHWM`` after resetting it
+through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler).
+
+Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge]``.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+VARIANTS = ("plain", "probe", "cache")
+
+
+def _rss_kib(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _rss_kib("VmHWM") <= _rss_kib("VmRSS") + 1024
+
+
+class _Sampler:
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_kib())
+            time.sleep(0.002)
+
+    def __enter__(self) -> "_Sampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_kib())
+
+
+def _setup(backend: str):
+    import torch
+
+    import tl_steering as ts
+    from tl_steering.adapter import adapt
+    from tl_steering.probe import probe
+
+    model = ts.load_model("smollm2-135m", backend=backend)
+    tokens = ts.text_tokens(model, n_windows=8, length=128)
+    ad = adapt(model)
+    names = {name for layer in ad.layers() for _, name in probe(model)._layer_sites(layer)}
+
+    def run(variant: str) -> None:
+        with torch.no_grad():
+            if variant == "plain":
+                model(tokens)
+            elif variant == "probe":
+                with probe(model) as trace:
+                    model(tokens)
+                trace.result()
+            else:
+                _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+                probe(model).add_cache(cache).result()
+                del cache
+
+    info = {"threads": torch.get_num_threads(), "tokens": list(tokens.shape), "backend": backend}
+    return run, info
+
+
+def child_memory(variant: str, backend: str) -> dict:
+    """One variant in this process: warm-up, reset the RSS high-water mark, one more run."""
+    import gc
+
+    run, info = _setup(backend)
+    run(variant)
+    gc.collect()
+    base = _rss_kib()
+    hwm = _reset_hwm()
+    with _Sampler() as sampler:
+        run(variant)
+    peak = max(_rss_kib("VmHWM") if hwm else 0, sampler.peak)
+    return {**info, "variant": variant, "run_peak_mib": (peak - base) / 1024,
+            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_method": "VmHWM" if hwm else "sampler"}
+
+
+def child_timing(repeats: int, backend: str) -> dict:
+    """All variants in one process, interleaved (plain, probe, cache, plain, ...) after one warm-up each, so
+    that the load of a shared machine hits them alike; wall and process-CPU seconds."""
+    run, info = _setup(backend)
+    for v in VARIANTS:
+        run(v)
+    wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(repeats):
+        for v in VARIANTS:
+            t0, c0 = time.perf_counter(), time.process_time()
+            run(v)
+            wall[v].append(time.perf_counter() - t0)
+            cpu[v].append(time.process_time() - c0)
+    return {**info, "wall": wall, "cpu": cpu}
+
+
+def _child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=Path(__file__).resolve().parents[1])
+    line = [s for s in out.stdout.splitlines() if s.startswith("RESULT ")]
+    if out.returncode != 0 or not line:
+        sys.exit(f"{args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
+    ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.repeats < 5:
+        ap.error("use at least 5 repeats")
+    if args.child == "timing":
+        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend)), flush=True)
+        return
+    if args.child:
+        print("RESULT " + json.dumps(child_memory(args.child, args.backend)), flush=True)
+        return
+    timing = _child(["--child", "timing", "--repeats", str(args.repeats), "--backend", args.backend])
+    mem = {v: _child(["--child", v, "--backend", args.backend]) for v in VARIANTS}
+    med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
+    print(f"SmolLM2-135M ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
+          f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; all metrics, "
+          "all layers")
+    print(f"{'variant':<24}{'wall s':>8}{'x plain':>9}{'cpu s':>8}{'x plain':>9}{'wall min..max':>16}"
+          f"{'run peak MiB':>14}{'maxrss MiB':>12}")
+    labels = {"plain": "plain forward", "probe": "forward in probe", "cache": "run_with_cache + metrics"}
+    for v in VARIANTS:
+        w, c = med["wall"][v], med["cpu"][v]
+        rng = f"{min(timing['wall'][v]):.2f}..{max(timing['wall'][v]):.2f}"
+        print(f"{labels[v]:<24}{w:>8.2f}{w / med['wall']['plain']:>9.2f}{c:>8.2f}{c / med['cpu']['plain']:>9.2f}"
+              f"{rng:>16}{mem[v]['run_peak_mib']:>14.0f}{mem[v]['maxrss_mib']:>12.0f}")
+    print(f"(run peak: peak RSS of one run above the RSS before it, via {mem['plain']['peak_method']}, one "
+          "subprocess per variant; maxrss: ru_maxrss of that subprocess, model loading included)")
+
+
+if __name__ == "__main__":
+    main()

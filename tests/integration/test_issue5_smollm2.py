@@ -1,0 +1,108 @@
+"""Issue 5 on SmolLM2-135M (the session ``smollm2`` fixture; bridge on TL 4.x, HookedTransformer on TL 3.9):
+critical points of every layer's FFN field, prefix sensitivity, FFN gate calibration of a parallelized plan.
+
+Numbers were measured on the TL 4.3 bridge (see docs/critical_prefix_gates.md) and are pinned with tolerances
+that survive the small activation differences between the hooked and bridge backends.
+"""
+
+import time
+
+import pytest
+import torch
+
+from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.critical import critical_points_all_layers
+from tl_steering.gates import calibrate_gates
+from tl_steering.prefix import prefix_sensitivity
+
+pytestmark = pytest.mark.integration
+
+# critical-point budget: 16 starts (8 token directions + 8 random), 150 descent iterations, dense spectra
+CRIT = {"n_starts": 16, "max_iter": 150, "eigensolver": "dense"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_critical_points_every_layer(smollm2):
+    ad = adapt(smollm2)
+    fp = weights_fingerprint(smollm2)
+    t0 = time.perf_counter()
+    s = critical_points_all_layers(smollm2, **CRIT)  # tokens: text_tokens(model, n_windows=4, length=64)
+    elapsed = time.perf_counter() - t0
+    summ = s.summary()
+    print("\ncritical points per layer [attractor, repeller, saddle, degenerate]:", s.counts.tolist())
+    print("seconds per layer:", [round(x, 1) for x in s.seconds.tolist()], "total", round(elapsed, 1))
+    print("summary:", summ)
+    assert s.layers == list(range(ad.n_layers))
+    for r in s.results:
+        if r.n_points:
+            assert float(r.residuals.max()) < 1e-8
+    # ρ = median ||resid_mid||: grows with depth in SmolLM2 (pinned loosely)
+    assert float(s.radius[0]) == pytest.approx(3.55, rel=0.1)
+    assert float(s.radius[5]) == pytest.approx(90.8, rel=0.1)
+    # label counts (measured on the TL 4.3 bridge; see the docs): pinned as totals with a tolerance
+    # TL 4.3 bridge: 10 points in 30 layers (11 of 480 starts converged): 5 saddles, 4 repellers, 1 attractor,
+    # 9 with rotational modes; saddle fraction 0.50: the paper's "mostly saddles" is NOT confirmed (nor refuted:
+    # half of the few points found are saddles). The finder converges for few starts in this budget.
+    assert summ["n_points"] == pytest.approx(10, abs=5)
+    assert summ["saddle_fraction"] == pytest.approx(0.5, abs=0.15)
+    assert summ["rotational"] >= summ["n_points"] // 2
+    print("mostly saddles (fraction > 0.5):", summ["mostly_saddles"])
+    assert weights_fingerprint(smollm2) == fp
+
+
+def test_prefix_sensitivity_smollm2(smollm2, smollm2_tokens):
+    r = prefix_sensitivity(smollm2, smollm2_tokens, 10, 32, eps=1e-2, seed=0)
+    assert r.prefix_max_angle < 1e-6 and r.prefix_max_rel_change < 1e-6 and r.prefix_max_kl < 1e-9
+    assert float(r.angle_final[0]) == pytest.approx(3.61e-3, rel=0.2)
+    assert float(r.kl[0]) == pytest.approx(3.29e-5, rel=0.3)
+    # the effect decays with distance: the final-layer angle at distance >= 16 is < 1/10 of that at j
+    assert float(r.angle_final[16:].mean()) < 0.1 * float(r.angle_final[0])
+    t = prefix_sensitivity(smollm2, smollm2_tokens, 0, 32, mode="token", seed=0)
+    assert t.prefix_max_angle < 1e-6 and t.prefix_max_kl < 1e-9
+    assert float(t.kl[0]) == pytest.approx(7.29, rel=0.1)
+    assert float(t.angle_final[0]) == pytest.approx(0.920, rel=0.1)
+    assert float(t.kl[1:].mean()) == pytest.approx(0.115, rel=0.3)
+
+
+def _low_defect_plan(model, tokens, k=15):
+    """The k layers with the lowest ||Phi(x + a) - Phi(x)|| / ||Dx|| (pooled, positions >= 1)."""
+    ad = adapt(model)
+    names = []
+    for layer in range(ad.n_layers):
+        names += [ad.hook_name(layer, s) for s in ("resid_pre", "attn_out", "resid_post")]
+    _, c = ad.run_with_cache(tokens, names)
+    ratio = []
+    for layer in range(ad.n_layers):
+        x, a, post = (c[ad.hook_name(layer, s)] for s in ("resid_pre", "attn_out", "resid_post"))
+        with torch.no_grad():
+            d = (ad.ffn(layer)(x + a) - ad.ffn(layer)(x))[:, 1:].double()
+        ratio.append(float(d.norm() / (post - x)[:, 1:].double().norm()))
+    return sorted(sorted(range(ad.n_layers), key=lambda i: ratio[i])[:k])
+
+
+def test_gate_calibration_of_parallel_plan(smollm2, smollm2_tokens):
+    fp = weights_fingerprint(smollm2)
+    plan = _low_defect_plan(smollm2, smollm2_tokens[:4])
+    assert plan == [6, 7, 8, 9, 10, 11, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    cf = calibrate_gates(smollm2, smollm2_tokens, method="closed_form", plan=plan)
+    print("\nclosed form:", cf.summary())
+    assert cf.loss_clean_heldout == pytest.approx(3.327, abs=0.02)
+    assert cf.loss_base_heldout - cf.loss_clean_heldout == pytest.approx(0.266, abs=0.05)
+    assert float(cf.gates[plan].min()) == pytest.approx(0.741, abs=0.05)
+    # measured: the closed-form gates do NOT lower the held-out loss (+0.013)
+    assert cf.loss_gated_heldout - cf.loss_base_heldout == pytest.approx(0.0128, abs=0.01)
+    fit = calibrate_gates(smollm2, smollm2_tokens, method="loss", plan=plan, layers=plan, steps=4, lr=0.05)
+    print("loss fit:", fit.summary(), fit.history.tolist())
+    assert fit.loss_gated_calib < fit.loss_base_calib - 0.02  # it lowers the calibration loss
+    assert fit.history.shape == (4,)
+    # held-out effect of the fitted gates (6 calibration / 2 held-out sequences): small either way
+    assert abs(fit.loss_gated_heldout - fit.loss_base_heldout) < 0.05
+    assert weights_fingerprint(smollm2) == fp
+    assert all(p.grad is None for p in smollm2.parameters())

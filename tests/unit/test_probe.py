@@ -1,0 +1,312 @@
+"""Streaming probes (tl_steering.probe) against the same metrics computed afterwards from a full cache.
+
+The reference (:func:`reference_metrics`) restates each metric with tl_steering.geometry on the cached
+float64 activations of a TransformerLens ``run_with_cache`` over all the batches at once; the probe sees the
+batches one forward at a time. Agreement: <= 1e-6 relative (float64 sums in a different order, and the
+effective rank through a Gram matrix instead of an SVD). tests/integration/test_probe_smollm2.py reuses the
+reference on SmolLM2.
+"""
+
+import math
+
+import pytest
+import torch
+from transformer_lens.hook_points import HookPoint
+
+from tl_steering import geometry as geo
+from tl_steering.adapter import adapt
+from tl_steering.errors import InputError
+from tl_steering.hooks import ffn_component
+from tl_steering.probe import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
+
+F64 = torch.float64
+TOL = 1e-6
+
+
+def assert_no_hooks(model) -> None:
+    for name, hp in model.named_modules():
+        if isinstance(hp, HookPoint):
+            assert not hp.fwd_hooks and not hp.bwd_hooks, f"{name} kept TL hooks"
+            assert len(hp._forward_hooks) == 0 and len(hp._forward_pre_hooks) == 0, f"{name} kept torch hooks"
+
+
+def cache_for(model, tokens, fwd_hooks=()):
+    """float64 activations of every probed site from TL's own run_with_cache (hooks applied first)."""
+    ad = adapt(model)
+    names = set(ad.identity_names())
+    with model.hooks(fwd_hooks=list(fwd_hooks)):
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    assert_no_hooks(model)
+    return {n: cache[n].to(F64) for n in names}
+
+
+def _bin_of(p: int) -> int:
+    return 0 if p == 0 else int(math.floor(math.log2(p))) + 1
+
+
+def reference_metrics(model, cache, layers=None, exclude_positions=(0,), bins=False):
+    """Every probe quantity from a cache, one layer at a time: {quantity: [layer] (or [layer, bin])}.
+
+    Rows whose statistic is undefined (zero-norm vectors; sequences with < 2 valid rows for the pairwise
+    cosine) are dropped from the means; zero-norm rows are dropped from the diversity sets.
+    """
+    ad = adapt(model)
+    layers = ad.layers(layers)
+    some = cache[ad.hook_name(0, "resid_pre")]
+    n_pos = some.shape[1]
+    keep = torch.ones(n_pos, dtype=torch.bool)
+    for p in exclude_positions:
+        keep[p] = False
+    pos = torch.arange(n_pos)[keep]
+    n_bins = len(bin_edges_for(int(ad.cfg.n_ctx))) - 1 if bins else 1
+    pos_bin = torch.tensor([_bin_of(int(p)) for p in pos]) if bins else torch.zeros(len(pos), dtype=torch.long)
+    out = {q: torch.full((len(layers), n_bins) if bins else (len(layers),), math.nan, dtype=F64)
+           for q in ALL_QUANTITIES}
+    eps = geo.EPS_NORM
+
+    def mean(q, i, v, ok):
+        if bins:
+            for b in range(n_bins):
+                sel = ok & (pos_bin == b)[None]
+                if sel.any():
+                    out[q][i, b] = v[sel].mean()
+        elif ok.any():
+            out[q][i] = v[ok].mean()
+
+    for i, layer in enumerate(layers):
+        g = lambda s: cache[ad.hook_name(layer, s)][:, keep]  # noqa: E731
+        x, a, phi, z = g("resid_pre"), g("attn_out"), g("mlp_out"), g("resid_post")
+        y = None if ad.is_parallel(layer) else g("resid_mid")
+        f = x if y is None else y
+        nx, nf, na, nphi = (geo.norm(t) for t in (x, f, a, phi))
+        ones = torch.ones_like(nx, dtype=torch.bool)
+        mean("resid_norm_pre", i, nx, ones)
+        if y is not None:
+            mean("resid_norm_mid", i, geo.norm(y), ones)
+        mean("resid_norm_post", i, geo.norm(z), ones)
+        mean("radial_coef_attn", i, geo.cosine_radial(a, x), (nx > eps) & (na > eps))
+        mean("radial_coef_ffn", i, geo.cosine_radial(phi, f), (nf > eps) & (nphi > eps))
+        pa, pdx = geo.tangential_part(a, x), geo.tangential_part(z - x, x)
+        mean("tangent_alignment", i, geo.tangent_alignment(a, z - x, x),
+             (nx > eps) & (geo.norm(pa) > eps) & (geo.norm(pdx) > eps))
+        mean("tangential_speed_attn", i, geo.tangential_speed(a, x), nx > eps)
+        mean("tangential_speed_ffn", i, geo.tangential_speed(phi, f), nf > eps)
+        for which, t in (("pre", x), ("mid", y), ("post", z)):
+            if t is None or bins:
+                continue
+            valid = geo.norm(t) > eps
+            stats = {"pairwise_cosine": geo.mean_pairwise_cosine(t, valid),
+                     "resultant_length": geo.mean_resultant_length(t, valid),
+                     "effective_rank": geo.effective_rank(t, valid)}
+            for k, v in stats.items():
+                ok = ~torch.isnan(v)
+                if ok.any():
+                    out[f"{k}_{which}"][i] = v[ok].mean()
+    return out
+
+
+def assert_matches(res: ProbeResult, ref: dict, tol: float = TOL, bins: bool = False) -> None:
+    for q in res.quantities:
+        got = res.get_bins(q) if bins else res.get(q)
+        want = ref[q]
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (q, got, want)
+        fin = ~torch.isnan(want)
+        err = float(((got[fin] - want[fin]).abs() / want[fin].abs().clamp_min(1e-3)).max()) if fin.any() else 0.0
+        assert err <= tol, (q, err, got, want)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_probe_equals_cache_route(tiny, tiny_tokens):
+    """Several forwards inside one probe give the numbers of a full run_with_cache over all batches."""
+    with probe(tiny) as trace:
+        tiny(tiny_tokens[:1])
+        tiny.run_with_hooks(tiny_tokens[1:])
+    assert_no_hooks(tiny)
+    res = trace.result()
+    assert res.n_forwards == 2 and res.n_sequences == 3 and res.n_tokens == tiny_tokens.numel()
+    assert set(res.quantities) == set(ALL_QUANTITIES)
+    ref = reference_metrics(tiny, cache_for(tiny, tiny_tokens))
+    assert_matches(res, ref)
+    ad = adapt(tiny)
+    for q in ("resid_norm_mid", "pairwise_cosine_mid", "effective_rank_mid"):
+        # parallel blocks have no resid_mid: NaN, counted nothing, masked nothing
+        par = torch.tensor([ad.is_parallel(lay) for lay in res.layers])
+        assert torch.isnan(res.get(q)[par]).all() and not torch.isnan(res.get(q)[~par]).any()
+        assert int(res.counts[q].sum(-1)[par].sum()) == 0 and int(res.n_masked(q).sum()) == 0
+    # counts: every kept token once per layer; diversity: one row per sequence
+    assert torch.equal(res.counts["tangent_alignment"].sum(-1), torch.full((ad.n_layers,), 3 * 15))
+    assert torch.equal(res.counts["effective_rank_pre"].sum(-1), torch.full((ad.n_layers,), 3))
+
+
+def test_merge_equals_one_big_batch(tiny, tiny_tokens):
+    with probe(tiny, position_bins=True) as big:
+        tiny(tiny_tokens)
+    with probe(tiny, position_bins=True) as parts:
+        for b in range(tiny_tokens.shape[0]):
+            tiny(tiny_tokens[b:b + 1])
+    a, b = big.result(), parts.result()
+    for q in a.quantities:
+        assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q])
+        assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-12, atol=1e-12), q
+    # re-entering a probe keeps adding; result.merge adds two results
+    with parts:
+        tiny(tiny_tokens)
+    again = parts.result()
+    merged = b.merge(a)
+    for q in a.quantities:
+        assert torch.allclose(again.sums[q], merged.sums[q], rtol=1e-12, atol=1e-12)
+    assert again.n_tokens == merged.n_tokens == 2 * tiny_tokens.numel()
+
+
+def test_position_bins(tiny, tiny_tokens):
+    with probe(tiny, metrics=["tangent_alignment", "radial_coef", "resid_norm", "tangential_speed"],
+               position_bins=True) as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    ref = reference_metrics(tiny, cache_for(tiny, tiny_tokens), bins=True)
+    assert_matches(res, ref, bins=True)
+    assert res.bin_edges.tolist()[:6] == [0, 1, 2, 4, 8, 16]
+    assert torch.isnan(res.get_bins("tangent_alignment")[:, 0]).all()  # position 0 excluded
+    fig = res.plot_bins("radial_coef_ffn")
+    assert fig.data[0].type == "heatmap"
+
+
+def test_metric_subset_layers_and_positions(tiny, tiny_tokens):
+    ad = adapt(tiny)
+    with probe(tiny, metrics="diversity", layers=[ad.n_layers - 1], exclude_positions=(0, -1)) as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    assert res.layers == [ad.n_layers - 1] and res.metrics == ["diversity"]
+    assert set(res.quantities) == set(QUANTITIES["diversity"])
+    ref = reference_metrics(tiny, cache_for(tiny, tiny_tokens), layers=[ad.n_layers - 1],
+                            exclude_positions=(0, tiny_tokens.shape[1] - 1))
+    assert_matches(res, ref)
+    with pytest.raises(InputError, match="was not probed"):
+        res.get("tangent_alignment")
+    with pytest.raises(InputError, match="several quantities"):
+        res.get("diversity")
+    with pytest.raises(InputError, match="unknown probe metric"):
+        probe(tiny, metrics=["curvature"])
+
+
+def test_probe_sees_steering_hooks(tiny, tiny_tokens):
+    """Steering hooks added inside the probe (run_with_hooks) are applied before the probe reads a point."""
+    hooks = ffn_component(tiny, keep="radial")
+    with probe(tiny) as trace:
+        tiny.run_with_hooks(tiny_tokens, fwd_hooks=hooks)
+    assert_no_hooks(tiny)
+    res = trace.result()
+    assert_matches(res, reference_metrics(tiny, cache_for(tiny, tiny_tokens, hooks)))
+    # radial-only FFN: no tangential FFN motion, |cos(FFN input, phi)| = 1
+    assert float(res.get("tangential_speed_ffn").abs().max()) < 1e-5
+    # and inside model.hooks: same numbers
+    with tiny.hooks(fwd_hooks=hooks), probe(tiny) as trace2:
+        tiny(tiny_tokens)
+    assert_no_hooks(tiny)
+    assert_matches(trace2.result(), reference_metrics(tiny, cache_for(tiny, tiny_tokens, hooks)))
+
+
+def test_zero_rows_masked_and_counted(tiny, tiny_tokens):
+    """A zero FFN write at layer 0 and a zeroed residual row at layer 1: masked, counted, never NaN."""
+    ad = adapt(tiny)
+
+    def zero_row(act, hook):
+        act = act.clone()
+        act[0, 5] = 0.0
+        return act
+
+    hooks = ffn_component(tiny, keep="zero", layers=[0]) + [(ad.hook_name(1, "resid_pre"), zero_row)]
+    with tiny.hooks(fwd_hooks=hooks), probe(tiny) as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    n_rows = tiny_tokens.shape[0] * (tiny_tokens.shape[1] - 1)
+    assert torch.isnan(res.get("radial_coef_ffn")[0]) and int(res.n_masked("radial_coef_ffn")[0]) == n_rows
+    assert float(res.get("tangential_speed_ffn")[0]) == 0.0
+    assert int(res.n_masked("radial_coef_attn")[1]) == 1 and int(res.n_masked("tangent_alignment")[1]) >= 1
+    assert int(res.n_masked("tangential_speed_attn")[1]) == 1
+    for q in res.quantities:
+        assert not torch.isnan(res.sums[q]).any(), q
+    assert_matches(res, reference_metrics(tiny, cache_for(tiny, tiny_tokens, hooks)))
+
+
+def test_hooks_removed_after_exception(tiny, tiny_tokens):
+    user_hook = lambda act, hook: None  # noqa: E731
+    name = adapt(tiny).hook_name(0, "resid_pre")
+    tiny.add_hook(name, user_hook)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            with probe(tiny) as trace:
+                tiny(tiny_tokens)
+                1 / 0
+        # the user's own hook survives, the probe's are gone
+        hp = tiny.hook_dict[name]
+        assert len(hp.fwd_hooks) == 1 and len(hp._forward_hooks) == 1
+        assert all(len(h._forward_pre_hooks) == 0 for h in tiny.modules() if isinstance(h, HookPoint))
+    finally:
+        tiny.reset_hooks(including_permanent=True)
+    assert_no_hooks(tiny)
+    assert trace.result().n_forwards == 1
+    # an exception inside the forward (a hook of the user raising) as well
+    bad = [(name, lambda act, hook: (_ for _ in ()).throw(RuntimeError("boom")))]
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe(tiny):
+            tiny.run_with_hooks(tiny_tokens, fwd_hooks=bad)
+    assert_no_hooks(tiny)
+
+
+def test_state_size_independent_of_forwards(tiny, tiny_tokens):
+    with probe(tiny, position_bins=True) as trace:
+        tiny(tiny_tokens)
+        size = trace.state_nbytes()
+        for _ in range(3):
+            tiny(tiny_tokens)
+        assert trace.state_nbytes() == size
+    assert trace.result().n_forwards == 4
+
+
+def test_result_roundtrip_and_plot(tiny, tiny_tokens, tmp_path):
+    with probe(tiny, position_bins=True, corpus="random ids") as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    assert res.provenance.corpus == "random ids" and res.provenance.n_tokens == tiny_tokens.numel()
+    assert res.provenance.extra["metrics"] == res.metrics
+    for path in (tmp_path / "p.json", tmp_path / "p.safetensors"):
+        back = ProbeResult.load(res.save(path))
+        for q in res.quantities:
+            assert torch.equal(back.get(q), res.get(q), ) or torch.allclose(back.get(q), res.get(q), equal_nan=True)
+        assert back.layers == res.layers and back.position_bins
+    assert torch.equal(res.tangent_alignment, res.get("tangent_alignment"))
+    assert res.summary()["n_tokens"] == tiny_tokens.numel()
+    fig = res.plot()
+    assert len(fig.data) == len(res.quantities)
+
+
+def test_add_cache_equals_hooks(tiny, tiny_tokens):
+    """The cache route (ProbeTrace.add_cache on a finished run_with_cache) gives the hooks' numbers."""
+    with probe(tiny) as live:
+        tiny(tiny_tokens)
+    offline = probe(tiny).add_cache(cache_for(tiny, tiny_tokens))
+    a, b = live.result(), offline.result()
+    assert b.n_tokens == a.n_tokens and b.n_forwards == 1
+    for q in a.quantities:
+        assert torch.equal(a.counts[q], b.counts[q])
+        assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-12, atol=1e-12), q
+    with pytest.raises(InputError, match="cache lacks"):
+        probe(tiny).add_cache({})
+
+
+def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens, monkeypatch):
+    """Layer l+1's resid_pre is layer l's resid_post: its diversity statistics are computed once."""
+    from tl_steering.probe import ProbeTrace
+
+    calls = []
+    original = ProbeTrace._diversity
+    monkeypatch.setattr(ProbeTrace, "_diversity", staticmethod(lambda t, nt: calls.append(1) or original(t, nt)))
+    ad = adapt(tiny)
+    with probe(tiny, metrics="diversity") as trace:
+        tiny(tiny_tokens)
+    per_layer = 2 if ad.is_parallel(0) else 3
+    assert len(calls) == per_layer * ad.n_layers - (ad.n_layers - 1)
+    assert_matches(trace.result(), reference_metrics(tiny, cache_for(tiny, tiny_tokens)))

@@ -1,0 +1,674 @@
+"""Streaming geometry probes: per-layer residual geometry accumulated on the fly during ordinary forwards.
+
+::
+
+    with tl_steering.probe(model, metrics=["tangent_alignment", "diversity"]) as trace:
+        for batch in batches:
+            model(batch)                       # or run_with_hooks / run_with_cache / model.hooks(...)
+    res = trace.result()                       # ProbeResult
+    res.get("tangent_alignment")               # Float[Tensor, " layer"]
+    res.plot()
+
+The probe adds one forward hook per needed hook point (through TransformerLens's hook API, names from
+``ad.hook_name``), computes every metric in float64 inside the forward and keeps only running sums, counts and
+counts of masked rows per layer (and per position bin). No activation outlives its layer: the memory held by a
+probe does not depend on the number of forwards (:meth:`ProbeTrace.state_nbytes`). Every hook is removed on
+exit, also when the with-block raises.
+
+Metrics (MATH_SPEC §§2-6; x = resid_pre, a = attn_out, y = resid_mid, phi = mlp_out, z = resid_post,
+f = FFN input = y for sequential blocks and x for parallel ones, Dx = z - x, u(v) = v / ||v||):
+
+* ``"resid_norm"``: mean ||x||, ||y||, ||z|| (``resid_norm_pre/mid/post``).
+* ``"radial_coef"``: mean cos(f, phi) (``radial_coef_ffn``, the Eq. 19 FFN radial coefficient) and mean
+  cos(x, a) (``radial_coef_attn``).
+* ``"tangent_alignment"``: mean cos(P_u a, P_u Dx) with u = u(x) (MATH_SPEC §4, align_A).
+* ``"tangential_speed"``: mean ||P_u a|| / ||x|| with u = u(x) (``tangential_speed_attn``) and
+  mean ||P_w phi|| / ||f|| with w = u(f) (``tangential_speed_ffn``). Choice: each branch is measured at the
+  state it acts on in the Lie-Trotter split (attention at x, the FFN sub-step at y = x + a), so a purely radial
+  FFN write (phi = c u(y)) has FFN speed exactly 0; for parallel blocks both use x, i.e. v_A and v_Phi of §3.
+* ``"diversity"``: per sequence (over its non-excluded positions) the mean pairwise cosine, the mean resultant
+  length and the (uncentered, Roy-Vetterli) effective rank of the directions at x, y and z, averaged over
+  sequences (``pairwise_cosine_pre/mid/post``, ``resultant_length_*``, ``effective_rank_*``). Not binned by
+  position (a per-sequence statistic).
+
+Conventions: positions in ``exclude_positions`` (default ``(0,)``, the attention sink) are left out of every
+statistic. A row whose statistic is undefined (a zero-norm vector in a cosine or direction, norm <=
+``geometry.EPS_NORM``; a sequence with fewer than two valid rows for the pairwise cosine) is masked: left out of
+the mean and counted in ``masked``; no NaN enters a sum. Parallel blocks (GPT-NeoX/Pythia) have no resid_mid:
+``resid_norm_mid`` and the ``*_mid`` diversity statistics are NaN for those layers (count 0, not masked).
+Optional position bins are log-spaced: ``[0, 1), [1, 2), [2, 4), [4, 8), ...`` up to the model's context.
+
+Order of hooks: at each hook point the probe moves its own hook behind every other hook right before the point
+fires, so it measures the activation the model actually goes on with, including steering hooks added inside
+the with-block (``model.run_with_hooks(tokens, fwd_hooks=ffn_component(...))`` is probed as steered).
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .adapter import adapt
+from .errors import InputError
+from .geometry import EPS_NORM, SINGULAR_REL
+from .results import Result, register
+
+METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity")
+SITES3: tuple[str, ...] = ("pre", "mid", "post")
+QUANTITIES: dict[str, tuple[str, ...]] = {
+    "resid_norm": ("resid_norm_pre", "resid_norm_mid", "resid_norm_post"),
+    "radial_coef": ("radial_coef_attn", "radial_coef_ffn"),
+    "tangent_alignment": ("tangent_alignment",),
+    "tangential_speed": ("tangential_speed_attn", "tangential_speed_ffn"),
+    "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length", "effective_rank")
+                       for w in SITES3),
+}
+TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
+ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
+_SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
+_F64 = torch.float64
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def _sites_needed(metrics: Sequence[str]) -> set[str]:
+    need: set[str] = {"resid_pre"}
+    for m in metrics:
+        if m in ("resid_norm", "diversity"):
+            need |= {"resid_pre", "resid_mid", "resid_post"}
+        elif m in ("radial_coef", "tangential_speed"):
+            need |= {"resid_pre", "attn_out", "ffn_input", "mlp_out"}
+        elif m == "tangent_alignment":
+            need |= {"resid_pre", "attn_out", "resid_post"}
+    return need
+
+
+def bin_edges_for(n_ctx: int) -> Tensor:
+    """Log-spaced position-bin edges ``[0, 1, 2, 4, ..., 2^k]`` with ``2^k >= n_ctx`` (int64)."""
+    edges = [0, 1]
+    while edges[-1] < n_ctx:
+        edges.append(edges[-1] * 2)
+    return torch.tensor(edges, dtype=torch.int64)
+
+
+def _position_bins(positions: Tensor) -> Tensor:
+    """Bin index of each position: 0 for position 0, ``floor(log2 p) + 1`` otherwise."""
+    p = positions.to(torch.int64)
+    out = torch.zeros_like(p)
+    pos = p > 0
+    # exact integer log2: bit length
+    out[pos] = torch.floor(torch.log2(p[pos].to(_F64))).to(torch.int64) + 1
+    return out
+
+
+def _erank_gram(unit: Tensor) -> Tensor:
+    """Effective rank of each ``[n, d]`` unit-row matrix from the eigenvalues of its smaller Gram matrix.
+
+    sigma_k = sqrt(eig_k(U U^T)) (or U^T U when n > d). Eigenvalues below ``max(n, d) * eps64 * eig_max``
+    are numerical zeros of the Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are
+    sigma < 1e-12 sigma_max (geometry.SINGULAR_REL). For well-conditioned sets this equals
+    ``geometry.effective_rank`` to ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can
+    differ by ~1e-6 (those carry almost no entropy).
+    """
+    n, d = unit.shape[-2], unit.shape[-1]
+    gram = unit @ unit.mT if n <= d else unit.mT @ unit
+    ev = torch.linalg.eigvalsh(gram).clamp_min(0.0)
+    ev_max = ev.amax(-1, keepdim=True)
+    floor = ev_max * max(max(n, d) * _EPS64, SINGULAR_REL**2)
+    sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
+    total = sigma.sum(-1, keepdim=True)
+    p = sigma / total.clamp_min(torch.finfo(_F64).tiny)
+    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
+
+
+class _Accumulator:
+    """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
+    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of forwards."""
+
+    def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int, device: torch.device):
+        self.token_q, self.seq_q = token_q, seq_q
+        self.tq = {q: i for i, q in enumerate(token_q)}
+        self.sq = {q: i for i, q in enumerate(seq_q)}
+        self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=_F64, device=device)
+        self.t_cnt = torch.zeros(len(token_q), n_layers, n_bins, dtype=torch.int64, device=device)
+        self.t_msk = torch.zeros_like(self.t_cnt)
+        self.s_sum = torch.zeros(len(seq_q), n_layers, dtype=_F64, device=device)
+        self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
+        self.s_msk = torch.zeros_like(self.s_cnt)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
+
+
+class ProbeTrace:
+    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered.
+
+    It may be entered several times; every forward run inside adds to the same running sums. Read the
+    numbers with :meth:`result` (at any time, also inside the block).
+    """
+
+    def __init__(self, model: Any, metrics: Sequence[str] | str | None = None,
+                 layers: Sequence[int] | int | None = None, exclude_positions: Sequence[int] = (0,),
+                 position_bins: bool = False, corpus: str | None = None):
+        self.ad = adapt(model)
+        self.model = self.ad.model
+        if metrics is None:
+            metrics = list(METRICS)
+        elif isinstance(metrics, str):
+            metrics = [metrics]
+        metrics = list(dict.fromkeys(metrics))
+        bad = [m for m in metrics if m not in METRICS]
+        if bad or not metrics:
+            raise InputError(f"unknown probe metric(s) {bad or metrics!r}; choose from {METRICS} "
+                             "(or metrics=None for all)")
+        self.metrics = [m for m in METRICS if m in metrics]
+        self.layers = self.ad.layers(layers)
+        try:
+            self.exclude_positions = tuple(sorted({int(p) for p in exclude_positions}))
+        except (TypeError, ValueError) as e:
+            raise InputError(f"exclude_positions must be a sequence of ints, got {exclude_positions!r}") from e
+        if any(isinstance(p, bool) for p in exclude_positions):
+            raise InputError("exclude_positions must hold ints, not bools")
+        self.position_bins = bool(position_bins)
+        self.corpus = corpus
+        n_ctx = int(getattr(self.ad.cfg, "n_ctx", 0) or 2048)
+        self.bin_edges = bin_edges_for(n_ctx) if self.position_bins else torch.tensor([0, n_ctx])
+        n_bins = len(self.bin_edges) - 1
+        token_q = [q for m in self.metrics if m in TOKEN_METRICS for q in QUANTITIES[m]]
+        seq_q = list(QUANTITIES["diversity"]) if "diversity" in self.metrics else []
+        self._acc = _Accumulator(token_q, seq_q, len(self.layers), n_bins, self.ad.device)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._sites = _sites_needed(self.metrics)
+        self.n_tokens = 0
+        self.n_sequences = 0
+        self.n_forwards = 0
+        self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._guard: Any = None
+        self._pre_handles: list[Any] = []
+        self._entered = False
+        self._carry: dict[str, Any] | None = None
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _select(self, act: Tensor) -> Tensor:
+        """float64 copy of the kept positions of ``[batch, pos, d]``."""
+        idx, _ = self._positions(act.shape[-2], act.device)
+        act = act.detach()
+        if isinstance(idx, slice):
+            act = act[..., idx, :]
+        elif idx is not None:
+            act = act.index_select(-2, idx)
+        return act.to(_F64)
+
+    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor]:
+        """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one)."""
+        key = (n_pos, str(device))
+        if key not in self._pos_cache:
+            keep = torch.ones(n_pos, dtype=torch.bool)
+            for p in self.exclude_positions:
+                if -n_pos <= p < n_pos:
+                    keep[p] = False
+            pos = torch.arange(n_pos)[keep]
+            idx: Tensor | slice | None
+            if bool(keep.all()):
+                idx = None
+            elif pos.numel() and int(pos[-1] - pos[0]) + 1 == pos.numel():
+                idx = slice(int(pos[0]), int(pos[-1]) + 1)
+            else:
+                idx = pos.to(device)
+            bins = _position_bins(pos) if self.position_bins else torch.zeros_like(pos)
+            self._pos_cache[key] = (idx, bins.clamp_max(len(self.bin_edges) - 2).to(device))
+        return self._pos_cache[key]
+
+    def _layer_sites(self, layer: int) -> list[tuple[str, str]]:
+        """(site, hook name) pairs this probe reads at ``layer``, in forward order."""
+        ad = self.ad
+        sites = set(self._sites)
+        if ad.is_parallel(layer):
+            sites.discard("resid_mid")
+        if "ffn_input" in sites:
+            sites.discard("ffn_input")
+            sites.add(ad.ffn_input_site(layer))
+        return [(site, ad.hook_name(layer, site))
+                for site in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post") if site in sites]
+
+    def _count_forward(self, act: Tensor) -> None:
+        self.n_forwards += 1
+        self.n_sequences += int(act.shape[0])
+        self.n_tokens += int(act.shape[0] * act.shape[1])
+
+    def _make_hooks(self, layer: int) -> list[tuple[str, Callable]]:
+        state: dict[str, Tensor] = {}
+        first = layer == self.layers[0]
+        hooks: list[tuple[str, Callable]] = []
+        for site, name in self._layer_sites(layer):
+            if site == "resid_pre":
+                def fn(act: Tensor, hook: Any, state: dict = state, first: bool = first,
+                       layer: int = layer) -> None:
+                    state.clear()
+                    carry, self._carry = self._carry, None
+                    if carry is not None and carry["layer"] == layer and carry["src"] is act \
+                            and _version(act) is not None and _version(act) == carry["version"]:
+                        # resid_pre of this layer is the previous layer's resid_post, untouched: reuse its
+                        # float64 copy, norms and diversity statistics
+                        state.update(resid_pre=carry["x"], _norm_pre=carry["norm"], _div_pre=carry["div"])
+                    else:
+                        state["resid_pre"] = self._select(act)
+                    state["bins"] = self._positions(act.shape[-2], act.device)[1]
+                    if first:
+                        self._count_forward(act)
+            elif site == "resid_post":
+                def fn(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
+                    state["resid_post"] = self._select(act)
+                    try:
+                        if "resid_pre" in state:
+                            self._update(layer, state)
+                            if layer + 1 in self._row and "_norm_post" in state:
+                                self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
+                                               "x": state["resid_post"], "norm": state["_norm_post"],
+                                               "div": state.get("_div_post")}
+                    finally:
+                        state.clear()
+            else:
+                def fn(act: Tensor, hook: Any, state: dict = state, site: str = site) -> None:
+                    state[site] = self._select(act)
+            hooks.append((name, fn))
+        return hooks
+
+    def __enter__(self) -> "ProbeTrace":
+        if self._entered:
+            raise InputError("this probe is already active; use one `with` block at a time")
+        self._guard = self.ad.hook_guard()
+        self._guard.__enter__()
+        try:
+            for layer in self.layers:
+                for name, fn in self._make_hooks(layer):
+                    self._attach(name, fn)
+        except BaseException:
+            self._detach(*_exc_info())
+            raise
+        self._entered = True
+        return self
+
+    def _attach(self, name: str, fn: Callable) -> None:
+        hp = self.model.hook_dict[name]
+        before = {id(h) for h in hp.fwd_hooks}
+        self.model.add_hook(name, fn)
+        mine = [h for h in hp.fwd_hooks if id(h) not in before]
+        hook_ids = [h.hook.id for h in mine if hasattr(h, "hook")]
+
+        def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
+            # Move the probe's hook behind every other forward hook of this point, so it sees the final value
+            # (hooks added later, e.g. by run_with_hooks inside the probe, would otherwise run after it).
+            hooks = module._forward_hooks
+            if hasattr(hooks, "move_to_end"):
+                for i in hook_ids:
+                    if i in hooks:
+                        hooks.move_to_end(i)
+
+        self._pre_handles.append(hp.register_forward_pre_hook(last))
+
+    def _detach(self, *exc: Any) -> None:
+        self._carry = None
+        for h in self._pre_handles:
+            h.remove()
+        self._pre_handles = []
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.__exit__(*exc)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered = False
+        self._detach(*exc)
+        return None
+
+    def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
+        """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.
+
+        The same arithmetic as the hooks (the cache route of ``benchmarks/probe_overhead.py``); it needs the
+        probed layers' resid_pre, attn_out, resid_mid, mlp_out and resid_post under their legacy hook names.
+        """
+        for layer in self.layers:
+            sites = self._layer_sites(layer)
+            missing = [name for _, name in sites if name not in cache]
+            if missing:
+                raise InputError(f"the cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}; cache "
+                                 "those hook points (names_filter) or run the probe during the forward")
+            st: dict[str, Tensor] = {site: self._select(cache[name]) for site, name in sites}
+            pre = cache[sites[0][1]]
+            st["bins"] = self._positions(pre.shape[-2], pre.device)[1]
+            if layer == self.layers[0]:
+                self._count_forward(pre)
+            self._update(layer, st)
+        return self
+
+    # -- metrics -----------------------------------------------------------------------------------------
+    def _update(self, layer: int, st: dict[str, Tensor]) -> None:
+        acc, row = self._acc, self._row[layer]
+        parallel = self.ad.is_parallel(layer)
+        x = st["resid_pre"]
+        bins = st["bins"]
+        if x.shape[-2] == 0:  # every position excluded
+            return
+        values: list[Tensor] = []
+        valid: list[Tensor] = []
+        qidx: list[int] = []
+
+        def put(q: str, v: Tensor, ok: Tensor | None) -> None:
+            if q in acc.tq:
+                values.append(v)
+                valid.append(torch.ones_like(v, dtype=torch.bool) if ok is None else ok)
+                qidx.append(acc.tq[q])
+
+        nx = st["_norm_pre"] if "_norm_pre" in st else torch.linalg.vector_norm(x, dim=-1)
+        ok_x = nx > EPS_NORM
+        y = st.get("resid_mid")
+        z = st.get("resid_post")
+        ny = None if y is None else torch.linalg.vector_norm(y, dim=-1)
+        nz = None if z is None else torch.linalg.vector_norm(z, dim=-1)
+        st["_norm_post"] = nz
+        if "resid_norm" in self.metrics:
+            put("resid_norm_pre", nx, None)
+            if y is not None:
+                put("resid_norm_mid", ny, None)
+            put("resid_norm_post", nz, None)
+        need_attn = any(m in self.metrics for m in ("radial_coef", "tangential_speed", "tangent_alignment"))
+        if need_attn:
+            a = st["attn_out"]
+            u = x / nx.clamp_min(EPS_NORM).unsqueeze(-1)
+            ua = (u * a).sum(-1)
+            pa = a - ua.unsqueeze(-1) * u
+            npa = torch.linalg.vector_norm(pa, dim=-1)
+            if "radial_coef" in self.metrics:
+                na = torch.linalg.vector_norm(a, dim=-1)
+                put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
+            if "tangential_speed" in self.metrics:
+                put("tangential_speed_attn", npa / nx.clamp_min(EPS_NORM), ok_x)
+            if "tangent_alignment" in self.metrics:
+                dx = z - x
+                pdx = dx - (u * dx).sum(-1, keepdim=True) * u
+                npdx = torch.linalg.vector_norm(pdx, dim=-1)
+                cos = (pa * pdx).sum(-1) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
+                put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
+        if "radial_coef" in self.metrics or "tangential_speed" in self.metrics:
+            f = x if parallel else y
+            nf = nx if parallel else ny
+            ok_f = nf > EPS_NORM
+            phi = st["mlp_out"]
+            w = f / nf.clamp_min(EPS_NORM).unsqueeze(-1)
+            wphi = (w * phi).sum(-1)
+            if "radial_coef" in self.metrics:
+                nphi = torch.linalg.vector_norm(phi, dim=-1)
+                put("radial_coef_ffn", wphi / nphi.clamp_min(EPS_NORM), ok_f & (nphi > EPS_NORM))
+            if "tangential_speed" in self.metrics:
+                pphi = phi - wphi.unsqueeze(-1) * w
+                put("tangential_speed_ffn", torch.linalg.vector_norm(pphi, dim=-1) / nf.clamp_min(EPS_NORM), ok_f)
+        if values:
+            v = torch.stack(values)  # [q, batch, pos]
+            ok = torch.stack(valid)
+            s = torch.where(ok, v, torch.zeros_like(v)).sum(1)  # [q, pos]
+            c = ok.sum(1)
+            m = (~ok).sum(1)
+            q = torch.tensor(qidx, device=v.device)
+            for tgt, src in ((acc.t_sum, s), (acc.t_cnt, c), (acc.t_msk, m)):
+                binned = torch.zeros(len(qidx), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
+                tgt[q, row] += binned.index_add_(1, bins, src.to(tgt.dtype))
+        if "diversity" in self.metrics:
+            for which, t, nt in (("pre", x, nx), ("mid", y, ny), ("post", z, nz)):
+                if t is None:
+                    continue
+                stats = st.get("_div_pre") if which == "pre" else None
+                if stats is None:
+                    stats = self._diversity(t, nt)
+                if which == "post":
+                    st["_div_post"] = stats
+                for name, (v, good) in zip(("pairwise_cosine", "resultant_length", "effective_rank"), stats):
+                    i = self._acc.sq[f"{name}_{which}"]
+                    self._acc.s_sum[i, row] += torch.where(good, v, torch.zeros_like(v)).sum()
+                    self._acc.s_cnt[i, row] += good.sum()
+                    self._acc.s_msk[i, row] += (~good).sum()
+
+    @staticmethod
+    def _diversity(t: Tensor, nt: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per sequence (pairwise cosine, resultant length, effective rank), each with its validity mask."""
+        ok = nt > EPS_NORM
+        unit = torch.where(ok.unsqueeze(-1), t / nt.clamp_min(EPS_NORM).unsqueeze(-1), torch.zeros_like(t))
+        cnt = ok.sum(-1).to(_F64)  # [batch]
+        total = unit.sum(-2)
+        ss = (total * total).sum(-1)
+        pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
+        res = ss.sqrt() / cnt.clamp_min(1.0)
+        erank = _erank_gram(unit)
+        return [(pair, cnt >= 2), (res, cnt >= 1), (erank, cnt >= 1)]
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def state_nbytes(self) -> int:
+        """Bytes held by the accumulators (constant: it does not grow with the number of forwards)."""
+        return sum(t.numel() * t.element_size() for t in self._acc.tensors())
+
+    def result(self) -> "ProbeResult":
+        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running)."""
+        acc = self._acc
+        sums: dict[str, Tensor] = {}
+        counts: dict[str, Tensor] = {}
+        masked: dict[str, Tensor] = {}
+        for q, i in acc.tq.items():
+            sums[q], counts[q], masked[q] = (acc.t_sum[i].cpu().clone(), acc.t_cnt[i].cpu().clone(),
+                                             acc.t_msk[i].cpu().clone())
+        for q, i in acc.sq.items():
+            sums[q], counts[q], masked[q] = (acc.s_sum[i, :, None].cpu().clone(),
+                                             acc.s_cnt[i, :, None].cpu().clone(), acc.s_msk[i, :, None].cpu().clone())
+        prov = self.ad.provenance(None, corpus=self.corpus or "unknown (pass corpus= to probe)",
+                                  metrics=list(self.metrics), layers=list(self.layers),
+                                  exclude_positions=list(self.exclude_positions),
+                                  position_bins=self.position_bins, n_forwards=self.n_forwards)
+        prov.n_sequences, prov.n_tokens = self.n_sequences, self.n_tokens
+        return ProbeResult(provenance=prov, metrics=list(self.metrics), layers=list(self.layers),
+                           parallel=[self.ad.is_parallel(lay) for lay in self.layers],
+                           exclude_positions=list(self.exclude_positions), position_bins=self.position_bins,
+                           bin_edges=self.bin_edges.clone(), n_tokens=self.n_tokens,
+                           n_sequences=self.n_sequences, n_forwards=self.n_forwards,
+                           sums=sums, counts=counts, masked=masked)
+
+    def get(self, name: str) -> Tensor:
+        """Shortcut for ``result().get(name)``."""
+        return self.result().get(name)
+
+
+def _version(t: Tensor) -> int | None:
+    """The in-place version counter of a tensor (None for inference tensors, which have none)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _exc_info() -> tuple[Any, Any, Any]:
+    import sys
+
+    return sys.exc_info()
+
+
+def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequence[int] | int | None = None,
+          exclude_positions: Sequence[int] = (0,), position_bins: bool = False,
+          corpus: str | None = None) -> ProbeTrace:
+    """Streaming geometry probe: ``with probe(model) as trace: model(tokens)``; then ``trace.result()``.
+
+    Several forwards may run inside one probe (and the probe may be entered several times): the running
+    sums merge, so the result equals the one of a single forward on all the batches together (up to float64
+    summation order). Hooks are added only while the block runs and all are removed on exit, also on errors.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge).
+        metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
+            ``"diversity"`` (None: all). See the module docstring for the definitions.
+        layers: layers to probe (None: all).
+        exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
+            Negative indices count from the end of each forward's sequence.
+        position_bins: also keep the token metrics per log-spaced position bin ``[0,1), [1,2), [2,4), ...``.
+        corpus: label of the text fed to the model, recorded in the provenance.
+
+    Returns:
+        A :class:`ProbeTrace` (a context manager); ``trace.result()`` gives a :class:`ProbeResult`.
+    """
+    return ProbeTrace(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
+                      position_bins=position_bins, corpus=corpus)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# result
+
+
+def _mean(s: Tensor, c: Tensor) -> Tensor:
+    c64 = c.to(_F64)
+    return torch.where(c > 0, s / c64.clamp_min(1.0), torch.full_like(s, math.nan))
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class ProbeResult(Result):
+    """Per-layer geometry accumulated by :func:`probe`.
+
+    Attributes:
+        metrics: metric groups that were computed.
+        layers: probed layers (index i of every per-layer tensor is layer ``layers[i]``).
+        parallel: per probed layer, whether the block is parallel (no resid_mid: ``*_mid`` entries NaN).
+        exclude_positions: positions left out of every statistic.
+        position_bins: whether the token metrics were binned by position.
+        bin_edges: int64 ``[n_bins + 1]``; bin k holds positions ``bin_edges[k] <= p < bin_edges[k+1]``
+            (a single bin when ``position_bins`` is False).
+        n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
+        sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
+            sequences for diversity) and int64 counts of masked rows, each ``[layer, n_bins]`` (``[layer, 1]``
+            for diversity). Means are ``sums / counts``; two results of the same probe setup merge by adding
+            them (:meth:`merge`).
+
+    Per-layer means: :meth:`get` (``res.get("tangent_alignment")``) or the attribute of the same name
+    (``res.tangent_alignment``), ``Float[Tensor, " layer"]``, NaN where nothing was counted.
+    """
+
+    metrics: list[str] = dataclasses.field(default_factory=list)
+    layers: list[int] = dataclasses.field(default_factory=list)
+    parallel: list[bool] = dataclasses.field(default_factory=list)
+    exclude_positions: list[int] = dataclasses.field(default_factory=lambda: [0])
+    position_bins: bool = False
+    bin_edges: Tensor = dataclasses.field(default_factory=lambda: torch.tensor([0, 1]))
+    n_tokens: int = 0
+    n_sequences: int = 0
+    n_forwards: int = 0
+    sums: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    counts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    masked: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    kind = "probe"
+
+    def __post_init__(self) -> None:
+        if set(self.sums) != set(self.counts) or set(self.sums) != set(self.masked):
+            raise InputError("ProbeResult: sums, counts and masked must hold the same quantities")
+        for q, s in self.sums.items():
+            if s.shape[0] != len(self.layers):
+                raise InputError(f"ProbeResult.sums[{q!r}] has {s.shape[0]} layers, expected {len(self.layers)}")
+
+    @property
+    def quantities(self) -> list[str]:
+        return [q for q in ALL_QUANTITIES if q in self.sums]
+
+    def _check(self, name: str) -> str:
+        if name in self.sums:
+            return name
+        if name in QUANTITIES:
+            if name not in self.metrics:
+                raise InputError(f"metric {name!r} was not probed (probed: {self.metrics}); pass it in metrics=")
+            raise InputError(f"metric {name!r} has several quantities; ask for one of {QUANTITIES[name]}")
+        if name in ALL_QUANTITIES:
+            raise InputError(f"{name!r} was not probed (probed metrics: {self.metrics})")
+        raise InputError(f"unknown quantity {name!r}; choose one of {self.quantities}")
+
+    def get(self, name: str) -> Float[Tensor, " layer"]:
+        """Per-layer mean of one quantity (float64, NaN where no row was counted)."""
+        q = self._check(name)
+        return _mean(self.sums[q].sum(-1), self.counts[q].sum(-1))
+
+    def get_bins(self, name: str) -> Float[Tensor, "layer bin"]:
+        """Per-layer, per-position-bin mean of one token quantity (``position_bins=True``)."""
+        q = self._check(name)
+        if q in QUANTITIES["diversity"]:
+            raise InputError(f"{q!r} is a per-sequence statistic and has no position bins")
+        return _mean(self.sums[q], self.counts[q])
+
+    def n_masked(self, name: str) -> Tensor:
+        """Per-layer number of masked rows (undefined statistic) of one quantity (int64)."""
+        return self.masked[self._check(name)].sum(-1)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ALL_QUANTITIES:
+            sums = self.__dict__.get("sums", {})
+            if name in sums:
+                return self.get(name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def merge(self, other: "ProbeResult") -> "ProbeResult":
+        """Add the running sums of another result of the same probe setup (e.g. from another process)."""
+        same = (self.layers == other.layers and set(self.sums) == set(other.sums)
+                and self.exclude_positions == other.exclude_positions
+                and torch.equal(self.bin_edges, other.bin_edges))
+        if not same:
+            raise InputError("can only merge results of the same probe setup (layers, metrics, positions, bins)")
+        out = dataclasses.replace(
+            self,
+            sums={q: self.sums[q] + other.sums[q] for q in self.sums},
+            counts={q: self.counts[q] + other.counts[q] for q in self.counts},
+            masked={q: self.masked[q] + other.masked[q] for q in self.masked},
+            n_tokens=self.n_tokens + other.n_tokens, n_sequences=self.n_sequences + other.n_sequences,
+            n_forwards=self.n_forwards + other.n_forwards,
+            provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
+                                           n_sequences=self.n_sequences + other.n_sequences),
+        )
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Mean over probed layers (NaN layers skipped) of every quantity, plus token counts."""
+        out: dict[str, Any] = {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences,
+                               "n_forwards": self.n_forwards}
+        for q in self.quantities:
+            v = self.get(q)
+            v = v[~torch.isnan(v)]
+            out[q] = float(v.mean()) if v.numel() else math.nan
+        return out
+
+    def plot(self):
+        """Per-layer curves, one panel per metric group (plotly Figure)."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        groups = [m for m in METRICS if m in self.metrics]
+        fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, subplot_titles=groups,
+                            vertical_spacing=0.06 if len(groups) > 1 else 0.1)
+        for r, m in enumerate(groups, start=1):
+            for q in QUANTITIES[m]:
+                if q in self.sums:
+                    fig.add_trace(go.Scatter(x=self.layers, y=self.get(q).tolist(), mode="lines+markers",
+                                             name=q, legendgroup=m), row=r, col=1)
+        fig.update_xaxes(title_text="layer", row=len(groups), col=1)
+        fig.update_layout(height=260 * len(groups) + 80, title=f"probe: {self.provenance.model} "
+                          f"({self.n_tokens} tokens)")
+        return fig
+
+    def plot_bins(self, name: str = "tangent_alignment"):
+        """Heatmap layer x position bin of one token quantity (needs ``position_bins=True``)."""
+        import plotly.graph_objects as go
+
+        if not self.position_bins:
+            raise InputError("plot_bins needs a probe run with position_bins=True")
+        z = self.get_bins(name)
+        e = self.bin_edges.tolist()
+        labels = [f"[{e[k]},{e[k + 1]})" for k in range(len(e) - 1)]
+        fig = go.Figure(go.Heatmap(z=z.T.tolist(), x=self.layers, y=labels, colorbar={"title": name}))
+        fig.update_layout(title=f"{name} by layer and position bin", xaxis_title="layer",
+                          yaxis_title="position bin")
+        return fig
+
+
+__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "ProbeResult", "ProbeTrace", "bin_edges_for", "probe"]

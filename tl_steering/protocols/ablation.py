@@ -1,0 +1,239 @@
+"""Radial / tangential FFN ablation (MATH_SPEC §5, protocol 2 of the paper).
+
+Each variant replaces every chosen layer's FFN write phi = hook_mlp_out by one of its parts, with
+u = normalize(FFN input) read from the same patched forward (resid_mid for sequential blocks, resid_pre for
+parallel ones; :func:`tl_steering.hooks.ffn_component`):
+
+* ``tangential``: phi - <u, phi> u;  ``radial``: <u, phi> u;  ``zero``: 0 (the FFN removed);
+* ``random_tangent``: a random tangent vector with the norm of the tangential part (a chance control).
+
+Metrics against the clean forward, over ALL predicted tokens (every position 0..pos-2 predicts the next token;
+the loss excludes nothing, unlike the geometric protocols, which drop position 0 from their statistics):
+
+* ``delta_loss``: mean next-token cross-entropy (nats) of the patched model minus the clean one;
+* ``ratio_to_zero``: ``delta_loss[v] / delta_loss["zero"]`` (the zero-FFN control is always run);
+* ``kl``: mean next-token ``KL(p_clean || p_patched)`` (nats);
+* ``top1_agreement``: fraction of predicted positions where the patched argmax equals the clean argmax.
+
+``ablate_position_0=False`` leaves the FFN write of position 0 intact (``skip_positions=(0,)``): position 0 is the
+attention sink, whose huge norm most later positions read; ablating it changes every position's context.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..adapter import adapt, next_token_loss
+from ..errors import InputError
+from ..hooks import ffn_component
+from ..results import Result, register
+from ._common import bootstrap_ci, check_batch_size, check_seed
+
+VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
+
+
+@dataclasses.dataclass
+class _Metrics:
+    """Per-sequence sums of one patched variant against the clean forward."""
+
+    n_seq: int
+    n_pred: int
+
+    def __post_init__(self) -> None:
+        self.loss = torch.zeros(self.n_seq, dtype=torch.float64)
+        self.kl = torch.zeros(self.n_seq, dtype=torch.float64)
+        self.agree = torch.zeros(self.n_seq, dtype=torch.float64)
+
+    def add(self, rows: slice, logits: Tensor, tokens: Tensor, clean_logp: Tensor, clean_top1: Tensor) -> None:
+        loss = next_token_loss(logits, tokens)  # [b, pos-1] float64
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        kl = (clean_logp.exp() * (clean_logp - logp)).sum(-1).to(torch.float64)
+        self.loss[rows] = loss.mean(-1).cpu()
+        self.kl[rows] = kl.mean(-1).cpu()
+        self.agree[rows] = (logp.argmax(-1) == clean_top1).to(torch.float64).mean(-1).cpu()
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class AblationResult(Result):
+    """FFN-component ablation metrics (see :func:`ffn_ablation`).
+
+    Attributes:
+        variants: the variants run (always includes ``"zero"``).
+        layers: the layers ablated together (the all-layer scope) and, with ``scope="per_layer"``, scanned.
+        scope: ``"all"`` or ``"per_layer"``.
+        ablate_position_0: whether position 0's FFN write was ablated too.
+        clean_loss: mean next-token cross-entropy of the clean model (nats).
+        delta_loss: per variant, mean CE increase with all ``layers`` ablated together (nats).
+        delta_loss_ci: per variant, bootstrap 95 % CI over sequences of ``delta_loss``.
+        ratio_to_zero: per variant, ``delta_loss[v] / delta_loss["zero"]``.
+        kl: per variant, mean next-token KL(clean || patched) (nats).
+        top1_agreement: per variant, fraction of predicted positions whose argmax matches the clean one.
+        per_layer_delta_loss / per_layer_kl / per_layer_top1: per variant, ``[layer]`` tensors of the single-layer
+            ablations (only with ``scope="per_layer"``; empty otherwise).
+        per_sequence_delta_loss: per variant, ``[seq]`` CE increase of each sequence (all-layer scope).
+        n_predicted: predicted tokens per sequence (pos - 1).
+    """
+
+    variants: list[str] = dataclasses.field(default_factory=list)
+    layers: list[int] = dataclasses.field(default_factory=list)
+    scope: str = "all"
+    ablate_position_0: bool = True
+    clean_loss: float = math.nan
+    delta_loss: dict[str, float] = dataclasses.field(default_factory=dict)
+    delta_loss_ci: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    ratio_to_zero: dict[str, float] = dataclasses.field(default_factory=dict)
+    kl: dict[str, float] = dataclasses.field(default_factory=dict)
+    top1_agreement: dict[str, float] = dataclasses.field(default_factory=dict)
+    per_layer_delta_loss: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    per_layer_kl: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    per_layer_top1: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    per_sequence_delta_loss: dict[str, Float[Tensor, " seq"]] = dataclasses.field(default_factory=dict)
+    n_predicted: int = 0
+
+    kind = "ffn_ablation"
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"clean_loss": self.clean_loss, "scope": self.scope,
+                               "ablate_position_0": self.ablate_position_0}
+        for v in self.variants:
+            out[f"delta_loss_{v}"] = self.delta_loss[v]
+            out[f"ratio_to_zero_{v}"] = self.ratio_to_zero[v]
+            out[f"kl_{v}"] = self.kl[v]
+            out[f"top1_agreement_{v}"] = self.top1_agreement[v]
+        return out
+
+    def plot(self, title: str | None = None):
+        """Bars of ΔCE per variant (with CI); with a per-layer scan, a second panel of ΔCE per layer."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        scan = bool(self.per_layer_delta_loss)
+        fig = make_subplots(rows=1, cols=2 if scan else 1,
+                            subplot_titles=("all layers ablated", "one layer at a time") if scan else None)
+        ys = [self.delta_loss[v] for v in self.variants]
+        ci = [self.delta_loss_ci.get(v, [math.nan, math.nan]) for v in self.variants]
+        fig.add_trace(go.Bar(
+            x=self.variants, y=ys, name="ΔCE",
+            error_y={"type": "data", "symmetric": False, "array": [c[1] - y for c, y in zip(ci, ys)],
+                     "arrayminus": [y - c[0] for c, y in zip(ci, ys)]},
+            text=[f"{y:.3g}" for y in ys], hovertext=[f"KL {self.kl[v]:.3g}, top-1 {self.top1_agreement[v]:.3f}"
+                                                   for v in self.variants]), row=1, col=1)
+        if scan:
+            for v, y in self.per_layer_delta_loss.items():
+                fig.add_trace(go.Scatter(x=self.layers, y=y.tolist(), mode="lines+markers", name=f"{v} (layer)"),
+                              row=1, col=2)
+            fig.update_xaxes(title_text="layer", row=1, col=2)
+        fig.update_yaxes(title_text="ΔCE (nats)", row=1, col=1)
+        fig.update_layout(title=title or f"FFN component ablation (clean CE {self.clean_loss:.3f}, "
+                          f"position 0 {'ablated' if self.ablate_position_0 else 'kept'})", template="plotly_white")
+        return fig
+
+
+def ffn_ablation(
+    model: Any,
+    tokens: Tensor,
+    keep: Sequence[str] | str = ("tangential", "radial", "zero"),
+    scope: Literal["all", "per_layer"] = "all",
+    layers: Sequence[int] | int | None = None,
+    include_random_tangent: bool = True,
+    ablate_position_0: bool = True,
+    seed: int = 0,
+    batch_size: int = 8,
+    n_bootstrap: int = 1000,
+) -> AblationResult:
+    """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (MATH_SPEC §5).
+
+    Args:
+        model: a TransformerLens model; left unchanged, no hook stays.
+        tokens: ``[batch, pos]`` token ids on the model's device.
+        keep: variants among ``tangential``, ``radial``, ``zero``, ``random_tangent``; ``zero`` is always added
+            (it is the denominator of ``ratio_to_zero``).
+        scope: ``"all"``: the chosen layers are ablated together (the paper's scope, [I]). ``"per_layer"``: in
+            addition, each chosen layer is ablated alone (one forward per layer and variant).
+        layers: layers to ablate (default: all).
+        include_random_tangent: add the random-tangent chance control.
+        ablate_position_0: ablate position 0's FFN write too (default); False keeps it intact.
+        seed: seed of the random-tangent control and of the bootstrap.
+        batch_size: sequences per forward pass.
+        n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
+    """
+    ad = adapt(model)
+    tokens = ad.validate_tokens(tokens)
+    layer_list = ad.layers(layers)
+    seed = check_seed(seed)
+    batch_size = check_batch_size(batch_size)
+    if scope not in ("all", "per_layer"):
+        raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
+    if isinstance(keep, str):
+        keep = (keep,)
+    variants = list(dict.fromkeys(keep))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise InputError(f"unknown variant(s) {bad}; choose among {VARIANTS}")
+    if "zero" not in variants:
+        variants.append("zero")
+    if include_random_tangent and "random_tangent" not in variants:
+        variants.append("random_tangent")
+    skip = () if ablate_position_0 else (0,)
+
+    n_seq, n_pos = tokens.shape
+    jobs: list[tuple[str, int | None]] = [(v, None) for v in variants]
+    if scope == "per_layer":
+        jobs += [(v, lay) for v in variants for lay in layer_list]
+    metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
+    clean = torch.zeros(n_seq, dtype=torch.float64)
+    for start in range(0, n_seq, batch_size):
+        rows = slice(start, min(start + batch_size, n_seq))
+        tb = tokens[rows]
+        clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
+        clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
+        clean_logp = torch.log_softmax(clean_logits[:, :-1].float(), dim=-1)
+        clean_top1 = clean_logp.argmax(-1)
+        del clean_logits
+        for variant, lay in jobs:
+            # the random-tangent generator is seeded per batch: the same batch always gets the same noise
+            hooks = ffn_component(model, keep=variant, layers=layer_list if lay is None else [lay],
+                                  skip_positions=skip, seed=seed + start)
+            logits = ad.run_with_hooks(tb, hooks, return_type="logits")
+            metrics[(variant, lay)].add(rows, logits, tb, clean_logp, clean_top1)
+            del logits
+
+    delta = {v: metrics[(v, None)].loss - clean for v in variants}
+    d_mean = {v: float(delta[v].mean()) for v in variants}
+    zero = d_mean["zero"]
+    out = AblationResult(
+        provenance=ad.provenance(tokens, seed=seed, protocol="ffn_ablation", keep=variants, scope=scope,
+                                 layers=layer_list, ablate_position_0=ablate_position_0, batch_size=batch_size,
+                                 n_bootstrap=n_bootstrap),
+        variants=variants,
+        layers=layer_list,
+        scope=scope,
+        ablate_position_0=bool(ablate_position_0),
+        clean_loss=float(clean.mean()),
+        delta_loss=d_mean,
+        delta_loss_ci={v: [float(c) for c in bootstrap_ci(delta[v], n_bootstrap=n_bootstrap, seed=seed)]
+                       for v in variants},
+        ratio_to_zero={v: d_mean[v] / zero if zero != 0 else math.nan for v in variants},
+        kl={v: float(metrics[(v, None)].kl.mean()) for v in variants},
+        top1_agreement={v: float(metrics[(v, None)].agree.mean()) for v in variants},
+        per_sequence_delta_loss=delta,
+        n_predicted=n_pos - 1,
+    )
+    if scope == "per_layer":
+        for v in variants:
+            out.per_layer_delta_loss[v] = torch.tensor(
+                [float((metrics[(v, lay)].loss - clean).mean()) for lay in layer_list], dtype=torch.float64)
+            out.per_layer_kl[v] = torch.tensor([float(metrics[(v, lay)].kl.mean()) for lay in layer_list],
+                                               dtype=torch.float64)
+            out.per_layer_top1[v] = torch.tensor([float(metrics[(v, lay)].agree.mean()) for lay in layer_list],
+                                                 dtype=torch.float64)
+    return out
+
+
+__all__ = ["AblationResult", "VARIANTS", "ffn_ablation"]

@@ -1,0 +1,325 @@
+"""Angular-deficit diagnostic: how well the attention-only update aligns with the real block update
+(MATH_SPEC §4, protocol 1 of the paper).
+
+Per layer l, sequence b and position i (position 0 excluded by default), with x = resid_pre, a = attn_out,
+Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
+
+* primary [I]: ``align_A = cos(P_u a, P_u Dx)``; ``deficit_l = 1 - mean align_A`` (mean over the valid tokens
+  of each sequence, then over sequences); ``mean`` = uniform mean over the selected layers;
+* (a) untangented: ``1 - mean cos(a, Dx)``;
+* (b) angle form: ``mean arccos(align_A) / pi``;
+* (c) one-step angular prediction errors: ``e_A = angle(x + a, x^{l+1})`` and
+  ``e_AF = angle(x + a + Phi(x), x^{l+1})`` with ``Phi(x) = MLP(LN2(x))`` evaluated at the block input (the
+  parallel surrogate, i.e. the ODE field at the current state); FFN contribution ``(e_A - e_AF) / e_A`` from the
+  per-layer means. For a parallel block (GPT-NeoX/Pythia) ``x + a + Phi(x)`` IS the block output, so e_AF is
+  exactly 0 (numerically: float32 rounding, ~1e-7 rad) and the FFN contribution is 1: nothing is tested there;
+* (d) velocity-field R^2, pooled over the valid tokens of a layer, on the angular velocities v = P_u(.) / ||x||
+  (dividing by ||x|| makes every token count by its direction change, not by its norm) [I]:
+  ``R^2_A = 1 - sum ||v_Dx - v_a||^2 / sum ||v_Dx||^2``, and the same with ``a + Phi(x)``.
+
+Degenerate tokens (||x||, ||P_u a|| or ||P_u Dx|| equal to 0 or below 1e-8 of the per-sequence median) are
+dropped from every statistic and counted in ``n_masked``.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .. import geometry as geo
+from ..adapter import adapt
+from ..results import Result, register
+from ._common import (
+    activation64,
+    bin_labels,
+    bootstrap_ci,
+    check_batch_size,
+    check_exclude_positions,
+    check_n_bootstrap,
+    check_seed,
+    finite_mean,
+    iter_batches,
+    masked_mean,
+    nondegenerate,
+    position_bins,
+    position_mask,
+)
+
+
+def _f64(*shape: int):
+    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
+
+
+def _tangent(v: Tensor, u: Tensor) -> Tensor:
+    return v - (u * v).sum(-1, keepdim=True) * u
+
+
+def _cos(a: Tensor, b: Tensor) -> Tensor:
+    eps = geo.EPS_NORM
+    return (a * b).sum(-1) / (a.norm(dim=-1).clamp_min(eps) * b.norm(dim=-1).clamp_min(eps))
+
+
+def _angle(a: Tensor, b: Tensor) -> Tensor:
+    return torch.arccos(_cos(a, b).clamp(-1.0, 1.0))
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class DeficitResult(Result):
+    """Angular deficit per layer with its secondary variants (see :func:`angular_deficit`).
+
+    Attributes:
+        layers: the layers measured.
+        parallel: per layer, whether the block is parallel (e_AF is then 0 by construction).
+        deficit: ``1 - mean cos(P_u a, P_u Dx)`` per layer (primary, [I]).
+        deficit_ci: bootstrap 95 % CI of ``deficit`` over sequences, ``[layer, 2]``.
+        deficit_median: ``1 - median`` over sequences of the per-sequence mean alignment.
+        per_sequence_alignment: per-sequence mean alignment ``[seq, layer]`` (NaN if a sequence has no valid
+            token at that layer).
+        mean: uniform mean of ``deficit`` over the layers; ``mean_ci`` its bootstrap 95 % CI.
+        mean_excluding_first: the same over the selected layers other than layer 0; ``mean_excluding_first_ci``.
+        untangented_deficit: ``1 - mean cos(a, Dx)`` (variant a).
+        angle_deficit: ``mean arccos(align_A) / pi`` (variant b).
+        error_attention: ``mean e_A`` in radians (variant c), ``e_A = angle(x + a, x^{l+1})``.
+        error_parallel: ``mean e_AF`` in radians, ``e_AF = angle(x + a + Phi(x), x^{l+1})``.
+        ffn_contribution: ``(e_A - e_AF) / e_A`` per layer, from the layer means; ``ffn_contribution_mean``.
+        r2_attention: velocity-field R^2 of the attention-only velocity (variant d).
+        r2_parallel: the same with the velocity of ``a + Phi(x)``.
+        position_bin_edges: ``[1, 2, 4, ...]``; bin j is ``[edges[j], edges[j+1])``, cut at the sequence length.
+        deficit_by_position: ``1 - mean align_A`` over the valid tokens of each bin, ``[layer, bin]``.
+        position_bin_counts: valid tokens per bin, ``[layer, bin]``.
+        n_tokens_used: valid tokens per layer; ``n_masked``: degenerate tokens dropped per layer.
+        residual_identity_error: worst relative error of the residual identity per layer (first batch).
+        exclude_positions: positions left out of every statistic.
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    parallel: list[bool] = dataclasses.field(default_factory=list)
+    deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    deficit_ci: Float[Tensor, "layer 2"] = dataclasses.field(default_factory=_f64(0, 2))
+    deficit_median: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    per_sequence_alignment: Float[Tensor, "seq layer"] = dataclasses.field(default_factory=_f64(0, 0))
+    mean: float = math.nan
+    mean_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    mean_excluding_first: float = math.nan
+    mean_excluding_first_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    untangented_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    angle_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    error_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    error_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    ffn_contribution: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    ffn_contribution_mean: float = math.nan
+    r2_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    r2_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    position_bin_edges: list[int] = dataclasses.field(default_factory=list)
+    deficit_by_position: Float[Tensor, "layer bin"] = dataclasses.field(default_factory=_f64(0, 0))
+    position_bin_counts: Int[Tensor, "layer bin"] = dataclasses.field(
+        default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))
+    n_tokens_used: Int[Tensor, " layer"] = dataclasses.field(
+        default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    n_masked: Int[Tensor, " layer"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    residual_identity_error: list[float] = dataclasses.field(default_factory=list)
+    exclude_positions: list[int] = dataclasses.field(default_factory=list)
+    seq_len: int = 0
+
+    kind = "angular_deficit"
+
+    def summary(self) -> dict[str, Any]:
+        d = self.deficit
+        return {
+            "deficit_mean": self.mean,
+            "deficit_mean_ci": list(self.mean_ci),
+            "deficit_mean_excluding_first": self.mean_excluding_first,
+            "deficit_min": float(d.min()) if d.numel() else math.nan,
+            "deficit_max": float(d.max()) if d.numel() else math.nan,
+            "untangented_deficit_mean": finite_mean(self.untangented_deficit),
+            "angle_deficit_mean": finite_mean(self.angle_deficit),
+            "error_attention_mean": finite_mean(self.error_attention),
+            "error_parallel_mean": finite_mean(self.error_parallel),
+            "ffn_contribution_mean": self.ffn_contribution_mean,
+            "r2_attention_mean": finite_mean(self.r2_attention),
+            "r2_parallel_mean": finite_mean(self.r2_parallel),
+            "n_layers": len(self.layers),
+            "n_tokens_used": int(self.n_tokens_used.sum()) if self.n_tokens_used.numel() else 0,
+            "n_masked": int(self.n_masked.sum()) if self.n_masked.numel() else 0,
+        }
+
+    def plot(self, title: str | None = None):
+        """Per-layer curves: the deficit (with its CI band) and variants a, b; the one-step errors and R^2."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        x = list(self.layers)
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                            subplot_titles=("Angular deficit", "One-step angular error and velocity R²"))
+        lo, hi = self.deficit_ci[:, 0].tolist(), self.deficit_ci[:, 1].tolist()
+        fig.add_trace(go.Scatter(x=x + x[::-1], y=hi + lo[::-1], fill="toself", line={"width": 0},
+                                 fillcolor="rgba(31,119,180,0.2)", name="95% CI", hoverinfo="skip"), row=1, col=1)
+        for name, y, color in (("1 - cos(P_u a, P_u Δx)", self.deficit, "#1f77b4"),
+                               ("1 - cos(a, Δx)", self.untangented_deficit, "#ff7f0e"),
+                               ("arccos(align)/π", self.angle_deficit, "#2ca02c")):
+            fig.add_trace(go.Scatter(x=x, y=y.tolist(), mode="lines+markers", name=name,
+                                     line={"color": color}), row=1, col=1)
+        for name, y, dash in (("e_A (rad)", self.error_attention, None),
+                              ("e_AF (rad)", self.error_parallel, None),
+                              ("R² attention", self.r2_attention, "dot"),
+                              ("R² attention+Φ(x)", self.r2_parallel, "dot")):
+            fig.add_trace(go.Scatter(x=x, y=y.tolist(), mode="lines+markers", name=name,
+                                     line={"dash": dash}), row=2, col=1)
+        fig.update_xaxes(title_text="layer", row=2, col=1)
+        fig.update_layout(title=title or f"Angular deficit (mean {self.mean:.3f}, "
+                          f"{self.provenance.model})", template="plotly_white", height=700)
+        return fig
+
+    def plot_positions(self, title: str | None = None):
+        """Heatmap of the deficit by layer and log-spaced position bin."""
+        import plotly.graph_objects as go
+
+        labels = bin_labels(self.position_bin_edges, self.seq_len or self.position_bin_edges[-1])
+        z = [[None if not math.isfinite(v) else v for v in row] for row in self.deficit_by_position.tolist()]
+        fig = go.Figure(go.Heatmap(z=z, x=labels, y=[str(lay) for lay in self.layers], colorscale="Viridis",
+                                   colorbar={"title": "deficit"}))
+        fig.update_layout(title=title or "Angular deficit by layer and position bin", xaxis_title="position bin",
+                          yaxis_title="layer", template="plotly_white")
+        return fig
+
+
+def angular_deficit(
+    model: Any,
+    tokens: Tensor,
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> DeficitResult:
+    """Angular deficit of the attention-only update against the real block update (MATH_SPEC §4).
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge); left unchanged, no hook stays.
+        tokens: ``[batch, pos]`` token ids on the model's device.
+        layers: layers to measure (default: all).
+        exclude_positions: positions left out of every statistic (default: position 0, the attention sink).
+        n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
+        seed: seed of the bootstrap generator.
+        batch_size: sequences per forward pass.
+
+    Returns:
+        :class:`DeficitResult`. The residual identity is checked on the first batch
+        (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
+    """
+    ad = adapt(model)
+    tokens = ad.validate_tokens(tokens)
+    layer_list = ad.layers(layers)
+    excl = check_exclude_positions(exclude_positions)
+    n_bootstrap = check_n_bootstrap(n_bootstrap)
+    seed = check_seed(seed)
+    batch_size = check_batch_size(batch_size)
+
+    n_seq, n_pos = tokens.shape
+    n_lay = len(layer_list)
+    pmask = position_mask(n_pos, excl, device=tokens.device)
+    edges, bin_index = position_bins(n_pos)
+    n_bins = len(edges) - 1
+    bin_index = bin_index.to(tokens.device)
+    onehot = torch.nn.functional.one_hot(bin_index.clamp_min(0), n_bins).to(torch.float64)
+    onehot[bin_index < 0] = 0.0  # position 0 belongs to no bin
+
+    keys = ("align", "untangented", "angle", "e_a", "e_af")
+    per_seq = {k: torch.full((n_seq, n_lay), math.nan, dtype=torch.float64) for k in keys}
+    r2 = torch.zeros(3, n_lay, dtype=torch.float64)  # residual A, residual AF, total
+    bin_sum = torch.zeros(n_lay, n_bins, dtype=torch.float64)
+    bin_count = torch.zeros(n_lay, n_bins, dtype=torch.float64)
+    used = torch.zeros(n_lay, dtype=torch.int64)
+    masked = torch.zeros(n_lay, dtype=torch.int64)
+    identity: dict[int, float] = {}
+
+    names = [ad.hook_name(lay, s) for lay in layer_list for s in ("resid_pre", "attn_out", "resid_post")]
+    for rows, logits, cache in iter_batches(ad, tokens, names, batch_size, first_names=ad.identity_names(layer_list)):
+        del logits
+        if not identity:
+            identity = ad.check_residual_identity(cache, layer_list)
+        base = pmask.expand(rows.stop - rows.start, n_pos)
+        for j, layer in enumerate(layer_list):
+            x_model = cache[ad.hook_name(layer, "resid_pre")]
+            x = activation64(cache, ad.hook_name(layer, "resid_pre"), layer, "resid_pre")
+            a = activation64(cache, ad.hook_name(layer, "attn_out"), layer, "attn_out")
+            post = activation64(cache, ad.hook_name(layer, "resid_post"), layer, "resid_post")
+            with torch.no_grad():
+                phi = geo.to64(ad.ffn(layer)(x_model))
+            dx = post - x
+            r = x.norm(dim=-1)
+            u = x / r.clamp_min(geo.EPS_NORM).unsqueeze(-1)
+            ta, tdx, taf = _tangent(a, u), _tangent(dx, u), _tangent(a + phi, u)
+            valid = nondegenerate(r, base)
+            valid &= nondegenerate(ta.norm(dim=-1), base) & nondegenerate(tdx.norm(dim=-1), base)
+            masked[j] += int((base & ~valid).sum())
+            used[j] += int(valid.sum())
+
+            align = _cos(ta, tdx)
+            per_seq["align"][rows, j] = masked_mean(align, valid).cpu()
+            per_seq["untangented"][rows, j] = masked_mean(_cos(a, dx), valid).cpu()
+            per_seq["angle"][rows, j] = masked_mean(torch.arccos(align.clamp(-1.0, 1.0)) / math.pi, valid).cpu()
+            per_seq["e_a"][rows, j] = masked_mean(_angle(x + a, post), valid).cpu()
+            per_seq["e_af"][rows, j] = masked_mean(_angle(x + a + phi, post), valid).cpu()
+
+            w = valid.to(torch.float64)
+            inv_r2 = w / (r * r).clamp_min(geo.EPS_NORM**2)
+            r2[0, j] += float((((tdx - ta) ** 2).sum(-1) * inv_r2).sum())
+            r2[1, j] += float((((tdx - taf) ** 2).sum(-1) * inv_r2).sum())
+            r2[2, j] += float(((tdx**2).sum(-1) * inv_r2).sum())
+
+            bw = onehot.unsqueeze(0) * w.unsqueeze(-1)  # [b, pos, bin]
+            bin_sum[j] += torch.einsum("bp,bpk->k", torch.where(valid, align, torch.zeros_like(align)), bw).cpu()
+            bin_count[j] += bw.sum((0, 1)).cpu()
+
+    means = {k: torch.nanmean(v, dim=0) for k, v in per_seq.items()}
+    deficit = 1.0 - means["align"]
+    not_first = torch.tensor([lay != 0 for lay in layer_list])
+
+    def stat(sample: Tensor) -> Tensor:
+        d = 1.0 - torch.nanmean(sample, dim=0)
+        excl_first = d[not_first].mean() if bool(not_first.any()) else torch.tensor(math.nan, dtype=d.dtype)
+        return torch.cat([d, d.mean()[None], excl_first[None]])
+
+    point = stat(per_seq["align"])
+    ci = bootstrap_ci(per_seq["align"], stat, n_bootstrap=n_bootstrap, seed=seed)
+    e_a, e_af = means["e_a"], means["e_af"]
+    contribution = (e_a - e_af) / e_a
+    return DeficitResult(
+        provenance=ad.provenance(tokens, seed=seed, protocol="angular_deficit", layers=layer_list,
+                                 exclude_positions=list(excl), n_bootstrap=n_bootstrap, batch_size=batch_size),
+        layers=layer_list,
+        parallel=[ad.is_parallel(lay) for lay in layer_list],
+        deficit=deficit,
+        deficit_ci=ci[:n_lay],
+        deficit_median=1.0 - torch.nanmedian(per_seq["align"], dim=0).values,
+        per_sequence_alignment=per_seq["align"],
+        mean=float(point[n_lay]),
+        mean_ci=[float(v) for v in ci[n_lay]],
+        mean_excluding_first=float(point[n_lay + 1]),
+        mean_excluding_first_ci=[float(v) for v in ci[n_lay + 1]],
+        untangented_deficit=1.0 - means["untangented"],
+        angle_deficit=means["angle"],
+        error_attention=e_a,
+        error_parallel=e_af,
+        ffn_contribution=contribution,
+        ffn_contribution_mean=finite_mean(contribution),
+        r2_attention=1.0 - r2[0] / r2[2],
+        r2_parallel=1.0 - r2[1] / r2[2],
+        position_bin_edges=edges,
+        deficit_by_position=1.0 - bin_sum / bin_count.where(bin_count > 0, torch.tensor(math.nan, dtype=torch.float64)),
+        position_bin_counts=bin_count.round().to(torch.int64),
+        n_tokens_used=used,
+        n_masked=masked,
+        residual_identity_error=[identity[lay] for lay in layer_list],
+        exclude_positions=list(excl),
+        seq_len=n_pos,
+    )
+
+
+__all__ = ["DeficitResult", "angular_deficit"]

@@ -1,0 +1,321 @@
+"""Spherical diversity of token directions before and after attention and the FFN (MATH_SPEC §6, protocol 3).
+
+For each sequence, the set of valid directions U = {u_j} (position 0 and degenerate tokens excluded) at
+resid_pre, resid_mid and resid_post of each layer gives the statistics of :func:`tl_steering.geometry.
+diversity_stats` (uncentered): mean pairwise cosine m (1 = full cluster, ~0 = isotropic), mean resultant length R,
+effective rank, participation ratio and the rank-collapse residual. Each is averaged over sequences.
+
+* Attention effect ``D(mid) - D(pre)`` and FFN effect ``D(post) - D(mid)`` per layer (raw differences: for the
+  pairwise cosine and R a positive value means MORE clustered). Parallel blocks (GPT-NeoX/Pythia) have no
+  resid_mid: their resid_mid column is NaN, and their effects use the virtual state ``x + a``
+  (resid_pre + attn_out), as MATH_SPEC §6 prescribes.
+* Under ablation: the same table in the forward where every layer's FFN write keeps only one component
+  (:func:`tl_steering.hooks.ffn_component`, all layers, all positions).
+* Output diversity [P, ambiguous]: the statistics of the last layer's resid_post (the input of ln_final) and the
+  mean entropy of the next-token distribution over the predicted positions 0..pos-2, clean and per ablation.
+* Aggregation pressure [I, speculative]: attention writes scaled by a gain on every layer
+  (:func:`tl_steering.hooks.attention_gain`); final-layer pairwise cosine, effective rank, entropy and loss per
+  gain.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from .. import geometry as geo
+from ..adapter import ModelAdapter, adapt, next_token_loss
+from ..errors import InputError
+from ..hooks import attention_gain, ffn_component
+from ..results import Result, register
+from ._common import (
+    activation64,
+    check_batch_size,
+    check_exclude_positions,
+    check_seed,
+    finite_mean,
+    iter_batches,
+    nondegenerate,
+    position_mask,
+)
+from .ablation import VARIANTS
+
+STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
+                          "rank_collapse")
+SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post")
+
+
+def _f64(*shape: int):
+    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
+
+
+def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], int]:
+    """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked."""
+    valid = nondegenerate(x.norm(dim=-1), base)
+    full = geo.diversity_stats(x, mask=valid)
+    return {k: full[k].cpu() for k in STATS}, int((base & ~valid).sum())
+
+
+def _entropy(logits: Tensor) -> Tensor:
+    """Per-sequence mean next-token entropy (nats) over the predicted positions 0..pos-2."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).to(torch.float64).mean(-1).cpu()
+
+
+@dataclasses.dataclass
+class _Run:
+    """Per-sequence accumulators of one forward configuration (clean or one ablation)."""
+
+    n_seq: int
+    n_lay: int
+
+    def __post_init__(self) -> None:
+        shape = (self.n_seq, self.n_lay, len(SITES) + 1)  # last slot: the state used as "mid" for effects
+        self.site = {k: torch.full(shape, math.nan, dtype=torch.float64) for k in STATS}
+        self.final = {k: torch.full((self.n_seq,), math.nan, dtype=torch.float64) for k in STATS}
+        self.entropy = torch.zeros(self.n_seq, dtype=torch.float64)
+        self.loss = torch.zeros(self.n_seq, dtype=torch.float64)
+        self.masked = 0
+
+    def table(self, stat: str) -> Tensor:
+        return torch.nanmean(self.site[stat][..., : len(SITES)], dim=0)
+
+    def effects(self, stat: str) -> tuple[Tensor, Tensor]:
+        s = self.site[stat]
+        pre, mid, post = s[..., 0], s[..., len(SITES)], s[..., 2]
+        return torch.nanmean(mid - pre, dim=0), torch.nanmean(post - mid, dim=0)
+
+
+def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Tensor, batch_size: int,
+             hooks: list, run: _Run) -> None:
+    last = ad.n_layers - 1
+    names = []
+    for lay in layer_list:
+        names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, "resid_post")]
+        names.append(ad.hook_name(lay, "attn_out" if ad.is_parallel(lay) else "resid_mid"))
+    names.append(ad.hook_name(last, "resid_post"))
+    for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks):
+        run.entropy[rows] = _entropy(logits)
+        run.loss[rows] = next_token_loss(logits, tokens[rows]).mean(-1).cpu()
+        del logits
+        base = pmask.expand(rows.stop - rows.start, -1)
+        for j, lay in enumerate(layer_list):
+            pre = activation64(cache, ad.hook_name(lay, "resid_pre"), lay, "resid_pre")
+            post = activation64(cache, ad.hook_name(lay, "resid_post"), lay, "resid_post")
+            if ad.is_parallel(lay):
+                mid = pre + activation64(cache, ad.hook_name(lay, "attn_out"), lay, "attn_out")
+                states = {0: pre, 2: post, len(SITES): mid}
+            else:
+                mid = activation64(cache, ad.hook_name(lay, "resid_mid"), lay, "resid_mid")
+                states = {0: pre, 1: mid, 2: post, len(SITES): mid}
+            for slot, x in states.items():
+                if slot == len(SITES) and not ad.is_parallel(lay):
+                    st = {k: run.site[k][rows, j, 1] for k in STATS}  # resid_mid itself
+                else:
+                    st, n_bad = _stats(x, base)
+                    if slot < len(SITES):
+                        run.masked += n_bad
+                for k in STATS:
+                    run.site[k][rows, j, slot] = st[k]
+        fin = activation64(cache, ad.hook_name(last, "resid_post"), last, "resid_post")
+        st, _ = _stats(fin, base)
+        for k in STATS:
+            run.final[k][rows] = st[k]
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class DiversityResult(Result):
+    """Direction diversity per layer and site, its attention/FFN effects, ablations and a gain sweep.
+
+    Attributes:
+        layers: layers measured; ``parallel``: per layer, whether the block is parallel (resid_mid NaN).
+        sites: ``["resid_pre", "resid_mid", "resid_post"]`` (the ``site`` axis).
+        pairwise_cosine, resultant_length, effective_rank, participation_ratio, rank_collapse: ``[layer, site]``,
+            the per-sequence statistic averaged over sequences (clean forward).
+        attention_effect / ffn_effect: per statistic, ``[layer]`` mean of ``D(mid) - D(pre)`` /
+            ``D(post) - D(mid)`` (``mid = x + a`` for parallel blocks).
+        under_ablation: per ablation, the pairwise-cosine table ``[layer, site]`` in the ablated forward.
+        under_ablation_stats: per ablation, every statistic's ``[layer, site]`` table.
+        ablation_effects: per ablation, ``{"attention"|"ffn": {stat: [layer]}}`` in the ablated forward.
+        final_diversity: statistics of the last layer's resid_post (ln_final input), clean.
+        final_diversity_under_ablation: the same per ablation.
+        entropy / loss: mean next-token entropy / cross-entropy (nats), keys ``"clean"`` and each ablation.
+        gain_sweep: ``gain``, ``final_pairwise_cosine``, ``final_effective_rank``, ``entropy``, ``loss``, each
+            ``[gain]``, with attention writes scaled by ``gain`` on every layer.
+        n_masked: degenerate tokens dropped (clean forward, over layers and sites).
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    parallel: list[bool] = dataclasses.field(default_factory=list)
+    sites: list[str] = dataclasses.field(default_factory=lambda: list(SITES))
+    pairwise_cosine: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    resultant_length: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    effective_rank: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    participation_ratio: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    rank_collapse: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    attention_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    ffn_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    under_ablation: dict[str, Float[Tensor, "layer site"]] = dataclasses.field(default_factory=dict)
+    under_ablation_stats: dict[str, dict[str, Float[Tensor, "layer site"]]] = dataclasses.field(
+        default_factory=dict)
+    ablation_effects: dict[str, dict[str, dict[str, Float[Tensor, " layer"]]]] = dataclasses.field(
+        default_factory=dict)
+    final_diversity: dict[str, float] = dataclasses.field(default_factory=dict)
+    final_diversity_under_ablation: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    entropy: dict[str, float] = dataclasses.field(default_factory=dict)
+    loss: dict[str, float] = dataclasses.field(default_factory=dict)
+    gain_sweep: dict[str, Float[Tensor, " gain"]] = dataclasses.field(default_factory=dict)
+    exclude_positions: list[int] = dataclasses.field(default_factory=list)
+    n_masked: int = 0
+
+    kind = "diversity"
+
+    def summary(self) -> dict[str, Any]:
+        att = self.attention_effect.get("pairwise_cosine", torch.zeros(0))
+        ffn = self.ffn_effect.get("pairwise_cosine", torch.zeros(0))
+
+        def frac(x: Tensor) -> float:
+            x = x[torch.isfinite(x)]
+            return float(x.to(torch.float64).mean()) if x.numel() else math.nan
+
+        out: dict[str, Any] = {
+            "pairwise_cosine_post_mean": finite_mean(self.pairwise_cosine[:, 2]) if len(self.layers) else math.nan,
+            "frac_layers_attention_concentrates": frac((att > 0).to(torch.float64)) if att.numel() else math.nan,
+            "frac_layers_ffn_diversifies": frac((ffn < 0).to(torch.float64)) if ffn.numel() else math.nan,
+            "final_pairwise_cosine": self.final_diversity.get("pairwise_cosine", math.nan),
+            "entropy_clean": self.entropy.get("clean", math.nan),
+            "n_masked": self.n_masked,
+        }
+        for name, d in self.final_diversity_under_ablation.items():
+            out[f"final_pairwise_cosine_{name}"] = d.get("pairwise_cosine", math.nan)
+            out[f"entropy_{name}"] = self.entropy.get(name, math.nan)
+        return out
+
+    def plot(self, title: str | None = None):
+        """Pairwise cosine per layer (clean sites and resid_post under each ablation), and the gain sweep."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        sweep = bool(self.gain_sweep) and self.gain_sweep["gain"].numel() > 0
+        fig = make_subplots(rows=1, cols=2 if sweep else 1,
+                            subplot_titles=("Mean pairwise cosine", "Attention-gain sweep") if sweep else None)
+        for s, site in enumerate(self.sites):
+            fig.add_trace(go.Scatter(x=self.layers, y=self.pairwise_cosine[:, s].tolist(), mode="lines+markers",
+                                     name=f"clean {site}"), row=1, col=1)
+        for name, table in self.under_ablation.items():
+            fig.add_trace(go.Scatter(x=self.layers, y=table[:, 2].tolist(), mode="lines", line={"dash": "dash"},
+                                     name=f"{name}-only resid_post"), row=1, col=1)
+        fig.update_xaxes(title_text="layer", row=1, col=1)
+        if sweep:
+            g = self.gain_sweep["gain"].tolist()
+            fig.add_trace(go.Scatter(x=g, y=self.gain_sweep["final_pairwise_cosine"].tolist(),
+                                     mode="lines+markers", name="final pairwise cosine"), row=1, col=2)
+            fig.add_trace(go.Scatter(x=g, y=self.gain_sweep["entropy"].tolist(), mode="lines+markers",
+                                     name="next-token entropy (nats)"), row=1, col=2)
+            fig.update_xaxes(title_text="attention gain", row=1, col=2)
+        fig.update_layout(title=title or f"Direction diversity ({self.provenance.model})", template="plotly_white")
+        return fig
+
+
+def diversity(
+    model: Any,
+    tokens: Tensor,
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    ablations: Sequence[str] = ("tangential", "radial"),
+    gains: Sequence[float] = (0.5, 1.0, 1.5, 2.0),
+    seed: int = 0,
+    batch_size: int = 8,
+) -> DiversityResult:
+    """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
+    ablations, and under an attention-gain sweep (MATH_SPEC §6).
+
+    Args:
+        model: a TransformerLens model; left unchanged, no hook stays.
+        tokens: ``[batch, pos]`` token ids on the model's device.
+        layers: layers whose sites are measured (default: all). Ablations and gains always act on every layer.
+        exclude_positions: positions left out of every direction set (default: position 0).
+        ablations: FFN-component variants (``tangential``, ``radial``, ``zero``, ``random_tangent``).
+        gains: attention-output gains for the sweep (empty: no sweep).
+        seed: seed of the random-tangent control.
+        batch_size: sequences per forward pass.
+    """
+    ad = adapt(model)
+    tokens = ad.validate_tokens(tokens)
+    layer_list = ad.layers(layers)
+    excl = check_exclude_positions(exclude_positions)
+    seed = check_seed(seed)
+    batch_size = check_batch_size(batch_size)
+    if isinstance(ablations, str):
+        ablations = (ablations,)
+    ablations = list(dict.fromkeys(ablations))
+    bad = [a for a in ablations if a not in VARIANTS]
+    if bad:
+        raise InputError(f"unknown ablation(s) {bad}; choose among {VARIANTS}")
+    try:
+        gain_list = [float(g) for g in gains]
+    except (TypeError, ValueError) as e:
+        raise InputError(f"gains must be a sequence of numbers, got {gains!r}") from e
+    if not all(math.isfinite(g) for g in gain_list):
+        raise InputError(f"every attention gain must be finite, got {gain_list}")
+
+    n_seq, n_pos = tokens.shape
+    pmask = position_mask(n_pos, excl, device=tokens.device)
+    n_lay = len(layer_list)
+
+    clean = _Run(n_seq, n_lay)
+    _collect(ad, tokens, layer_list, pmask, batch_size, [], clean)
+    runs = {}
+    for name in ablations:
+        runs[name] = _Run(n_seq, n_lay)
+        _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed), runs[name])
+
+    sweep = {k: [] for k in ("final_pairwise_cosine", "final_effective_rank", "entropy", "loss")}
+    for g in gain_list:
+        run = _Run(n_seq, 0)
+        _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run)
+        sweep["final_pairwise_cosine"].append(finite_mean(run.final["pairwise_cosine"]))
+        sweep["final_effective_rank"].append(finite_mean(run.final["effective_rank"]))
+        sweep["entropy"].append(float(run.entropy.mean()))
+        sweep["loss"].append(float(run.loss.mean()))
+
+    def finals(run: _Run) -> dict[str, float]:
+        return {k: float(torch.nanmean(run.final[k])) for k in STATS}
+
+    def effects(run: _Run) -> dict[str, dict[str, Tensor]]:
+        out: dict[str, dict[str, Tensor]] = {"attention": {}, "ffn": {}}
+        for k in STATS:
+            out["attention"][k], out["ffn"][k] = run.effects(k)
+        return out
+
+    clean_effects = effects(clean)
+    return DiversityResult(
+        provenance=ad.provenance(tokens, seed=seed, protocol="diversity", layers=layer_list,
+                                 exclude_positions=list(excl), ablations=ablations, gains=gain_list,
+                                 batch_size=batch_size),
+        layers=layer_list,
+        parallel=[ad.is_parallel(lay) for lay in layer_list],
+        sites=list(SITES),
+        **{k: clean.table(k) for k in STATS},
+        attention_effect=clean_effects["attention"],
+        ffn_effect=clean_effects["ffn"],
+        under_ablation={a: r.table("pairwise_cosine") for a, r in runs.items()},
+        under_ablation_stats={a: {k: r.table(k) for k in STATS} for a, r in runs.items()},
+        ablation_effects={a: effects(r) for a, r in runs.items()},
+        final_diversity=finals(clean),
+        final_diversity_under_ablation={a: finals(r) for a, r in runs.items()},
+        entropy={"clean": float(clean.entropy.mean()), **{a: float(r.entropy.mean()) for a, r in runs.items()}},
+        loss={"clean": float(clean.loss.mean()), **{a: float(r.loss.mean()) for a, r in runs.items()}},
+        gain_sweep={"gain": torch.tensor(gain_list, dtype=torch.float64),
+                    **{k: torch.tensor(v, dtype=torch.float64) for k, v in sweep.items()}},
+        exclude_positions=list(excl),
+        n_masked=clean.masked,
+    )
+
+
+__all__ = ["DiversityResult", "SITES", "STATS", "diversity"]

@@ -1,0 +1,61 @@
+"""The paper's published numbers and this package's pinned SmolLM2 values, as versioned data.
+
+* ``published.json``: every number of PAPER_SUMMARY.md and MATH_SPEC.md §12 (model, metric, value or range,
+  regression band, protocol, certainty tag [P]/[S]/[I], notes). Rows with ``regress: false`` (the Eq. (19)
+  definition and the low-trust auto-summary numbers of row 10) are recorded so nobody regresses against them.
+* ``smollm2_pinned.json``: values measured by this package on SmolLM2-135M (regenerate with
+  ``scripts/regenerate_pinned.py``); ``tests/published/test_smollm2_pinned.py`` asserts them.
+"""
+
+import copy
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from ..errors import InputError
+
+PUBLISHED_FILE = "published.json"
+PINNED_FILE = "smollm2_pinned.json"
+
+
+@functools.lru_cache(maxsize=4)
+def _load(name: str) -> dict[str, Any]:
+    path = resources.files(__name__).joinpath(name)
+    if not path.is_file():
+        raise InputError(f"reference file {name} is missing from the tl_steering package; reinstall it")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def published_data() -> dict[str, Any]:
+    """The whole ``published.json`` (paper, sources, certainty tags, tolerance policy, numbers, models)."""
+    return copy.deepcopy(_load(PUBLISHED_FILE))
+
+
+def published_numbers(regress_only: bool = False) -> list[dict[str, Any]]:
+    """Every published number as a dict (``id``, ``model``, ``metric``, ``value``, ``range``, ``band``,
+    ``protocol``, ``certainty``, ``regress``, ``notes``, ...).
+
+    Args:
+        regress_only: drop the rows that must not be regressed against (definitions, low-trust numbers).
+    """
+    rows = published_data()["numbers"]
+    return [r for r in rows if r["regress"]] if regress_only else rows
+
+
+def published_number(number_id: str) -> dict[str, Any]:
+    """One published number by its ``id`` (e.g. ``"deficit_gpt2"``)."""
+    for row in published_numbers():
+        if row["id"] == number_id:
+            return row
+    ids = ", ".join(r["id"] for r in published_numbers())
+    raise InputError(f"no published number {number_id!r}; known ids: {ids}")
+
+
+def pinned_values() -> dict[str, Any]:
+    """The pinned SmolLM2-135M regression values (settings, tolerances, values, provenance)."""
+    return copy.deepcopy(_load(PINNED_FILE))
+
+
+__all__ = ["PINNED_FILE", "PUBLISHED_FILE", "pinned_values", "published_data", "published_number",
+           "published_numbers"]
