@@ -416,8 +416,18 @@ class ModelAdapter:
                        return_type: str | None = "logits", **kwargs: Any) -> Any:
         """Forward with hooks; every hook is removed afterwards, also on error."""
         with self.hook_guard(), torch.no_grad():
-            with self.model.hooks(fwd_hooks=list(fwd_hooks)):
+            try:
+                ctx = self.model.hooks(fwd_hooks=list(fwd_hooks))
+                ctx.__enter__()
+            except ValueError as e:  # the bridge refuses gated hooks (hook_mlp_in while use_hook_mlp_in is off)
+                if "Cannot add hook" in str(e):
+                    raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
+                                            "configuration)") from e
+                raise
+            try:
                 return self.model(tokens, return_type=return_type, **kwargs)
+            finally:
+                ctx.__exit__(None, None, None)
 
     def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()) -> Float[Tensor, "batch pos_minus_1"]:
         """Next-token cross-entropy per predicted position (float64), with optional hooks."""
