@@ -30,7 +30,9 @@ OUT = Path(__file__).resolve().parent.parent / "tl_steering" / "reference" / PIN
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
-    p.add_argument("--check", action="store_true", help="compare with the committed file instead of writing it")
+    p.add_argument(
+        "--check", action="store_true", help="compare with the committed file instead of writing it"
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -39,7 +41,9 @@ def main() -> int:
     seconds = time.perf_counter() - t0
     if args.check:
         problems = compare(pinned_values(), measured)
-        print("\n".join(problems) if problems else f"all {len(measured)} pinned values agree ({seconds:.0f} s)")
+        print(
+            "\n".join(problems) if problems else f"all {len(measured)} pinned values agree ({seconds:.0f} s)"
+        )
         return 1 if problems else 0
     ad = adapt(model)
     doc = {
@@ -48,9 +52,15 @@ def main() -> int:
         "model_revision": ad.info.revision,
         "settings": PINNED_SETTINGS,
         "generated": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "generated_with": {"tl_steering": ts.__version__, "transformer_lens": tl_version(), "backend": ad.backend,
-                           "torch": torch.__version__, "python": sys.version.split()[0],
-                           "script": "scripts/regenerate_pinned.py", "seconds": round(seconds, 1)},
+        "generated_with": {
+            "tl_steering": ts.__version__,
+            "transformer_lens": tl_version(),
+            "backend": ad.backend,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "script": "scripts/regenerate_pinned.py",
+            "seconds": round(seconds, 1),
+        },
         "tolerances": TOLERANCES,
         "values": {name: {"value": value, "tol": group} for name, (value, group) in measured.items()},
     }

@@ -21,8 +21,12 @@ pytestmark = pytest.mark.integration
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("*.ipynb"))
-EXPECTED = ["01_quickstart", "02_compose_with_transformerlens", "03_critical_points",
-            "04_parallel_plan_and_speedup"]
+EXPECTED = [
+    "01_quickstart",
+    "02_compose_with_transformerlens",
+    "03_critical_points",
+    "04_parallel_plan_and_speedup",
+]
 TIMEOUT_PER_CELL = 600
 
 
@@ -38,7 +42,9 @@ def test_committed_with_outputs_cleared(path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: clear the outputs"
     first = nb.cells[1 if nb.cells[0].cell_type == "markdown" else 0]
-    assert "pip" in first.source and "import tl_steering" in first.source, "the first code cell installs the package"
+    assert "pip" in first.source and "import tl_steering" in first.source, (
+        "the first code cell installs the package"
+    )
     assert "assert" in nb.cells[-1].source, "the last cell asserts something real"
 
 
@@ -63,8 +69,13 @@ def kernel():
 def test_notebook_executes(path, kernel):
     nb = nbformat.read(path, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell("get_ipython().run_line_magic('reset', '-f')"))
-    client = nbclient.NotebookClient(nb, km=kernel, timeout=TIMEOUT_PER_CELL, allow_errors=False,
-                                     resources={"metadata": {"path": str(TUTORIALS)}})
+    client = nbclient.NotebookClient(
+        nb,
+        km=kernel,
+        timeout=TIMEOUT_PER_CELL,
+        allow_errors=False,
+        resources={"metadata": {"path": str(TUTORIALS)}},
+    )
     t0 = time.perf_counter()
     client.execute()
     seconds = time.perf_counter() - t0

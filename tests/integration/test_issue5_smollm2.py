@@ -29,6 +29,21 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+def test_critical_points_first_layer(smollm2):
+    """Default-suite check (about 20 s): layer 0's FFN field has converged equilibria (the every-layer scan,
+    13+ minutes on 2 cores, is marked slow and run with ``pytest -m slow``)."""
+    from tl_steering import critical_points
+
+    fp = weights_fingerprint(smollm2)
+    r = critical_points(smollm2, 0, **CRIT)
+    assert r.n_points >= 1
+    assert float(r.residuals.max()) < 1e-8
+    assert float(r.options["radius"]) == pytest.approx(3.55, rel=0.1)
+    assert set(r.labels) <= {"attractor", "repeller", "saddle", "degenerate"}
+    assert weights_fingerprint(smollm2) == fp
+
+
+@pytest.mark.slow
 def test_critical_points_every_layer(smollm2):
     ad = adapt(smollm2)
     fp = weights_fingerprint(smollm2)
@@ -102,7 +117,9 @@ def test_gate_calibration_of_parallel_plan(smollm2, smollm2_tokens):
     print("loss fit:", fit.summary(), fit.history.tolist())
     assert fit.loss_gated_calib < fit.loss_base_calib - 0.02  # it lowers the calibration loss
     assert fit.history.shape == (4,)
-    # held-out effect of the fitted gates (6 calibration / 2 held-out sequences): small either way
-    assert abs(fit.loss_gated_heldout - fit.loss_base_heldout) < 0.05
+    assert fit.loss_gated_calib - fit.loss_base_calib == pytest.approx(-0.066, abs=0.02)
+    # measured (TL 4.3 bridge): the held-out loss RISES by 0.0064 (6 calibration / 2 held-out sequences: the
+    # 15 gates overfit). The claim "calibration lowers the held-out loss" is not confirmed; pinned as measured.
+    assert fit.loss_gated_heldout - fit.loss_base_heldout == pytest.approx(0.0064, abs=0.02)
     assert weights_fingerprint(smollm2) == fp
     assert all(p.grad is None for p in smollm2.parameters())

@@ -83,14 +83,16 @@ def _run(key: str, protocol: str):
             runs[protocol] = diversity(model, tokens, gains=())
         elif protocol == "defect":
             n = model.cfg.n_layers
-            runs[protocol] = parallel_defect(model, tokens, evaluate=True, k_values=[0, n // 2], n_random=1,
-                                             timing=True)
+            runs[protocol] = parallel_defect(
+                model, tokens, evaluate=True, k_values=[0, n // 2], n_random=1, timing=True
+            )
         elif protocol == "critical":
             from tl_steering.critical import critical_points_all_layers
 
             n = model.cfg.n_layers
-            runs[protocol] = critical_points_all_layers(model, layers=sorted({n // 4, n // 2, (3 * n) // 4}),
-                                                        tokens=tokens[:4], n_starts=16)
+            runs[protocol] = critical_points_all_layers(
+                model, layers=sorted({n // 4, n // 2, (3 * n) // 4}), tokens=tokens[:4], n_starts=16
+            )
     return runs[protocol]
 
 
@@ -106,7 +108,8 @@ def _within(value: float, number_id: str) -> None:
     assert (lo is None or value >= lo) and (hi is None or value <= hi), (
         f"{number_id} [{row['certainty']}] on {row['model_label']}: ours {value:.4g} is outside the band "
         f"[{lo}, {hi}] around the published {row['value'] if row['value'] is not None else row['range']} "
-        f"({row['tolerance']}). MATH_SPEC §12: if a deficit misses clearly, try the secondary definitions.")
+        f"({row['tolerance']}). MATH_SPEC §12: if a deficit misses clearly, try the secondary definitions."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,7 +159,9 @@ def test_one_step_prediction_improves(key):
 def test_ablation_tangential(key):
     a = _run(key, "ablation")
     _within(a.delta_loss["tangential"], "ablation_tangential")
-    assert a.delta_loss["tangential"] < a.delta_loss["radial"], "tangential-only must cost less than radial-only"
+    assert a.delta_loss["tangential"] < a.delta_loss["radial"], (
+        "tangential-only must cost less than radial-only"
+    )
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
@@ -191,8 +196,9 @@ def test_parallel_gpt2_large_high_defect_degrades(key):
     _within(high / max(low, 1e-6), "parallel_gpt2_large_high_defect_degrades")
 
 
-@pytest.mark.parametrize("key", [pytest.param("gpt2-large", marks=[pytest.mark.slow, pytest.mark.gpu],
-                                              id="gpt2-large")])
+@pytest.mark.parametrize(
+    "key", [pytest.param("gpt2-large", marks=[pytest.mark.slow, pytest.mark.gpu], id="gpt2-large")]
+)
 def test_parallel_gpt2_large_speedup(key):
     """The paper's speedup is an estimate from GPU sub-module times; CPU times have another attn/FFN ratio."""
     if not torch.cuda.is_available():
@@ -225,7 +231,10 @@ def test_critical_rotational_modes(key):
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_diversity_attention_contracts(key):
-    _within(_run(key, "diversity").summary()["frac_layers_attention_concentrates"], "diversity_attention_contracts")
+    _within(
+        _run(key, "diversity").summary()["frac_layers_attention_concentrates"],
+        "diversity_attention_contracts",
+    )
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
@@ -249,14 +258,18 @@ def test_diversity_tangential_preserves(key):
 def test_eq19_radial_coefficient():
     row = published_number("eq19_radial_coefficient")
     assert row["regress"] is False
-    pytest.skip("row 9 is a definition, not a number: Eq. (19) = cos(resid_mid, mlp_out) fixes the reference "
-                "direction of hooks.ffn_component (reference='ffn_input'), checked by the unit tests")
+    pytest.skip(
+        "row 9 is a definition, not a number: Eq. (19) = cos(resid_mid, mlp_out) fixes the reference "
+        "direction of hooks.ffn_component (reference='ffn_input'), checked by the unit tests"
+    )
 
 
 def test_low_trust_auto_summaries():
     row = published_number("low_trust_auto_summaries")
     assert row["regress"] is False and row["certainty"] == "low"
-    pytest.skip("row 10: low trust (small-LLM auto-summaries, probably hallucinated): recorded, never regressed")
+    pytest.skip(
+        "row 10: low trust (small-LLM auto-summaries, probably hallucinated): recorded, never regressed"
+    )
 
 
 def test_every_published_number_has_a_test():

@@ -36,8 +36,10 @@ GROUPS = sorted({e["tol"] for e in PINNED["values"].values()})
 @pytest.mark.parametrize("group", GROUPS)
 def test_pinned_values(measured, group):
     """Every value of one tolerance group within |diff| <= abs + rel * |pinned|."""
-    sub = {"tolerances": PINNED["tolerances"],
-           "values": {k: v for k, v in PINNED["values"].items() if v["tol"] == group}}
+    sub = {
+        "tolerances": PINNED["tolerances"],
+        "values": {k: v for k, v in PINNED["values"].items() if v["tol"] == group},
+    }
     problems = compare(sub, measured)
     if problems and group == "exact":
         problems = [p for p in problems if not _plan_near_tie(p, measured)]

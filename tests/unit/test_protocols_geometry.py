@@ -298,6 +298,16 @@ def test_ablation_random_tangent_is_seeded(tiny, tiny_tokens, results):
     assert other.delta_loss["random_tangent"] != again.delta_loss["random_tangent"]
 
 
+def test_ablation_single_layer_scan_reuses_the_joint_run(tiny, tiny_tokens, results):
+    one = ffn_ablation(tiny, tiny_tokens, keep="radial", scope="per_layer", layers=[1],
+                       include_random_tangent=False, n_bootstrap=0)
+    assert one.layers == [1] and one.variants == ["radial", "zero"]
+    for v in ("radial", "zero"):
+        assert float(one.per_layer_delta_loss[v][0]) == pytest.approx(one.delta_loss[v], abs=1e-12)
+        assert float(one.per_layer_delta_loss[v][0]) == pytest.approx(
+            float(results["ablation"].per_layer_delta_loss[v][1]), abs=TOL)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # diversity
 
@@ -414,6 +424,8 @@ def test_bad_inputs_raise_package_errors(tiny, tiny_tokens):
         diversity(tiny, tiny_tokens[:, :1])
     with pytest.raises(errors.InputError, match="unknown variant"):
         ffn_ablation(tiny, tiny_tokens, keep=("sideways",))
+    with pytest.raises(errors.InputError, match="n_bootstrap"):
+        ffn_ablation(tiny, tiny_tokens, n_bootstrap=-2)
     with pytest.raises(errors.InputError, match="scope"):
         ffn_ablation(tiny, tiny_tokens, scope="some")
     with pytest.raises(errors.InputError, match="batch_size"):

@@ -79,5 +79,7 @@ def test_missing_protocol_fails_loudly(monkeypatch, tmp_path):
 
 
 def test_cli_parses_the_readme_command():
-    args = build_parser().parse_args(["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"])
+    args = build_parser().parse_args(
+        ["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"]
+    )
     assert args.quick and args.model == "smollm2-135m" and args.windows is None

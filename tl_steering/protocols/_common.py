@@ -195,10 +195,6 @@ def finite_mean(x: Tensor) -> float:
     return float(x.mean()) if x.numel() else math.nan
 
 
-def rows_of(x: Tensor) -> list[list[float]]:
-    return [[float(v) for v in row] for row in x]
-
-
 __all__ = [
     "activation64",
     "bin_labels",

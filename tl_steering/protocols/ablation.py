@@ -32,7 +32,7 @@ from ..adapter import adapt, next_token_loss
 from ..errors import InputError
 from ..hooks import ffn_component
 from ..results import Result, register
-from ._common import bootstrap_ci, check_batch_size, check_seed
+from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
@@ -168,6 +168,7 @@ def ffn_ablation(
     layer_list = ad.layers(layers)
     seed = check_seed(seed)
     batch_size = check_batch_size(batch_size)
+    n_bootstrap = check_n_bootstrap(n_bootstrap)
     if scope not in ("all", "per_layer"):
         raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
     if isinstance(keep, str):
@@ -184,7 +185,7 @@ def ffn_ablation(
 
     n_seq, n_pos = tokens.shape
     jobs: list[tuple[str, int | None]] = [(v, None) for v in variants]
-    if scope == "per_layer":
+    if scope == "per_layer" and len(layer_list) > 1:  # with one layer the joint ablation is the scan
         jobs += [(v, lay) for v in variants for lay in layer_list]
     metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
     clean = torch.zeros(n_seq, dtype=torch.float64)
@@ -226,6 +227,8 @@ def ffn_ablation(
         n_predicted=n_pos - 1,
     )
     if scope == "per_layer":
+        if len(layer_list) == 1:
+            metrics.update({(v, layer_list[0]): metrics[(v, None)] for v in variants})
         for v in variants:
             out.per_layer_delta_loss[v] = torch.tensor(
                 [float((metrics[(v, lay)].loss - clean).mean()) for lay in layer_list], dtype=torch.float64)

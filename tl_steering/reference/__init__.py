@@ -57,5 +57,11 @@ def pinned_values() -> dict[str, Any]:
     return copy.deepcopy(_load(PINNED_FILE))
 
 
-__all__ = ["PINNED_FILE", "PUBLISHED_FILE", "pinned_values", "published_data", "published_number",
-           "published_numbers"]
+__all__ = [
+    "PINNED_FILE",
+    "PUBLISHED_FILE",
+    "pinned_values",
+    "published_data",
+    "published_number",
+    "published_numbers",
+]

@@ -29,12 +29,28 @@ PINNED_SETTINGS: dict[str, Any] = {
 # tolerance groups: |ours - pinned| <= abs + rel * |pinned|
 TOLERANCES: dict[str, dict[str, float]] = {
     "loss": {"abs": 2e-3, "rel": 0.0, "why": "mean CE in nats; fp32 logits over a 49k vocabulary"},
-    "delta_loss": {"abs": 5e-3, "rel": 2e-3, "why": "difference of two mean CEs; radial/zero ablations amplify"},
-    "geometry": {"abs": 2e-4, "rel": 0.0, "why": "cosines/deficits in [0, 2] from float64 geometry on fp32 activations"},
+    "delta_loss": {
+        "abs": 5e-3,
+        "rel": 2e-3,
+        "why": "difference of two mean CEs; radial/zero ablations amplify",
+    },
+    "geometry": {
+        "abs": 2e-4,
+        "rel": 0.0,
+        "why": "cosines/deficits in [0, 2] from float64 geometry on fp32 activations",
+    },
     "ratio": {"abs": 1e-4, "rel": 2e-3, "why": "relative RMS ratios (C_l) of a difference of FFN outputs"},
-    "diversity": {"abs": 2e-4, "rel": 1e-3, "why": "mean pairwise cosine / effective rank of token directions"},
+    "diversity": {
+        "abs": 2e-4,
+        "rel": 1e-3,
+        "why": "mean pairwise cosine / effective rank of token directions",
+    },
     "gate": {"abs": 1e-4, "rel": 1e-3, "why": "closed-form least-squares gates"},
-    "prefix": {"abs": 1e-5, "rel": 5e-2, "why": "KL/angle of a 1e-2 perturbation: small numbers, loose relative"},
+    "prefix": {
+        "abs": 1e-5,
+        "rel": 5e-2,
+        "why": "KL/angle of a 1e-2 perturbation: small numbers, loose relative",
+    },
     "exact": {"abs": 0.0, "rel": 0.0, "why": "structural: counts and layer lists"},
 }
 
@@ -58,7 +74,9 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
     s = PINNED_SETTINGS
     ad = adapt(model)
     if tokens is None:
-        tokens = text_tokens(model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
+        tokens = text_tokens(
+            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
+        )
     out: dict[str, tuple[Any, str]] = {}
     out["clean_loss"] = (float(ad.loss_per_token(tokens).mean()), "loss")
 
@@ -81,7 +99,9 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
     out["diversity.final_pairwise_cosine"] = (float(v.final_diversity["pairwise_cosine"]), "diversity")
     for name in s["diversity_ablations"]:
         out[f"diversity.final_pairwise_cosine.{name}"] = (
-            float(v.final_diversity_under_ablation[name]["pairwise_cosine"]), "diversity")
+            float(v.final_diversity_under_ablation[name]["pairwise_cosine"]),
+            "diversity",
+        )
 
     c = parallel_defect(model, tokens, evaluate=False, timing=False, seed=s["seed"])
     for name in ("C", "C_phi", "C1", "C_tan"):
@@ -90,22 +110,38 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
     plan = c.plan(s["defect_k"])
     out["defect.plan"] = (plan, "exact")
     # the gold standard (single-layer dCE and the lowest-C curve) on a few layers: 1 forward per layer
-    g = parallel_defect(model, tokens, layers=s["defect_gold_layers"], evaluate=True, k_values=[0, 2], n_random=0,
-                        timing=False, seed=s["seed"])
+    g = parallel_defect(
+        model,
+        tokens,
+        layers=s["defect_gold_layers"],
+        evaluate=True,
+        k_values=[0, 2],
+        n_random=0,
+        timing=False,
+        seed=s["seed"],
+    )
     out["defect.gold_delta_ce"] = (_tensor_list(g.delta_ce), "delta_loss")
     out["defect.gold_lowest_2"] = (float(g.curves["lowest"][1]), "delta_loss")
     from ..hooks import parallel_blocks
 
-    out["defect.plan_delta_ce"] = (float(ad.loss_per_token(tokens, parallel_blocks(model, plan)).mean())
-                                   - out["clean_loss"][0], "delta_loss")
+    out["defect.plan_delta_ce"] = (
+        float(ad.loss_per_token(tokens, parallel_blocks(model, plan)).mean()) - out["clean_loss"][0],
+        "delta_loss",
+    )
 
     g = calibrate_gates(model, tokens, method="closed_form", plan=plan, seed=s["seed"])
     out["gates.closed_form"] = ([float(g.gates[lay]) for lay in plan], "gate")
     out["gates.loss_base_heldout"] = (float(g.loss_base_heldout), "loss")
     out["gates.loss_gated_heldout"] = (float(g.loss_gated_heldout), "loss")
 
-    p = prefix_sensitivity(model, tokens, layer=s["prefix_layer"], position=s["prefix_positions"],
-                           eps=s["prefix_eps"], seed=s["seed"])
+    p = prefix_sensitivity(
+        model,
+        tokens,
+        layer=s["prefix_layer"],
+        position=s["prefix_positions"],
+        eps=s["prefix_eps"],
+        seed=s["seed"],
+    )
     out["prefix.prefix_bitwise_equal"] = (bool(p.prefix_bitwise_equal), "exact")
     out["prefix.kl_at_perturbed"] = (float(p.kl[0]), "prefix")
     out["prefix.angle_final_mean_later"] = (float(p.angle_final[1:].nanmean()), "prefix")
@@ -140,8 +176,10 @@ def compare(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]]) -> lis
             bound = t["abs"] + t["rel"] * abs(y)
             if not abs(x - y) <= bound:
                 where = f"[{i}]" if isinstance(want, list) else ""
-                problems.append(f"{name}{where}: got {x:.6g}, pinned {y:.6g} (|diff| {abs(x - y):.2g} > {bound:.2g}, "
-                                f"tolerance group {group!r})")
+                problems.append(
+                    f"{name}{where}: got {x:.6g}, pinned {y:.6g} (|diff| {abs(x - y):.2g} > {bound:.2g}, "
+                    f"tolerance group {group!r})"
+                )
     return problems
 
 
