@@ -71,11 +71,12 @@ TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_s
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _F64 = torch.float64
+_SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _EPS64 = torch.finfo(torch.float64).eps
 
 
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
-    need: set[str] = {"resid_pre"}
+    need: set[str] = {"resid_pre", "resid_post"}  # resid_post also triggers the layer's update
     for m in metrics:
         if m in ("resid_norm", "diversity"):
             need |= {"resid_pre", "resid_mid", "resid_post"}
@@ -104,20 +105,19 @@ def _position_bins(positions: Tensor) -> Tensor:
     return out
 
 
-def _erank_gram(unit: Tensor) -> Tensor:
-    """Effective rank of each ``[n, d]`` unit-row matrix from the eigenvalues of its smaller Gram matrix.
+def _erank_from_gram(gram: Tensor) -> Tensor:
+    """Effective rank of unit-row matrices U from their Gram matrix ``U U^T`` (or ``U^T U``), batched.
 
-    sigma_k = sqrt(eig_k(U U^T)) (or U^T U when n > d). Eigenvalues below ``max(n, d) * eps64 * eig_max``
-    are numerical zeros of the Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are
-    sigma < 1e-12 sigma_max (geometry.SINGULAR_REL). For well-conditioned sets this equals
-    ``geometry.effective_rank`` to ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can
-    differ by ~1e-6 (those carry almost no entropy).
+    sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
+    Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
+    (geometry.SINGULAR_REL). For well-conditioned sets this equals ``geometry.effective_rank`` (an SVD) to
+    ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
+    almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
     """
-    n, d = unit.shape[-2], unit.shape[-1]
-    gram = unit @ unit.mT if n <= d else unit.mT @ unit
+    size = gram.shape[-1]
     ev = torch.linalg.eigvalsh(gram).clamp_min(0.0)
     ev_max = ev.amax(-1, keepdim=True)
-    floor = ev_max * max(max(n, d) * _EPS64, SINGULAR_REL**2)
+    floor = ev_max * max(size * _EPS64, SINGULAR_REL**2)
     sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
     total = sigma.sum(-1, keepdim=True)
     p = sigma / total.clamp_min(torch.finfo(_F64).tiny)
@@ -190,17 +190,29 @@ class ProbeTrace:
         self._pre_handles: list[Any] = []
         self._entered = False
         self._carry: dict[str, Any] | None = None
+        self._buf: Tensor | None = None
+        self._n_diversity_sets = 0
+        slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
+        self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in _SLOT_ORDER if s_ in slot_sites)}
 
     # -- hooks -------------------------------------------------------------------------------------------
-    def _select(self, act: Tensor) -> Tensor:
-        """float64 copy of the kept positions of ``[batch, pos, d]``."""
+    def _slot_copy(self, act: Tensor, site: str) -> Tensor:
+        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (one pass; the dtype is
+        converted by the copy). The buffer ``[batch, kept_pos, n_slots, d_model]`` is reused by every layer and
+        forward of the same shape and freed on exit; it is the probe's only activation-sized memory."""
         idx, _ = self._positions(act.shape[-2], act.device)
-        act = act.detach()
+        src = act.detach()
         if isinstance(idx, slice):
-            act = act[..., idx, :]
+            src = src[..., idx, :]
         elif idx is not None:
-            act = act.index_select(-2, idx)
-        return act.to(_F64)
+            src = src.index_select(-2, idx)
+        shape = (src.shape[0], src.shape[1], len(self._slots), src.shape[2])
+        buf = self._buf
+        if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
+            buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
+        out = buf[:, :, self._slots[site], :]
+        out.copy_(src)
+        return out
 
     def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor]:
         """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one)."""
@@ -240,7 +252,7 @@ class ProbeTrace:
         self.n_tokens += int(act.shape[0] * act.shape[1])
 
     def _make_hooks(self, layer: int) -> list[tuple[str, Callable]]:
-        state: dict[str, Tensor] = {}
+        state: dict[str, Any] = {}
         first = layer == self.layers[0]
         hooks: list[tuple[str, Callable]] = []
         for site, name in self._layer_sites(layer):
@@ -251,29 +263,29 @@ class ProbeTrace:
                     carry, self._carry = self._carry, None
                     if carry is not None and carry["layer"] == layer and carry["src"] is act \
                             and _version(act) is not None and _version(act) == carry["version"]:
-                        # resid_pre of this layer is the previous layer's resid_post, untouched: reuse its
-                        # float64 copy, norms and diversity statistics
-                        state.update(resid_pre=carry["x"], _norm_pre=carry["norm"], _div_pre=carry["div"])
-                    else:
-                        state["resid_pre"] = self._select(act)
+                        # this resid_pre is the previous layer's resid_post, untouched: reuse its diversity
+                        state["_div_pre"] = carry["div"]
+                    self._slot_copy(act, "resid_pre")
+                    state["resid_pre"] = True
                     state["bins"] = self._positions(act.shape[-2], act.device)[1]
                     if first:
                         self._count_forward(act)
             elif site == "resid_post":
                 def fn(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
-                    state["resid_post"] = self._select(act)
                     try:
                         if "resid_pre" in state:
+                            self._slot_copy(act, "resid_post")
                             self._update(layer, state)
-                            if layer + 1 in self._row and "_norm_post" in state:
+                            if layer + 1 in self._row and state.get("_div_post") is not None:
                                 self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
-                                               "x": state["resid_post"], "norm": state["_norm_post"],
-                                               "div": state.get("_div_post")}
+                                               "div": state["_div_post"]}
                     finally:
                         state.clear()
             else:
                 def fn(act: Tensor, hook: Any, state: dict = state, site: str = site) -> None:
-                    state[site] = self._select(act)
+                    if "resid_pre" in state:
+                        self._slot_copy(act, site)
+                        state[site] = True
             hooks.append((name, fn))
         return hooks
 
@@ -312,6 +324,7 @@ class ProbeTrace:
 
     def _detach(self, *exc: Any) -> None:
         self._carry = None
+        self._buf = None
         for h in self._pre_handles:
             h.remove()
         self._pre_handles = []
@@ -336,112 +349,139 @@ class ProbeTrace:
             if missing:
                 raise InputError(f"the cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}; cache "
                                  "those hook points (names_filter) or run the probe during the forward")
-            st: dict[str, Tensor] = {site: self._select(cache[name]) for site, name in sites}
+            st: dict[str, Any] = {}
+            for site, name in sites:
+                self._slot_copy(cache[name], site)
+                st[site] = True
             pre = cache[sites[0][1]]
             st["bins"] = self._positions(pre.shape[-2], pre.device)[1]
             if layer == self.layers[0]:
                 self._count_forward(pre)
             self._update(layer, st)
+        if not self._entered:
+            self._buf = None
         return self
 
     # -- metrics -----------------------------------------------------------------------------------------
-    def _update(self, layer: int, st: dict[str, Tensor]) -> None:
+    def _update(self, layer: int, st: dict[str, Any]) -> None:
+        """All metrics of one layer from the float64 buffer (filled by this layer's hooks)."""
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
-        x = st["resid_pre"]
+        V = self._buf  # [batch, n, slots, d]
         bins = st["bins"]
-        if x.shape[-2] == 0:  # every position excluded
+        if V is None or V.shape[1] == 0:  # every position excluded
             return
-        values: list[Tensor] = []
-        valid: list[Tensor] = []
-        qidx: list[int] = []
+        k = self._slots
+        has_mid = not parallel and "resid_mid" in st
+        if acc.token_q:
+            # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
+            G = V @ V.mT  # [batch, n, slots, slots]
+            values: list[Tensor] = []
+            valid: list[Tensor] = []
+            qidx: list[int] = []
 
-        def put(q: str, v: Tensor, ok: Tensor | None) -> None:
-            if q in acc.tq:
-                values.append(v)
-                valid.append(torch.ones_like(v, dtype=torch.bool) if ok is None else ok)
-                qidx.append(acc.tq[q])
+            def put(q: str, v: Tensor, ok: Tensor | None) -> None:
+                if q in acc.tq:
+                    values.append(v)
+                    valid.append(torch.ones_like(v, dtype=torch.bool) if ok is None else ok)
+                    qidx.append(acc.tq[q])
 
-        nx = st["_norm_pre"] if "_norm_pre" in st else torch.linalg.vector_norm(x, dim=-1)
-        ok_x = nx > EPS_NORM
-        y = st.get("resid_mid")
-        z = st.get("resid_post")
-        ny = None if y is None else torch.linalg.vector_norm(y, dim=-1)
-        nz = None if z is None else torch.linalg.vector_norm(z, dim=-1)
-        st["_norm_post"] = nz
-        if "resid_norm" in self.metrics:
-            put("resid_norm_pre", nx, None)
-            if y is not None:
-                put("resid_norm_mid", ny, None)
-            put("resid_norm_post", nz, None)
-        need_attn = any(m in self.metrics for m in ("radial_coef", "tangential_speed", "tangent_alignment"))
-        if need_attn:
-            a = st["attn_out"]
-            u = x / nx.clamp_min(EPS_NORM).unsqueeze(-1)
-            ua = (u * a).sum(-1)
-            pa = a - ua.unsqueeze(-1) * u
-            npa = torch.linalg.vector_norm(pa, dim=-1)
-            if "radial_coef" in self.metrics:
-                na = torch.linalg.vector_norm(a, dim=-1)
-                put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
-            if "tangential_speed" in self.metrics:
-                put("tangential_speed_attn", npa / nx.clamp_min(EPS_NORM), ok_x)
-            if "tangent_alignment" in self.metrics:
-                dx = z - x
-                pdx = dx - (u * dx).sum(-1, keepdim=True) * u
-                npdx = torch.linalg.vector_norm(pdx, dim=-1)
-                cos = (pa * pdx).sum(-1) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
-                put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
-        if "radial_coef" in self.metrics or "tangential_speed" in self.metrics:
-            f = x if parallel else y
-            nf = nx if parallel else ny
-            ok_f = nf > EPS_NORM
-            phi = st["mlp_out"]
-            w = f / nf.clamp_min(EPS_NORM).unsqueeze(-1)
-            wphi = (w * phi).sum(-1)
-            if "radial_coef" in self.metrics:
-                nphi = torch.linalg.vector_norm(phi, dim=-1)
-                put("radial_coef_ffn", wphi / nphi.clamp_min(EPS_NORM), ok_f & (nphi > EPS_NORM))
-            if "tangential_speed" in self.metrics:
-                pphi = phi - wphi.unsqueeze(-1) * w
-                put("tangential_speed_ffn", torch.linalg.vector_norm(pphi, dim=-1) / nf.clamp_min(EPS_NORM), ok_f)
-        if values:
-            v = torch.stack(values)  # [q, batch, pos]
-            ok = torch.stack(valid)
-            s = torch.where(ok, v, torch.zeros_like(v)).sum(1)  # [q, pos]
-            c = ok.sum(1)
-            m = (~ok).sum(1)
-            q = torch.tensor(qidx, device=v.device)
-            for tgt, src in ((acc.t_sum, s), (acc.t_cnt, c), (acc.t_msk, m)):
-                binned = torch.zeros(len(qidx), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
-                tgt[q, row] += binned.index_add_(1, bins, src.to(tgt.dtype))
+            def dot(s1: str, s2: str) -> Tensor:
+                return G[..., k[s1], k[s2]]
+
+            xx = dot("resid_pre", "resid_pre")
+            nx = xx.sqrt()
+            ok_x = nx > EPS_NORM
+            nxc = nx.clamp_min(EPS_NORM)
+            if "resid_norm" in self.metrics:
+                put("resid_norm_pre", nx, None)
+                if has_mid:
+                    put("resid_norm_mid", dot("resid_mid", "resid_mid").sqrt(), None)
+                put("resid_norm_post", dot("resid_post", "resid_post").sqrt(), None)
+            if "attn_out" in st:
+                xa, aa = dot("resid_pre", "attn_out"), dot("attn_out", "attn_out")
+                ua = xa / nxc  # <u, a>
+                npa = (aa - ua * ua).clamp_min(0.0).sqrt()  # ||P_u a||
+                if "radial_coef" in self.metrics:
+                    na = aa.sqrt()
+                    put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
+                if "tangential_speed" in self.metrics:
+                    put("tangential_speed_attn", npa / nxc, ok_x)
+                if "tangent_alignment" in self.metrics:
+                    # Dx = z - x: <u, Dx>, ||Dx||^2 and <a, Dx> from the Gram entries
+                    xz, az, zz = dot("resid_pre", "resid_post"), dot("attn_out", "resid_post"), \
+                        dot("resid_post", "resid_post")
+                    udx = (xz - xx) / nxc
+                    npdx = (zz - 2 * xz + xx - udx * udx).clamp_min(0.0).sqrt()
+                    cos = (az - xa - ua * udx) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
+                    put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
+            if "mlp_out" in st:
+                f = "resid_pre" if parallel else "resid_mid"
+                ff, fphi, pp = dot(f, f), dot(f, "mlp_out"), dot("mlp_out", "mlp_out")
+                nf = ff.sqrt()
+                nfc = nf.clamp_min(EPS_NORM)
+                ok_f = nf > EPS_NORM
+                if "radial_coef" in self.metrics:
+                    nphi = pp.sqrt()
+                    put("radial_coef_ffn", fphi / (nfc * nphi.clamp_min(EPS_NORM)), ok_f & (nphi > EPS_NORM))
+                if "tangential_speed" in self.metrics:
+                    wphi = fphi / nfc
+                    put("tangential_speed_ffn", (pp - wphi * wphi).clamp_min(0.0).sqrt() / nfc, ok_f)
+            if values:
+                v = torch.stack(values)  # [q, batch, pos]
+                ok = torch.stack(valid)
+                s = torch.where(ok, v, torch.zeros_like(v)).sum(1)  # [q, pos]
+                c = ok.sum(1)
+                m = (~ok).sum(1)
+                q = torch.tensor(qidx, device=v.device)
+                for tgt, src in ((acc.t_sum, s), (acc.t_cnt, c), (acc.t_msk, m)):
+                    binned = torch.zeros(len(qidx), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
+                    tgt[q, row] += binned.index_add_(1, bins, src.to(tgt.dtype))
         if "diversity" in self.metrics:
-            for which, t, nt in (("pre", x, nx), ("mid", y, ny), ("post", z, nz)):
-                if t is None:
-                    continue
-                stats = st.get("_div_pre") if which == "pre" else None
-                if stats is None:
-                    stats = self._diversity(t, nt)
-                if which == "post":
-                    st["_div_post"] = stats
-                for name, (v, good) in zip(("pairwise_cosine", "resultant_length", "effective_rank"), stats):
-                    i = self._acc.sq[f"{name}_{which}"]
-                    self._acc.s_sum[i, row] += torch.where(good, v, torch.zeros_like(v)).sum()
-                    self._acc.s_cnt[i, row] += good.sum()
-                    self._acc.s_msk[i, row] += (~good).sum()
+            which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
+            todo = [w for w in which if not (w == "pre" and st.get("_div_pre") is not None)]
+            stats = dict(zip(todo, self._diversity([V[:, :, k[_SITE_OF[w]], :] for w in todo])))
+            if "pre" not in stats:
+                stats["pre"] = st["_div_pre"]
+            st["_div_post"] = stats["post"]
+            for w in which:
+                for name, (v, good) in zip(("pairwise_cosine", "resultant_length", "effective_rank"), stats[w]):
+                    i = acc.sq[f"{name}_{w}"]
+                    acc.s_sum[i, row] += torch.where(good, v, torch.zeros_like(v)).sum()
+                    acc.s_cnt[i, row] += good.sum()
+                    acc.s_msk[i, row] += (~good).sum()
 
-    @staticmethod
-    def _diversity(t: Tensor, nt: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per sequence (pairwise cosine, resultant length, effective rank), each with its validity mask."""
-        ok = nt > EPS_NORM
-        unit = torch.where(ok.unsqueeze(-1), t / nt.clamp_min(EPS_NORM).unsqueeze(-1), torch.zeros_like(t))
-        cnt = ok.sum(-1).to(_F64)  # [batch]
-        total = unit.sum(-2)
-        ss = (total * total).sum(-1)
+    def _diversity(self, sets: list[Tensor]) -> list[list[tuple[Tensor, Tensor]]]:
+        """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set, each
+        with its validity mask; all sets in one batched Gram product and one batched eigendecomposition."""
+        if not sets:
+            return []
+        self._n_diversity_sets += len(sets)
+        B, n, d = sets[0].shape
+        if n <= d:
+            H = torch.cat([t @ t.mT for t in sets])  # [sets*batch, n, n]: raw Gram
+            nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+            ok = nt > EPS_NORM
+            inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
+            Gu = H * inv[:, :, None] * inv[:, None, :]  # Gram of the unit rows (zero rows for masked ones)
+            ss = Gu.sum((-1, -2))  # ||sum_j u_j||^2
+        else:  # long sequences: the d x d Gram is the smaller one
+            T = torch.cat(sets)
+            nt = torch.linalg.vector_norm(T, dim=-1)
+            ok = nt > EPS_NORM
+            U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
+            Gu = U.mT @ U
+            total = U.sum(-2)
+            ss = (total * total).sum(-1)
+        cnt = ok.sum(-1).to(_F64)
         pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
-        res = ss.sqrt() / cnt.clamp_min(1.0)
-        erank = _erank_gram(unit)
-        return [(pair, cnt >= 2), (res, cnt >= 1), (erank, cnt >= 1)]
+        res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
+        erank = _erank_from_gram(Gu)
+        out = []
+        for i in range(len(sets)):
+            sl = slice(i * B, (i + 1) * B)
+            out.append([(pair[sl], cnt[sl] >= 2), (res[sl], cnt[sl] >= 1), (erank[sl], cnt[sl] >= 1)])
+        return out
 
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:

@@ -297,16 +297,22 @@ def test_add_cache_equals_hooks(tiny, tiny_tokens):
         probe(tiny).add_cache({})
 
 
-def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens, monkeypatch):
+def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens):
     """Layer l+1's resid_pre is layer l's resid_post: its diversity statistics are computed once."""
-    from tl_steering.probe import ProbeTrace
-
-    calls = []
-    original = ProbeTrace._diversity
-    monkeypatch.setattr(ProbeTrace, "_diversity", staticmethod(lambda t, nt: calls.append(1) or original(t, nt)))
     ad = adapt(tiny)
     with probe(tiny, metrics="diversity") as trace:
         tiny(tiny_tokens)
     per_layer = 2 if ad.is_parallel(0) else 3
-    assert len(calls) == per_layer * ad.n_layers - (ad.n_layers - 1)
+    assert trace._n_diversity_sets == per_layer * ad.n_layers - (ad.n_layers - 1)
     assert_matches(trace.result(), reference_metrics(tiny, cache_for(tiny, tiny_tokens)))
+
+
+@pytest.mark.parametrize("metric", ["resid_norm", "radial_coef", "tangent_alignment", "tangential_speed"])
+def test_single_metric(tiny, tiny_tokens, metric):
+    """Each metric alone hooks what it needs and gives the numbers of the full probe."""
+    with probe(tiny, metrics=metric) as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    assert res.quantities == list(QUANTITIES[metric]) if not adapt(tiny).is_parallel(0) or metric != "resid_norm" \
+        else set(res.quantities) == set(QUANTITIES[metric])
+    assert_matches(res, reference_metrics(tiny, cache_for(tiny, tiny_tokens)))

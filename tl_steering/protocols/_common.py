@@ -4,6 +4,7 @@ aggregation and the bootstrap over sequences.
 Nothing here knows TransformerLens's classes: the model is reached through :class:`ModelAdapter`.
 """
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -88,6 +89,26 @@ def activation64(cache: dict[str, Tensor], name: str, layer: int | None, site: s
     x = cache[name]
     check_finite(x, layer, site)
     return geo.to64(x)
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch on one intra-op thread for the duration (restores the previous count).
+
+    Batched LAPACK calls (``svdvals`` of ``[batch, n, d]``) through MKL with two OpenMP threads ran 5-100x slower
+    than with one on a shared 2-core machine (MKL's threads spin against each other and against other
+    processes); the matrices here are small, so one thread loses nothing. ``torch.set_num_threads`` is
+    process-wide: do not run other torch work in parallel threads inside this block.
+    """
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,4 +230,5 @@ __all__ = [
     "nondegenerate",
     "position_bins",
     "position_mask",
+    "single_threaded",
 ]

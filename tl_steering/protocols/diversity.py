@@ -41,6 +41,7 @@ from ._common import (
     iter_batches,
     nondegenerate,
     position_mask,
+    single_threaded,
 )
 from .ablation import VARIANTS
 
@@ -56,7 +57,8 @@ def _f64(*shape: int):
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], int]:
     """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked."""
     valid = nondegenerate(x.norm(dim=-1), base)
-    full = geo.diversity_stats(x, mask=valid)
+    with single_threaded():  # batched svdvals: see single_threaded
+        full = geo.diversity_stats(x, mask=valid)
     return {k: full[k].cpu() for k in STATS}, int((base & ~valid).sum())
 
 
