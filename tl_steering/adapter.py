@@ -112,7 +112,7 @@ def backend_of(model: Any) -> Backend:
     )
 
 
-def _first(out: Any) -> Tensor:
+def first_output(out: Any) -> Tensor:
     """Bridge components may return tuples: keep the hidden states."""
     while isinstance(out, (tuple, list)):
         out = out[0]
@@ -123,7 +123,8 @@ def _first(out: Any) -> Tensor:
 # hook hygiene
 
 
-def _hook_points(model: torch.nn.Module) -> list[HookPoint]:
+def hook_points(model: torch.nn.Module) -> list[HookPoint]:
+    """Every TransformerLens HookPoint inside ``model`` (a whole model or one block)."""
     return [m for m in model.modules() if isinstance(m, HookPoint)]
 
 
@@ -134,13 +135,13 @@ def hook_guard(model: torch.nn.Module) -> Iterator[None]:
     Works on exceptions and KeyboardInterrupt. Hooks the user had before the block (permanent or not) are left
     where they were.
     """
-    points = _hook_points(model)
+    points = hook_points(model)
     before = {id(hp): ({id(h) for h in hp.fwd_hooks}, {id(h) for h in hp.bwd_hooks}) for hp in points}
     mlp_in_before = _get_use_hook_mlp_in(model)
     try:
         yield
     finally:
-        for hp in _hook_points(model):
+        for hp in hook_points(model):
             fwd_ids, bwd_ids = before.get(id(hp), (set(), set()))
             for attr, keep in (("fwd_hooks", fwd_ids), ("bwd_hooks", bwd_ids)):
                 handles = getattr(hp, attr)
@@ -162,7 +163,7 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
     Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian.
     """
     saved = []
-    for hp in _hook_points(module):
+    for hp in hook_points(module):
         saved.append((hp, hp._forward_hooks, hp._forward_pre_hooks, hp._backward_hooks))
         hp._forward_hooks = type(hp._forward_hooks)()
         hp._forward_pre_hooks = type(hp._forward_pre_hooks)()
@@ -318,7 +319,8 @@ class ModelAdapter:
         return name
 
     # -- pure sublayer callables -------------------------------------------------------------------------
-    def _ln2(self, blk: torch.nn.Module) -> torch.nn.Module:
+    def ffn_norm(self, blk: torch.nn.Module) -> torch.nn.Module:
+        """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi)."""
         ln = getattr(blk, "ln2", None)
         return ln if ln is not None else blk.ln1  # GPT-J / Phi share ln1
 
@@ -329,14 +331,14 @@ class ModelAdapter:
         fires inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians.
         """
         blk = self.model.blocks[self.check_layer(layer)]
-        ln2 = self._ln2(blk)
+        ln2 = self.ffn_norm(blk)
         mlp = blk.mlp
 
         def phi(x: Tensor) -> Tensor:
             shape = x.shape
             x3 = x if x.dim() == 3 else x.reshape(1, -1, shape[-1])
             with hooks_silenced(blk):
-                out = _first(mlp(_first(ln2(x3))))
+                out = first_output(mlp(first_output(ln2(x3))))
             return out.reshape(shape)
 
         return phi
@@ -355,15 +357,15 @@ class ModelAdapter:
             if x.dim() != 3:
                 raise InputError(f"attention expects [batch, pos, d_model], got shape {tuple(x.shape)}")
             with hooks_silenced(model):
-                h = _first(blk.ln1(x))
+                h = first_output(blk.ln1(x))
                 if self.backend == "hooked":
-                    return _first(blk.attn(h, h, h))
+                    return first_output(blk.attn(h, h, h))
                 kwargs: dict[str, Any] = {}
                 rotary = getattr(model, "rotary_emb", None)
                 if rotary is not None:
                     pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
                     kwargs["position_embeddings"] = rotary(x, pos)
-                return _first(blk.attn(hidden_states=h, **kwargs))
+                return first_output(blk.attn(hidden_states=h, **kwargs))
 
         return attn
 

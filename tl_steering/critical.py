@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .adapter import ModelAdapter, _first, _hook_points, adapt, check_finite, hooks_silenced
+from .adapter import ModelAdapter, adapt, check_finite, first_output, hook_points, hooks_silenced
 from .equilibria import LABELS, EquilibriaResult, find_equilibria
 from .errors import InputError
 from .results import Result, register
@@ -75,7 +75,7 @@ def _exact_rms_norms(module: torch.nn.Module) -> list[str]:
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(4, weight.shape[0], generator=gen, dtype=torch.float64).to(weight.device) * 3.0
         with torch.no_grad():
-            ref = _first(mod(probe)).to(torch.float64)
+            ref = first_output(mod(probe)).to(torch.float64)
         for offset in (0.0, 1.0):
             new = _ExactRMSNorm(weight.to(torch.float64), float(eps), offset).to(weight.device)
             with torch.no_grad():
@@ -129,13 +129,13 @@ class Block64:
         cfg = getattr(cb, "cfg", None)
         if cfg is not None and cfg is not ad.model.cfg and hasattr(cfg, "dtype"):
             cfg.dtype = torch.float64  # HookedTransformer's norms cast their output to cfg.dtype
-        for hp in _hook_points(cb):  # the copy is private: it never carries a hook (cheaper than silencing)
+        for hp in hook_points(cb):  # the copy is private: it never carries a hook (cheaper than silencing)
             hp._forward_hooks.clear()
             hp._forward_pre_hooks.clear()
             hp._backward_hooks.clear()
         self.rms_swapped = _exact_rms_norms(cb)
         self.blk = cb
-        self.ln2 = ad._ln2(cb)
+        self.ln2 = ad.ffn_norm(cb)
         self.rotary = getattr(ad.model, "rotary_emb", None) if ad.backend == "bridge" else None
         self._rotary_cache: dict[int, Any] = {}
 
@@ -153,7 +153,7 @@ class Block64:
         """Phi(x) = MLP(LN2(x)), positionwise, for ``[..., d]`` float64 input."""
         shape = x.shape
         x3 = x if x.dim() == 3 else x.reshape(1, -1, shape[-1])
-        out = _first(self.blk.mlp(_first(self.ln2(x3))))
+        out = first_output(self.blk.mlp(first_output(self.ln2(x3))))
         return out.reshape(shape)
 
     def attention(self, x: Tensor) -> Tensor:
@@ -161,13 +161,13 @@ class Block64:
         if x.dim() != 3:
             raise InputError(f"attention expects [batch, pos, d_model], got shape {tuple(x.shape)}")
         with _softmax_in_input_precision():
-            h = _first(self.blk.ln1(x))
+            h = first_output(self.blk.ln1(x))
             if self.ad.backend == "hooked":
-                return _first(self.blk.attn(h, h, h))
+                return first_output(self.blk.attn(h, h, h))
             kwargs: dict[str, Any] = {}
             if self.rotary is not None:
                 kwargs["position_embeddings"] = self._position_embeddings(x.shape[1], x.shape[0])
-            return _first(self.blk.attn(hidden_states=h, **kwargs))
+            return first_output(self.blk.attn(hidden_states=h, **kwargs))
 
 
 # ----------------------------------------------------------------------------------------------------------

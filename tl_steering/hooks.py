@@ -153,10 +153,13 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
     inside it). This needs no change of model state (``hook_mlp_in`` stays off) and behaves the same on
     HookedTransformer and TransformerBridge. Hooks inside that layer's MLP (``mlp.hook_pre`` etc.) still see
     the sequential computation; hook_mlp_out, resid_post and everything downstream see the parallel one.
-    Blocks that are parallel already (NeoX/Pythia) are left as they are.
+    Blocks that are parallel already (NeoX/Pythia) are left as they are; an empty ``layers`` (a plan with k = 0)
+    gives no hooks.
     """
     ad = adapt(model)
     hooks: HookList = []
+    if not isinstance(layers, int) and len(layers) == 0:
+        return hooks  # an empty plan (k = 0) is the sequential model: no hooks
     for layer in ad.layers(layers):
         if ad.is_parallel(layer):
             continue

@@ -122,8 +122,8 @@ class PrefixSensitivityResult(Result):
 
     def plot(self, title: str | None = None):
         """Left: δθ against distance i - j, one line per layer; right: KL against distance (plotly)."""
-        from plotly.subplots import make_subplots
         import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
 
         fig = make_subplots(rows=1, cols=2, subplot_titles=("angle change δθ (rad)", "KL(p_clean || p_pert)"))
         x = self.distance.tolist()

@@ -15,18 +15,10 @@ from tl_steering.critical import critical_points_all_layers
 from tl_steering.gates import calibrate_gates
 from tl_steering.prefix import prefix_sensitivity
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 # critical-point budget: 16 starts (8 token directions + 8 random), 150 descent iterations, dense spectra
 CRIT = {"n_starts": 16, "max_iter": 150, "eigensolver": "dense"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_critical_points_first_layer(smollm2):

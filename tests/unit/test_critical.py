@@ -12,16 +12,10 @@ from tl_steering.critical import CriticalSummary, critical_field, critical_point
 from tl_steering.equilibria import EquilibriaResult, relative_residual
 from tl_steering.errors import InputError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 F64 = torch.float64
 FAST = {"max_iter": 150}  # keeps each finder call ~1-3 s on the tiny models
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _n_hooks(model) -> int:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tl_steering as ts
+from tests.helpers import first_output
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
@@ -27,12 +28,6 @@ from tl_steering.protocols.defect import (
 )
 
 EXCLUDED = 1  # positions 1.. enter the pooled statistics (exclude_positions=(0,))
-
-
-def _first(out):
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
 
 
 def _arch(model) -> str:
@@ -68,7 +63,7 @@ def _independent(model, tokens):
         ln2 = getattr(blk, "ln2", None) or blk.ln1
 
         def phi(z, blk=blk, ln2=ln2):
-            return _first(blk.mlp(_first(ln2(z))))
+            return first_output(blk.mlp(first_output(ln2(z))))
 
         with torch.no_grad():
             y = x + a  # = resid_mid (sequential); the counterfactual FFN input (parallel)

@@ -17,25 +17,17 @@ from tl_steering.equilibria import (
     DENSE_MAX_DIM,
     EquilibriaResult,
     PointClassification,
+    _resolve_eigensolver,  # noqa: PLC2701 - the auto rule itself
     classify_point,
     find_equilibria,
     relative_residual,
     tangent_basis,
 )
-from tl_steering.equilibria import _resolve_eigensolver  # noqa: PLC2701 - the auto rule itself
 from tl_steering.errors import InputError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The matrices here are small; on a shared 2-core runner, OpenMP threads spinning against other processes
-    made one 255 × 255 eig take seconds instead of milliseconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _orthogonal(d: int, seed: int) -> torch.Tensor:

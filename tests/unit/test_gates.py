@@ -9,13 +9,7 @@ from tl_steering.errors import InputError
 from tl_steering.gates import GateResult, calibrate_gates
 from tl_steering.hooks import ffn_component, parallel_blocks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

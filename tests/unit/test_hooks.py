@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-from transformer_lens.hook_points import HookPoint
 
+from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
 from tl_steering.adapter import adapt
 from tl_steering.errors import InputError
@@ -32,14 +32,6 @@ def saver(store: dict, key):
     def fn(act, hook):
         store[key] = act.detach().clone()
     return fn
-
-
-def assert_no_hooks(model) -> None:
-    """Every HookPoint is back to no hooks at all (TL bookkeeping and torch's own dicts)."""
-    for name, hp in model.named_modules():
-        if isinstance(hp, HookPoint):
-            assert not hp.fwd_hooks and not hp.bwd_hooks, f"{name} kept TL hooks"
-            assert len(hp._forward_hooks) == 0 and len(hp._forward_pre_hooks) == 0, f"{name} kept torch hooks"
 
 
 def run_patched(model, tokens, hooks, layers=None):
@@ -162,14 +154,17 @@ def check_ffn_gate(model, tokens) -> None:
     with ad.hook_guard():
         logits = model.run_with_hooks(tokens, fwd_hooks=ffn_gate(model, g))
     assert_no_hooks(model)
-    logits.float().logsumexp(-1).mean().backward()
-    assert g.grad is not None and torch.isfinite(g.grad).all() and float(g.grad.abs().sum()) > 0
+    # autograd.grad w.r.t. the gates only: .backward() would leave .grad on the (session-shared) model's weights
+    (grad,) = torch.autograd.grad(logits.float().logsumexp(-1).mean(), [g])
+    assert torch.isfinite(grad).all() and float(grad.abs().sum()) > 0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def check_parallel_blocks(model, tokens) -> None:
     ad = adapt(model)
     sequential = [lay for lay in ad.layers() if not ad.is_parallel(lay)]
     clean = ad.run_with_hooks(tokens)
+    assert parallel_blocks(model, []) == []  # a plan with k = 0 is the sequential model
     if not sequential:  # NeoX / Pythia: already parallel, the factory is a no-op
         assert parallel_blocks(model, ad.layers()) == []
         return

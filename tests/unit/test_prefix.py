@@ -9,15 +9,14 @@ import torch
 from tl_steering import geometry as geo
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.errors import InputError
-from tl_steering.prefix import PrefixSensitivityResult, PrefixStatsResult, prefix_sensitivity, prefix_statistics
+from tl_steering.prefix import (
+    PrefixSensitivityResult,
+    PrefixStatsResult,
+    prefix_sensitivity,
+    prefix_statistics,
+)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _n_hooks(model) -> int:

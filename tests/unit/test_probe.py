@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformer_lens.hook_points import HookPoint
 
+from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
 from tl_steering.adapter import adapt
 from tl_steering.errors import InputError
@@ -21,13 +22,6 @@ from tl_steering.probe import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges
 
 F64 = torch.float64
 TOL = 1e-6
-
-
-def assert_no_hooks(model) -> None:
-    for name, hp in model.named_modules():
-        if isinstance(hp, HookPoint):
-            assert not hp.fwd_hooks and not hp.bwd_hooks, f"{name} kept TL hooks"
-            assert len(hp._forward_hooks) == 0 and len(hp._forward_pre_hooks) == 0, f"{name} kept torch hooks"
 
 
 def cache_for(model, tokens, fwd_hooks=()):

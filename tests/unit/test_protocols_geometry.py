@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import first_output
 from tl_steering import errors
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.protocols import (
@@ -27,13 +28,9 @@ from tl_steering.protocols import (
 from tl_steering.protocols._common import bootstrap_ci, nondegenerate, position_bins, position_mask
 from tl_steering.results import Result
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOL = 1e-6
-
-
-def _first(out):
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
 
 
 def _hook_count(model) -> int:
@@ -53,7 +50,7 @@ def _phi(model, layer, x):
     blk = model.blocks[layer]
     ln2 = getattr(blk, "ln2", None) or blk.ln1
     with torch.no_grad():
-        return _first(blk.mlp(_first(ln2(x))))
+        return first_output(blk.mlp(first_output(ln2(x))))
 
 
 def _is_parallel(model, layer):
@@ -70,15 +67,6 @@ def _tan(v, u):
 
 def _angle(a, b):
     return torch.arccos(_cos(a, b).clamp(-1, 1))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matrices: OpenMP threads only spin against the other processes of a shared 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
