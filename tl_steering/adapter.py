@@ -19,7 +19,7 @@ import importlib.metadata
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Float, Int
@@ -79,16 +79,7 @@ Site = Literal[
     "ln2_normalized",
     "ffn_input",
 ]
-SITES: tuple[str, ...] = (
-    "resid_pre",
-    "attn_out",
-    "resid_mid",
-    "mlp_in",
-    "mlp_out",
-    "resid_post",
-    "ln2_normalized",
-    "ffn_input",
-)
+SITES: tuple[str, ...] = get_args(Site)
 _SITE_HOOK = {
     "resid_pre": "hook_resid_pre",
     "attn_out": "hook_attn_out",

@@ -304,6 +304,22 @@ class _ParallelState(torch.nn.Module):
         return new
 
 
+def _fused_step(st: Any, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
+    CUDA stream when ``st.use_streams``) beside the MLP hidden layer, one joint output GEMM. With
+    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control)."""
+    fw = st.fused
+    if st.lean_sequential:
+        return fw.lean_sequential(x, core)
+    q, k, v, gate, up = fw.project(x)
+    ctx, join = _on_side(st.use_streams, x, st._streams)
+    with ctx:
+        z = core(q, k, v)
+    h = fw.mlp_hidden(gate, up)
+    join(z)
+    return fw.output(x, z, h)
+
+
 def _inner_hook_points(block: torch.nn.Module, boundary: Sequence[HookPoint]) -> list[HookPoint]:
     ids = {id(h) for h in boundary}
     out, seen = [], set()
@@ -376,15 +392,7 @@ if _HookedBlock is not None:
                     k = self.attn.apply_rotary(k, 0, None)
                 return fw.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
 
-            if st.lean_sequential:
-                return self.hook_resid_post(fw.lean_sequential(x, core))
-            q, k, v, gate, up = fw.project(x)
-            ctx, join = _on_side(st.use_streams, x, st._streams)
-            with ctx:
-                z = core(q, k, v)
-            h = fw.mlp_hidden(gate, up)
-            join(z)
-            return self.hook_resid_post(fw.output(x, z, h))
+            return self.hook_resid_post(_fused_step(st, x, core))
 
 else:  # pragma: no cover - TL 4.x
     HookedParallelBlock = None  # type: ignore[assignment, misc]
@@ -589,15 +597,7 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
         # model passes down (checked on TL 3.9 and 4.3: the cache stays empty), so neither do we.
         return fw.attend(q, k, v, mask)
 
-    if st.lean_sequential:
-        return fw.lean_sequential(x, core)
-    q, k, v, gate, up = fw.project(x)
-    ctx, join = _on_side(st.use_streams, x, st._streams)
-    with ctx:
-        z = core(q, k, v)
-    h = fw.mlp_hidden(gate, up)
-    join(z)
-    return fw.output(x, z, h)
+    return _fused_step(st, x, core)
 
 
 def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool) -> list[str]:
