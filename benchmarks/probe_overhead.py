@@ -13,7 +13,9 @@ Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) t
 reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine).
 Memory: one subprocess (``sys.executable``) per variant; ``ru_maxrss`` of that subprocess (model loading
 included, so a ceiling) and the peak RSS of one run above the RSS just before it (``VmHWM`` after resetting it
-through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler).
+through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler), with glibc's mmap threshold fixed
+at 128 KiB in those subprocesses so that freed buffers leave RSS (otherwise the warm-up run's pages stay resident
+and every variant reads the same peak).
 
 Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge]``.
 """
@@ -131,9 +133,17 @@ def child_timing(repeats: int, backend: str) -> dict:
     return {**info, "wall": wall, "cpu": cpu}
 
 
-def _child(args: list[str]) -> dict:
+# glibc keeps freed heap pages resident and raises its mmap threshold after the first large free, so the RSS
+# before a second run already holds the first run's peak and "peak above it" reads ~0 for every variant (seen on
+# HookedTransformer: 300/300/302 MiB). A fixed threshold sends every buffer >= 128 KiB to its own mmap, returned
+# to the OS on free: RSS then follows live memory. Memory children only (mmap per buffer costs time).
+_EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def _child(args: list[str], env: dict[str, str] | None = None) -> dict:
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=Path(__file__).resolve().parents[1])
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+                         cwd=Path(__file__).resolve().parents[1])
     line = [s for s in out.stdout.splitlines() if s.startswith("RESULT ")]
     if out.returncode != 0 or not line:
         sys.exit(f"{args} failed:\n{out.stderr[-3000:]}")
@@ -155,7 +165,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child_memory(args.child, args.backend)), flush=True)
         return
     timing = _child(["--child", "timing", "--repeats", str(args.repeats), "--backend", args.backend])
-    mem = {v: _child(["--child", v, "--backend", args.backend]) for v in VARIANTS}
+    mem = {v: _child(["--child", v, "--backend", args.backend], _EXACT_RSS_ENV) for v in VARIANTS}
     med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
     print(f"SmolLM2-135M ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
           f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; all metrics, "
@@ -169,7 +179,8 @@ def main() -> None:
         print(f"{labels[v]:<24}{w:>8.2f}{w / med['wall']['plain']:>9.2f}{c:>8.2f}{c / med['cpu']['plain']:>9.2f}"
               f"{rng:>16}{mem[v]['run_peak_mib']:>14.0f}{mem[v]['maxrss_mib']:>12.0f}")
     print(f"(run peak: peak RSS of one run above the RSS before it, via {mem['plain']['peak_method']}, one "
-          "subprocess per variant; maxrss: ru_maxrss of that subprocess, model loading included)")
+          "subprocess per variant, glibc mmap threshold fixed at 128 KiB so that RSS follows live memory; "
+          "maxrss: ru_maxrss of that subprocess, model loading included)")
 
 
 if __name__ == "__main__":
