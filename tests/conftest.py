@@ -15,6 +15,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering.adapter import hooked_available
+from tl_steering.protocols._common import single_threaded
 
 BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]
 ARCHS = ["gpt2", "llama", "neox"]
@@ -61,10 +62,8 @@ def one_torch_thread():
     """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): its matrices are
     small, and on a shared 2-core runner OpenMP threads only spin against the other processes (one 255 x 255 eig
     took seconds instead of milliseconds)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with single_threaded():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -72,10 +71,10 @@ def _shared_models_come_back_clean(request):
     """The session-scoped models are shared by every test: each test must hand them back with no hook and no
     ``.grad`` (a stray ``.backward()`` in one module once failed a gradient check three modules later)."""
     yield
-    from tests.helpers import assert_no_grads, hook_count
+    from tests.helpers import assert_no_grads, assert_no_hooks
 
     for name in ("smollm2", "tiny"):
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
-            assert hook_count(model) == 0, f"test left {hook_count(model)} hooks on the shared {name} model"
+            assert_no_hooks(model)
             assert_no_grads(model)

@@ -3,21 +3,22 @@
 from transformer_lens.hook_points import HookPoint
 
 
+def _hook_points(model):
+    """(name, HookPoint) for every hook point of ``model``, each once (``named_modules`` drops aliases)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, HookPoint)]
+
+
 def hook_count(model) -> int:
-    """Every hook on every HookPoint: TL's bookkeeping (fwd/bwd) and torch's own hook dicts."""
-    n = 0
-    for hp in {id(m): m for m in model.modules() if isinstance(m, HookPoint)}.values():
-        n += len(hp.fwd_hooks) + len(hp.bwd_hooks)
-        n += len(hp._forward_hooks) + len(hp._forward_pre_hooks) + len(hp._backward_hooks)
-    return n
+    """Hooks that would fire: torch's forward, forward-pre and backward hook dicts of every HookPoint."""
+    return sum(len(hp._forward_hooks) + len(hp._forward_pre_hooks) + len(hp._backward_hooks)
+               for _, hp in _hook_points(model))
 
 
 def assert_no_hooks(model) -> None:
     """Every HookPoint is back to no hooks at all (TL bookkeeping and torch's own dicts)."""
-    for name, hp in model.named_modules():
-        if isinstance(hp, HookPoint):
-            assert not hp.fwd_hooks and not hp.bwd_hooks, f"{name} kept TL hooks"
-            assert len(hp._forward_hooks) == 0 and len(hp._forward_pre_hooks) == 0, f"{name} kept torch hooks"
+    for name, hp in _hook_points(model):
+        assert not hp.fwd_hooks and not hp.bwd_hooks, f"{name} kept TL hooks"
+        assert not (hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks), f"{name} kept torch hooks"
 
 
 def assert_no_grads(model) -> None:

@@ -152,7 +152,7 @@ def _split(tokens: Tensor, held_out: float, held_out_tokens: Tensor | None, seed
 
 def _base(model: Any, base_hooks: Any, plan: list[int]) -> HookList:
     if base_hooks is None:
-        return parallel_blocks(model, plan) if plan else []
+        return parallel_blocks(model, plan)
     if callable(base_hooks):
         base_hooks = base_hooks(model)
     try:

@@ -446,7 +446,7 @@ def _plan_losses(
         )
         return out
     for name, layers in (("lowest", defect.plan(k)), ("highest", high)):
-        hooks = parallel_blocks(model, layers) if layers else []
+        hooks = parallel_blocks(model, layers)
         out[f"delta_ce_{name}"] = _mean_loss(model, tokens, hooks, batch_size) - clean_loss
     out["source"] = "measured by the report (parallel_blocks hooks)"
     return out

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tl_steering as ts
+from tests.helpers import assert_no_hooks
 from tl_steering.adapter import adapt, hook_guard, hooked_available, weights_fingerprint
 from tl_steering.errors import (
     HookNotFoundError,
@@ -13,10 +14,6 @@ from tl_steering.errors import (
     ParallelBlockError,
     ResidualIdentityError,
 )
-
-
-def _hook_count(model) -> int:
-    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
 
 
 def test_hook_names_and_ffn_input_site(tiny):
@@ -59,7 +56,7 @@ def test_pure_callables_reproduce_cache(tiny, tiny_tokens):
         # positionwise: a single vector and a [pos, d] matrix give the same rows
         assert torch.allclose(ad.ffn(layer)(y[0, 3]), phi[0, 3], atol=1e-6)
         assert torch.allclose(ad.ffn(layer)(y[1]), phi[1], atol=1e-6)
-    assert _hook_count(tiny) == 0
+    assert_no_hooks(tiny)
 
 
 def test_ffn_callable_works_under_torch_func(tiny, tiny_tokens):
@@ -102,7 +99,7 @@ def test_user_hooks_do_not_fire_inside_pure_callables(tiny, tiny_tokens):
         assert len(calls) >= 2
     finally:
         tiny.reset_hooks(including_permanent=True)
-    assert _hook_count(tiny) == 0
+    assert_no_hooks(tiny)
 
 
 def test_identity_check_passes_and_fails_loudly(tiny, tiny_tokens):
@@ -135,7 +132,7 @@ def test_identity_check_catches_a_rewriting_hook(tiny, tiny_tokens):
     ad.run_with_hooks(tiny_tokens, hooks)
     with pytest.raises(ResidualIdentityError, match="layer 0"):
         ad.check_residual_identity(store)
-    assert _hook_count(tiny) == 0
+    assert_no_hooks(tiny)
 
 
 def test_hook_guard_removes_hooks_even_on_error_and_keeps_user_hooks(tiny, tiny_tokens):

@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+from tests.helpers import hook_count
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.critical import CriticalSummary, critical_field, critical_points, critical_points_all_layers
 from tl_steering.equilibria import EquilibriaResult, relative_residual
@@ -16,10 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 F64 = torch.float64
 FAST = {"max_iter": 150}  # keeps each finder call ~1-3 s on the tiny models
-
-
-def _n_hooks(model) -> int:
-    return sum(len(hp._forward_hooks) + len(hp._backward_hooks) for hp in model.hook_dict.values())
 
 
 def _rand_unit(d: int, seed: int, n: int = 3) -> torch.Tensor:
@@ -117,7 +114,7 @@ def _check_ffn_points(model, tokens, layer, **kw):
     assert res.provenance.backend == ad.backend and res.provenance.n_tokens == tokens.numel()
     assert res.provenance.extra["field"] == "ffn"
     assert weights_fingerprint(model) == fp
-    assert _n_hooks(model) == 0
+    assert hook_count(model) == 0
     return res
 
 
@@ -166,7 +163,7 @@ def test_attention_field_and_radius_scales(tiny_tokens):
     assert sens["1"]["counts"] == res.counts()
     assert sens["2"]["radius"] == pytest.approx(2 * res.options["radius"])
     assert res.options["token_index"] == 5 and res.options["sequence"] == 0
-    assert weights_fingerprint(model) == fp and _n_hooks(model) == 0
+    assert weights_fingerprint(model) == fp and hook_count(model) == 0
 
 
 def test_all_layers_summary(tmp_path, tiny_tokens):

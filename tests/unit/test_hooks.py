@@ -270,7 +270,6 @@ def test_reference_resid_pre(tiny, tiny_tokens):
 
 
 def test_single_layer_scope(tiny, tiny_tokens):
-    ad = adapt(tiny)
     _, raw, fin, out, post = run_patched(tiny, tiny_tokens, ffn_component(tiny, "zero", layers=1))
     assert torch.equal(out[0], raw[0]) and float(out[1].abs().max()) == 0.0
 

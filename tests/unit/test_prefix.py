@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+from tests.helpers import hook_count
 from tl_steering import geometry as geo
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.errors import InputError
@@ -17,10 +18,6 @@ from tl_steering.prefix import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _n_hooks(model) -> int:
-    return sum(len(hp._forward_hooks) for hp in model.hook_dict.values())
 
 
 def test_noise_perturbation_is_causal(tiny, tiny_tokens):
@@ -38,7 +35,7 @@ def test_noise_perturbation_is_causal(tiny, tiny_tokens):
     assert r.count.tolist() == [tiny_tokens.shape[0]] * (tiny_tokens.shape[1] - j)
     # later positions feel it through attention (nonzero, and smaller than at j on average)
     assert float(r.angle[-1, 1:].mean()) > 0
-    assert weights_fingerprint(tiny) == fp and _n_hooks(tiny) == 0
+    assert weights_fingerprint(tiny) == fp and hook_count(tiny) == 0
 
 
 def test_noise_angle_matches_direct_computation(tiny, tiny_tokens):

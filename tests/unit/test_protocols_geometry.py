@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import first_output
+from tests.helpers import first_output, hook_count
 from tl_steering import errors
 from tl_steering.adapter import adapt, weights_fingerprint
 from tl_steering.protocols import (
@@ -31,13 +31,6 @@ from tl_steering.results import Result
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOL = 1e-6
-
-
-def _hook_count(model) -> int:
-    from transformer_lens.hook_points import HookPoint
-
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               for m in model.modules() if isinstance(m, HookPoint))
 
 
 def _tl_cache(model, tokens, hooks=()):
@@ -72,7 +65,7 @@ def _angle(a, b):
 @pytest.fixture(scope="module")
 def results(tiny, tiny_tokens):
     """Each protocol once per tiny model, with hooks and weights checked before and after."""
-    before_hooks, before_w = _hook_count(tiny), weights_fingerprint(tiny)
+    before_hooks, before_w = hook_count(tiny), weights_fingerprint(tiny)
     out = {
         "deficit": angular_deficit(tiny, tiny_tokens, n_bootstrap=200, batch_size=2),
         "ablation": ffn_ablation(tiny, tiny_tokens, scope="per_layer", batch_size=2, n_bootstrap=100),
@@ -80,7 +73,7 @@ def results(tiny, tiny_tokens):
                                        include_random_tangent=False, n_bootstrap=0),
         "diversity": diversity(tiny, tiny_tokens, gains=(0.5, 1.0, 2.0), batch_size=2),
     }
-    assert _hook_count(tiny) == before_hooks == 0
+    assert hook_count(tiny) == before_hooks == 0
     assert weights_fingerprint(tiny) == before_w
     return out
 
@@ -199,7 +192,7 @@ def test_deficit_masks_and_counts_zero_norm_tokens(tiny, tiny_tokens):
     hp.add_hook(zero_pos3)
     try:
         res = angular_deficit(tiny, tiny_tokens, n_bootstrap=0)
-        assert _hook_count(tiny) == 1  # the user's hook stays, ours are gone
+        assert hook_count(tiny) == 1  # the user's hook stays, ours are gone
     finally:
         hp.remove_hooks()
     n_seq, n_pos = tiny_tokens.shape
@@ -426,4 +419,4 @@ def test_bad_inputs_raise_package_errors(tiny, tiny_tokens):
         diversity(tiny, tiny_tokens, ablations=("full",))
     with pytest.raises(errors.InputError, match="gain"):
         diversity(tiny, tiny_tokens, gains=(float("inf"),))
-    assert _hook_count(tiny) == 0
+    assert hook_count(tiny) == 0

@@ -583,7 +583,7 @@ def parallel_defect(
         def loss_of(chosen: Sequence[int]) -> float:
             key = tuple(sorted(chosen))
             if key not in memo:
-                hooks = parallel_blocks(model, list(key)) if key else []
+                hooks = parallel_blocks(model, list(key))
                 total, cnt = 0.0, 0
                 for start in range(0, tokens.shape[0], batch_size):
                     lpt = ad.loss_per_token(tokens[start:start + batch_size], hooks)
