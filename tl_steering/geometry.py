@@ -240,9 +240,21 @@ def tangential_speed(
 def angle(
     a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"], eps: float = EPS_NORM
 ) -> Float64[Tensor, "*#batch"]:
-    """Angle in radians, ``arccos(clamp(cos(a, b), -1, 1))`` with the safe cosine (pi/2 if either is ~0)."""
+    """Angle in radians between the directions of ``a`` and ``b``: ``θ = 2 atan2(||â - b̂||, ||â + b̂||)``.
+
+    Equal to ``arccos(cos(a, b))`` but accurate to ~1e-16 rad at both ends, where ``arccos`` of a float64 cosine
+    is off by up to ~sqrt(ulp) ≈ 1e-8 rad (it put ``angle(x, -x)`` 3e-8 away from pi). Where either vector is
+    shorter than ``eps`` the direction is undefined and the safe-cosine form ``arccos(clamp(cos, -1, 1))`` is
+    kept (pi/2 for an exact zero vector).
+    """
     a64, b64 = _checked_vectors(a=a, b=b)
-    return torch.arccos(_safe_cosine(a64, b64, eps).clamp(-1.0, 1.0))
+    na, nb = _norm(a64), _norm(b64)
+    ua, ub = _normalize(a64, eps), _normalize(b64, eps)
+    theta = 2.0 * torch.atan2((ua - ub).norm(dim=-1), (ua + ub).norm(dim=-1))
+    degenerate = (na < eps) | (nb < eps)
+    if bool(degenerate.any()):
+        theta = torch.where(degenerate, torch.arccos(_safe_cosine(a64, b64, eps).clamp(-1.0, 1.0)), theta)
+    return theta
 
 
 def degenerate_mask(

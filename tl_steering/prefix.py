@@ -8,8 +8,8 @@ prefix-set diversity statistics as a function of the prefix length.
 * :func:`prefix_statistics`: mean pairwise cosine, mean resultant length, effective rank and participation ratio of
   every prefix U_{1..t} (position 0 excluded) per layer, averaged over sequences (MATH_SPEC §6 "causal version").
 
-Angles are computed as θ = 2·atan2(||a - b||, ||a + b||) on unit vectors: exact 0 for identical directions and
-accurate for tiny angles, where arccos of a float64 cosine has an error of ~1e-8 rad.
+Angles are :func:`tl_steering.geometry.angle`, θ = 2·atan2(||a - b||, ||a + b||) on unit vectors: exact 0 for
+identical directions and accurate for tiny angles, where arccos of a float64 cosine has an error of ~1e-8 rad.
 """
 
 import dataclasses
@@ -32,12 +32,6 @@ STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank
 
 def _nan(*shape: int):
     return lambda: torch.full(shape, math.nan, dtype=torch.float64)
-
-
-def _unit_angle(a: Tensor, b: Tensor) -> Tensor:
-    """Angle between the directions of a and b (float64), 2·atan2(||â - b̂||, ||â + b̂||)."""
-    ua, ub = geo.normalize(a), geo.normalize(b)
-    return 2.0 * torch.atan2((ua - ub).norm(dim=-1), (ua + ub).norm(dim=-1))
 
 
 def _kl(logits_clean: Tensor, logits_pert: Tensor) -> Tensor:
@@ -223,7 +217,7 @@ def prefix_sensitivity(
         d = n_pos - j
         for k, nm in enumerate(names):
             xc, xp = cache_c[nm], cache_p[nm]
-            ang = _unit_angle(xp, xc)  # [b, pos]
+            ang = geo.angle(xp, xc)  # [b, pos]
             angle_sum[k, :d] += ang[:, j:].sum(0)
             if j > 0:
                 pre_angle = max(pre_angle, float(ang[:, :j].max()))
