@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from tl_steering.adapter import adapt, hooked_available, hooks_silenced, next_token_loss  # noqa: E402
+from tl_steering.backends import adapt, hooked_available, hooks_silenced, next_token_loss  # noqa: E402
 from tl_steering.parallel import _lean_sequential_copy, parallelize  # noqa: E402
 
 

@@ -74,7 +74,7 @@ def _setup(backend: str):
     import torch
 
     import tl_steering as ts
-    from tl_steering.adapter import adapt
+    from tl_steering.backends import adapt
     from tl_steering.probe import probe
 
     model = ts.load_model("smollm2-135m", backend=backend)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import tl_steering as ts
-from tl_steering.adapter import adapt, tl_version
+from tl_steering.backends import adapt, tl_version
 from tl_steering.reference import PINNED_FILE, pinned_values
 from tl_steering.reference.pinned import PINNED_SETTINGS, TOLERANCES, compare, compute_pinned
 from tl_steering.results import _encode

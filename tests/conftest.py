@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tl_steering as ts
-from tl_steering.adapter import hooked_available
+from tl_steering.backends import hooked_available
 from tl_steering.protocols._common import single_threaded
 
 BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]

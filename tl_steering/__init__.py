@@ -15,12 +15,12 @@ The data path reads one way: model -> hooks -> metrics -> results -> figures/rep
 __version__ = "0.1.0"
 
 from . import errors, geometry, hooks
-from .adapter import ModelAdapter, adapt, tl_version
+from .backends import ModelAdapter, adapt, tl_version
 from .critical import critical_points, critical_points_all_layers
 from .data import text_tokens
 from .equilibria import EquilibriaResult, classify_point, find_equilibria
 from .gates import calibrate_gates
-from .loading import load_model, tiny_model
+from .backends import load_model, tiny_model
 from .parallel import parallelize
 from .prefix import prefix_sensitivity, prefix_statistics
 from .probe import probe

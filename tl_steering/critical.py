@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .adapter import ModelAdapter, adapt, check_finite, first_output, hook_points, hooks_silenced
+from .backends import ModelAdapter, adapt, check_finite, first_output, hook_points, hooks_silenced
 from .equilibria import LABELS, EquilibriaResult, find_equilibria
 from .errors import InputError
 from .results import Result, register

@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .adapter import adapt
+from .backends import adapt
 from .errors import InputError
 
 

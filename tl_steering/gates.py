@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .adapter import ModelAdapter, adapt, check_finite, next_token_loss
+from .backends import ModelAdapter, adapt, check_finite, next_token_loss
 from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
 from .results import Result, register

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import geometry as geo
-from .adapter import ModelAdapter, adapt
+from .backends import ModelAdapter, adapt
 from .errors import InputError
 
 HookList = list[tuple[str, Callable[..., Any]]]

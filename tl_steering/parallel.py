@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapter import adapt
+from .backends import adapt
 from .errors import InputError, ModelNotSupportedError, ParallelBlockError
 
 try:  # TL 3.x only

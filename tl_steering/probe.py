@@ -52,7 +52,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .adapter import adapt
+from .backends import adapt
 from .errors import InputError
 from .geometry import EPS_NORM, SINGULAR_REL
 from .results import Result, register

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from .adapter import adapt, tl_version
+from .backends import adapt, tl_version
 from .data import text_tokens
 from .errors import InputError, ModelNotSupportedError, ParallelBlockError
-from .loading import load_model
+from .backends import load_model
 from .results import Result, _encode
 
 REPORT_FORMAT = "tl_steering.report"

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
 from tl_steering.protocols.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
 

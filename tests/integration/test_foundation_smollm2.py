@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tl_steering as ts
-from tl_steering.adapter import adapt, hooked_available, weights_fingerprint
+from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.critical import critical_points_all_layers
 from tl_steering.gates import calibrate_gates
 from tl_steering.prefix import prefix_sensitivity

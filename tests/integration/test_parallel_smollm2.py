@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
 from tl_steering.parallel import parallelize
 

@@ -4,7 +4,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering import hooks as H
-from tl_steering.adapter import adapt
+from tl_steering.backends import adapt
 
 
 def _probe(m, t):

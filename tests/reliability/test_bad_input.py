@@ -5,7 +5,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering import errors as E
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 
 from ._calls import FORWARD_CALLS, PUBLIC_CALLS, tokens_for
 

@@ -4,7 +4,7 @@ forward pass, leaves no hook of ours, keeps the user's permanent hooks, and leav
 import pytest
 
 import tl_steering as ts
-from tl_steering.adapter import weights_fingerprint
+from tl_steering.backends import weights_fingerprint
 
 from ._calls import FORWARD_CALLS, PUBLIC_CALLS, tokens_for
 

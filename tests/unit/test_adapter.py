@@ -5,7 +5,7 @@ import torch
 
 import tl_steering as ts
 from tests.helpers import assert_no_hooks
-from tl_steering.adapter import adapt, hook_guard, hooked_available, weights_fingerprint
+from tl_steering.backends import adapt, hook_guard, hooked_available, weights_fingerprint
 from tl_steering.errors import (
     HookNotFoundError,
     InputError,

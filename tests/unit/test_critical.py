@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import hook_count
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.critical import CriticalSummary, critical_field, critical_points, critical_points_all_layers
 from tl_steering.equilibria import EquilibriaResult, relative_residual
 from tl_steering.errors import InputError

@@ -15,7 +15,7 @@ import torch
 
 import tl_steering as ts
 from tests.helpers import first_output
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
 from tl_steering.protocols.defect import (

@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.gates import GateResult, calibrate_gates
 from tl_steering.hooks import ffn_component, parallel_blocks

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
-from tl_steering.adapter import adapt
+from tl_steering.backends import adapt
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, ffn_component, ffn_gate, parallel_blocks
 

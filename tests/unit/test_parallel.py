@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tl_steering as ts
-from tl_steering.adapter import adapt, hooked_available, weights_fingerprint
+from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 from tl_steering.errors import InputError, LayerIndexError
 from tl_steering.hooks import parallel_blocks
 from tl_steering.parallel import _deepcopy_model, _raw, parallel_layers, parallelize, unfused

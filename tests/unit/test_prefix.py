@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import hook_count
 from tl_steering import geometry as geo
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.prefix import (
     PrefixSensitivityResult,

@@ -15,7 +15,7 @@ from transformer_lens.hook_points import HookPoint
 
 from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
-from tl_steering.adapter import adapt
+from tl_steering.backends import adapt
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
 from tl_steering.probe import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe

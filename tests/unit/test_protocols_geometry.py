@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.helpers import first_output, hook_count
 from tl_steering import errors
-from tl_steering.adapter import adapt, weights_fingerprint
+from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.protocols import (
     AblationResult,
     DeficitResult,

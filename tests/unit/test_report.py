@@ -6,7 +6,7 @@ import re
 import pytest
 
 import tl_steering as ts
-from tl_steering.adapter import ModelInfo
+from tl_steering.backends import ModelInfo
 from tl_steering.cli import build_parser
 from tl_steering.reference import published_numbers
 from tl_steering.report import STAGES, default_settings, run_report

@@ -14,7 +14,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..adapter import ModelAdapter, check_finite
+from ..backends import ModelAdapter, check_finite
 from ..errors import InputError
 
 HookList = list[tuple[str, Callable[..., Any]]]

@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..adapter import adapt, next_token_loss
+from ..backends import adapt, next_token_loss
 from ..errors import InputError
 from ..hooks import ffn_component
 from ..results import Result, register

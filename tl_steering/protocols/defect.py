@@ -63,7 +63,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..adapter import adapt, check_finite
+from ..backends import adapt, check_finite
 from ..errors import InputError, ResidualIdentityError
 from ..hooks import parallel_blocks
 from ..results import Result, register

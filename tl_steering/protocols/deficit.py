@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..adapter import adapt
+from ..backends import adapt
 from ..results import Result, register
 from ._common import (
     activation64,

@@ -28,7 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import geometry as geo
-from ..adapter import ModelAdapter, adapt, next_token_loss
+from ..backends import ModelAdapter, adapt, next_token_loss
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..results import Result, register

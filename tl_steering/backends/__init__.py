@@ -1,0 +1,55 @@
+"""The backend room: the ONLY package of tl_steering that imports ``transformer_lens`` or ``transformers``
+or touches torch's private hook state.
+
+Everything model-specific lives here (see ``docs/architecture.md``):
+
+* :mod:`.adapter`: model detection, (layer, site) -> hook name, hook lifecycle, pure sublayer callables,
+  the residual-identity check, provenance of a model;
+* :mod:`.loading`: offline and hub loading, Hugging Face wrapping, tiny random models for tests.
+
+The rest of the package talks to a model only through the names re-exported here.
+"""
+
+from .adapter import (
+    Backend,
+    ModelAdapter,
+    ModelInfo,
+    Processing,
+    adapt,
+    backend_of,
+    check_finite,
+    first_output,
+    hook_guard,
+    hook_points,
+    hooked_available,
+    hooks_silenced,
+    next_token_loss,
+    tl_version,
+    weights_fingerprint,
+    wrap_hf,
+)
+from .loading import gemma_gguf_path, load_model, smollm2_gguf_path, tiny_hf_model, tiny_model
+
+__all__ = [
+    "Backend",
+    "ModelAdapter",
+    "ModelInfo",
+    "Processing",
+    "adapt",
+    "backend_of",
+    "check_finite",
+    "first_output",
+    "gemma_gguf_path",
+    "hook_guard",
+    "hook_points",
+    "hooked_available",
+    "hooks_silenced",
+    "load_model",
+    "next_token_loss",
+    "smollm2_gguf_path",
+    "tiny_hf_model",
+    "tiny_model",
+    "tl_version",
+    "weights_fingerprint",
+    "wrap_hf",
+]
