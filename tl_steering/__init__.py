@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 from . import errors, geometry, hooks
 from .backends import ModelAdapter, adapt, tl_version
 from .critical import critical_points, critical_points_all_layers
-from .data import text_tokens
+from .data import TokenWindows, corpus_label, text_tokens, text_windows
 from .equilibria import EquilibriaResult, classify_point, find_equilibria
 from .gates import calibrate_gates
 from .backends import load_model, tiny_model
@@ -32,6 +32,7 @@ __all__ = [
     "ModelAdapter",
     "Provenance",
     "Result",
+    "TokenWindows",
     "adapt",
     "angular_deficit",
     "calibrate_gates",
@@ -51,6 +52,8 @@ __all__ = [
     "prefix_statistics",
     "probe",
     "text_tokens",
+    "text_windows",
+    "corpus_label",
     "tiny_model",
     "tl_version",
 ]

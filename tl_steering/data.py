@@ -1,6 +1,7 @@
 """Token windows of real English text with no network: Python's own ``pydoc_data`` (the language reference,
 about 100k tokens, on every install), a local text file, or a Hugging Face dataset (optional extra)."""
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,77 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
     rows = [ids[c * body:(c + 1) * body] for c in chosen]
     if bos:
         rows = [[tok.bos_token_id] + r for r in rows]
-    out = torch.tensor(rows, dtype=torch.long, device=ad.device)
-    out._tl_steering_corpus = f"{label}:{n_windows}x{length}:seed{seed}"  # read by provenance
-    return out
+    return torch.tensor(rows, dtype=torch.long, device=ad.device)
 
 
-__all__ = ["text_tokens", "pydoc_text"]
+def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, seed: int = 0) -> str:
+    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``: pass it as ``corpus=``.
+
+    Example: ``"pydoc:8x128:seed0"``; a file source is labelled by its file name (``"file:NAME:..."``).
+    """
+    label = source if source == "pydoc" or source.startswith("hf:") else f"file:{Path(source).name}"
+    return f"{label}:{n_windows}x{length}:seed{seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWindows:
+    """Token ids together with the label of the corpus they came from; provenance that survives slicing.
+
+    Every public call that takes ``tokens`` also takes a ``TokenWindows``: its ``corpus`` then goes into the
+    result's provenance (an explicit ``corpus=`` argument wins). Slicing, ``split`` and ``to`` keep the label
+    (a slice records which rows: ``"pydoc:8x128:seed0[0:2]"``). ``windows.tokens`` is the plain tensor to feed
+    a model.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    corpus: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tokens.shape
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __getitem__(self, rows: Any) -> "TokenWindows":
+        sub = self.tokens[rows]
+        if sub.ndim == 1:
+            sub = sub.unsqueeze(0)
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(len(self))
+            where = f"{start}:{stop}" + (f":{step}" if step != 1 else "")
+        else:
+            where = str(rows.tolist() if isinstance(rows, Tensor) else rows)
+        return TokenWindows(sub, f"{self.corpus}[{where}]")
+
+    def split(self, size: int) -> list["TokenWindows"]:
+        """Consecutive row batches of ``size`` windows (the last may be smaller), each labelled."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InputError(f"TokenWindows.split: size must be a positive int, got {size!r}")
+        return [self[i:i + size] for i in range(0, len(self), size)]
+
+    def to(self, device: Any) -> "TokenWindows":
+        return TokenWindows(self.tokens.to(device), self.corpus)
+
+
+def text_windows(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
+                 seed: int = 0) -> TokenWindows:
+    """:func:`text_tokens` with its corpus label attached (a :class:`TokenWindows`)."""
+    return TokenWindows(text_tokens(model, source, n_windows, length, seed),
+                        corpus_label(source, n_windows, length, seed))
+
+
+def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | None]:
+    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``.
+
+    An explicit ``corpus`` wins over a :class:`TokenWindows` label. The tensor is NOT validated here (the
+    adapter's ``validate_tokens`` does that); anything that is not a ``TokenWindows`` passes through as is.
+    """
+    if corpus is not None and not isinstance(corpus, str):
+        raise InputError(f"corpus must be a str label (e.g. 'pydoc:8x128:seed0'), got {type(corpus).__name__}")
+    if isinstance(tokens, TokenWindows):
+        return tokens.tokens, corpus if corpus is not None else tokens.corpus
+    return tokens, corpus
+
+
+__all__ = ["TokenWindows", "corpus_label", "pydoc_text", "text_tokens", "text_windows", "token_source"]

@@ -27,6 +27,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backends import ModelAdapter, adapt, check_finite, next_token_loss
+from .data import token_source
 from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
 from .results import Result, register
@@ -200,6 +201,7 @@ def calibrate_gates(
     scan: bool = False,
     scan_grid: Sequence[float] | Tensor | None = None,
     seed: int = 0,
+    corpus: str | None = None,
     plan: Sequence[int] | None = None,
     batch_size: int = 8,
 ) -> GateResult:
@@ -223,6 +225,7 @@ def calibrate_gates(
         batch_size: sequences per forward.
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     if method not in ("loss", "closed_form"):
         raise InputError(f"method must be 'loss' or 'closed_form', got {method!r}")
@@ -304,7 +307,7 @@ def calibrate_gates(
         scan_curv = 2.0 * coef[0]
 
     return GateResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="calibrate_gates", method=method, layers=sel,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="calibrate_gates", method=method, layers=sel,
                                  plan=plan_l, steps=steps, lr=float(lr), held_out=held_out,
                                  n_base_hooks=len(base), scan=scan, batch_size=batch_size),
         method=method,

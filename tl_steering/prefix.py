@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import geometry as geo
 from .backends import adapt, check_finite
+from .data import token_source
 from .errors import InputError
 from .results import Result, register
 
@@ -145,6 +146,7 @@ def prefix_sensitivity(
     eps: float = 1e-2,
     mode: Mode = "noise",
     seed: int = 0,
+    corpus: str | None = None,
 ) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), MATH_SPEC §10.
 
@@ -162,6 +164,7 @@ def prefix_sensitivity(
         :class:`PrefixSensitivityResult`.
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     if mode not in ("noise", "token"):
         raise InputError(f"mode must be 'noise' or 'token', got {mode!r}")
@@ -234,7 +237,7 @@ def prefix_sensitivity(
     angle = angle_sum / denom
     kl_mean = kl_sum / denom
     return PrefixSensitivityResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="prefix_sensitivity", mode=mode, layer=l0,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="prefix_sensitivity", mode=mode, layer=l0,
                                  positions=positions, eps=eps if mode == "noise" else None),
         mode=mode,
         eps=eps if mode == "noise" else 0.0,
@@ -316,6 +319,7 @@ def prefix_statistics(
     site: str = "resid_post",
     stats: Sequence[str] = STATS,
     exclude_positions: Sequence[int] = (0,),
+    corpus: str | None = None,
 ) -> PrefixStatsResult:
     """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (MATH_SPEC §6 causal, §10).
 
@@ -329,6 +333,7 @@ def prefix_statistics(
         exclude_positions: positions masked out of every prefix (BOS / attention sink; default (0,)).
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     sel = ad.layers(layers)
     stats = list(stats)
@@ -357,7 +362,7 @@ def prefix_statistics(
             vals = fns[s](x, m).cpu()  # masked rows are zeroed: excluded exactly from every statistic
             values[s][k] = vals.nanmean(0) if n_seq > 1 else vals[0]
     return PrefixStatsResult(
-        provenance=ad.provenance(tokens, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
+        provenance=ad.provenance(tokens, corpus=corpus, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
                                  exclude_positions=list(exclude_positions)),
         site=site,
         layers=sel,

@@ -46,6 +46,7 @@ class Provenance:
         seed: RNG seed used by the protocol, if any.
         dtype: model parameter dtype.
         device: model device.
+        world_size: number of processes whose tokens the numbers aggregate (torch.distributed; 1 alone).
         package_version: tl_steering version.
         created: UTC timestamp.
         extra: protocol options (layers, exclude_positions, variants, ...).
@@ -62,6 +63,7 @@ class Provenance:
     seed: int | None = None
     dtype: str = "unknown"
     device: str = "unknown"
+    world_size: int = 1
     package_version: str = ""
     torch_version: str = dataclasses.field(default_factory=lambda: torch.__version__)
     python_version: str = dataclasses.field(default_factory=platform.python_version)

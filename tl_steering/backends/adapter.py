@@ -406,9 +406,12 @@ class ModelAdapter:
         return tokens.long()
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
-                       return_type: str | None = "logits", **kwargs: Any) -> Any:
-        """Forward with hooks; every hook is removed afterwards, also on error."""
-        with self.hook_guard(), torch.no_grad():
+                       return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
+        """Forward with hooks; every hook is removed afterwards, also on error.
+
+        ``grad=True`` keeps autograd on (for gradients w.r.t. activations with ``torch.autograd.grad``;
+        never call ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
+        with self.hook_guard(), (torch.enable_grad() if grad else torch.no_grad()):
             try:
                 ctx = self.model.hooks(fwd_hooks=list(fwd_hooks))
                 ctx.__enter__()
@@ -505,7 +508,11 @@ class ModelAdapter:
         from ..results import Provenance
 
         info = self.info
-        corpus = corpus or getattr(tokens, "_tl_steering_corpus", None) or "user tokens"
+        # provenance is passed explicitly (corpus=, or a data.TokenWindows unpacked by the caller); tensors
+        # carry no tags of ours
+        corpus = corpus or "user tokens (pass corpus= or TokenWindows)"
+        world_size = (torch.distributed.get_world_size()
+                      if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
         return Provenance(
             model=info.name,
             model_revision=info.revision,
@@ -518,6 +525,7 @@ class ModelAdapter:
             seed=seed,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            world_size=world_size,
             extra=extra,
         )
 

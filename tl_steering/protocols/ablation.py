@@ -29,6 +29,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..backends import adapt, next_token_loss
+from ..data import token_source
 from ..errors import InputError
 from ..hooks import ffn_component
 from ..results import Result, register
@@ -144,6 +145,7 @@ def ffn_ablation(
     include_random_tangent: bool = True,
     ablate_position_0: bool = True,
     seed: int = 0,
+    corpus: str | None = None,
     batch_size: int = 8,
     n_bootstrap: int = 1000,
 ) -> AblationResult:
@@ -164,6 +166,7 @@ def ffn_ablation(
         n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     layer_list = ad.layers(layers)
     seed = check_seed(seed)
@@ -209,7 +212,7 @@ def ffn_ablation(
     d_mean = {v: float(delta[v].mean()) for v in variants}
     zero = d_mean["zero"]
     out = AblationResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="ffn_ablation", keep=variants, scope=scope,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="ffn_ablation", keep=variants, scope=scope,
                                  layers=layer_list, ablate_position_0=ablate_position_0, batch_size=batch_size,
                                  n_bootstrap=n_bootstrap),
         variants=variants,

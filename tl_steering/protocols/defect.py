@@ -64,6 +64,7 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import adapt, check_finite
+from ..data import token_source
 from ..errors import InputError, ResidualIdentityError
 from ..hooks import parallel_blocks
 from ..results import Result, register
@@ -422,6 +423,7 @@ def parallel_defect(
     k_values: Sequence[int] | None = None,
     n_random: int = 5,
     seed: int = 0,
+    corpus: str | None = None,
     timing: bool = True,
     batch_size: int = 8,
     timing_repeats: int = 7,
@@ -452,6 +454,7 @@ def parallel_defect(
     """
     t_start = time.perf_counter()
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     sel = ad.layers(layers)
     exclude = check_exclude_positions(exclude_positions)
@@ -620,7 +623,7 @@ def parallel_defect(
                "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
                "batch_size": batch_size, "timing_repeats": timing_repeats}
     return DefectResult(
-        provenance=ad.provenance(tokens, seed=seed, **options),
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options),
         layers=sel,
         already_parallel=parallel,
         score=scores["C"].clone(),

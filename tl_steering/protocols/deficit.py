@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import adapt
+from ..data import token_source
 from ..results import Result, register
 from ._common import (
     activation64,
@@ -195,6 +196,7 @@ def angular_deficit(
     exclude_positions: Sequence[int] = (0,),
     n_bootstrap: int = 1000,
     seed: int = 0,
+    corpus: str | None = None,
     batch_size: int = 8,
 ) -> DeficitResult:
     """Angular deficit of the attention-only update against the real block update (MATH_SPEC §4).
@@ -213,6 +215,7 @@ def angular_deficit(
         (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
@@ -291,7 +294,7 @@ def angular_deficit(
     e_a, e_af = means["e_a"], means["e_af"]
     contribution = (e_a - e_af) / e_a
     return DeficitResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="angular_deficit", layers=layer_list,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="angular_deficit", layers=layer_list,
                                  exclude_positions=list(excl), n_bootstrap=n_bootstrap, batch_size=batch_size),
         layers=layer_list,
         parallel=[ad.is_parallel(lay) for lay in layer_list],

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import ModelAdapter, adapt, next_token_loss
+from ..data import token_source
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..results import Result, register
@@ -232,6 +233,7 @@ def diversity(
     ablations: Sequence[str] = ("tangential", "radial"),
     gains: Sequence[float] = (0.5, 1.0, 1.5, 2.0),
     seed: int = 0,
+    corpus: str | None = None,
     batch_size: int = 8,
 ) -> DiversityResult:
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
@@ -248,6 +250,7 @@ def diversity(
         batch_size: sequences per forward pass.
     """
     ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
@@ -297,7 +300,7 @@ def diversity(
 
     clean_effects = effects(clean)
     return DiversityResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="diversity", layers=layer_list,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="diversity", layers=layer_list,
                                  exclude_positions=list(excl), ablations=ablations, gains=gain_list,
                                  batch_size=batch_size),
         layers=layer_list,
