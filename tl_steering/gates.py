@@ -1,4 +1,4 @@
-"""Layer-wise FFN gate calibration (MATH_SPEC §8): x^{l+1} = y + g_l Phi_l(y), i.e. ``hook_mlp_out *= g_l``.
+"""Layer-wise FFN gate calibration (docs/gates.md): x^{l+1} = y + g_l Phi_l(y), i.e. ``hook_mlp_out *= g_l``.
 
 The gates are applied by :func:`tl_steering.hooks.ffn_gate` AFTER ``base_hooks`` (e.g.
 ``hooks.parallel_blocks(model, plan)`` or ``hooks.ffn_component(model, "tangential")``), so on a shared hook point
@@ -13,8 +13,8 @@ the gate scales the already modified FFN write: a "recalibrated" parallel plan o
   g_l = Σ <Phi(x + a), Phi(x)> / Σ ||Phi(x)||², with x = resid_pre and a = attn_out of the forward that runs the
   base hooks (the state the gated model sees); 1 for layers not in the plan.
 
-Losses are the mean next-token cross-entropy over every predicted position (float64 accumulation), reported for the
-clean model, the base hooks (gates 1) and the gated model, on the calibration and the held-out split.
+Losses are the mean next-token cross-entropy over every predicted position (:func:`tl_steering.batching.mean_loss`,
+float64, every token weighs the same), reported for the clean model, the base hooks (gates 1) and the gated model, on the calibration and the held-out split.
 """
 
 import dataclasses
@@ -26,10 +26,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .backends import ModelAdapter, adapt, check_finite, next_token_loss
+from .backends import ModelAdapter, adapt
+from .batching import mean_loss
 from .data import token_source
 from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
+from .metrics import next_token_loss
 from .results import Result, register
 
 Method = Literal["loss", "closed_form"]
@@ -127,16 +129,6 @@ class GateResult(Result):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _mean_loss(ad: ModelAdapter, tokens: Tensor, hooks: HookList, batch_size: int) -> float:
-    total, count = 0.0, 0
-    for s in range(0, tokens.shape[0], batch_size):
-        lt = ad.loss_per_token(tokens[s:s + batch_size], hooks)
-        check_finite(lt, None, "next-token loss")
-        total += float(lt.sum())
-        count += lt.numel()
-    return total / count
-
-
 def _split(tokens: Tensor, held_out: float, held_out_tokens: Tensor | None, seed: int,
            ad: ModelAdapter) -> tuple[Tensor, Tensor]:
     if held_out_tokens is not None:
@@ -205,7 +197,7 @@ def calibrate_gates(
     plan: Sequence[int] | None = None,
     batch_size: int = 8,
 ) -> GateResult:
-    """Fit one scalar FFN gate per layer on top of ``base_hooks`` (MATH_SPEC §8).
+    """Fit one scalar FFN gate per layer on top of ``base_hooks`` (docs/gates.md).
 
     Args:
         model: a TransformerLens model (weights never changed; hooks removed afterwards).
@@ -245,10 +237,10 @@ def calibrate_gates(
     calib, held = _split(tokens, held_out, held_out_tokens, seed, ad)
     base = _base(model, base_hooks, plan_l)
 
-    loss_clean_c = _mean_loss(ad, calib, [], batch_size)
-    loss_clean_h = _mean_loss(ad, held, [], batch_size)
-    loss_base_c = _mean_loss(ad, calib, base, batch_size)
-    loss_base_h = _mean_loss(ad, held, base, batch_size)
+    loss_clean_c = mean_loss(ad, calib, [], batch_size)
+    loss_clean_h = mean_loss(ad, held, [], batch_size)
+    loss_base_c = mean_loss(ad, calib, base, batch_size)
+    loss_base_h = mean_loss(ad, held, base, batch_size)
 
     gates = torch.ones(ad.n_layers, dtype=torch.float64)
     history = torch.zeros(0, dtype=torch.float64)
@@ -267,10 +259,9 @@ def calibrate_gates(
             total = 0.0
             for s in range(0, calib.shape[0], batch_size):
                 chunk = calib[s:s + batch_size]
-                full = torch.ones(ad.n_layers, dtype=torch.float32, device=ad.device).index_put((index,), theta)
-                hooks = base + ffn_gate(model, full)
-                with ad.hook_guard(), torch.enable_grad(), model.hooks(fwd_hooks=hooks):
-                    logits = model(chunk, return_type="logits")
+                with torch.enable_grad():
+                    full = torch.ones(ad.n_layers, dtype=torch.float32, device=ad.device).index_put((index,), theta)
+                    logits = ad.run_with_hooks(chunk, base + ffn_gate(model, full), return_type="logits", grad=True)
                     lsum = next_token_loss(logits, chunk).sum()
                     (g,) = torch.autograd.grad(lsum / n_pred, [theta])
                 grad += g
@@ -285,8 +276,8 @@ def calibrate_gates(
         gates[sel] = theta.detach().to(torch.float64).cpu()
 
     gated = base + ffn_gate(model, gates.tolist())
-    loss_gated_c = _mean_loss(ad, calib, gated, batch_size)
-    loss_gated_h = _mean_loss(ad, held, gated, batch_size)
+    loss_gated_c = mean_loss(ad, calib, gated, batch_size)
+    loss_gated_h = mean_loss(ad, held, gated, batch_size)
 
     grid = torch.zeros(0, dtype=torch.float64)
     scan_losses = torch.zeros(0, 0, dtype=torch.float64)
@@ -300,7 +291,7 @@ def calibrate_gates(
         scan_losses = torch.zeros(len(sel), grid.numel(), dtype=torch.float64)
         for k, layer in enumerate(sel):
             for m, g in enumerate(grid.tolist()):
-                scan_losses[k, m] = _mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
+                scan_losses[k, m] = mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
         scan_best = grid[scan_losses.argmin(dim=1)]
         vander = torch.stack([grid ** 2, grid, torch.ones_like(grid)], dim=1)
         coef = torch.linalg.lstsq(vander, scan_losses.T).solution  # [3, layer]

@@ -1,14 +1,14 @@
-"""Sphere geometry of residual vectors as pure tensor functions (MATH_SPEC.md sections 1, 2, 3, 6, 10).
+"""Sphere geometry of residual vectors as pure tensor functions (specification: docs/geometry.md).
 
 This module knows nothing of TransformerLens: it takes tensors and returns tensors. Conventions:
 
 * The last dimension is ``d_model``; every leading dimension is a batch dimension (``batch``, ``pos``, ...).
   Functions of two or three vectors broadcast their leading dimensions against each other.
-* Every input is cast to float64 first and every output is float64 (MATH_SPEC.md section 1, "Precision").
+* Every input is cast to float64 first and every output is float64 (docs/geometry.md, "Precision").
 * Small-number guards are explicit: ``normalize(v) = v / max(||v||, EPS_NORM)`` and
   ``cos(a, b) = <a, b> / (max(||a||, eps) max(||b||, eps))``, so a zero vector has direction 0 and cosine 0
   with everything, never NaN.
-* Sets of directions (section 6) are tensors ``U`` of shape ``[*batch, n, d_model]`` whose rows are
+* Sets of directions are tensors ``U`` of shape ``[*batch, n, d_model]`` whose rows are
   normalized inside. An optional bool ``mask`` of shape ``[*batch, n]`` marks the valid rows; masked rows
   (BOS, degenerate tokens, padding) are excluded exactly: the result equals the one computed with those rows
   dropped. A statistic undefined for the number of valid rows is NaN (e.g. pairwise cosine of one row).
@@ -24,7 +24,7 @@ from torch import Tensor
 from tl_steering.errors import InputError
 
 EPS_NORM: float = 1e-12
-"""Floor of a norm in a denominator (float64), MATH_SPEC.md section 1."""
+"""Floor of a norm in a denominator (float64), docs/geometry.md."""
 
 DEGENERATE_REL: float = 1e-8
 """A vector whose norm is below ``DEGENERATE_REL * median norm`` is degenerate (dropped from means)."""
@@ -102,7 +102,7 @@ def _normalize(v: Tensor, eps: float) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# vectors: polar form, tangent projector, cosines (sections 2 and 3)
+# vectors: tangent projector, cosines, angles
 
 
 def to64(x: Shaped[Tensor, "*dims"]) -> Float64[Tensor, "*dims"]:
@@ -124,48 +124,9 @@ def normalize(v: Float[Tensor, "*batch d_model"], eps: float = EPS_NORM) -> Floa
     return _normalize(_checked("v", v), eps)
 
 
-def polar(
-    x: Float[Tensor, "*batch d_model"], eps: float = EPS_NORM
-) -> tuple[Float64[Tensor, "*batch 1"], Float64[Tensor, "*batch d_model"]]:
-    """Polar form ``x = r u`` on the sphere S^{d-1}.
-
-    Args:
-        x: Residual vectors.
-        eps: Norm floor in ``u = x / max(r, eps)``.
-
-    Returns:
-        ``(r, u)`` with ``r = ||x||`` of shape ``[*batch, 1]`` and ``u = x / max(r, eps)``.
-    """
-    x64 = _checked("x", x)
-    r = _norm(x64).unsqueeze(-1)
-    return r, x64 / r.clamp_min(eps)
-
-
-def _radial_coefficient(v: Tensor, reference: Tensor) -> Tensor:
-    return (_normalize(reference, EPS_NORM) * v).sum(-1)
-
-
 def _tangential_part(v: Tensor, reference: Tensor) -> Tensor:
     u = _normalize(reference, EPS_NORM)
     return v - (u * v).sum(-1, keepdim=True) * u
-
-
-def radial_coefficient(
-    v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
-) -> Float64[Tensor, "*#batch"]:
-    """Signed radial component ``<u, v>`` with ``u = normalize(reference)``.
-
-    Only the direction of ``reference`` matters: ``c * reference`` with ``c > 0`` gives the same result.
-
-    Args:
-        v: Update vectors (e.g. ``mlp_out``).
-        reference: Base points (e.g. ``resid_mid``), normalized inside; broadcasts against ``v``.
-
-    Returns:
-        Shape ``[*batch]`` without keepdim (the broadcast of the leading dims).
-    """
-    v64, ref64 = _checked_vectors(v=v, reference=reference)
-    return _radial_coefficient(v64, ref64)
 
 
 def radial_part(
@@ -258,19 +219,30 @@ def angle(
 
 
 def degenerate_mask(
-    x: Float[Tensor, "*batch d_model"], rel: float = DEGENERATE_REL
-) -> Bool[Tensor, "*batch"]:
-    """True where ``||x|| < rel * median ||x||`` or ``||x|| == 0``.
+    x: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, rel: float = DEGENERATE_REL
+) -> Bool[Tensor, "*batch n"]:
+    """True where a row of ``x`` is degenerate: ``||x_j|| == 0`` or ``||x_j|| < rel * median_k ||x_k||``.
 
-    The median is over all leading dims together (``torch.median``: the lower median for an even count).
-    Degenerate vectors have no reliable direction; callers drop them from means (MATH_SPEC.md section 1).
+    The median is taken per set (over the last leading dim ``n``, e.g. the positions of one sequence) and over
+    the rows ``mask`` keeps (``torch.nanmedian``: the lower median for an even count), so the result does not
+    depend on how sequences are batched. Rows outside ``mask`` are returned False (they are already out).
+    Degenerate vectors have no reliable direction: callers drop them from every statistic (docs/geometry.md,
+    "Degenerate tokens").
     """
-    norms = _norm(_checked("x", x))
-    return (norms < rel * norms.median()) | (norms == 0)
+    norms = _norm(_checked("x", x, min_ndim=2))
+    if mask is None:
+        mask = torch.ones_like(norms, dtype=torch.bool)
+    elif not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != norms.shape:
+        raise InputError(f"mask must be a bool tensor of shape x.shape[:-1] = {tuple(norms.shape)}, got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}.")
+    mask = mask.to(norms.device)
+    median = torch.nanmedian(torch.where(mask, norms, torch.full_like(norms, math.nan)), dim=-1, keepdim=True).values
+    median = torch.where(torch.isnan(median), torch.zeros_like(median), median)
+    return mask & ((norms < rel * median) | (norms == 0))
 
 
 # ------------------------------------------------------------------------------------------------------------
-# diversity of a set of directions (section 6)
+# diversity of a set of directions
 
 
 def _pairwise_cosine(unit: Tensor, valid: Tensor) -> Tensor:
@@ -340,13 +312,6 @@ def mean_resultant_length(
     return _resultant_length(*_prepared_set(U, mask))
 
 
-def spherical_variance(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch"]:
-    """Spherical variance ``V = 1 - R`` with ``R`` the mean resultant length; NaN where no row is valid."""
-    return 1.0 - _resultant_length(*_prepared_set(U, mask))
-
-
 def effective_rank(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
 ) -> Float64[Tensor, "*batch"]:
@@ -358,7 +323,7 @@ def effective_rank(
     Args:
         U: Directions as rows (normalized inside).
         mask: Valid rows; masked rows are excluded exactly.
-        center: Subtract the mean of the valid rows first (default: uncentered, MATH_SPEC.md section 6).
+        center: Subtract the mean of the valid rows first (default: uncentered, docs/geometry.md).
 
     Returns:
         Shape ``[*batch]``; NaN where every singular value is 0 (no valid row, or centered identical rows).
@@ -383,26 +348,17 @@ def participation_ratio(
     return _participation_ratio(unit)
 
 
-def rank_collapse_residual(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch"]:
-    """Rank-collapse residual (Dong et al., Frobenius form) ``||U - 1 u_bar^T||_F / ||U||_F`` of unit rows.
-
-    ``u_bar`` is the mean of the valid rows. 0 for a full cluster; for unit rows it equals ``sqrt(1 - R^2)``
-    since ``||U - 1 u_bar^T||_F^2 = n - n R^2``. Shape ``[*batch]``; NaN where no row is valid.
-    """
-    return _rank_collapse(*_prepared_set(U, mask))
-
-
 def diversity_stats(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> dict[str, Float64[Tensor, "*batch"]]:
-    """Every set statistic of section 6 at once (uncentered), with one validation and normalization.
+    """Every set statistic at once (uncentered), with one validation and normalization.
 
     Returns:
-        Dict with keys ``pairwise_cosine``, ``resultant_length``, ``spherical_variance``, ``effective_rank``,
-        ``participation_ratio``, ``rank_collapse``; each of shape ``[*batch]`` (formulas in the single
-        functions).
+        Dict of ``[*batch]`` tensors: ``pairwise_cosine`` (:func:`mean_pairwise_cosine`), ``resultant_length``
+        R (:func:`mean_resultant_length`), ``spherical_variance`` ``1 - R``, ``effective_rank``
+        (:func:`effective_rank`), ``participation_ratio`` (:func:`participation_ratio`) and ``rank_collapse``,
+        the rank-collapse residual ``||U - 1 u_bar^T||_F / ||U||_F`` of the unit rows (Dong et al., Frobenius
+        form; ``u_bar`` the mean valid row; equal to ``sqrt(1 - R^2)``). NaN where a statistic is undefined.
     """
     unit, valid = _prepared_set(U, mask)
     resultant = _resultant_length(unit, valid)
@@ -416,34 +372,8 @@ def diversity_stats(
     }
 
 
-def direction_sums(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> tuple[Float64[Tensor, "*batch d_model"], Int64[Tensor, "*batch"]]:
-    """Mergeable sufficient statistics ``(s, n) = (sum_j u_j, number of valid rows)`` for streaming use.
-
-    Sums over disjoint chunks of one sequence add up. Then :func:`pairwise_cosine_from_sums` gives
-    ``(||s||^2 - n) / (n (n - 1))`` and ``||s|| / n`` is the mean resultant length. Mask degenerate rows
-    (:func:`degenerate_mask`) first: the formula assumes that every counted row has norm 1.
-    """
-    unit, valid = _prepared_set(U, mask)
-    return unit.sum(-2), valid.sum(-1).round().to(torch.int64)
-
-
-def pairwise_cosine_from_sums(
-    sum_u: Float[Tensor, "*batch d_model"], count: Int64[Tensor, "*batch"]
-) -> Float64[Tensor, "*batch"]:
-    """Mean pairwise cosine ``(||s||^2 - n) / (n (n - 1))`` from :func:`direction_sums`; NaN if ``n < 2``."""
-    s64 = _checked("sum_u", sum_u)
-    if count.shape != s64.shape[:-1]:
-        raise InputError(
-            f"count must have shape sum_u.shape[:-1] = {tuple(s64.shape[:-1])}, got {tuple(count.shape)}."
-        )
-    n = count.to(device=s64.device, dtype=torch.float64)
-    return _nan_where(((s64 * s64).sum(-1) - n) / (n * (n - 1)).clamp_min(1.0), n < 2)
-
-
 # ------------------------------------------------------------------------------------------------------------
-# prefix-running statistics: entry t is the statistic of the valid rows among u_1..u_t (sections 6 and 10)
+# prefix-running statistics: entry t is the statistic of the valid rows among u_1..u_t
 
 
 def prefix_mean_pairwise_cosine(
@@ -516,8 +446,6 @@ __all__ = [
     "to64",
     "norm",
     "normalize",
-    "polar",
-    "radial_coefficient",
     "radial_part",
     "tangential_part",
     "safe_cosine",
@@ -528,13 +456,9 @@ __all__ = [
     "degenerate_mask",
     "mean_pairwise_cosine",
     "mean_resultant_length",
-    "spherical_variance",
     "effective_rank",
     "participation_ratio",
-    "rank_collapse_residual",
     "diversity_stats",
-    "direction_sums",
-    "pairwise_cosine_from_sums",
     "prefix_mean_pairwise_cosine",
     "prefix_mean_resultant_length",
     "prefix_effective_rank",

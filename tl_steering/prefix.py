@@ -1,4 +1,4 @@
-"""Prefix-indexed causal dynamics (MATH_SPEC §10): how a perturbation of token j travels to later tokens, and
+"""Prefix-indexed causal dynamics (docs/prefix.md): how a perturbation of token j travels to later tokens, and
 prefix-set diversity statistics as a function of the prefix length.
 
 * :func:`prefix_sensitivity`: perturb position j (noise on ``resid_pre`` of layer l0, or a replaced token) and
@@ -6,10 +6,12 @@ prefix-set diversity statistics as a function of the prefix length.
   directions and the next-token KL(p_clean || p_pert), against the distance i - j; positions i < j must not move
   (causality; bit-exact or < 1e-6).
 * :func:`prefix_statistics`: mean pairwise cosine, mean resultant length, effective rank and participation ratio of
-  every prefix U_{1..t} (position 0 excluded) per layer, averaged over sequences (MATH_SPEC §6 "causal version").
+  every prefix U_{1..t} (position 0 excluded) per layer, averaged over sequences (the causal version of the
+  diversity statistics, docs/geometry.md).
 
 Angles are :func:`tl_steering.geometry.angle`, θ = 2·atan2(||a - b||, ||a + b||) on unit vectors: exact 0 for
 identical directions and accurate for tiny angles, where arccos of a float64 cosine has an error of ~1e-8 rad.
+KL divergences are :func:`tl_steering.metrics.kl_divergence` (float64).
 """
 
 import dataclasses
@@ -25,7 +27,9 @@ from . import geometry as geo
 from .backends import adapt, check_finite
 from .data import token_source
 from .errors import InputError
+from .metrics import kl_divergence
 from .results import Result, register
+from .stats import check_exclude_positions, position_mask
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
@@ -33,16 +37,6 @@ STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank
 
 def _nan(*shape: int):
     return lambda: torch.full(shape, math.nan, dtype=torch.float64)
-
-
-def _kl(logits_clean: Tensor, logits_pert: Tensor) -> Tensor:
-    """KL(p_clean || p_pert) per position, float64, sequence by sequence (vocabularies are large)."""
-    out = []
-    for lc, lp in zip(logits_clean, logits_pert):
-        a = torch.log_softmax(lc.to(torch.float64), dim=-1)
-        b = torch.log_softmax(lp.to(torch.float64), dim=-1)
-        out.append((a.exp() * (a - b)).sum(-1).clamp_min(0.0))
-    return torch.stack(out)
 
 
 def _check_positions(position: Any, n_pos: int) -> list[int]:
@@ -148,7 +142,7 @@ def prefix_sensitivity(
     seed: int = 0,
     corpus: str | None = None,
 ) -> PrefixSensitivityResult:
-    """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), MATH_SPEC §10.
+    """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
     Args:
         model: a TransformerLens model (not changed; every hook is removed afterwards).
@@ -216,7 +210,7 @@ def prefix_sensitivity(
                 toks[b, j] = new
                 replaced.append([b, j, old, new])
         logits_p, cache_p = ad.run_with_cache(toks, names, fwd_hooks=hooks)
-        kl = _kl(logits_c, logits_p)  # [b, pos]
+        kl = kl_divergence(logits_c, logits_p)  # [b, pos] KL(p_clean || p_pert)
         d = n_pos - j
         for k, nm in enumerate(names):
             xc, xp = cache_c[nm], cache_p[nm]
@@ -263,7 +257,7 @@ def prefix_sensitivity(
 
 @register
 @dataclasses.dataclass(kw_only=True)
-class PrefixStatsResult(Result):
+class PrefixStatisticsResult(Result):
     """Prefix-set diversity statistics as a function of the prefix end t, per layer (see
     :func:`prefix_statistics`).
 
@@ -320,8 +314,8 @@ def prefix_statistics(
     stats: Sequence[str] = STATS,
     exclude_positions: Sequence[int] = (0,),
     corpus: str | None = None,
-) -> PrefixStatsResult:
-    """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (MATH_SPEC §6 causal, §10).
+) -> PrefixStatisticsResult:
+    """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
 
     Args:
         model: a TransformerLens model.
@@ -341,12 +335,8 @@ def prefix_statistics(
     if bad or not stats:
         raise InputError(f"stats must be a non-empty subset of {STATS}, got {stats!r}")
     n_seq, n_pos = tokens.shape
-    mask = torch.ones(n_pos, dtype=torch.bool)
-    for p in exclude_positions:
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise InputError(f"exclude_positions must hold ints, got {p!r}")
-        if -n_pos <= p < n_pos:
-            mask[p] = False
+    exclude_positions = check_exclude_positions(exclude_positions)
+    mask = position_mask(n_pos, exclude_positions)
     names = [ad.hook_name(lay, site) for lay in sel]
     _, cache = ad.run_with_cache(tokens, names)
     fns = {"pairwise_cosine": geo.prefix_mean_pairwise_cosine,
@@ -361,7 +351,7 @@ def prefix_statistics(
         for s in stats:
             vals = fns[s](x, m).cpu()  # masked rows are zeroed: excluded exactly from every statistic
             values[s][k] = vals.nanmean(0) if n_seq > 1 else vals[0]
-    return PrefixStatsResult(
+    return PrefixStatisticsResult(
         provenance=ad.provenance(tokens, corpus=corpus, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
                                  exclude_positions=list(exclude_positions)),
         site=site,
@@ -374,4 +364,8 @@ def prefix_statistics(
     )
 
 
-__all__ = ["PrefixSensitivityResult", "PrefixStatsResult", "STATS", "prefix_sensitivity", "prefix_statistics"]
+PrefixStatsResult = PrefixStatisticsResult
+"""Deprecated alias of :class:`PrefixStatisticsResult` (the ``*Result`` naming rule); kept for old imports."""
+
+__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "PrefixStatsResult", "STATS", "prefix_sensitivity",
+           "prefix_statistics"]

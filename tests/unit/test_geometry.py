@@ -37,6 +37,15 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1)
 
 
+def radial_coefficient(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """<u, v> with u = normalize(reference): the signed length of the radial part."""
+    return dot(g.normalize(reference), v)
+
+
+def rank_collapse(U: torch.Tensor) -> torch.Tensor:
+    return g.diversity_stats(U)["rank_collapse"]
+
+
 def orthonormal_rows(seed: int, k: int, d: int) -> torch.Tensor:
     q, _ = torch.linalg.qr(randn(seed, d, k))
     return q.T.contiguous()
@@ -70,7 +79,7 @@ set_kinds = st.sampled_from(["isotropic", "cluster", "rank2"])
 
 
 # ------------------------------------------------------------------------------------------------------------
-# tangent projector and polar form
+# tangent projector
 
 
 @FAST
@@ -80,7 +89,7 @@ def test_projector_identities(seed: int, d: int, batch: tuple[int, ...], log_sca
     x = randn(seed + 7, *batch, d)
     u = g.normalize(x)
     tangential, radial = g.tangential_part(v, x), g.radial_part(v, x)
-    coef = g.radial_coefficient(v, x)
+    coef = radial_coefficient(v, x)
     scale = torch.linalg.vector_norm(v, dim=-1)
     tol = 1e-12 * scale.unsqueeze(-1)
 
@@ -101,29 +110,16 @@ def test_projector_invariant_to_positive_rescaling_of_the_reference(seed: int, d
     c = 10.0**log_c
     tol = 1e-12 * g.norm(v).unsqueeze(-1)
     assert torch.all((g.tangential_part(v, c * x) - g.tangential_part(v, x)).abs() <= tol)
-    assert torch.allclose(g.radial_coefficient(v, c * x), g.radial_coefficient(v, x), rtol=0, atol=1e-12 * 10)
+    assert torch.allclose(radial_coefficient(v, c * x), radial_coefficient(v, x), rtol=0, atol=1e-12 * 10)
     assert torch.allclose(g.tangential_speed(v, c * x) * c, g.tangential_speed(v, x), rtol=1e-12, atol=0)
     assert torch.allclose(g.cosine_radial(v, c * x), g.cosine_radial(v, x), rtol=0, atol=1e-13)
-
-
-@FAST
-@given(seed=seeds, d=dims, batch=batch_shapes, log_scale=log_scales)
-def test_polar_reconstructs_and_has_unit_direction(
-    seed: int, d: int, batch: tuple[int, ...], log_scale: float
-) -> None:
-    x = randn(seed, *batch, d) * 10.0**log_scale
-    r, u = g.polar(x)
-    assert r.shape == (*batch, 1) and u.shape == (*batch, d)
-    assert torch.all((r * u - x).abs() <= 1e-14 * r)
-    assert torch.all((g.norm(u) - 1.0).abs() <= 1e-14)
-    assert torch.equal(r.squeeze(-1), g.norm(x))
 
 
 def test_reference_broadcasts_against_a_batch_of_vectors() -> None:
     v, x = randn(0, 2, 5, 6), randn(1, 6)
     expected = torch.stack([torch.stack([g.tangential_part(v[i, j], x) for j in range(5)]) for i in range(2)])
     assert torch.allclose(g.tangential_part(v, x), expected, rtol=0, atol=1e-15)
-    assert g.radial_coefficient(v, x).shape == (2, 5)
+    assert radial_coefficient(v, x).shape == (2, 5)
     assert g.tangent_alignment(v, randn(2, 5, 6), x).shape == (2, 5)
 
 
@@ -147,7 +143,7 @@ def test_cosine_radial_is_cos_of_the_angle_to_the_reference() -> None:
     v = 5.0 * (torch.cos(theta)[:, None] * e1 + torch.sin(theta)[:, None] * e2)
     c_rad = g.cosine_radial(v, reference)
     assert torch.allclose(c_rad, torch.cos(theta), rtol=0, atol=1e-15)
-    assert torch.allclose(g.radial_coefficient(v, reference), 5.0 * torch.cos(theta), rtol=0, atol=1e-14)
+    assert torch.allclose(radial_coefficient(v, reference), 5.0 * torch.cos(theta), rtol=0, atol=1e-14)
     tangential_share = g.norm(g.tangential_part(v, reference)) / g.norm(v)
     assert torch.allclose(tangential_share, torch.sqrt(1 - c_rad**2), rtol=0, atol=1e-7)  # sqrt near 0
     assert torch.allclose(g.angle(reference, v), theta, rtol=0, atol=1e-7)
@@ -185,8 +181,28 @@ def test_degenerate_mask_flags_tiny_and_zero_vectors() -> None:
     # lower median of the norms is 1.0, so the threshold is rel * 1.0
     assert g.degenerate_mask(x).tolist() == [False] * 5 + [True, True, False]
     assert g.degenerate_mask(x, rel=1e-6).tolist() == [False] * 5 + [True, True, True]
-    assert g.degenerate_mask(x.reshape(2, 4, 2)).shape == (2, 4)
     assert g.degenerate_mask(torch.zeros(2, 3)).tolist() == [True, True]
+
+
+def test_degenerate_mask_uses_the_median_of_each_sequence_over_its_valid_rows() -> None:
+    # sequence 0 has norms ~1, sequence 1 norms ~1e-9: a global median (1e-9 or 1) would flag all of one of
+    # them; the per-sequence median flags none, so the mask does not depend on how sequences are batched
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0])[:, None] * torch.tensor([[0.6, 0.8]])
+    x = torch.stack([base, 1e-9 * base])
+    assert not g.degenerate_mask(x).any()
+    assert torch.equal(g.degenerate_mask(x)[1], g.degenerate_mask(x[1:])[0])
+    # rows outside the mask neither count for the median nor come back flagged
+    z = torch.tensor([4.0, 3.0, 1.0, 1e-9])[:, None] * torch.tensor([[0.6, 0.8]])
+    keep = torch.tensor([False, False, True, True])
+    assert g.degenerate_mask(z).tolist() == [False, False, False, True]  # lower median of all four: 1
+    assert g.degenerate_mask(z, keep).tolist() == [False] * 4  # lower median of the kept 1, 1e-9: 1e-9
+    y = torch.tensor([0.0, 2.0, 1.0, 1e-9])[:, None] * torch.tensor([[0.6, 0.8]])
+    assert g.degenerate_mask(y).tolist() == [True, False, False, False]  # 0 always; lower median 1e-9
+    assert g.degenerate_mask(y, ~keep).tolist() == [True, False, False, False]
+    assert g.degenerate_mask(y, keep).tolist() == [False] * 4  # the zero row is already out
+    assert not g.degenerate_mask(y, torch.zeros(4, dtype=torch.bool)).any()
+    with pytest.raises(InputError, match="mask must be a bool tensor"):
+        inspect.unwrap(g.degenerate_mask)(y, keep.to(torch.float32))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -210,7 +226,7 @@ def test_identical_directions_are_a_full_cluster(seed: int, n: int, d: int, log_
     assert stats["effective_rank"].item() == pytest.approx(1.0, abs=1e-12)
     assert stats["participation_ratio"].item() == pytest.approx(1.0, abs=1e-12)
     assert stats["rank_collapse"].item() == pytest.approx(0.0, abs=1e-12)
-    assert g.rank_collapse_residual(U).item() == pytest.approx(0.0, abs=1e-12)
+    assert rank_collapse(U).item() == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
@@ -218,7 +234,7 @@ def test_regular_simplex_has_pairwise_cosine_minus_one_over_n_minus_one(n: int) 
     U = 7.0 * simplex(n, d=n + 3, seed=n)
     assert g.mean_pairwise_cosine(U).item() == pytest.approx(-1.0 / (n - 1), abs=1e-12)
     assert g.mean_resultant_length(U).item() == pytest.approx(0.0, abs=1e-12)
-    assert g.rank_collapse_residual(U).item() == pytest.approx(1.0, abs=1e-12)
+    assert rank_collapse(U).item() == pytest.approx(1.0, abs=1e-12)
     assert g.effective_rank(U).item() == pytest.approx(n - 1, abs=1e-10)  # n-1 equal singular values
 
 
@@ -236,8 +252,8 @@ def test_resultant_length_and_rank_collapse_identities(seed: int, n: int, d: int
     units = U / torch.linalg.vector_norm(U, dim=-1, keepdim=True)
     R = g.mean_resultant_length(U).item()
     assert R == pytest.approx(torch.linalg.vector_norm(units.mean(0)).item(), abs=1e-14)
-    assert g.spherical_variance(U).item() == pytest.approx(1.0 - R, abs=1e-15)
-    assert g.rank_collapse_residual(U).item() == pytest.approx(math.sqrt(max(1.0 - R * R, 0.0)), abs=1e-7)
+    assert g.diversity_stats(U)["spherical_variance"].item() == pytest.approx(1.0 - R, abs=1e-15)
+    assert rank_collapse(U).item() == pytest.approx(math.sqrt(max(1.0 - R * R, 0.0)), abs=1e-7)
     if n >= 2:  # m = (n R^2 - 1) / (n - 1)
         assert g.mean_pairwise_cosine(U).item() == pytest.approx((n * R * R - 1) / (n - 1), abs=1e-12)
 
@@ -360,23 +376,6 @@ def test_all_rows_masked_gives_nan_everywhere() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# streaming sums
-
-
-@FAST
-@given(seed=seeds, n=st.integers(2, 12), d=dims, split=st.integers(0, 12))
-def test_direction_sums_merge_over_chunks(seed: int, n: int, d: int, split: int) -> None:
-    U = randn(seed, 2, n, d)
-    mask = rand_mask(seed, 2, n)
-    split = min(split, n)
-    s1, c1 = g.direction_sums(U[:, :split], mask[:, :split]) if split else (0.0, 0)
-    s2, c2 = g.direction_sums(U[:, split:], mask[:, split:]) if split < n else (0.0, 0)
-    merged = g.pairwise_cosine_from_sums(s1 + s2, torch.as_tensor(c1 + c2))
-    assert torch.equal(torch.as_tensor(c1 + c2), mask.sum(-1))
-    assert torch.allclose(merged, g.mean_pairwise_cosine(U, mask), rtol=0, atol=1e-12, equal_nan=True)
-
-
-# ------------------------------------------------------------------------------------------------------------
 # dtypes and errors
 
 
@@ -387,8 +386,6 @@ def test_every_output_is_float64(dtype: torch.dtype) -> None:
         g.to64(x),
         g.norm(x),
         g.normalize(x),
-        *g.polar(x),
-        g.radial_coefficient(v, x),
         g.radial_part(v, x),
         g.tangential_part(v, x),
         g.safe_cosine(v, w),
@@ -398,12 +395,9 @@ def test_every_output_is_float64(dtype: torch.dtype) -> None:
         g.angle(v, w),
         g.mean_pairwise_cosine(x),
         g.mean_resultant_length(x),
-        g.spherical_variance(x),
         g.effective_rank(x),
         g.participation_ratio(x),
-        g.rank_collapse_residual(x),
         *g.diversity_stats(x).values(),
-        g.direction_sums(x)[0],
         g.prefix_mean_pairwise_cosine(x),
         g.prefix_mean_resultant_length(x),
         g.prefix_effective_rank(x),

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tests.helpers import first_output, hook_count
 from tl_steering import errors
+from tl_steering import geometry as geo
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.protocols import (
     AblationResult,
@@ -25,8 +26,8 @@ from tl_steering.protocols import (
     diversity,
     ffn_ablation,
 )
-from tl_steering.protocols._common import bootstrap_ci, nondegenerate, position_bins, position_mask
 from tl_steering.results import Result
+from tl_steering.stats import bootstrap_ci, position_bins, position_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,7 +80,7 @@ def results(tiny, tiny_tokens):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# helpers of _common
+# shared statistics (tl_steering.stats, tl_steering.geometry)
 
 
 def test_position_bins_and_mask():
@@ -95,10 +96,12 @@ def test_position_bins_and_mask():
         position_mask(2, (0, 1))
 
 
-def test_nondegenerate_masks_zero_and_tiny_norms():
+def test_degenerate_mask_drops_zero_and_tiny_norms_of_the_valid_positions():
     norms = torch.tensor([[5.0, 1.0, 0.0, 1e-12, 2.0, 3.0, 1.5]], dtype=torch.float64)
     base = torch.tensor([[False, True, True, True, True, True, True]])
-    assert nondegenerate(norms, base).tolist() == [[False, True, False, False, True, True, True]]
+    x = norms[..., None] * torch.tensor([0.6, 0.8], dtype=torch.float64)
+    valid = base & ~geo.degenerate_mask(x, base)  # the protocols' rule
+    assert valid.tolist() == [[False, True, False, False, True, True, True]]
 
 
 def test_bootstrap_ci_is_seeded_and_brackets_the_mean():

@@ -1,4 +1,4 @@
-"""Radial / tangential FFN ablation (MATH_SPEC §5, protocol 2 of the paper).
+"""Radial / tangential FFN ablation (protocol 2 of the paper; specification: docs/ablation.md).
 
 Each variant replaces every chosen layer's FFN write phi = hook_mlp_out by one of its parts, with
 u = normalize(FFN input) read from the same patched forward (resid_mid for sequential blocks, resid_pre for
@@ -12,7 +12,7 @@ the loss excludes nothing, unlike the geometric protocols, which drop position 0
 
 * ``delta_loss``: mean next-token cross-entropy (nats) of the patched model minus the clean one;
 * ``ratio_to_zero``: ``delta_loss[v] / delta_loss["zero"]`` (the zero-FFN control is always run);
-* ``kl``: mean next-token ``KL(p_clean || p_patched)`` (nats);
+* ``kl``: mean next-token ``KL(p_clean || p_patched)`` (nats; float64, :func:`tl_steering.metrics.kl_divergence`);
 * ``top1_agreement``: fraction of predicted positions where the patched argmax equals the clean argmax.
 
 ``ablate_position_0=False`` leaves the FFN write of position 0 intact (``skip_positions=(0,)``): position 0 is the
@@ -28,10 +28,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backends import adapt, next_token_loss
+from ..backends import adapt
 from ..data import token_source
 from ..errors import InputError
 from ..hooks import ffn_component
+from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
 from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
 
@@ -50,13 +51,11 @@ class _Metrics:
         self.kl = torch.zeros(self.n_seq, dtype=torch.float64)
         self.agree = torch.zeros(self.n_seq, dtype=torch.float64)
 
-    def add(self, rows: slice, logits: Tensor, tokens: Tensor, clean_logp: Tensor, clean_top1: Tensor) -> None:
-        loss = next_token_loss(logits, tokens)  # [b, pos-1] float64
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        kl = (clean_logp.exp() * (clean_logp - logp)).sum(-1).to(torch.float64)
-        self.loss[rows] = loss.mean(-1).cpu()
-        self.kl[rows] = kl.mean(-1).cpu()
-        self.agree[rows] = (logp.argmax(-1) == clean_top1).to(torch.float64).mean(-1).cpu()
+    def add(self, rows: slice, logits: Tensor, tokens: Tensor, clean_logits: Tensor) -> None:
+        """Per-sequence means over the predicted positions 0..pos-2 (float64, :mod:`tl_steering.metrics`)."""
+        self.loss[rows] = next_token_loss(logits, tokens).mean(-1).cpu()
+        self.kl[rows] = kl_divergence(clean_logits[:, :-1], logits[:, :-1]).mean(-1).cpu()
+        self.agree[rows] = top1_agreement(logits[:, :-1], clean_logits[:, :-1]).mean(-1).cpu()
 
 
 @register
@@ -149,7 +148,7 @@ def ffn_ablation(
     batch_size: int = 8,
     n_bootstrap: int = 1000,
 ) -> AblationResult:
-    """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (MATH_SPEC §5).
+    """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (docs/ablation.md).
 
     Args:
         model: a TransformerLens model; left unchanged, no hook stays.
@@ -197,15 +196,12 @@ def ffn_ablation(
         tb = tokens[rows]
         clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
         clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
-        clean_logp = torch.log_softmax(clean_logits[:, :-1].float(), dim=-1)
-        clean_top1 = clean_logp.argmax(-1)
-        del clean_logits
         for variant, lay in jobs:
             # the random-tangent generator is seeded per batch: the same batch always gets the same noise
             hooks = ffn_component(model, keep=variant, layers=layer_list if lay is None else [lay],
                                   skip_positions=skip, seed=seed + start)
             logits = ad.run_with_hooks(tb, hooks, return_type="logits")
-            metrics[(variant, lay)].add(rows, logits, tb, clean_logp, clean_top1)
+            metrics[(variant, lay)].add(rows, logits, tb, clean_logits)
             del logits
 
     delta = {v: metrics[(v, None)].loss - clean for v in variants}

@@ -1,5 +1,5 @@
 """Angular-deficit diagnostic: how well the attention-only update aligns with the real block update
-(MATH_SPEC §4, protocol 1 of the paper).
+(protocol 1 of the paper; specification: docs/deficit.md).
 
 Per layer l, sequence b and position i (position 0 excluded by default), with x = resid_pre, a = attn_out,
 Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
@@ -7,7 +7,8 @@ Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
 * primary [I]: ``align_A = cos(P_u a, P_u Dx)``; ``deficit_l = 1 - mean align_A`` (mean over the valid tokens
   of each sequence, then over sequences); ``mean`` = uniform mean over the selected layers;
 * (a) untangented: ``1 - mean cos(a, Dx)``;
-* (b) angle form: ``mean arccos(align_A) / pi``;
+* (b) angle form: ``mean angle(P_u a, P_u Dx) / pi`` (= ``arccos(align_A) / pi``, computed with
+  :func:`tl_steering.geometry.angle`, exact at 0 and pi);
 * (c) one-step angular prediction errors: ``e_A = angle(x + a, x^{l+1})`` and
   ``e_AF = angle(x + a + Phi(x), x^{l+1})`` with ``Phi(x) = MLP(LN2(x))`` evaluated at the block input (the
   parallel surrogate, i.e. the ODE field at the current state); FFN contribution ``(e_A - e_AF) / e_A`` from the
@@ -17,8 +18,9 @@ Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
   (dividing by ||x|| makes every token count by its direction change, not by its norm) [I]:
   ``R^2_A = 1 - sum ||v_Dx - v_a||^2 / sum ||v_Dx||^2``, and the same with ``a + Phi(x)``.
 
-Degenerate tokens (||x||, ||P_u a|| or ||P_u Dx|| equal to 0 or below 1e-8 of the per-sequence median) are
-dropped from every statistic and counted in ``n_masked``.
+Degenerate tokens (||x||, ||P_u a|| or ||P_u Dx|| equal to 0 or below 1e-8 of the per-sequence median,
+:func:`tl_steering.geometry.degenerate_mask`) are dropped from every statistic and counted in ``n_masked``.
+Every vector operation is a :mod:`tl_steering.geometry` function in float64.
 """
 
 import dataclasses
@@ -45,7 +47,6 @@ from ._common import (
     finite_mean,
     iter_batches,
     masked_mean,
-    nondegenerate,
     position_bins,
     position_mask,
 )
@@ -53,19 +54,6 @@ from ._common import (
 
 def _f64(*shape: int):
     return lambda: torch.full(shape, math.nan, dtype=torch.float64)
-
-
-def _tangent(v: Tensor, u: Tensor) -> Tensor:
-    return v - (u * v).sum(-1, keepdim=True) * u
-
-
-def _cos(a: Tensor, b: Tensor) -> Tensor:
-    eps = geo.EPS_NORM
-    return (a * b).sum(-1) / (a.norm(dim=-1).clamp_min(eps) * b.norm(dim=-1).clamp_min(eps))
-
-
-def _angle(a: Tensor, b: Tensor) -> Tensor:
-    return torch.arccos(_cos(a, b).clamp(-1.0, 1.0))
 
 
 @register
@@ -84,7 +72,7 @@ class DeficitResult(Result):
         mean: uniform mean of ``deficit`` over the layers; ``mean_ci`` its bootstrap 95 % CI.
         mean_excluding_first: the same over the selected layers other than layer 0; ``mean_excluding_first_ci``.
         untangented_deficit: ``1 - mean cos(a, Dx)`` (variant a).
-        angle_deficit: ``mean arccos(align_A) / pi`` (variant b).
+        angle_deficit: ``mean angle(P_u a, P_u Dx) / pi`` (variant b; = ``arccos(align_A) / pi``).
         error_attention: ``mean e_A`` in radians (variant c), ``e_A = angle(x + a, x^{l+1})``.
         error_parallel: ``mean e_AF`` in radians, ``e_AF = angle(x + a + Phi(x), x^{l+1})``.
         ffn_contribution: ``(e_A - e_AF) / e_A`` per layer, from the layer means; ``ffn_contribution_mean``.
@@ -199,7 +187,7 @@ def angular_deficit(
     corpus: str | None = None,
     batch_size: int = 8,
 ) -> DeficitResult:
-    """Angular deficit of the attention-only update against the real block update (MATH_SPEC §4).
+    """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
 
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge); left unchanged, no hook stays.
@@ -255,20 +243,19 @@ def angular_deficit(
             with torch.no_grad():
                 phi = geo.to64(ad.ffn(layer)(x_model))
             dx = post - x
-            r = x.norm(dim=-1)
-            u = x / r.clamp_min(geo.EPS_NORM).unsqueeze(-1)
-            ta, tdx, taf = _tangent(a, u), _tangent(dx, u), _tangent(a + phi, u)
-            valid = nondegenerate(r, base)
-            valid &= nondegenerate(ta.norm(dim=-1), base) & nondegenerate(tdx.norm(dim=-1), base)
+            r = geo.norm(x)
+            ta, tdx, taf = geo.tangential_part(a, x), geo.tangential_part(dx, x), geo.tangential_part(a + phi, x)
+            valid = base & ~(geo.degenerate_mask(x, base) | geo.degenerate_mask(ta, base)
+                             | geo.degenerate_mask(tdx, base))
             masked[j] += int((base & ~valid).sum())
             used[j] += int(valid.sum())
 
-            align = _cos(ta, tdx)
+            align = geo.safe_cosine(ta, tdx)
             per_seq["align"][rows, j] = masked_mean(align, valid).cpu()
-            per_seq["untangented"][rows, j] = masked_mean(_cos(a, dx), valid).cpu()
-            per_seq["angle"][rows, j] = masked_mean(torch.arccos(align.clamp(-1.0, 1.0)) / math.pi, valid).cpu()
-            per_seq["e_a"][rows, j] = masked_mean(_angle(x + a, post), valid).cpu()
-            per_seq["e_af"][rows, j] = masked_mean(_angle(x + a + phi, post), valid).cpu()
+            per_seq["untangented"][rows, j] = masked_mean(geo.safe_cosine(a, dx), valid).cpu()
+            per_seq["angle"][rows, j] = masked_mean(geo.angle(ta, tdx) / math.pi, valid).cpu()
+            per_seq["e_a"][rows, j] = masked_mean(geo.angle(x + a, post), valid).cpu()
+            per_seq["e_af"][rows, j] = masked_mean(geo.angle(x + a + phi, post), valid).cpu()
 
             w = valid.to(torch.float64)
             inv_r2 = w / (r * r).clamp_min(geo.EPS_NORM**2)

@@ -1,4 +1,5 @@
-"""Spherical diversity of token directions before and after attention and the FFN (MATH_SPEC §6, protocol 3).
+"""Spherical diversity of token directions before and after attention and the FFN (protocol 3 of the paper;
+specification: docs/diversity.md).
 
 For each sequence, the set of valid directions U = {u_j} (position 0 and degenerate tokens excluded) at
 resid_pre, resid_mid and resid_post of each layer gives the statistics of :func:`tl_steering.geometry.
@@ -8,7 +9,7 @@ effective rank, participation ratio and the rank-collapse residual. Each is aver
 * Attention effect ``D(mid) - D(pre)`` and FFN effect ``D(post) - D(mid)`` per layer (raw differences: for the
   pairwise cosine and R a positive value means MORE clustered). Parallel blocks (GPT-NeoX/Pythia) have no
   resid_mid: their resid_mid column is NaN, and their effects use the virtual state ``x + a``
-  (resid_pre + attn_out), as MATH_SPEC §6 prescribes.
+  (resid_pre + attn_out) [ours].
 * Under ablation: the same table in the forward where every layer's FFN write keeps only one component
   (:func:`tl_steering.hooks.ffn_component`, all layers, all positions).
 * Output diversity [P, ambiguous]: the statistics of the last layer's resid_post (the input of ln_final) and the
@@ -28,10 +29,11 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import geometry as geo
-from ..backends import ModelAdapter, adapt, next_token_loss
+from ..backends import ModelAdapter, adapt
 from ..data import token_source
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
+from ..metrics import entropy, next_token_loss
 from ..results import Result, register
 from ._common import (
     activation64,
@@ -40,7 +42,6 @@ from ._common import (
     check_seed,
     finite_mean,
     iter_batches,
-    nondegenerate,
     position_mask,
     single_threaded,
 )
@@ -57,16 +58,15 @@ def _f64(*shape: int):
 
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], int]:
     """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked."""
-    valid = nondegenerate(x.norm(dim=-1), base)
+    valid = base & ~geo.degenerate_mask(x, base)
     with single_threaded():  # batched svdvals: see single_threaded
         full = geo.diversity_stats(x, mask=valid)
     return {k: full[k].cpu() for k in STATS}, int((base & ~valid).sum())
 
 
 def _entropy(logits: Tensor) -> Tensor:
-    """Per-sequence mean next-token entropy (nats) over the predicted positions 0..pos-2."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).to(torch.float64).mean(-1).cpu()
+    """Per-sequence mean next-token entropy (nats, float64) over the predicted positions 0..pos-2."""
+    return entropy(logits[:, :-1]).mean(-1).cpu()
 
 
 @dataclasses.dataclass
@@ -237,7 +237,7 @@ def diversity(
     batch_size: int = 8,
 ) -> DiversityResult:
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
-    ablations, and under an attention-gain sweep (MATH_SPEC §6).
+    ablations, and under an attention-gain sweep (docs/diversity.md).
 
     Args:
         model: a TransformerLens model; left unchanged, no hook stays.

@@ -1,0 +1,103 @@
+"""Next-token metrics of logits, in float64: cross-entropy, KL divergence, entropy, top-1 (see docs/metrics.md).
+
+The one copy of each of these quantities: every protocol, the gates, the report and the pinned regression use
+these functions. Pure tensor math (no model, no TransformerLens).
+
+Precision: the log-softmax is taken in float64. A float64 copy of ``[batch, pos, vocab]`` logits is large
+(8 x 128 x 49152 is 400 MB), so the work is done in row chunks of at most :data:`CHUNK_ELEMENTS` elements; the
+result does not depend on the chunking. Gradients flow through every function (the gate calibration
+differentiates the loss).
+
+Conventions: ``logits`` is ``[batch, pos, vocab]``; position ``i`` predicts token ``i + 1``, so the loss has
+``pos - 1`` entries per sequence. KL, entropy and top-1 are per position of the logits they are given: slice
+``logits[:, :-1]`` first to keep only the positions that predict a token of the sequence.
+"""
+
+from collections.abc import Callable, Iterator
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .errors import InputError
+
+CHUNK_ELEMENTS: int = 1 << 24
+"""Most logits (16 M, 128 MB in float64) turned into float64 at once."""
+
+
+def _row_chunks(x: Tensor) -> Iterator[slice]:
+    """Slices of the leading dimension whose float64 copy stays under :data:`CHUNK_ELEMENTS` elements."""
+    per_row = max(1, x[0].numel()) if x.shape[0] else 1
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    for start in range(0, x.shape[0], step):
+        yield slice(start, min(start + step, x.shape[0]))
+
+
+def _log_softmax64(logits: Tensor) -> Tensor:
+    return torch.log_softmax(logits.to(torch.float64), dim=-1)
+
+
+def _per_chunk(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
+    first = tensors[0]
+    if first.ndim < 2:
+        raise InputError(f"logits must have shape [batch, ..., vocab], got {tuple(first.shape)}")
+    parts = [fn(*(t[rows] for t in tensors)) for rows in _row_chunks(first)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def next_token_loss(logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"]
+                    ) -> Float[Tensor, "batch pos_minus_1"]:
+    """Cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``, per position, float64 (nats).
+
+    ``loss[b, i] = -log softmax(logits[b, i])[tokens[b, i + 1]]``.
+    """
+    if logits.ndim != 3 or tokens.ndim != 2 or logits.shape[:2] != tokens.shape:
+        raise InputError(f"logits [batch, pos, vocab] and tokens [batch, pos] must agree, got "
+                         f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
+
+    def chunk(lg: Tensor, tk: Tensor) -> Tensor:
+        logp = _log_softmax64(lg[:, :-1])
+        return -logp.gather(-1, tk[:, 1:, None].long()).squeeze(-1)
+
+    return _per_chunk(chunk, logits, tokens)
+
+
+def kl_divergence(logits_p: Float[Tensor, "*batch vocab"], logits_q: Float[Tensor, "*batch vocab"]
+                  ) -> Float[Tensor, " *batch"]:
+    """``KL(p || q) = sum_v p_v (log p_v - log q_v)`` per position, float64, with ``p = softmax(logits_p)``.
+
+    Clamped at 0 (the float64 sum can be a few ulp below 0 when ``p == q``). Both inputs must have one shape.
+    """
+    if logits_p.shape != logits_q.shape:
+        raise InputError(f"logits_p and logits_q must have the same shape, got {tuple(logits_p.shape)} and "
+                         f"{tuple(logits_q.shape)}")
+
+    def chunk(lp: Tensor, lq: Tensor) -> Tensor:
+        a, b = _log_softmax64(lp), _log_softmax64(lq)
+        return (a.exp() * (a - b)).sum(-1).clamp_min(0.0)
+
+    return _per_chunk(chunk, logits_p, logits_q)
+
+
+def entropy(logits: Float[Tensor, "*batch vocab"]) -> Float[Tensor, " *batch"]:
+    """Entropy ``H(p) = -sum_v p_v log p_v`` of ``p = softmax(logits)`` per position, float64 (nats)."""
+
+    def chunk(lg: Tensor) -> Tensor:
+        logp = _log_softmax64(lg)
+        return -(logp.exp() * logp).sum(-1)
+
+    return _per_chunk(chunk, logits)
+
+
+def top1(logits: Float[Tensor, "*batch vocab"]) -> Int[Tensor, " *batch"]:
+    """The most likely token per position, ``argmax_v logits_v`` (the argmax of the softmax; first on ties)."""
+    return logits.argmax(-1)
+
+
+def top1_agreement(logits_p: Float[Tensor, "*batch vocab"], logits_q: Float[Tensor, "*batch vocab"]
+                   ) -> Float[Tensor, " *batch"]:
+    """1.0 where both logits have the same argmax, else 0.0 (float64), per position."""
+    return (top1(logits_p) == top1(logits_q)).to(torch.float64)
+
+
+__all__ = ["CHUNK_ELEMENTS", "entropy", "kl_divergence", "next_token_loss", "top1", "top1_agreement"]

@@ -1,0 +1,152 @@
+"""Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
+the bootstrap over sequences (see docs/statistics.md). Pure tensor functions, no model.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from .errors import InputError
+
+# ----------------------------------------------------------------------------------------------------------
+# positions
+
+
+def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
+    """Normalise ``exclude_positions`` to a tuple of ints (negative indices count from the end)."""
+    if exclude_positions is None:
+        return ()
+    if isinstance(exclude_positions, int) and not isinstance(exclude_positions, bool):
+        exclude_positions = (exclude_positions,)
+    try:
+        out = tuple(exclude_positions)
+    except TypeError as e:
+        raise InputError(f"exclude_positions must be a tuple of ints such as (0,), got {exclude_positions!r}") from e
+    for p in out:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise InputError(f"exclude_positions must hold ints, got {p!r}")
+    return out
+
+
+def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.device | str = "cpu"
+                  ) -> Bool[Tensor, " pos"]:
+    """True at the positions that enter statistics (``exclude_positions`` are False; negatives count from
+    the end; indices outside the sequence are ignored). Raises InputError when no position is left."""
+    mask = torch.ones(n_pos, dtype=torch.bool, device=device)
+    for p in exclude_positions:
+        if -n_pos <= p < n_pos:
+            mask[p] = False
+    if not bool(mask.any()):
+        raise InputError(f"exclude_positions={tuple(exclude_positions)} leaves no position of a length-{n_pos} "
+                         "sequence; exclude fewer positions or pass longer sequences")
+    return mask
+
+
+def position_bin_edges(n_pos: int) -> list[int]:
+    """Edges ``[0, 1, 2, 4, ..., 2^k]`` of the log-spaced position bins, ``2^k >= n_pos`` the first such power.
+
+    Bin 0 is ``[0, 1)`` (position 0 alone), bin ``k >= 1`` is ``[2^(k-1), 2^k)``; the last bin is cut at the
+    sequence length when the edges are read against one.
+    """
+    edges = [0, 1]
+    while edges[-1] < n_pos:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def position_bin_index(positions: Int[Tensor, "*shape"]) -> Int[Tensor, "*shape"]:
+    """The bin of each position under :func:`position_bin_edges`: 0 for position 0, else ``floor(log2 p) + 1``
+    (the bit length of p; exact in float64 for every position below 2^52)."""
+    p = positions.to(torch.int64)
+    out = torch.zeros_like(p)
+    pos = p > 0
+    out[pos] = torch.floor(torch.log2(p[pos].to(torch.float64))).to(torch.int64) + 1
+    return out
+
+
+def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
+    """The log-spaced bins of positions ``1..n_pos-1`` (position 0 in none): ``[1, 2), [2, 4), [4, 8), ...``.
+
+    The same bins as :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out.
+
+    Returns:
+        ``(edges, index)``: ``edges = [1, 2, 4, ..., 2^k]`` (bin ``j`` is ``[edges[j], edges[j+1])``, the last
+        cut at ``n_pos``; at least one bin) and ``index[p]`` the bin of position ``p`` (-1 for position 0).
+    """
+    edges = position_bin_edges(max(n_pos, 2))[1:]
+    index = position_bin_index(torch.arange(n_pos)) - 1
+    return edges, index
+
+
+def bin_labels(edges: Sequence[int], n_pos: int) -> list[str]:
+    """``"[lo,hi)"`` per bin, the last upper edge cut at ``n_pos``."""
+    return [f"[{lo},{min(hi, n_pos)})" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# aggregation
+
+
+def masked_mean(values: Float[Tensor, "*b p"], mask: Bool[Tensor, "*b p"], dim: int = -1) -> Tensor:
+    """Mean of ``values`` over ``mask`` along ``dim`` (NaN where nothing is valid)."""
+    w = mask.to(values.dtype)
+    total = torch.where(mask, values, torch.zeros_like(values)).sum(dim)
+    count = w.sum(dim)
+    return torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, math.nan))
+
+
+def finite_mean(x: Tensor) -> float:
+    """Mean of the finite entries (NaN when there are none)."""
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else math.nan
+
+
+def bootstrap_ci(
+    per_sequence: Float[Tensor, "seq *rest"],
+    statistic: Callable[[Tensor], Tensor] | None = None,
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Float[Tensor, "*out 2"]:
+    """Percentile bootstrap CI over sequences (rows resampled with replacement, seeded generator).
+
+    Args:
+        per_sequence: one row per sequence (any trailing shape).
+        statistic: maps a ``[seq, *rest]`` sample to the statistic (default: ``nanmean`` over sequences).
+        n_bootstrap: resamples; 0 gives NaN bounds (as does a single sequence).
+        seed: seed of the CPU generator (same seed, same interval).
+        level: coverage (0.95: the 2.5 % and 97.5 % quantiles).
+
+    Returns:
+        ``[*out, 2]`` (lower, upper) in float64.
+    """
+    stat = statistic or (lambda s: torch.nanmean(s, dim=0))
+    x = per_sequence.detach().to("cpu", torch.float64)
+    point = stat(x)
+    if n_bootstrap == 0 or x.shape[0] < 2:
+        return torch.stack([torch.full_like(point, math.nan)] * 2, dim=-1)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, x.shape[0], (n_bootstrap, x.shape[0]), generator=g)
+    samples = torch.stack([stat(x[i]) for i in idx])
+    alpha = (1.0 - level) / 2.0
+    q = torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)
+    flat = samples.reshape(n_bootstrap, -1)
+    out = torch.nanquantile(flat, q, dim=0).T  # [cols, 2]
+    return out.reshape(*point.shape, 2)
+
+
+__all__ = [
+    "bin_labels",
+    "bootstrap_ci",
+    "check_exclude_positions",
+    "finite_mean",
+    "masked_mean",
+    "position_bin_edges",
+    "position_bin_index",
+    "position_bins",
+    "position_mask",
+]
