@@ -36,8 +36,23 @@ class InputError(TLSteeringError, ValueError):
     """Bad tokens or arguments: empty batch, sequence too short, wrong dtype, bad option value."""
 
 
+class ArgumentTypeError(InputError, TypeError):
+    """An argument has the wrong type (a string or float where layer ints are expected, None where a value is
+    required); raised by :mod:`tl_steering.validation` with the argument's name."""
+
+
 class DeviceMismatchError(InputError):
     """Tokens or tensors live on another device than the model."""
+
+
+class DeviceUnavailableError(InputError):
+    """A device was asked for that this machine does not have (``"cuda"`` without a GPU); raised before any
+    model is loaded."""
+
+
+class ResultFileError(InputError):
+    """A result file cannot be read back: truncated or corrupted, unknown kind or format version, missing,
+    unknown or wrong-typed fields. The message names the file and the field."""
 
 
 class NonFiniteError(TLSteeringError, FloatingPointError):
@@ -57,7 +72,10 @@ __all__ = [
     "ParallelBlockError",
     "LayerIndexError",
     "InputError",
+    "ArgumentTypeError",
     "DeviceMismatchError",
+    "DeviceUnavailableError",
+    "ResultFileError",
     "NonFiniteError",
     "ResidualIdentityError",
 ]

@@ -20,8 +20,10 @@ import torch
 from torch import Tensor
 
 from . import geometry as geo
+from . import validation
 from .backends import ModelAdapter, adapt
-from .errors import InputError
+from .backends.lifecycle import capture_site
+from .errors import ArgumentTypeError, HookNotFoundError, InputError
 
 HookList = list[tuple[str, Callable[..., Any]]]
 Keep = Literal["tangential", "radial", "zero", "random_tangent", "full"]
@@ -52,9 +54,10 @@ def ffn_component(
 ) -> HookList:
     """Replace each chosen layer's FFN write phi = hook_mlp_out by one of its parts.
 
-    With u = normalize(FFN input) read from the SAME (patched) forward:
+    With u = normalize(FFN input) read from the SAME (patched) forward, as the block really uses it: after
+    every hook on that point, whatever their order (a user's steering hook listed after these included):
 
-    * ``"tangential"``: phi_T = phi - <u, phi> u  (P_u phi; MATH_SPEC §5)
+    * ``"tangential"``: phi_T = phi - <u, phi> u  (P_u phi; docs/protocols.md)
     * ``"radial"``: phi_R = <u, phi> u
     * ``"zero"``: 0 (remove the FFN)
     * ``"random_tangent"``: a random tangent vector at u with the norm of phi_T (chance control)
@@ -65,30 +68,41 @@ def ffn_component(
         keep: which part to keep.
         layers: layers to ablate (default: all at once, the paper's scope).
         reference: ``"ffn_input"`` (resid_mid for sequential blocks, resid_pre for parallel blocks; the
-            default, see MATH_SPEC §5) or ``"resid_pre"``.
+            default, see docs/protocols.md) or ``"resid_pre"``.
         skip_positions: positions left intact (e.g. ``(0,)`` keeps the attention sink's FFN write).
         seed: seed of the random-tangent control. The noise of layer l is drawn from a generator seeded with
             (seed, l) at every forward: the same hooks and inputs give the same forward every time.
     """
     ad = adapt(model)
-    if keep not in KEEPS:
-        raise InputError(f"keep must be one of {KEEPS}, got {keep!r}")
-    if reference not in ("ffn_input", "resid_pre"):
-        raise InputError(f"reference must be 'ffn_input' or 'resid_pre', got {reference!r}")
+    validation.as_choice(keep, "keep", KEEPS)
+    validation.as_choice(reference, "reference", ("ffn_input", "resid_pre"))
+    skip = validation.as_positions(skip_positions, "skip_positions")
+    seed = validation.as_int(seed, "seed")
     hooks: HookList = []
     for layer in ad.layers(layers):
-        ref_name = ad.hook_name(layer, reference)
+        ref_site = ad.ffn_input_site(layer) if reference == "ffn_input" else "resid_pre"
+        arm_name = ad.hook_name(layer, "resid_pre")
         out_name = ad.hook_name(layer, "mlp_out")
         state: dict[str, Tensor] = {}
 
-        def stash(act: Tensor, hook: Any, state: dict = state) -> None:
-            state["u"] = geo.normalize(act)
+        def arm(act: Tensor, hook: Any, state: dict = state, layer: int = layer, ref_site: str = ref_site) -> None:
+            # fires at hook_resid_pre (before the reference is final): arm a capture of the value the block
+            # really uses at the reference site, after every hook there, whatever their order
+            state.clear()
+            state["fallback"] = act if ref_site == "resid_pre" else None
+            capture_site(ad, layer, ref_site, lambda x, state=state: state.__setitem__("ref", x))
 
         def patch(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> Tensor:
-            u = state.pop("u", None)
-            if u is None:
-                raise RuntimeError(f"ffn_component: the FFN-input hook of layer {layer} did not fire before "
-                                   "hook_mlp_out; this model's hook order is not supported")
+            ref = state.pop("ref", None)
+            if ref is None or ref.shape != act.shape:
+                ref = state.pop("fallback", None)
+            state.clear()
+            if ref is None:
+                raise HookNotFoundError(
+                    f"ffn_component: the FFN input of layer {layer} was not seen before hook_mlp_out (this model's "
+                    "hook order is not supported, or a run interrupted earlier left this hook attached: call "
+                    "model.reset_hooks())")
+            u = geo.normalize(ref)
             phi = act.to(torch.float64)
             if keep == "full":
                 new = phi
@@ -107,17 +121,17 @@ def ffn_component(
                     noise = torch.randn(phi.shape, generator=gen, device=act.device, dtype=torch.float64)
                     noise = geo.tangential_part(noise, u)
                     new = geo.normalize(noise) * tan.norm(dim=-1, keepdim=True)
-            mask = _skip_mask(act, skip_positions)
+            mask = _skip_mask(act, skip)
             if mask is not None:
                 new = torch.where(mask, phi, new)
             return new.to(act.dtype)
 
-        hooks += [(ref_name, stash), (out_name, patch)]
+        hooks += [(arm_name, arm), (out_name, patch)]
     return hooks
 
 
 def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) -> HookList:
-    """Scale each layer's FFN write: x^{l+1} = y + g_l Phi_l(y) (MATH_SPEC §8).
+    """Scale each layer's FFN write: x^{l+1} = y + g_l Phi_l(y) (docs/critical_prefix_gates.md).
 
     Args:
         gates: ``{layer: g}``, or one gate per layer (sequence or tensor of length n_layers). A tensor that
@@ -125,18 +139,19 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
     """
     ad = adapt(model)
     if isinstance(gates, Mapping):
-        items = [(ad.check_layer(int(k)), v) for k, v in gates.items()]
+        items = [(ad.check_layer(k, "gates key (layer)"), v) for k, v in gates.items()]
     else:
+        if gates is None or isinstance(gates, (str, bytes)) or not hasattr(gates, "__len__"):
+            raise ArgumentTypeError(
+                f"gates must be a {{layer: gate}} dict or one gate per layer, got {gates!r}")
         if len(gates) != ad.n_layers:
             raise InputError(f"gates has {len(gates)} entries but the model has {ad.n_layers} layers; "
                              "pass one per layer or a {layer: gate} dict")
         items = list(enumerate(gates))
     hooks: HookList = []
     for layer, g in items:
-        if not isinstance(g, Tensor):
-            g = float(g)
-            if g != g or g in (float("inf"), float("-inf")):
-                raise InputError(f"gate of layer {layer} is not finite: {g}")
+        if not isinstance(g, Tensor) or g.dim() == 0 and not g.requires_grad:
+            g = validation.as_float(g, f"gate of layer {layer}")
 
         def scale(act: Tensor, hook: Any, g: Any = g) -> Tensor:
             return act * (g.to(act.dtype) if isinstance(g, Tensor) else g)
@@ -148,8 +163,9 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
 def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
     """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly.
 
-    Implementation: stash x = resid_pre of the layer (from the same, possibly already perturbed, forward) and
-    replace hook_mlp_out by Phi(x) = MLP(LN2(x)), computed by the adapter's pure FFN callable (no hooks fire
+    Implementation: capture x = the resid_pre the block really uses in the same (possibly perturbed) forward,
+    after every hook on hook_resid_pre in any order (the input of the block's first norm), and replace
+    hook_mlp_out by Phi(x) = MLP(LN2(x)), computed by the adapter's pure FFN callable (no hooks fire
     inside it). This needs no change of model state (``hook_mlp_in`` stays off) and behaves the same on
     HookedTransformer and TransformerBridge. Hooks inside that layer's MLP (``mlp.hook_pre`` etc.) still see
     the sequential computation; hook_mlp_out, resid_post and everything downstream see the parallel one.
@@ -158,21 +174,29 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
     """
     ad = adapt(model)
     hooks: HookList = []
-    if not isinstance(layers, int) and len(layers) == 0:
-        return hooks  # an empty plan (k = 0) is the sequential model: no hooks
-    for layer in ad.layers(layers):
+    chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
+    for layer in chosen:  # an empty plan (k = 0) is the sequential model: no hooks
         if ad.is_parallel(layer):
             continue
         phi = ad.ffn(layer)
         state: dict[str, Tensor] = {}
 
-        def stash(act: Tensor, hook: Any, state: dict = state) -> None:
-            state["x"] = act
+        def stash(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
+            # x as this hook sees it, and a capture of the x the block really uses (ln1's input, after every
+            # hook on resid_pre, also a user's listed after ours)
+            state.clear()
+            state["fallback"] = act
+            capture_site(ad, layer, "resid_pre", lambda x, state=state: state.__setitem__("x", x))
 
         def swap(act: Tensor, hook: Any, state: dict = state, phi: Callable = phi, layer: int = layer) -> Tensor:
             x = state.pop("x", None)
+            fallback = state.pop("fallback", None)
+            if x is None or fallback is None or x.shape != fallback.shape:
+                x = fallback
             if x is None:
-                raise RuntimeError(f"parallel_blocks: resid_pre of layer {layer} did not fire before hook_mlp_out")
+                raise HookNotFoundError(
+                    f"parallel_blocks: resid_pre of layer {layer} did not fire before hook_mlp_out (a run "
+                    "interrupted earlier may have left this hook attached: call model.reset_hooks())")
             return phi(x).to(act.dtype)
 
         hooks += [(ad.hook_name(layer, "resid_pre"), stash), (ad.hook_name(layer, "mlp_out"), swap)]
@@ -180,11 +204,9 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
 
 
 def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None = None) -> HookList:
-    """Scale attention writes a -> gain * a at the chosen layers (aggregation pressure, MATH_SPEC §6)."""
+    """Scale attention writes a -> gain * a at the chosen layers (aggregation pressure, docs/protocols.md)."""
     ad = adapt(model)
-    gain = float(gain)
-    if gain != gain or abs(gain) == float("inf"):
-        raise InputError(f"gain must be finite, got {gain}")
+    gain = validation.as_float(gain, "gain")
 
     def scale(act: Tensor, hook: Any) -> Tensor:
         return act * gain

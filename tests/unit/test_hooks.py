@@ -283,5 +283,64 @@ def test_bad_arguments(tiny):
         attention_gain(tiny, math.nan)
     with pytest.raises(InputError, match="one per layer"):
         ffn_gate(tiny, [1.0] * (adapt(tiny).n_layers + 1))
-    with pytest.raises(InputError, match="not finite"):
+    with pytest.raises(InputError, match="must be finite"):
         ffn_gate(tiny, {0: math.inf})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hook order: a user's hook on the same point, listed before or after ours, must not change what the factory
+# computes (the factories read the value the block really uses, after every hook on that point)
+
+
+def _steer(act, hook):
+    """A user's steering hook that changes the direction: x -> 3x + ||x|| v with a fixed unit vector v."""
+    v = torch.randn(act.shape[-1], generator=torch.Generator().manual_seed(7), dtype=F64)
+    v = (v / v.norm()).to(act.dtype)
+    return 3.0 * act + act.norm(dim=-1, keepdim=True) * v
+
+
+def test_parallel_blocks_any_hook_order_matches_executor(tiny, tiny_tokens):
+    """parallel_blocks(m, [1]) + a user's steering hook (_steer) on blocks.1.hook_resid_pre, listed first or last, gives the
+    executor's output (ts.parallelize with the same user hook) to fp32 rounding (before the fix: 5e-4 off
+    when the user's hook ran after ours)."""
+    import tl_steering as ts
+
+    ad = adapt(tiny)
+    user = (ad.hook_name(1, "resid_pre"), _steer)
+    first = ad.run_with_hooks(tiny_tokens, [user] + parallel_blocks(tiny, [1]))
+    last = ad.run_with_hooks(tiny_tokens, parallel_blocks(tiny, [1]) + [user])
+    truth = ts.parallelize(tiny, [1]).run_with_hooks(tiny_tokens, fwd_hooks=[user])
+    assert rel(last, first) < 1e-6
+    assert rel(last, truth) < RTOL
+    assert rel(first, truth) < RTOL
+    assert_no_hooks(tiny)
+
+
+@pytest.mark.parametrize("keep", ["tangential", "radial"])
+def test_ffn_component_any_hook_order(tiny, tiny_tokens, keep):
+    """ffn_component + a user's steering hook on the FFN-input point, listed first or last: the written FFN output is
+    tangential (radial) to the FFN input the block really used (|cos| < 1e-5, resp. |sin| < 1e-5; before the
+    fix |cos| = 0.27 with the user's hook last), and both orders give the same logits."""
+    ad = adapt(tiny)
+    layer = 1
+    fin_name = ad.hook_name(layer, "ffn_input")
+    user = (fin_name, _steer)
+    outs = []
+    for order in ("first", "last"):
+        got: dict = {}
+        ours = ffn_component(tiny, keep, layers=[layer])
+        hooks = [user] + ours if order == "first" else ours + [user]
+        # recorders listed after everything: the final FFN input and the FFN write the model goes on with
+        hooks += [(fin_name, saver(got, "f")), (ad.hook_name(layer, "mlp_out"), saver(got, "phi"))]
+        outs.append(ad.run_with_hooks(tiny_tokens, hooks))
+        u = geo.normalize(got["f"].to(F64))
+        phi = got["phi"].to(F64)
+        norm = phi.norm(dim=-1).clamp_min(1e-30)
+        cos = (phi * u).sum(-1) / norm
+        ok = phi.norm(dim=-1) > 1e-6 * phi.norm(dim=-1).max()
+        if keep == "tangential":
+            assert float(cos[ok].abs().max()) < 1e-5, order
+        else:
+            assert float((1 - cos[ok].abs()).max()) < 1e-5, order
+    assert rel(outs[1], outs[0]) < 1e-6
+    assert_no_hooks(tiny)

@@ -16,20 +16,18 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 import contextlib
 import dataclasses
 import importlib.metadata
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .. import validation
 from ..errors import (
     DeviceMismatchError,
     HookNotFoundError,
     InputError,
-    LayerIndexError,
     ModelNotSupportedError,
     NonFiniteError,
     ParallelBlockError,
@@ -49,7 +47,6 @@ try:
 except ImportError:  # pragma: no cover - TL < 3
     _TransformerBridge = None
 
-from transformer_lens.hook_points import HookPoint
 
 
 def tl_version() -> str:
@@ -114,61 +111,13 @@ def first_output(out: Any) -> Tensor:
 # hook hygiene
 
 
-def hook_points(model: torch.nn.Module) -> list[HookPoint]:
-    """Every TransformerLens HookPoint inside ``model`` (a whole model or one block)."""
-    return [m for m in model.modules() if isinstance(m, HookPoint)]
-
-
-@contextlib.contextmanager
-def hook_guard(model: torch.nn.Module) -> Iterator[None]:
-    """Remove, on exit, every hook that was added to ``model`` inside the block; keep the user's hooks.
-
-    Works on exceptions and KeyboardInterrupt. Hooks the user had before the block (permanent or not) are left
-    where they were.
-    """
-    points = hook_points(model)
-    before = {id(hp): ({id(h) for h in hp.fwd_hooks}, {id(h) for h in hp.bwd_hooks}) for hp in points}
-    mlp_in_before = _get_use_hook_mlp_in(model)
-    try:
-        yield
-    finally:
-        for hp in hook_points(model):
-            fwd_ids, bwd_ids = before.get(id(hp), (set(), set()))
-            for attr, keep in (("fwd_hooks", fwd_ids), ("bwd_hooks", bwd_ids)):
-                handles = getattr(hp, attr)
-                kept = []
-                for h in handles:
-                    if id(h) in keep:
-                        kept.append(h)
-                    else:
-                        h.hook.remove()
-                setattr(hp, attr, kept)
-        if mlp_in_before is not None and _get_use_hook_mlp_in(model) != mlp_in_before:
-            model.set_use_hook_mlp_in(mlp_in_before)
-
-
-@contextlib.contextmanager
-def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """Temporarily detach every forward/backward hook of the HookPoints inside ``module``.
-
-    Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian.
-    """
-    saved = []
-    for hp in hook_points(module):
-        saved.append((hp, hp._forward_hooks, hp._forward_pre_hooks, hp._backward_hooks))
-        hp._forward_hooks = type(hp._forward_hooks)()
-        hp._forward_pre_hooks = type(hp._forward_pre_hooks)()
-        hp._backward_hooks = type(hp._backward_hooks)()
-    try:
-        yield
-    finally:
-        for hp, f, fp, b in saved:
-            hp._forward_hooks, hp._forward_pre_hooks, hp._backward_hooks = f, fp, b
-
-
-def _get_use_hook_mlp_in(model: Any) -> bool | None:
-    cfg = getattr(model, "cfg", None)
-    return getattr(cfg, "use_hook_mlp_in", None)
+from .lifecycle import (  # noqa: E402  (hook lifecycle lives in its own module)
+    _get_use_hook_mlp_in,
+    hook_guard,
+    hook_points,
+    hooks_silenced,
+)
+from . import lifecycle as _lifecycle  # noqa: E402
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -232,6 +181,12 @@ class ModelAdapter:
         return torch.float32
 
     @property
+    def n_ctx(self) -> int | None:
+        """The model's context length (None when the config does not say)."""
+        n = getattr(self.cfg, "n_ctx", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
+
+    @property
     def device(self) -> torch.device:
         for p in self.model.parameters():
             return p.device
@@ -254,25 +209,15 @@ class ModelAdapter:
     def any_parallel(self) -> bool:
         return any(self._parallel)
 
-    def check_layer(self, layer: int) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise LayerIndexError(f"layer must be an int, got {layer!r}")
-        if not -self.n_layers <= layer < self.n_layers:
-            raise LayerIndexError(
-                f"layer {layer} is out of range: this model has {self.n_layers} layers (0..{self.n_layers - 1})"
-            )
-        return layer % self.n_layers
+    def check_layer(self, layer: int, name: str = "layer") -> int:
+        """One valid layer index (int, not bool/float/str; negative counts from the end)."""
+        return validation.as_layer(layer, self.n_layers, name)
 
-    def layers(self, layers: Sequence[int] | int | None = None) -> list[int]:
-        """Normalise a layer selection (None = all) into a sorted list of valid indices."""
-        if layers is None:
-            return list(range(self.n_layers))
-        if isinstance(layers, int):
-            layers = [layers]
-        out = sorted({self.check_layer(int(lay)) for lay in layers})
-        if not out:
-            raise InputError("empty layer selection: pass None for all layers or a non-empty list")
-        return out
+    def layers(self, layers: Sequence[int] | int | None = None, name: str = "layers", *,
+               allow_none: bool = True) -> list[int]:
+        """Normalise a layer selection (None = all) into a sorted list of valid indices (strict types, see
+        :func:`tl_steering.validation.as_layers`)."""
+        return validation.as_layers(layers, self.n_layers, name, allow_none=allow_none)
 
     def ffn_input_site(self, layer: int) -> Literal["resid_mid", "resid_pre"]:
         """Where the FFN reads its input: resid_mid for sequential blocks, resid_pre for parallel ones."""
@@ -368,13 +313,13 @@ class ModelAdapter:
     def mlp_in_enabled(self) -> Iterator[None]:
         """Turn on ``hook_mlp_in`` for the duration (restores the previous setting)."""
         before = _get_use_hook_mlp_in(self.model)
-        if not before:
-            self.model.set_use_hook_mlp_in(True)
-        try:
+        try:  # mutate inside the try: an interrupt right after the switch still restores it
+            if not before:
+                self.model.set_use_hook_mlp_in(True)
             yield
         finally:
             if not before:
-                self.model.set_use_hook_mlp_in(False)
+                _lifecycle.shielded(lambda: self.model.set_use_hook_mlp_in(False))
 
     def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
         """Check a token batch and move nothing silently: wrong device is an error, not a copy."""
@@ -394,6 +339,7 @@ class ModelAdapter:
                 f"sequences of length {tokens.shape[1]} are too short: at least {min_len} positions are needed "
                 "(position 0 is excluded from statistics and a next-token loss needs two)"
             )
+        validation.check_length(int(tokens.shape[1]), self.n_ctx)
         if tokens.device != self.device:
             raise DeviceMismatchError(
                 f"tokens are on {tokens.device} but the model is on {self.device}; "
@@ -407,23 +353,11 @@ class ModelAdapter:
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
-        """Forward with hooks; every hook is removed afterwards, also on error.
-
-        ``grad=True`` keeps autograd on (for gradients w.r.t. activations with ``torch.autograd.grad``;
-        never call ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
-        with self.hook_guard(), (torch.enable_grad() if grad else torch.no_grad()):
-            try:
-                ctx = self.model.hooks(fwd_hooks=list(fwd_hooks))
-                ctx.__enter__()
-            except ValueError as e:  # the bridge refuses gated hooks (hook_mlp_in while use_hook_mlp_in is off)
-                if "Cannot add hook" in str(e):
-                    raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
-                                            "configuration)") from e
-                raise
-            try:
-                return self.model(tokens, return_type=return_type, **kwargs)
-            finally:
-                ctx.__exit__(None, None, None)
+        """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
+        ``hooks()`` context runs inside an ExitStack, so its cleanup sees the exception). ``grad=True`` keeps
+        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.planning.attribution)."""
+        return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
+                                         **kwargs)
 
     def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()) -> Float[Tensor, "batch pos_minus_1"]:
         """Next-token cross-entropy per predicted position (float64), with optional hooks."""
@@ -563,77 +497,7 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# wrapping a Hugging Face model into a TransformerLens model (used by the loaders)
-
-
-def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing, device: str | None,
-            label: str, hf_config_dir: str | Path | None = None) -> Any:
-    """Wrap a Hugging Face causal LM into a HookedTransformer (TL 3.9) or TransformerBridge.
-
-    Args:
-        hf_model: the HF model (already on CPU, eval mode).
-        tokenizer: a tokenizer loadable from a local directory (TL reloads it by ``name_or_path``).
-        backend: "bridge" (TL 3.9 and 4.x) or "hooked" (TL 3.9 only).
-        processing: "raw" (no LN folding, no centring: Hugging Face geometry) or "tl" (TL's processed weights).
-        device: target device or None (CPU).
-        label: name for the directory holding config and tokenizer (must not contain "llama"/"gemma": TL 3.9
-            infers the architecture from that name).
-        hf_config_dir: directory with config.json and tokenizer files; created in a temp dir if None.
-    """
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
-    device = device or "cpu"
-    hf_model.eval()
-    # TL 3.9 reads config.architectures and fails on None (OFFLINE_MODELS.md)
-    hf_model.config.architectures = [type(hf_model).__name__]
-    if hf_config_dir is None:
-        safe = "".join(c if c.isalnum() else "-" for c in label.lower())
-        for word in ("llama", "gemma", "gpt2", "neox", "pythia", "mistral"):
-            safe = safe.replace(word, "m")
-        hf_config_dir = tempfile.mkdtemp(prefix=f"tlsteering-{safe}-")
-        hf_model.config.save_pretrained(hf_config_dir)
-        tokenizer.save_pretrained(hf_config_dir)
-        from transformers import AutoTokenizer
-
-        # TL reloads the tokenizer by name_or_path: it must point at a local directory
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
-    if backend == "bridge":
-        if _TransformerBridge is None:  # pragma: no cover
-            raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
-        model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
-                                                     device=device)
-        if processing == "tl":
-            model.enable_compatibility_mode()
-        return model
-    if backend == "hooked":
-        if _HookedTransformer is None:
-            raise ModelNotSupportedError(
-                f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
-                "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*')."
-            )
-        import transformer_lens.loading_from_pretrained as lp
-
-        fold = processing == "tl"
-        cfg = lp.get_pretrained_model_config(str(hf_config_dir), device=device, fold_ln=fold)
-        state_dict = lp.get_pretrained_state_dict(str(hf_config_dir), cfg, hf_model)
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
-        model.load_and_process_state_dict(
-            state_dict,
-            fold_ln=fold,
-            center_writing_weights=fold and cfg.normalization_type in ("LN", "LNPre"),
-            center_unembed=fold,
-            fold_value_biases=fold,
-            refactor_factored_attn_matrices=False,
-        )
-        model.to(device)
-        model.eval()
-        return model
-    raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+from .wrapping import wrap_hf  # noqa: E402  (re-exported: loaders import it from here)
 
 
 __all__ = [

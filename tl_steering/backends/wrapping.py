@@ -1,0 +1,113 @@
+"""Wrapping a Hugging Face causal LM into a TransformerLens model, on the device asked for.
+
+The device is honoured or refused (see docs/architecture.md): the request is checked by
+:func:`tl_steering.validation.as_device` before anything is built (no GPU, ``"tpu"``, ``"bogus"`` are errors),
+the weights are moved with ``.to(device)`` (``TransformerBridge.boot_transformers(hf_model=...)`` only records
+``cfg.device`` and leaves the weights where they are), and the parameters' device is verified afterwards;
+``cfg.device`` then states where the weights really are.
+"""
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import validation
+from ..errors import InputError, ModelLoadError, ModelNotSupportedError
+from .adapter import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
+
+
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (the first parameter's device; cpu for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def move_to_device(model: Any, device: torch.device) -> Any:
+    """Move ``model`` to ``device`` and check that every parameter got there; keep ``cfg.device`` truthful."""
+    if any(not validation.same_device(p.device, device) for p in model.parameters()):
+        model.to(device)
+    wrong = sorted({str(p.device) for p in model.parameters() if not validation.same_device(p.device, device)})
+    if wrong:
+        raise ModelLoadError(f"asked for device {device} but parameters stayed on {wrong} after .to({device!s})")
+    actual = parameter_device(model)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "device"):
+        try:
+            cfg.device = actual if not isinstance(cfg.device, str) else str(actual)
+        except Exception:  # noqa: BLE001 - a frozen config: the parameters are what counts
+            pass
+    return model
+
+
+def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing,
+            device: str | torch.device | None, label: str, hf_config_dir: str | Path | None = None) -> Any:
+    """Wrap a Hugging Face causal LM into a HookedTransformer (TL 3.9) or TransformerBridge.
+
+    Args:
+        hf_model: the HF model (on CPU, eval mode).
+        tokenizer: a tokenizer loadable from a local directory (TL reloads it by ``name_or_path``).
+        backend: "bridge" (TL 3.9 and 4.x) or "hooked" (TL 3.9 only).
+        processing: "raw" (no LN folding, no centring: Hugging Face geometry) or "tl" (TL's processed weights).
+        device: target device (None: CPU). Checked before anything is built; the weights are moved there.
+        label: name for the directory holding config and tokenizer (must not contain "llama"/"gemma": TL 3.9
+            infers the architecture from that name).
+        hf_config_dir: directory with config.json and tokenizer files; created in a temp dir if None.
+    """
+    if processing not in ("raw", "tl"):
+        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    if backend not in ("bridge", "hooked"):
+        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    dev = validation.as_device(device)
+    hf_model.eval()
+    # TL 3.9 reads config.architectures and fails on None
+    hf_model.config.architectures = [type(hf_model).__name__]
+    if hf_config_dir is None:
+        safe = "".join(c if c.isalnum() else "-" for c in label.lower())
+        for word in ("llama", "gemma", "gpt2", "neox", "pythia", "mistral"):
+            safe = safe.replace(word, "m")
+        hf_config_dir = tempfile.mkdtemp(prefix=f"tlsteering-{safe}-")
+        hf_model.config.save_pretrained(hf_config_dir)
+        tokenizer.save_pretrained(hf_config_dir)
+        from transformers import AutoTokenizer
+
+        # TL reloads the tokenizer by name_or_path: it must point at a local directory
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
+    if backend == "bridge":
+        if _TransformerBridge is None:  # pragma: no cover
+            raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
+        # boot_transformers(hf_model=...) records the device without moving the weights: move_to_device does
+        model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
+                                                     device=str(dev))
+        if processing == "tl":
+            model.enable_compatibility_mode()
+        return move_to_device(model, dev)
+    if _HookedTransformer is None:
+        raise ModelNotSupportedError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
+            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*')."
+        )
+    import transformer_lens.loading_from_pretrained as lp
+
+    fold = processing == "tl"
+    cfg = lp.get_pretrained_model_config(str(hf_config_dir), device=str(dev), fold_ln=fold)
+    state_dict = lp.get_pretrained_state_dict(str(hf_config_dir), cfg, hf_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(
+        state_dict,
+        fold_ln=fold,
+        center_writing_weights=fold and cfg.normalization_type in ("LN", "LNPre"),
+        center_unembed=fold,
+        fold_value_biases=fold,
+        refactor_factored_attn_matrices=False,
+    )
+    model.eval()
+    return move_to_device(model, dev)
+
+
+__all__ = ["move_to_device", "parameter_device", "wrap_hf"]

@@ -1,0 +1,230 @@
+"""Strict argument checks shared by every public entry point (and the CLI).
+
+One rule for each kind of argument, so that ``layers="12"`` is not iterated as characters, ``[True]`` or
+``[1.5]`` do not mean layer 1, and ``None`` where a value is required is a clear error instead of a bare
+``TypeError`` deep inside. Every error is a :class:`tl_steering.errors.ArgumentTypeError` (a ``TypeError``
+and an ``InputError``) or :class:`~tl_steering.errors.LayerIndexError` naming the argument, the value and
+what to pass instead. Pure Python and torch: no model is needed, so the CLI can check its arguments before
+loading anything.
+"""
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import ArgumentTypeError, DeviceUnavailableError, InputError, LayerIndexError
+
+
+def _is_int(v: Any) -> bool:
+    """A real integer: Python int, numpy/torch integer scalar; not bool, not float (1.0 is not a layer)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
+    if type(v).__name__ in ("bool_", "bool"):  # numpy.bool_
+        return False
+    return isinstance(v, numbers.Integral)
+
+
+def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
+           where: str = "") -> int:
+    """``value`` as an int (rejecting bool, float, str, None), optionally within ``[minimum, maximum]``."""
+    at = f" in {where}" if where else ""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name}{at} must be an int, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise InputError(f"{name}{at} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise InputError(f"{name}{at} must be <= {maximum}, got {v}")
+    return v
+
+
+def as_float(value: Any, name: str, *, finite: bool = True, minimum: float | None = None,
+             maximum: float | None = None, where: str = "") -> float:
+    """``value`` as a float (int or float; not bool, str or None), finite unless ``finite=False``."""
+    at = f" in {where}" if where else ""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    if isinstance(value, torch.Tensor):
+        ok = value.dim() == 0 and value.dtype != torch.bool and not value.is_complex()
+    if not ok:
+        raise ArgumentTypeError(f"{name}{at} must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if finite and not math.isfinite(v):
+        raise InputError(f"{name}{at} must be finite, got {v}")
+    if minimum is not None and v < minimum:
+        raise InputError(f"{name}{at} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise InputError(f"{name}{at} must be <= {maximum}, got {v}")
+    return v
+
+
+def as_bool(value: Any, name: str) -> bool:
+    """``value`` as a bool: only True/False (not 0/1, not "yes")."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ArgumentTypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def as_choice(value: Any, name: str, choices: Sequence[str]) -> str:
+    """``value`` as one of the strings ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise InputError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def as_int_list(value: Any, name: str, *, allow_empty: bool = True, where: str = "") -> list[int]:
+    """A sequence of ints (a list, tuple, range or 1-d integer tensor), each checked by :func:`as_int`.
+
+    A bare int is NOT accepted here (use :func:`as_layers` for "one or many"); a string is refused rather
+    than iterated character by character.
+    """
+    at = f" in {where}" if where else ""
+    if value is None:
+        raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got None")
+    if isinstance(value, (str, bytes)):
+        raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got the string {value!r}; "
+                                f"write {name}=[...] with int entries")
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1:
+            raise ArgumentTypeError(f"{name}{at} must be 1-d, got a tensor of shape {tuple(value.shape)}")
+        value = list(value.reshape(-1))
+    if isinstance(value, (set, frozenset, dict)) or not isinstance(value, (Sequence, range)):
+        try:
+            value = list(value)
+        except TypeError:
+            raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got {value!r} "
+                                    f"({type(value).__name__})") from None
+    out = []
+    for i, v in enumerate(value):
+        if not _is_int(v):
+            raise ArgumentTypeError(f"{name}{at}[{i}] must be an int, got {v!r} ({type(v).__name__})")
+        out.append(int(v))
+    if not out and not allow_empty:
+        raise InputError(f"{name}{at} is empty")
+    return out
+
+
+def as_layer(value: Any, n_layers: int, name: str = "layer") -> int:
+    """One layer index (negative counts from the end), checked against ``n_layers``; returns 0..n_layers-1."""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name} must be an int layer index, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if not -n_layers <= v < n_layers:
+        raise LayerIndexError(f"{name} {v} is out of range: this model has {n_layers} layers (0..{n_layers - 1})")
+    return v % n_layers
+
+
+def as_layers(value: Any, n_layers: int, name: str = "layers", *, allow_none: bool = True,
+              allow_empty: bool = False) -> list[int]:
+    """A layer selection: an int or a sequence of ints (None means all layers when ``allow_none``).
+
+    Returns the sorted, de-duplicated valid indices. Strings, bools, floats and (unless allowed) None are
+    refused with an error naming ``name``; out-of-range indices raise :class:`LayerIndexError`.
+    """
+    if value is None:
+        if allow_none:
+            return list(range(n_layers))
+        raise ArgumentTypeError(f"{name} must be an int or a sequence of ints, got None")
+    if _is_int(value):
+        return [as_layer(value, n_layers, name)]
+    if isinstance(value, (bool, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        raise ArgumentTypeError(f"{name} must be an int or a sequence of ints, got {value!r} "
+                                f"({type(value).__name__})")
+    items = as_int_list(value, name)
+    out = sorted({as_layer(v, n_layers, f"{name}[{i}] = layer") for i, v in enumerate(items)})
+    if not out and not allow_empty:
+        raise InputError(f"empty {name} selection: pass None for all layers or a non-empty list")
+    return out
+
+
+def as_positions(value: Any, name: str = "exclude_positions") -> tuple[int, ...]:
+    """A set of position indices (ints; negative count from the end), sorted and de-duplicated."""
+    if _is_int(value):
+        return (int(value),)
+    return tuple(sorted(set(as_int_list(value, name))))
+
+
+def check_length(n_pos: int, n_ctx: int | None, what: str = "tokens") -> None:
+    """Refuse sequences longer than the model's context (a bare IndexError deep in the embedding otherwise)."""
+    if n_ctx and n_pos > n_ctx:
+        raise InputError(f"{what} has sequences of length {n_pos}, longer than the model's context n_ctx="
+                         f"{n_ctx}; cut them to at most {n_ctx} positions (e.g. tokens[:, :{n_ctx}])")
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
+
+
+def as_device(value: Any, name: str = "device") -> torch.device:
+    """A device that exists here: ``None`` -> cpu; unknown strings (``"tpu"``, ``"bogus"``) and devices this
+    machine does not have (``"cuda"`` without a GPU, ``"cuda:3"`` with one GPU) are errors, raised before any
+    model is loaded."""
+    if value is None:
+        return torch.device("cpu")
+    if not isinstance(value, (str, torch.device)):
+        raise ArgumentTypeError(f"{name} must be a string like 'cpu' or 'cuda:0' or a torch.device, got "
+                                f"{value!r} ({type(value).__name__})")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise InputError(f"{name}={str(value)!r} is not a device; use one of {_DEVICE_TYPES} "
+                         "(with an index for GPUs, e.g. 'cuda:0')") from None
+    if dev.type not in _DEVICE_TYPES:
+        raise InputError(f"{name}={str(value)!r}: device type {dev.type!r} is not supported; use one of "
+                         f"{_DEVICE_TYPES}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"{name}={str(value)!r} was asked for but CUDA is not available here "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False); use device='cpu'")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise DeviceUnavailableError(f"{name}={str(value)!r}: this machine has {n} CUDA device(s) "
+                                         f"(cuda:0..cuda:{n - 1})")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise DeviceUnavailableError(f"{name}={str(value)!r}: MPS is not available here; use device='cpu'")
+    elif dev.type == "xpu":
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise DeviceUnavailableError(f"{name}={str(value)!r}: XPU is not available here; use device='cpu'")
+    return dev
+
+
+def same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a parameter on ``actual`` satisfies a request for ``wanted`` (``cuda`` matches ``cuda:0``...)."""
+    actual, wanted = torch.device(actual), torch.device(wanted)
+    if actual.type != wanted.type:
+        return False
+    if wanted.index is None or actual.index is None:
+        return True
+    return actual.index == wanted.index
+
+
+def as_path_arg(value: Any, name: str) -> str:
+    """A non-empty path-like string."""
+    import os
+
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise ArgumentTypeError(f"{name} must be a non-empty path, got {value!r}")
+    return value
+
+
+__all__ = [
+    "as_bool",
+    "as_choice",
+    "as_device",
+    "as_float",
+    "as_int",
+    "as_int_list",
+    "as_layer",
+    "as_layers",
+    "as_path_arg",
+    "as_positions",
+    "check_length",
+    "same_device",
+]
