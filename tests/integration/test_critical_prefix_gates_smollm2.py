@@ -1,8 +1,9 @@
-"""Issue 5 on SmolLM2-135M (the session ``smollm2`` fixture; bridge on TL 4.x, HookedTransformer on TL 3.9):
-critical points of every layer's FFN field, prefix sensitivity, FFN gate calibration of a parallelized plan.
+"""Critical points, prefix sensitivity and gate calibration on SmolLM2-135M (the session ``smollm2`` fixture; bridge
+on TL 4.x, HookedTransformer on TL 3.9): critical points of the FFN field (layer 0; every layer with ``-m slow``),
+prefix sensitivity, FFN gate calibration of a parallelized plan.
 
-Numbers were measured on the TL 4.3 bridge (see docs/critical_prefix_gates.md) and are pinned with tolerances
-that survive the small activation differences between the hooked and bridge backends.
+Numbers were measured on the TL 4.3 bridge (docs/critical_points.md, docs/prefix.md, docs/gates.md) and are pinned
+with tolerances that survive the small activation differences between the hooked and bridge backends.
 """
 
 import time
