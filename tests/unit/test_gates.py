@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.gates (MATH_SPEC §8) on the tiny models."""
+"""Unit tests of tl_steering.gates (docs/gates.md) on the tiny models."""
 
 import plotly.graph_objects as go
 import pytest

@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.prefix (MATH_SPEC §10) on the tiny models: every arch x backend."""
+"""Unit tests of tl_steering.prefix (docs/prefix.md) on the tiny models: every arch x backend."""
 
 import math
 
@@ -12,6 +12,7 @@ from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.prefix import (
     PrefixSensitivityResult,
+    PrefixStatisticsResult,
     PrefixStatsResult,
     prefix_sensitivity,
     prefix_statistics,
@@ -96,7 +97,8 @@ def test_sensitivity_result_io(tmp_path, tiny_tokens):
 def test_prefix_statistics(tiny, tiny_tokens):
     ad = adapt(tiny)
     r = prefix_statistics(tiny, tiny_tokens)
-    assert isinstance(r, PrefixStatsResult) and r.layers == list(range(ad.n_layers))
+    assert isinstance(r, PrefixStatisticsResult) and r.layers == list(range(ad.n_layers))
+    assert PrefixStatsResult is PrefixStatisticsResult  # the old name is an alias of the same registered class
     n_pos = tiny_tokens.shape[1]
     pc = r.values["pairwise_cosine"]
     assert tuple(pc.shape) == (ad.n_layers, n_pos)

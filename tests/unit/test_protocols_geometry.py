@@ -209,7 +209,7 @@ def test_deficit_masks_and_counts_zero_norm_tokens(tiny, tiny_tokens):
 
 
 def _component_hooks(model, keep, layers, skip0=False):
-    """Independent implementation of the radial/tangential/zero FFN patch (MATH_SPEC §5)."""
+    """Independent implementation of the radial/tangential/zero FFN patch (docs/ablation.md)."""
     hooks = []
     for lay in layers:
         ref = f"blocks.{lay}.hook_resid_pre" if _is_parallel(model, lay) else f"blocks.{lay}.hook_resid_mid"

@@ -1,0 +1,76 @@
+"""Unit tests of tl_steering.stats (position masks and bins, masked means, bootstrap) and tl_steering.timing.
+
+Exact expectations from docs/statistics.md; no model.
+"""
+
+import math
+import time
+
+import pytest
+import torch
+
+from tl_steering import stats, timing
+from tl_steering.errors import InputError
+
+
+def test_one_position_bin_convention_for_probe_and_protocols():
+    assert stats.position_bin_edges(1) == [0, 1]
+    assert stats.position_bin_edges(5) == [0, 1, 2, 4, 8]
+    assert stats.position_bin_edges(128) == [0, 1, 2, 4, 8, 16, 32, 64, 128]
+    index = stats.position_bin_index(torch.arange(130))
+    assert index[:9].tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 4]
+    # the bin of p is its bit length, exactly, for every position
+    assert index.tolist() == [p.bit_length() for p in range(130)]
+    # every position lies inside its bin: edges[k] <= p < edges[k + 1]
+    edges = stats.position_bin_edges(130)
+    assert all(edges[k] <= p < edges[k + 1] for p, k in enumerate(index.tolist()))
+    # the protocols' bins are the same bins without bin 0 (position 0 is in none)
+    for n_pos in (1, 2, 3, 4, 5, 16, 17, 128):
+        edges_p, index_p = stats.position_bins(n_pos)
+        assert edges_p == stats.position_bin_edges(max(n_pos, 2))[1:]
+        assert index_p.tolist() == [k - 1 for k in stats.position_bin_index(torch.arange(n_pos)).tolist()]
+    assert stats.bin_labels([1, 2, 4, 8], 6) == ["[1,2)", "[2,4)", "[4,6)"]
+
+
+def test_position_mask_and_exclude_positions():
+    assert stats.position_mask(5, (0, -1)).tolist() == [False, True, True, True, False]
+    assert stats.position_mask(3, (7,)).tolist() == [True, True, True]  # outside: ignored
+    with pytest.raises(InputError, match="leaves no position"):
+        stats.position_mask(2, (0, 1))
+    assert stats.check_exclude_positions(None) == () and stats.check_exclude_positions(0) == (0,)
+    for bad in ((True,), (1.5,), "0"):
+        with pytest.raises(InputError):
+            stats.check_exclude_positions(bad)
+
+
+def test_masked_and_finite_means():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, False, True], [False, False, False]])
+    out = stats.masked_mean(values, mask)
+    assert out[0].item() == 2.0 and math.isnan(out[1].item())
+    assert stats.finite_mean(torch.tensor([1.0, math.nan, 3.0, math.inf])) == 2.0
+    assert math.isnan(stats.finite_mean(torch.tensor([math.nan])))
+
+
+def test_bootstrap_is_seeded_and_covers_the_mean():
+    x = torch.randn(50, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    a = stats.bootstrap_ci(x, n_bootstrap=400, seed=7)
+    assert torch.equal(a, stats.bootstrap_ci(x, n_bootstrap=400, seed=7)) and a.shape == (2, 2)
+    assert not torch.equal(a, stats.bootstrap_ci(x, n_bootstrap=400, seed=8))
+    assert bool(((a[:, 0] < x.mean(0)) & (x.mean(0) < a[:, 1])).all())
+    # any statistic of the resampled rows: here the mean of both columns together
+    both = stats.bootstrap_ci(x, lambda s: s.mean(), n_bootstrap=200, seed=0)
+    assert both.shape == (2,) and both[0] < x.mean() < both[1]
+    assert torch.isnan(stats.bootstrap_ci(x[:1], n_bootstrap=100)).all()
+
+
+def test_timers():
+    with timing.timed() as sw:
+        time.sleep(0.02)
+    assert 0.015 < sw.wall_s < 5 and sw.cpu_s >= 0 and set(sw.as_dict()) == {"wall_s", "cpu_s"}
+    with pytest.raises(RuntimeError), timing.timed() as failed:
+        raise RuntimeError("boom")
+    assert failed.wall_s > 0  # filled also when the block raises
+    calls = []
+    t = timing.median_seconds(lambda: calls.append(time.sleep(0.005)), "cpu", warmup=2, repeats=3)
+    assert len(calls) == 5 and 0.004 < t < 5
