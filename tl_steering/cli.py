@@ -1,12 +1,31 @@
-"""Command line: ``tl-steering report ...`` (also ``python -m tl_steering``)."""
+"""Command line: ``tl-steering report ...`` and ``tl-steering render ...`` (also ``python -m tl_steering``).
+
+``report`` = check the arguments (before any model is loaded: a user error is one line on stderr and exit
+code 2, and nothing is written) -> load the model -> :func:`~tl_steering.suite.run_suite` -> save
+``results.json`` (the :class:`~tl_steering.suite.SuiteResult`) -> render ``index.html`` and ``figures/``.
+``render`` re-renders a saved ``results.json`` without a model.
+"""
 
 import argparse
+import importlib.util
 import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (no usage dump) with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tl-steering", description="Feed-forward steering diagnostics (arXiv:2608.02071)")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="tl-steering", description="Feed-forward steering diagnostics (arXiv:2608.02071)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("report", help="run every protocol and write an HTML report")
     r.add_argument("--model", default="smollm2-135m", help="smollm2-135m (offline), gemma-3-270m, or a TL model name")
     r.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
@@ -18,22 +37,172 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    v = sub.add_parser("render", help="re-render a saved results.json (no model)")
+    v.add_argument("results", help="a results.json written by 'tl-steering report'")
+    v.add_argument("--out", default=None, help="output directory (default: the results file's directory)")
     return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument checks: pure, before any model is loaded
+
+
+def check_report_args(args: argparse.Namespace) -> None:
+    """Raise :class:`~tl_steering.errors.InputError` naming the first bad argument (no model, no file written)."""
+    from .errors import InputError
+    from .suite.settings import check_windows_length
+    from .validation import as_device, as_int
+
+    if not isinstance(args.model, str) or not args.model.strip() or any(c.isspace() for c in args.model):
+        raise InputError(f"--model must be a model name (e.g. {OFFLINE_MODELS[0]}), got {args.model!r}")
+    check_text_source(args.text)
+    check_windows_length(args.windows, args.length)
+    as_int(args.seed, "--seed", minimum=0)
+    as_device(args.device, "--device")
+    check_out_dir(args.out)
+
+
+def check_text_source(text: str) -> None:
+    """``pydoc``, an existing non-empty UTF-8 file, or ``hf:NAME[:CONFIG]:SPLIT`` with ``datasets`` installed."""
+    from .errors import InputError
+
+    if text == "pydoc":
+        return
+    if text.startswith("hf:"):
+        parts = text.split(":")[1:]
+        if not 2 <= len(parts) <= 3 or not all(parts):
+            raise InputError(f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)")
+        if importlib.util.find_spec("datasets") is None:
+            raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
+        return
+    path = Path(text)
+    if not path.is_file():
+        raise InputError(f"--text {text!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise InputError(f"--text {text!r}: cannot read the file ({e.strerror})") from None
+    if not head.strip():
+        raise InputError(f"--text {text!r}: the file is empty")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a multi-byte character cut at the end of the sample
+            raise InputError(f"--text {text!r}: not UTF-8 text (byte {e.start})") from None
+
+
+def check_out_dir(out: str) -> None:
+    """The output directory is a directory (or can be made one) that we may write into; nothing is created."""
+    import os
+
+    from .errors import InputError
+
+    if not out:
+        raise InputError("--out must be a directory path, got ''")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--out {out!r} exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent if parent.parent != parent else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out!r}: cannot write into {str(parent)!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the job
+
+
+def run_report(
+    model: Any = "smollm2-135m",
+    backend: str = "bridge",
+    text: str = "pydoc",
+    windows: int | None = None,
+    length: int | None = None,
+    out: str | Path = "report",
+    device: str | None = None,
+    seed: int = 0,
+    quick: bool = False,
+    progress: bool = True,
+    settings: Any = None,
+) -> Path:
+    """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
+
+    Args:
+        model: ``smollm2-135m`` (offline default), ``gemma-3-270m``, any TransformerLens model name, or an
+            already loaded TransformerLens model (then ``backend`` and ``device`` are ignored).
+        backend: ``"bridge"`` (TransformerBridge) or ``"hooked"`` (HookedTransformer, TL 3.9).
+        text: ``"pydoc"`` (offline), a UTF-8 text file, or ``"hf:NAME[:CONFIG]:SPLIT"``.
+        windows, length: token windows and tokens per window (default 8 x 128; ``quick``: 4 x 64).
+        out: output directory (created only once the results exist).
+        device: e.g. ``"cuda"``; default CPU.
+        seed: seed of the windows, bootstraps, random controls and starts.
+        quick: small settings (about 2 minutes on 2 CPU cores).
+        progress: show a progress bar per stage on stderr.
+        settings: explicit :class:`~tl_steering.suite.SuiteSettings` (overrides ``windows``, ``length``, ``quick``).
+
+    Returns:
+        The path of ``index.html``.
+    """
+    import time
+
+    import torch
+
+    from .backends import adapt, load_model
+    from .data import text_windows
+    from .report import render_report
+    from .suite import RunArguments, StageTiming, default_settings, run_suite
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    m = load_model(model, backend=backend, device=device) if isinstance(model, str) else model
+    ad = adapt(m)
+    s = settings or default_settings(ad.n_layers, quick=quick, windows=windows, length=length)
+    tokens = text_windows(m, source=text, n_windows=s.windows, length=s.length, seed=seed)
+    load = StageTiming(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
+    suite = run_suite(m, tokens, s, progress=progress, seed=seed)
+    suite.timings = {"load": load, **suite.timings}
+    suite.total_wall_s += load.wall_s
+    suite.arguments = RunArguments(
+        model=model if isinstance(model, str) else ad.info.name, backend=backend, text=text, windows=windows,
+        length=length, out=str(out), device=device, seed=seed, quick=quick,
+        command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None,
+    )
+    out_dir = Path(out)
+    suite.save(out_dir / "results.json")
+    return render_report(suite, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "report":
-        from .report import run_report
+    from .errors import TLSteeringError
 
-        path = run_report(
-            model=args.model, backend=args.backend, text=args.text, windows=args.windows, length=args.length,
-            out=args.out, device=args.device, seed=args.seed, quick=args.quick, progress=not args.no_progress,
-        )
-        print(f"report written to {path}")
-        return 0
-    return 2  # pragma: no cover
+    try:
+        if args.command == "report":
+            check_report_args(args)
+            path = run_report(model=args.model, backend=args.backend, text=args.text, windows=args.windows,
+                              length=args.length, out=args.out, device=args.device, seed=args.seed,
+                              quick=args.quick, progress=not args.no_progress)
+        else:
+            from .report import render_report
+
+            res = Path(args.results)
+            if not res.is_file():
+                raise_input(f"no results file at {str(res)!r}")
+            path = render_report(res, args.out if args.out is not None else res.parent)
+    except TLSteeringError as e:
+        msg = " ".join(str(e).split())
+        print(f"tl-steering {args.command}: error: {msg}", file=sys.stderr)
+        return USAGE_ERROR
+    print(f"report written to {path}")
+    return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def raise_input(msg: str) -> NoReturn:
+    from .errors import InputError
+
+    raise InputError(msg)
+
+
+__all__ = ["build_parser", "check_report_args", "check_text_source", "main", "run_report"]

@@ -1,13 +1,13 @@
 """The paper's published numbers (tl_steering/reference/published.json), one test per number and model.
 
-Each test runs the matching protocol on the model the paper names (gpt2, gpt2-large, Pythia, Mistral-7B,
-Llama-3-8B) and asserts the number within its band (MATH_SPEC §12 tolerances) whenever the weights can be
+Each test runs the suite (tl_steering.suite.run_suite, only the stage it needs) on the model the paper names (gpt2, gpt2-large, Pythia, Mistral-7B,
+Llama-3-8B) and asserts the number within its band (the regression bands of tl_steering/reference/published.json) whenever the weights can be
 loaded; otherwise it is skipped with the ModelLoadError reason. ``pytest -m published -rs`` lists every number
 with its skip reason. 7-8B models need a CUDA GPU (marked ``gpu``); everything on hub models is ``slow``.
 
 Data: ``TL_STEERING_PUBLISHED_TEXT`` (default ``pydoc``; e.g. ``hf:wikitext:wikitext-103-raw-v1:test`` where the
 datasets extra and the hub are available, closer to the paper's corpora), ``TL_STEERING_PUBLISHED_WINDOWS``
-(default 16) and ``TL_STEERING_PUBLISHED_LENGTH`` (default 256; MATH_SPEC §11 guesses 50 x 1024).
+(default 16) and ``TL_STEERING_PUBLISHED_LENGTH`` (default 256; the paper's corpus size is unknown, perhaps 50 x 1024).
 """
 
 import math
@@ -69,31 +69,39 @@ def _load(key: str):
     return model, tokens
 
 
+def _settings(protocol: str, n_layers: int):
+    """Suite settings that run only ``protocol`` (and what it needs), sized as the paper's protocols ask."""
+    from tl_steering.suite import SuiteSettings
+
+    n = n_layers
+    stages = {"deficit": ["deficit"], "ablation": ["ablation"], "diversity": ["diversity"],
+              "defect": ["defect"], "critical": ["critical"]}[protocol]
+    return SuiteSettings(
+        stages=stages, windows=WINDOWS, length=LENGTH, n_bootstrap=200,
+        ablation_variants=["tangential", "radial", "zero"], diversity_ablations=["tangential", "radial"],
+        diversity_gains=[], defect_evaluate=True, defect_k_values=[0, n // 2], defect_n_random=1,
+        defect_brackets=False, defect_timing=True, plan_k=n // 2,
+        critical_layers=sorted({n // 4, n // 2, (3 * n) // 4}), critical_n_starts=16,
+        critical_methods=["riemannian"], critical_max_windows=4,
+    )
+
+
 def _run(key: str, protocol: str):
+    """The suite (tl_steering.suite.run_suite) with only ``protocol``'s stage, cached per model."""
     model, tokens = _load(key)
     runs = _state["runs"]
     if protocol not in runs:
-        from tl_steering.protocols import angular_deficit, diversity, ffn_ablation, parallel_defect
+        from tl_steering.suite import run_suite
 
-        if protocol == "deficit":
-            runs[protocol] = angular_deficit(model, tokens, n_bootstrap=200)
-        elif protocol == "ablation":
-            runs[protocol] = ffn_ablation(model, tokens, n_bootstrap=0)
-        elif protocol == "diversity":
-            runs[protocol] = diversity(model, tokens, gains=())
-        elif protocol == "defect":
-            n = model.cfg.n_layers
-            runs[protocol] = parallel_defect(
-                model, tokens, evaluate=True, k_values=[0, n // 2], n_random=1, timing=True
-            )
-        elif protocol == "critical":
-            from tl_steering.critical import critical_points_all_layers
-
-            n = model.cfg.n_layers
-            runs[protocol] = critical_points_all_layers(
-                model, layers=sorted({n // 4, n // 2, (3 * n) // 4}), tokens=tokens[:4], n_starts=16
-            )
+        runs[protocol] = run_suite(model, tokens, _settings(protocol, model.cfg.n_layers), progress=False)
     return runs[protocol]
+
+
+def _value(key: str, protocol: str, number_id: str):
+    """Our value of a published number, read through the suite's one map (tl_steering.suite.PUBLISHED)."""
+    from tl_steering.suite import published_value
+
+    return published_value(_run(key, protocol), number_id)
 
 
 def _band(number_id: str) -> tuple[float | None, float | None]:
@@ -108,7 +116,7 @@ def _within(value: float, number_id: str) -> None:
     assert (lo is None or value >= lo) and (hi is None or value <= hi), (
         f"{number_id} [{row['certainty']}] on {row['model_label']}: ours {value:.4g} is outside the band "
         f"[{lo}, {hi}] around the published {row['value'] if row['value'] is not None else row['range']} "
-        f"({row['tolerance']}). MATH_SPEC §12: if a deficit misses clearly, try the secondary definitions."
+        f"({row['tolerance']}). If a deficit misses clearly, try the secondary definitions (docs/protocols.md)."
     )
 
 
@@ -118,37 +126,37 @@ def _within(value: float, number_id: str) -> None:
 
 @pytest.mark.parametrize("key", models("gpt2"))
 def test_deficit_gpt2(key):
-    _within(_run(key, "deficit").mean, "deficit_gpt2")
+    _within(_value(key, "deficit", "deficit_gpt2"), "deficit_gpt2")
 
 
 @pytest.mark.parametrize("key", models("llama-3-8b"))
 def test_deficit_llama3_8b(key):
-    _within(_run(key, "deficit").mean, "deficit_llama3_8b")
+    _within(_value(key, "deficit", "deficit_llama3_8b"), "deficit_llama3_8b")
 
 
 @pytest.mark.parametrize("key", models("pythia"))
 def test_deficit_pythia(key):
-    _within(_run(key, "deficit").mean, "deficit_pythia")
+    _within(_value(key, "deficit", "deficit_pythia"), "deficit_pythia")
 
 
 @pytest.mark.parametrize("key", models("mistral-7b"))
 def test_deficit_mistral(key):
-    _within(_run(key, "deficit").mean, "deficit_mistral")
+    _within(_value(key, "deficit", "deficit_mistral"), "deficit_mistral")
 
 
 @pytest.mark.parametrize("key", models("llama-3-8b"))
 def test_deficit_order_gpt2_llama(key):
     """deficit(GPT-2) < deficit(Llama-3-8B) [P trend]: needs both models (GPT-2 is loaded after Llama here)."""
-    llama = _run(key, "deficit").mean
-    gpt2 = _run("gpt2", "deficit").mean
+    llama = _value(key, "deficit", "deficit_llama3_8b")
+    gpt2 = _value("gpt2", "deficit", "deficit_gpt2")
     assert gpt2 < llama, f"deficit GPT-2 {gpt2:.3f} is not below Llama-3-8B {llama:.3f}"
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_one_step_prediction_improves(key):
-    d = _run(key, "deficit")
-    _within(d.ffn_contribution_mean, "one_step_prediction_improves")
-    assert d.ffn_contribution_mean > 0
+    value = _value(key, "deficit", "one_step_prediction_improves")
+    _within(value, "one_step_prediction_improves")
+    assert value > 0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,8 +165,8 @@ def test_one_step_prediction_improves(key):
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_ablation_tangential(key):
-    a = _run(key, "ablation")
-    _within(a.delta_loss["tangential"], "ablation_tangential")
+    a = _run(key, "ablation").ablation
+    _within(_value(key, "ablation", "ablation_tangential"), "ablation_tangential")
     assert a.delta_loss["tangential"] < a.delta_loss["radial"], (
         "tangential-only must cost less than radial-only"
     )
@@ -166,14 +174,14 @@ def test_ablation_tangential(key):
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_ablation_radial(key):
-    a = _run(key, "ablation")
-    _within(a.delta_loss["radial"], "ablation_radial")
+    a = _run(key, "ablation").ablation
+    _within(_value(key, "ablation", "ablation_radial"), "ablation_radial")
     assert a.delta_loss["radial"] > 3 * a.delta_loss["tangential"], "radial-only must be much worse"
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_ablation_radial_like_zero(key):
-    _within(_run(key, "ablation").ratio_to_zero["radial"], "ablation_radial_like_zero")
+    _within(_value(key, "ablation", "ablation_radial_like_zero"), "ablation_radial_like_zero")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -182,18 +190,17 @@ def test_ablation_radial_like_zero(key):
 
 @pytest.mark.parametrize("key", models("gpt2-large"))
 def test_parallel_gpt2_large_delta_ce(key):
-    c = _run(key, "defect")
-    assert len(c.candidates) == 36
-    j = c.k_values.index(18)
-    _within(float(c.curves["lowest"][j]), "parallel_gpt2_large_delta_ce")
+    suite = _run(key, "defect")
+    assert len(suite.defect.candidates) == 36 and suite.plan.k == 18
+    assert suite.plan.source.startswith("defect curves")
+    _within(_value(key, "defect", "parallel_gpt2_large_delta_ce"), "parallel_gpt2_large_delta_ce")
 
 
 @pytest.mark.parametrize("key", models("gpt2-large"))
 def test_parallel_gpt2_large_high_defect_degrades(key):
-    c = _run(key, "defect")
-    j = c.k_values.index(18)
-    low, high = float(c.curves["lowest"][j]), float(c.curves["highest"][j])
-    _within(high / max(low, 1e-6), "parallel_gpt2_large_high_defect_degrades")
+    assert _run(key, "defect").plan.k == 18
+    _within(_value(key, "defect", "parallel_gpt2_large_high_defect_degrades"),
+            "parallel_gpt2_large_high_defect_degrades")
 
 
 @pytest.mark.parametrize(
@@ -203,8 +210,8 @@ def test_parallel_gpt2_large_speedup(key):
     """The paper's speedup is an estimate from GPU sub-module times; CPU times have another attn/FFN ratio."""
     if not torch.cuda.is_available():
         pytest.skip("the 1.24x speedup estimate is from GPU sub-module times (CUDA events): no CUDA GPU here")
-    c = _run(key, "defect")
-    _within(c.speedup_estimate(c.plan(18))["speedup"], "parallel_gpt2_large_speedup")
+    assert _run(key, "defect").speedup.k == 18
+    _within(_value(key, "defect", "parallel_gpt2_large_speedup"), "parallel_gpt2_large_speedup")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,16 +220,16 @@ def test_parallel_gpt2_large_speedup(key):
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_critical_mostly_saddles(key):
-    cr = _run(key, "critical")
+    cr = _run(key, "critical").critical
     t = cr.totals()
     assert int(cr.n_points.sum()) > 0, "no equilibrium found"
-    _within(cr.saddle_fraction(), "critical_mostly_saddles")
+    _within(_value(key, "critical", "critical_mostly_saddles"), "critical_mostly_saddles")
     assert t["saddle"] > t["attractor"]
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_critical_rotational_modes(key):
-    _within(float(_run(key, "critical").totals()["rotational"]), "critical_rotational_modes")
+    _within(float(_value(key, "critical", "critical_rotational_modes")), "critical_rotational_modes")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -231,20 +238,18 @@ def test_critical_rotational_modes(key):
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_diversity_attention_contracts(key):
-    _within(
-        _run(key, "diversity").summary()["frac_layers_attention_concentrates"],
-        "diversity_attention_contracts",
-    )
+    _within(_value(key, "diversity", "diversity_attention_contracts"), "diversity_attention_contracts")
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_diversity_ffn_restores(key):
-    _within(_run(key, "diversity").summary()["frac_layers_ffn_diversifies"], "diversity_ffn_restores")
+    _within(_value(key, "diversity", "diversity_ffn_restores"), "diversity_ffn_restores")
 
 
 @pytest.mark.parametrize("key", models(*ALL_MODELS))
 def test_diversity_tangential_preserves(key):
-    v = _run(key, "diversity")
+    v = _run(key, "diversity").diversity
+    assert _value(key, "diversity", "diversity_tangential_preserves") is True
     clean = v.final_diversity["pairwise_cosine"]
     tan = v.final_diversity_under_ablation["tangential"]["pairwise_cosine"]
     rad = v.final_diversity_under_ablation["radial"]["pairwise_cosine"]
@@ -273,7 +278,11 @@ def test_low_trust_auto_summaries():
 
 
 def test_every_published_number_has_a_test():
-    """Each id of published.json has a test function of the same name in this module."""
+    """Each id of published.json has a test function of the same name in this module and an entry in the
+    suite's one map of named numbers."""
+    from tl_steering.suite import PUBLISHED
+
     names = set(globals())
     missing = [r["id"] for r in DATA["numbers"] if f"test_{r['id']}" not in names]
     assert not missing, f"published numbers without a test: {missing}"
+    assert sorted(PUBLISHED) == sorted(r["id"] for r in DATA["numbers"])

@@ -1,23 +1,44 @@
-"""The report end to end on a tiny random GPT-2 (every stage, every file), escaping, and loud failures."""
+"""The suite runner, its saved result and the report rendered from it, on a tiny random GPT-2 (2 layers):
+save/load round trips exactly, the report renders a loaded SuiteResult with no model (every section, every
+figure, escaped, offline), the one map of published numbers, and the CLI's argument checks (fail fast, one line,
+exit code 2, nothing written)."""
 
 import json
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import tl_steering as ts
 from tl_steering.backends import ModelInfo
-from tl_steering.cli import build_parser
+from tl_steering.cli import build_parser, check_report_args
+from tl_steering.data import text_windows
 from tl_steering.reference import published_numbers
-from tl_steering.report import STAGES, default_settings, run_report
-from tl_steering.results import Result
+from tl_steering.report import SECTIONS, figures, render_report
+from tl_steering.suite import (
+    PINNED,
+    PUBLISHED,
+    STAGES,
+    SuiteResult,
+    SuiteSettings,
+    comparison_rows,
+    default_settings,
+    published_value,
+    run_suite,
+)
 
 EVIL = "<script>alert('x')</script>&\""
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
+def suite(tmp_path_factory):
+    """One run of every stage on a tiny model (a few seconds)."""
+    out = tmp_path_factory.mktemp("suite")
     model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
     model._tl_steering_info = ModelInfo(name=f"tiny {EVIL}", revision="random-init seed=0", processing="raw")
     text = out / "corpus.txt"
@@ -27,59 +48,182 @@ def report(tmp_path_factory):
     s.critical_n_starts = 2
     s.parallel_repeats = 1
     s.timing_repeats = 1
-    path = run_report(model, text=str(text), out=out / "rep", settings=s, progress=False)
-    return path, json.loads((out / "rep" / "results.json").read_text())
+    tokens = text_windows(model, source=str(text), n_windows=4, length=16, seed=0)
+    res = run_suite(model, tokens, s, progress=False, seed=0)
+    return res
 
 
-def test_writes_page_results_and_figures(report):
-    path, doc = report
-    assert path.name == "index.html" and path.exists()
-    assert set(doc["timings"]) == set(STAGES)
-    for name, files in doc["figures"].items():
-        for f in files.values():
-            assert (path.parent / f).exists(), f
-    assert (path.parent / "figures" / "plotly.min.js").exists()
-    # every result rebuilds from its dict
-    for name, d in doc["results"].items():
-        assert isinstance(Result.from_dict(d), Result), name
+@pytest.fixture(scope="module")
+def rendered(suite, tmp_path_factory):
+    """The suite saved as results.json, loaded back (no model anywhere) and rendered."""
+    out = tmp_path_factory.mktemp("report")
+    path = suite.save(out / "results.json")
+    loaded = SuiteResult.load(path)
+    page = render_report(loaded, out)
+    return page, loaded
 
 
-def test_page_is_self_contained_and_escaped(report):
-    path, doc = report
-    page = path.read_text()
-    assert EVIL not in page and "<script>alert" not in page
-    assert "&lt;script&gt;alert" in page
-    assert page.count('class="plotly-graph-div"') == len([n for n in doc["figures"]])
-    assert not re.search(r'<script[^>]+src="https?://', page), "no external script: the page opens offline"
+def test_every_stage_fills_its_fields(suite):
+    assert set(suite.timings) == set(STAGES)
+    for name in ("checks", "deficit", "ablation", "diversity", "defect", "plan", "speedup", "executor", "gates",
+                 "critical", "critical_fixed_point", "prefix"):
+        assert getattr(suite, name) is not None, name
+    assert suite.defect_gold is None  # only when settings.defect_gold_layers is set
+    assert suite.deficit.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    assert suite.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    assert suite.plan.k == 1 and len(suite.plan.layers) == 1
+    assert suite.plan.source.startswith("measured by the suite")  # quick settings: no gold-standard curves
+    assert suite.executor.status == "ok"
+    # the executor and the surrogate hooks agree on the plan's loss
+    assert suite.executor.delta_ce == pytest.approx(suite.plan.delta_ce_lowest, abs=1e-4)
+    assert suite.checks.clean_loss == pytest.approx(suite.ablation.clean_loss, abs=1e-5)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".safetensors"])
+def test_suite_result_round_trips_exactly(suite, tmp_path, suffix):
+    loaded = SuiteResult.load(suite.save(tmp_path / f"suite{suffix}"))
+    assert isinstance(loaded, SuiteResult)
+    assert loaded.to_dict() == suite.to_dict()  # every field, tensors with dtype, shape and values
+    assert torch.equal(loaded.defect.score, suite.defect.score)
+    assert loaded.defect.score.dtype == suite.defect.score.dtype
+    assert loaded.settings == suite.settings and loaded.plan == suite.plan
+    assert loaded.critical.results[0].n_points == suite.critical.results[0].n_points
+
+
+def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
+    page, loaded = rendered
+    assert page.name == "index.html" and page.exists()
+    text = page.read_text()
+    figs = figures(loaded)
+    for key, *_ in SECTIONS:
+        assert f"<h2 id='{key}'>" in text, key
+        assert "This stage was not run" not in text
+    for name in ("summary", "parallel", "provenance"):
+        assert f"id='{name}'" in text, name
+    # every figure embedded once and written as JSON + standalone HTML
+    assert text.count('class="plotly-graph-div"') == len(figs) >= 9
+    for name in figs:
+        assert f"id='figure-{name}'" in text, name
+        assert (page.parent / "figures" / f"{name}.json").exists()
+        assert (page.parent / "figures" / f"{name}.html").exists()
+    assert (page.parent / "figures" / "plotly.min.js").exists()
+    # the numbers on the page are the result's
+    assert f"{suite.checks.clean_loss:.4g}" in text
+
+
+def test_page_is_self_contained_and_escaped(rendered):
+    page, _ = rendered
+    text = page.read_text()
+    assert EVIL not in text and "<script>alert" not in text
+    assert "&lt;script&gt;alert" in text
+    assert not re.search(r'<script[^>]+src="https?://', text), "no external script: the page opens offline"
     from plotly.offline import get_plotlyjs
 
-    assert page.count(get_plotlyjs()[:500]) == 1, "plotly.js inlined exactly once"
+    assert text.count(get_plotlyjs()[:500]) == 1, "plotly.js inlined exactly once"
+    css = (REPO / "tl_steering" / "report" / "style.css").read_text()
+    assert css.strip() and css.strip() in text
 
 
-def test_comparison_lists_every_published_number(report):
-    _, doc = report
-    ids = [r["id"] for r in doc["comparison"]]
-    assert ids == [r["id"] for r in published_numbers()]
-    rel = {r["id"]: r["relation"] for r in doc["comparison"]}
+def test_report_package_runs_no_model():
+    """The report package imports nothing that loads or runs a model."""
+    src = "\n".join(p.read_text() for p in (REPO / "tl_steering" / "report").glob("*.py"))
+    for banned in ("run_suite", "load_model", "adapt(", "backends", "protocols", "transformer_lens", "hooks"):
+        assert banned not in src, banned
+
+
+def test_comparison_lists_every_published_number(suite):
+    rows = comparison_rows(suite)
+    assert [r["id"] for r in rows] == [r["id"] for r in published_numbers()]
+    rel = {r["id"]: r["relation"] for r in rows}
     assert rel["deficit_gpt2"] == "same protocol, other model"
     assert rel["low_trust_auto_summaries"] == "not compared (low trust)"
-    assert doc["provenance"]["corpus"].startswith("file:corpus.txt")
-    assert doc["plan"]["k"] == 1 and len(doc["plan"]["layers"]) == 1
-    assert doc["parallel_executor"]["status"] == "ok"
-    # the executor and the surrogate hooks agree on the plan's loss
-    assert doc["parallel_executor"]["delta_ce"] == pytest.approx(doc["plan"]["delta_ce_lowest"], abs=1e-4)
+    ours = {r["id"]: r["ours"] for r in rows}
+    assert ours["deficit_gpt2"] == suite.deficit.mean == published_value(suite, "deficit_gpt2")
+    assert ours["parallel_gpt2_large_delta_ce"] == suite.plan.delta_ce_lowest
+    assert ours["ablation_radial"] == suite.ablation.delta_loss["radial"]
 
 
-def test_missing_protocol_fails_loudly(monkeypatch, tmp_path):
-    import tl_steering.report as rep
+def test_one_map_covers_published_and_pinned_names():
+    from tl_steering.reference import pinned_values
 
-    monkeypatch.setitem(rep._PROTOCOL_MODULES, "prefix", ("tl_steering.no_such_module", "prefix_sensitivity"))
-    with pytest.raises(ts.errors.InputError, match="no_such_module"):
-        run_report("smollm2-135m", out=tmp_path, progress=False)
+    assert sorted(PUBLISHED) == sorted(r["id"] for r in published_numbers())
+    assert sorted(PINNED) == sorted(pinned_values()["values"])
+    assert all(PINNED[k].tol == v["tol"] for k, v in pinned_values()["values"].items())
+
+
+def test_stages_subset_and_bad_settings(suite):
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
+    tokens = torch.randint(0, 100, (2, 8))
+    res = run_suite(model, tokens, SuiteSettings(stages=["deficit"], n_bootstrap=0), progress=False)
+    assert res.deficit is not None and res.ablation is None and set(res.timings) == {"deficit"}
+    assert res.deficit.provenance.corpus == "user tokens"
+    with pytest.raises(ts.errors.InputError, match="defect"):
+        run_suite(model, tokens, SuiteSettings(stages=["gates"]), progress=False)
+    with pytest.raises(ts.errors.InputError, match="unknown stages"):
+        run_suite(model, tokens, SuiteSettings(stages=["nope"]), progress=False)
 
 
 def test_cli_parses_the_readme_command():
-    args = build_parser().parse_args(
-        ["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"]
-    )
+    args = build_parser().parse_args(["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"])
     assert args.quick and args.model == "smollm2-135m" and args.windows is None
+    check_report_args(args)  # valid: no error, nothing created
+    assert not Path("r").exists()
+
+
+def _bad_args(tmp_path: Path) -> dict[str, list[str]]:
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    return {
+        "windows": ["--windows", "1"],
+        "length": ["--length", "4"],
+        "text": ["--text", str(tmp_path / "missing.txt")],
+        "device": ["--device", "bogus"],
+        "cuda": ["--device", "cuda:7"],
+        "out": ["--out", str(afile)],
+        "backend": ["--backend", "nope"],
+        "windows_type": ["--windows", "four"],
+    }
+
+
+def test_cli_checks_arguments_before_loading(tmp_path):
+    """Each bad argument is an InputError from the pure checks (no model, no directory)."""
+    parser = build_parser()
+    for name, extra in _bad_args(tmp_path).items():
+        if name in ("backend", "windows_type"):
+            continue  # argparse's own checks (exit code 2 in the subprocess test)
+        out = tmp_path / f"out_{name}"
+        argv = ["report", "--out", str(out), *extra] if name != "out" else ["report", *extra]
+        with pytest.raises(ts.errors.InputError):
+            check_report_args(parser.parse_args(argv))
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["windows", "text", "device", "backend"])
+def test_cli_user_error_fails_fast_in_one_line(tmp_path, case):
+    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, under 5 s, nothing written."""
+    out = tmp_path / "report_out"
+    argv = [sys.executable, "-m", "tl_steering", "report", "--out", str(out), *_bad_args(tmp_path)[case]]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    elapsed = time.perf_counter() - t0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists() and not (tmp_path / "figures").exists()
+    assert elapsed < 5.0, f"{case}: the error took {elapsed:.1f} s"
+
+
+def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):
+    page, loaded = rendered
+    from tl_steering.cli import main
+
+    assert main(["render", str(page.parent / "results.json"), "--out", str(tmp_path / "again")]) == 0
+    again = (tmp_path / "again" / "index.html").read_text()
+    assert again.count('class="plotly-graph-div"') == page.read_text().count('class="plotly-graph-div"')
+    assert main(["render", str(tmp_path / "none.json")]) == 2
+
+
+def test_results_json_is_the_suite(rendered):
+    page, loaded = rendered
+    doc = json.loads((page.parent / "results.json").read_text())
+    assert doc["__dataclass__"] == "SuiteResult"

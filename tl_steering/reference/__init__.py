@@ -1,7 +1,8 @@
 """The paper's published numbers and this package's pinned SmolLM2 values, as versioned data.
 
-* ``published.json``: every number of PAPER_SUMMARY.md and MATH_SPEC.md §12 (model, metric, value or range,
-  regression band, protocol, certainty tag [P]/[S]/[I], notes). Rows with ``regress: false`` (the Eq. (19)
+* ``published.json``: every published number of the paper as the project received it (second hand: its
+  ``sources`` field says from where): model, metric, value or range, regression band, protocol, certainty
+  tag [P]/[S]/[I], notes. Every id maps to a SuiteResult field in ``tl_steering.suite.numbers``. Rows with ``regress: false`` (the Eq. (19)
   definition and the low-trust auto-summary numbers of row 10) are recorded so nobody regresses against them.
 * ``smollm2_pinned.json``: values measured by this package on SmolLM2-135M (regenerate with
   ``scripts/regenerate_pinned.py``); ``tests/published/test_smollm2_pinned.py`` asserts them.

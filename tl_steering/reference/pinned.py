@@ -1,15 +1,19 @@
 """Pinned regression values measured by this package on SmolLM2-135M (and Gemma-3-270M when installed).
 
-:func:`compute_pinned` runs every protocol once on small settings and returns a flat ``{name: value}`` dict;
+:func:`compute_pinned` runs the suite (:func:`tl_steering.suite.run_suite`) once on small settings and returns a flat
+``{name: (value, tolerance group)}`` dict read through the suite's one map of named numbers;
 ``scripts/regenerate_pinned.py`` writes it to ``smollm2_pinned.json`` and ``tests/published/test_smollm2_pinned.py``
 recomputes it and compares. Any change to a definition then shows up as a test failure. The tolerances survive
 the ~1e-5 relative activation differences between TransformerLens 4.x bridges and TL 3.9 HookedTransformer.
 """
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..suite import SuiteSettings
 
 PINNED_SETTINGS: dict[str, Any] = {
     "text": "pydoc",
@@ -55,97 +59,49 @@ TOLERANCES: dict[str, dict[str, float]] = {
 }
 
 
-def _tensor_list(x: torch.Tensor) -> list[float]:
-    return [float(v) for v in x.reshape(-1).tolist()]
+def pinned_suite_settings() -> "SuiteSettings":
+    """:data:`PINNED_SETTINGS` as the suite's settings (no executor timing, no critical points, no defect timing:
+    nothing timing-dependent is pinned)."""
+    from ..suite import SuiteSettings
+
+    s = PINNED_SETTINGS
+    return SuiteSettings(
+        stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
+        windows=s["windows"],
+        length=s["length"],
+        n_bootstrap=0,
+        ablation_variants=list(s["ablation_variants"]),
+        diversity_ablations=list(s["diversity_ablations"]),
+        diversity_gains=[],
+        defect_evaluate=False,
+        defect_brackets=False,
+        defect_timing=False,
+        defect_gold_layers=list(s["defect_gold_layers"]),
+        defect_gold_k_values=[0, 2],
+        plan_k=s["defect_k"],
+        gate_method="closed_form",
+        critical_layers=[],
+        prefix_layer=s["prefix_layer"],
+        prefix_positions=list(s["prefix_positions"]),
+        prefix_eps=s["prefix_eps"],
+    )
 
 
 def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, tuple[Any, str]]:
-    """Run the protocols on ``model`` with :data:`PINNED_SETTINGS`; ``{name: (value, tolerance group)}``.
+    """Run the suite on ``model`` with :data:`PINNED_SETTINGS`; ``{name: (value, tolerance group)}``.
 
-    Values are floats, lists of floats, ints, bools or lists of ints (layer lists). Timing-dependent quantities
-    are never pinned.
+    The names and the SuiteResult fields they read are :data:`tl_steering.suite.numbers.PINNED` (the one map
+    of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
+    Timing-dependent quantities are never pinned.
     """
-    from ..backends import adapt
-    from ..data import text_tokens
-    from ..gates import calibrate_gates
-    from ..prefix import prefix_sensitivity
-    from ..protocols import angular_deficit, diversity, ffn_ablation, parallel_defect
+    from ..data import text_windows
+    from ..suite import pinned_values, run_suite
 
     s = PINNED_SETTINGS
-    ad = adapt(model)
     if tokens is None:
-        tokens = text_tokens(
-            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
-        )
-    out: dict[str, tuple[Any, str]] = {}
-    out["clean_loss"] = (float(ad.loss_per_token(tokens).mean()), "loss")
-
-    d = angular_deficit(model, tokens, n_bootstrap=0, seed=s["seed"])
-    out["deficit.deficit"] = (_tensor_list(d.deficit), "geometry")
-    out["deficit.mean"] = (float(d.mean), "geometry")
-    out["deficit.untangented_deficit"] = (_tensor_list(d.untangented_deficit), "geometry")
-    out["deficit.ffn_contribution_mean"] = (float(d.ffn_contribution_mean), "geometry")
-    out["deficit.r2_attention"] = (_tensor_list(d.r2_attention), "geometry")
-
-    a = ffn_ablation(model, tokens, keep=tuple(s["ablation_variants"]), seed=s["seed"], n_bootstrap=0)
-    out["ablation.clean_loss"] = (float(a.clean_loss), "loss")
-    for v in s["ablation_variants"]:
-        out[f"ablation.delta_loss.{v}"] = (float(a.delta_loss[v]), "delta_loss")
-        out[f"ablation.top1_agreement.{v}"] = (float(a.top1_agreement[v]), "geometry")
-
-    v = diversity(model, tokens, ablations=tuple(s["diversity_ablations"]), gains=(), seed=s["seed"])
-    out["diversity.pairwise_cosine"] = (_tensor_list(v.pairwise_cosine), "diversity")
-    out["diversity.effective_rank"] = (_tensor_list(v.effective_rank), "diversity")
-    out["diversity.final_pairwise_cosine"] = (float(v.final_diversity["pairwise_cosine"]), "diversity")
-    for name in s["diversity_ablations"]:
-        out[f"diversity.final_pairwise_cosine.{name}"] = (
-            float(v.final_diversity_under_ablation[name]["pairwise_cosine"]),
-            "diversity",
-        )
-
-    c = parallel_defect(model, tokens, evaluate=False, timing=False, seed=s["seed"])
-    for name in ("C", "C_phi", "C1", "C_tan"):
-        out[f"defect.{name}"] = (_tensor_list(c.scores[name]), "ratio")
-    out["defect.nonlinearity"] = (_tensor_list(c.nonlinearity), "ratio")
-    plan = c.plan(s["defect_k"])
-    out["defect.plan"] = (plan, "exact")
-    # the gold standard (single-layer dCE and the lowest-C curve) on a few layers: 1 forward per layer
-    g = parallel_defect(
-        model,
-        tokens,
-        layers=s["defect_gold_layers"],
-        evaluate=True,
-        k_values=[0, 2],
-        n_random=0,
-        timing=False,
-        seed=s["seed"],
-    )
-    out["defect.gold_delta_ce"] = (_tensor_list(g.delta_ce), "delta_loss")
-    out["defect.gold_lowest_2"] = (float(g.curves["lowest"][1]), "delta_loss")
-    from ..hooks import parallel_blocks
-
-    out["defect.plan_delta_ce"] = (
-        float(ad.loss_per_token(tokens, parallel_blocks(model, plan)).mean()) - out["clean_loss"][0],
-        "delta_loss",
-    )
-
-    g = calibrate_gates(model, tokens, method="closed_form", plan=plan, seed=s["seed"])
-    out["gates.closed_form"] = ([float(g.gates[lay]) for lay in plan], "gate")
-    out["gates.loss_base_heldout"] = (float(g.loss_base_heldout), "loss")
-    out["gates.loss_gated_heldout"] = (float(g.loss_gated_heldout), "loss")
-
-    p = prefix_sensitivity(
-        model,
-        tokens,
-        layer=s["prefix_layer"],
-        position=s["prefix_positions"],
-        eps=s["prefix_eps"],
-        seed=s["seed"],
-    )
-    out["prefix.prefix_bitwise_equal"] = (bool(p.prefix_bitwise_equal), "exact")
-    out["prefix.kl_at_perturbed"] = (float(p.kl[0]), "prefix")
-    out["prefix.angle_final_mean_later"] = (float(p.angle_final[1:].nanmean()), "prefix")
-    return out
+        tokens = text_windows(model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
+    suite = run_suite(model, tokens, pinned_suite_settings(), progress=False, seed=s["seed"])
+    return pinned_values(suite)
 
 
 def compare(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]]) -> list[str]:
@@ -183,4 +139,4 @@ def compare(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]]) -> lis
     return problems
 
 
-__all__ = ["PINNED_SETTINGS", "TOLERANCES", "compare", "compute_pinned"]
+__all__ = ["PINNED_SETTINGS", "TOLERANCES", "compare", "compute_pinned", "pinned_suite_settings"]

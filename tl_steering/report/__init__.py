@@ -1,0 +1,38 @@
+"""The report: renders a saved :class:`~tl_steering.suite.SuiteResult` as one self-contained HTML page with
+figures. It never runs a model (``tl-steering report`` runs the suite, saves ``results.json``, then calls
+:func:`render_report`; ``tl-steering render results.json --out DIR`` re-renders a saved run).
+
+Output directory:
+
+* ``index.html``: one page that opens offline (plotly.js is inlined once, every figure is embedded): the paper's
+  published numbers beside ours (each marked "same protocol, same model" / "same protocol, other model" / ...),
+  one section per protocol with its headline numbers and figures, and the provenance of every number.
+* ``figures/NAME.json`` (``plotly.io.from_json``) and ``figures/NAME.html`` (standalone; they share the
+  ``figures/plotly.min.js`` written next to them).
+"""
+
+from pathlib import Path
+
+from ..suite import SuiteResult
+from .figures import figure_html, figures, write_figures
+from .page import SECTIONS, css, render_html
+
+
+def render_report(suite: SuiteResult | str | Path, out: str | Path) -> Path:
+    """Write ``out/index.html`` and ``out/figures/`` for ``suite`` (a SuiteResult or a saved one's path).
+
+    Returns:
+        The path of ``index.html``.
+    """
+    if not isinstance(suite, SuiteResult):
+        suite = SuiteResult.load(suite)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs = figures(suite)
+    write_figures(figs, out_dir / "figures")
+    page = out_dir / "index.html"
+    page.write_text(render_html(suite, figs), encoding="utf-8")
+    return page
+
+
+__all__ = ["SECTIONS", "css", "figure_html", "figures", "render_html", "render_report", "write_figures"]

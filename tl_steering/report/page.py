@@ -1,0 +1,235 @@
+"""The report's HTML page: one self-contained file (plotly.js inlined once, every figure embedded, the CSS
+from ``style.css``), rendered from a :class:`~tl_steering.suite.SuiteResult` alone. User-supplied text
+(model names, corpus labels, arguments) is always escaped."""
+
+import dataclasses
+import html
+import json
+import math
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from ..results import _encode
+from ..suite import SuiteResult, comparison_rows, headline
+from .figures import figure_html
+
+
+@lru_cache(maxsize=1)
+def css() -> str:
+    """The page's style sheet (``tl_steering/report/style.css``, shipped in the wheel)."""
+    return resources.files(__package__).joinpath("style.css").read_text(encoding="utf-8")
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt(x: Any) -> str:
+    """A number or value as short text (escaped)."""
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "n/a"
+        if math.isinf(x):
+            return "∞" if x > 0 else "-∞"
+        return _esc(f"{x:.4g}")
+    if isinstance(x, (list, tuple)):
+        if len(x) > 12:
+            return _esc(", ".join(str(v) for v in x[:12]) + f", ... ({len(x)} items)")
+        return ", ".join(_fmt(v) for v in x)
+    if isinstance(x, dict):
+        return _esc(json.dumps(_encode(x))[:300])
+    return _esc(x)
+
+
+def _kv_table(d: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><th>{_esc(k)}</th><td class='num'>{_fmt(v)}</td></tr>" for k, v in d.items())
+    return f"<table>{rows}</table>"
+
+
+def _asdict(x: Any) -> dict[str, Any]:
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+
+
+#: (result field, title, explanation, figure names): one page section each, in this order
+SECTIONS: list[tuple[str, str, str, list[str]]] = [
+    (
+        "deficit",
+        "Angular deficit (protocol 1)",
+        "How well the attention-only update aligns with the real block update, on the tangent space at the block "
+        "input: deficit<sub>l</sub> = 1 − mean cos(P<sub>u</sub>a, P<sub>u</sub>Δx) (position 0 excluded). A large "
+        "deficit means the FFN drives much of the change of direction.",
+        ["deficit_layers", "deficit_positions"],
+    ),
+    (
+        "ablation",
+        "Radial / tangential FFN ablation (protocol 2)",
+        "Every FFN write keeps only its tangential part (P<sub>u</sub>φ) or its radial part (⟨u,φ⟩u), u = the FFN "
+        "input direction, all layers at once; ΔCE against the clean model.",
+        ["ablation"],
+    ),
+    (
+        "diversity",
+        "Diversity under aggregation (protocol 3)",
+        "Mean pairwise cosine of the token directions before attention, after attention and after the FFN "
+        "(higher = more concentrated), clean and under the ablations, and the effect of scaling attention writes.",
+        ["diversity"],
+    ),
+    (
+        "defect",
+        "Sequential-to-parallel defect C<sub>l</sub> (protocol 4)",
+        "C<sub>l</sub> = RMS of d = Φ(x+a) − Φ(x) relative to the block update; the gold standard is the CE increase "
+        "with layer l alone made parallel. Curves: the k lowest-C, highest-C, contiguous and random layers made "
+        "parallel.",
+        ["defect_scores", "defect_curves"],
+    ),
+    (
+        "gates",
+        "FFN gates on the low-C plan",
+        "One scalar gate per FFN on top of the parallelized plan, fitted on a calibration split and evaluated on "
+        "held-out windows.",
+        ["gates"],
+    ),
+    (
+        "critical",
+        "Critical points of the FFN field",
+        "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
+        "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. First the Riemannian finder "
+        "(minimises ½||P<sub>u</sub>F||²/||F||²: saddles are found as readily as attractors; the comparison with the "
+        "paper uses it), then the cheap fixed-point iteration u ← sign(λ) normalize(F(u)), which only converges to "
+        "points stable for that map (biased toward attractors: shown for orientation, never compared).",
+        ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"],
+    ),
+    (
+        "prefix",
+        "Prefix-indexed causal dynamics",
+        "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "
+        "unchanged, later ones change with distance.",
+        ["prefix"],
+    ),
+]
+
+
+def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
+    """The self-contained page for ``suite`` with the figures ``figs`` (plotly.js inlined once in the head)."""
+    from plotly.offline import get_plotlyjs
+
+    name = suite.model.name
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>tl_steering report: {_esc(name)}</title>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<style>{css()}</style>",
+        f"<script type='text/javascript'>{get_plotlyjs()}</script>",
+        "</head><body><main>",
+        f"<h1>Feed-forward steering report: {_esc(name)}</h1>",
+        "<p class='muted'>tl_steering " + _esc(suite.environment.tl_steering)
+        + " · arXiv:2608.02071 (Mudarisov, Burtsev, State) · " + _esc(suite.provenance.corpus) + " · "
+        + f"{_esc(suite.started)} · {suite.total_wall_s:.0f} s"
+        + (" · quick settings" if suite.settings.quick else "") + "</p>",
+        "<nav><a href='#summary'>Summary vs paper</a>"
+        + "".join(f"<a href='#{key}'>{_esc(key)}</a>" for key, *_ in SECTIONS)
+        + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
+        summary_section(suite),
+    ]
+    for key, title, text, names in SECTIONS:
+        result = getattr(suite, key)
+        if result is None:
+            parts.append(f"<h2 id='{key}'>{title}</h2><p class='muted'>This stage was not run.</p>")
+            continue
+        parts.append(f"<h2 id='{key}'>{title}</h2><p>{text}</p>")
+        summ = result.summary()
+        if key == "critical" and suite.critical_fixed_point is not None:
+            fp = suite.critical_fixed_point.summary()
+            summ = {**{f"Riemannian: {k}": v for k, v in summ.items()},
+                    **{f"fixed point: {k}": v for k, v in fp.items()}}
+        if key == "defect" and suite.plan is not None:
+            summ = {**summ, "plan (k lowest C)": suite.plan.layers, "plan dCE": suite.plan.delta_ce_lowest}
+            if suite.speedup is not None:
+                sp = _asdict(suite.speedup)
+                summ.update({f"speedup estimate: {k}": sp[k]
+                             for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")})
+        parts.append(_kv_table(summ))
+        parts.extend(figure_html(figs[n], n) for n in names if n in figs)
+        if key == "defect" and suite.executor is not None:
+            parts.append(parallel_section(suite))
+    parts.append(provenance_section(suite))
+    parts.append("<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
+                 "every number is in <code>results.json</code> (<code>SuiteResult.load</code>).</p>")
+    parts.append("</main></body></html>")
+    return "\n".join(parts)
+
+
+def summary_section(suite: SuiteResult) -> str:
+    """The paper's published numbers beside ours, after the headline table."""
+    h = headline(suite)
+    model = _esc(suite.model.name)
+    rows = []
+    for r in comparison_rows(suite):
+        band = r["in_paper_band"]
+        mark = "—" if band is None else ("<span class='ok'>inside</span>" if band else "<span class='off'>outside</span>")
+        cls = " class='lowtrust'" if not r["regress"] else ""
+        rows.append(
+            f"<tr{cls}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
+            f"<td class='num'>{_esc(r['paper_value'])}</td><td><span class='tag'>[{_esc(r['certainty'])}]</span></td>"
+            f"<td class='num'>{_fmt(r['ours'])}</td><td>{_esc(r['ours_note'])}</td><td>{_esc(r['relation'])}</td>"
+            f"<td>{mark}</td></tr>"
+        )
+    key = {
+        "clean CE (nats)": h.get("clean_loss"),
+        "angular deficit (mean)": h.get("deficit_mean"),
+        "ΔCE tangential-only": h.get("ablation_delta_loss_tangential"),
+        "ΔCE radial-only": h.get("ablation_delta_loss_radial"),
+        "ΔCE zero FFN": h.get("ablation_delta_loss_zero"),
+        f"plan: {h.get('plan_k', '?')} lowest-C layers, ΔCE": h.get("plan_delta_ce"),
+        "speedup estimate (sub-module times)": h.get("speedup_estimate"),
+        "parallel executor: measured forward speedup": h.get("parallel_measured_speedup"),
+        "critical points: saddle fraction": h.get("critical_saddle_fraction"),
+        "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal"),
+    }
+    return (
+        f"<h2 id='summary'>Summary: the paper's numbers beside ours ({model})</h2>"
+        "<div class='note'>The paper reports GPT-2, GPT-2-large, Pythia, Mistral and Llama-3-8B; this run is on "
+        f"<b>{model}</b>, so most rows are <i>the same protocol on another model</i>: they show where this model "
+        "sits, not whether the package reproduces the paper (that is <code>pytest -m published</code>, on the "
+        "paper's models). Certainty: [P] the paper says it, [S] only the summary we started from, [I] our "
+        'inference. "Band" is the regression band of the paper\'s number (tl_steering/reference/published.json), '
+        "shown for orientation.</div>"
+        + _kv_table(key)
+        + "<table><tr><th>claim</th><th>paper model</th><th>paper value</th><th>certainty</th><th>ours</th>"
+        "<th>how ours was measured</th><th>relation</th><th>in the paper's band?</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def parallel_section(suite: SuiteResult) -> str:
+    return (
+        "<h3 id='parallel'>The plan run by the parallel executor</h3><p>The low-C plan made parallel for real "
+        "(<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole forward on this "
+        "machine; the estimate above is the critical-path model of the paper.</p>" + _kv_table(_asdict(suite.executor))
+    )
+
+
+def provenance_section(suite: SuiteResult) -> str:
+    timings = {k: f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU" if math.isfinite(v.wall_s) else "—"
+               for k, v in suite.timings.items()}
+    return (
+        "<h2 id='provenance'>Provenance</h2><h3>Model and data</h3>"
+        + _kv_table(_asdict(suite.model))
+        + _kv_table(_asdict(suite.provenance))
+        + "<h3>Arguments and settings</h3>"
+        + _kv_table(_asdict(suite.arguments))
+        + _kv_table(_asdict(suite.settings))
+        + "<h3>Environment</h3>"
+        + _kv_table(_asdict(suite.environment))
+        + "<h3>Stage timings</h3>"
+        + _kv_table(timings)
+    )
+
+
+__all__ = ["SECTIONS", "css", "render_html", "summary_section"]

@@ -1,0 +1,49 @@
+"""The suite: every protocol of the paper on one model, as one typed result (see docs/suite.md).
+
+* :func:`run_suite` — the only code that runs every protocol (stages in :data:`STAGES`);
+* :class:`SuiteSettings` / :func:`default_settings` — every knob, sized for a model's depth;
+* :class:`SuiteResult` — the typed, registered result (save/load like every result);
+* :data:`NUMBERS` — the one map from published-number ids and pinned names to SuiteResult fields.
+"""
+
+from .numbers import NUMBERS, PINNED, PUBLISHED, comparison_rows, headline, pinned_values, published_value
+from .result import (
+    Checks,
+    Environment,
+    ExecutorTiming,
+    ModelSummary,
+    PlanLosses,
+    RunArguments,
+    SpeedupEstimate,
+    StageTiming,
+    SuiteResult,
+)
+from .run import Progress, TqdmProgress, run_suite
+from .settings import CRITICAL_METHODS, STAGES, SuiteSettings, check_windows_length, default_settings
+
+__all__ = [
+    "CRITICAL_METHODS",
+    "Checks",
+    "Environment",
+    "ExecutorTiming",
+    "ModelSummary",
+    "NUMBERS",
+    "PINNED",
+    "PUBLISHED",
+    "PlanLosses",
+    "Progress",
+    "RunArguments",
+    "STAGES",
+    "SpeedupEstimate",
+    "StageTiming",
+    "SuiteResult",
+    "SuiteSettings",
+    "TqdmProgress",
+    "check_windows_length",
+    "comparison_rows",
+    "default_settings",
+    "headline",
+    "pinned_values",
+    "published_value",
+    "run_suite",
+]

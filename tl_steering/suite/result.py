@@ -1,0 +1,234 @@
+"""The suite's result: one typed, registered :class:`SuiteResult` holding every protocol's result and the
+analyses the suite adds (clean-loss checks, the plan's loss, the speedup estimate, the executor timing).
+
+Saved and loaded like every result (``suite.save("results.json")``, ``SuiteResult.load(...)``); the report
+renders it without a model. See docs/suite.md.
+"""
+
+import dataclasses
+import math
+import platform
+from typing import Any
+
+import torch
+
+from ..critical import CriticalSummary
+from ..gates import GateResult
+from ..prefix import PrefixSensitivityResult
+from ..protocols.ablation import AblationResult
+from ..protocols.defect import DefectResult
+from ..protocols.deficit import DeficitResult
+from ..protocols.diversity import DiversityResult
+from ..results import Result, register
+from .settings import SuiteSettings
+
+
+@register
+@dataclasses.dataclass
+class ModelSummary:
+    """The model the suite ran on (name, revision, shape, backend, processing, dtype, device, BOS)."""
+
+    name: str = "unknown"
+    revision: str | None = None
+    n_layers: int = 0
+    d_model: int = 0
+    backend: str = "unknown"
+    processing: str = "unknown"
+    dtype: str = "unknown"
+    device: str = "unknown"
+    prepend_bos: bool = True
+
+
+@register
+@dataclasses.dataclass
+class Environment:
+    """Versions and machine of the run."""
+
+    tl_steering: str = ""
+    transformer_lens: str = "unknown"
+    torch: str = ""
+    python: str = ""
+    platform: str = ""
+    torch_threads: int = 0
+    cuda: str | None = None
+
+    @classmethod
+    def here(cls, tl_version: str) -> "Environment":
+        from .. import __version__
+
+        return cls(
+            tl_steering=__version__,
+            transformer_lens=tl_version,
+            torch=torch.__version__,
+            python=platform.python_version(),
+            platform=platform.platform(terse=True),
+            torch_threads=torch.get_num_threads(),
+            cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        )
+
+
+@register
+@dataclasses.dataclass
+class Checks:
+    """The clean model on the suite's tokens: mean next-token CE and the residual identity check."""
+
+    clean_loss: float = math.nan
+    max_residual_identity_error: float = math.nan
+
+
+@register
+@dataclasses.dataclass
+class PlanLosses:
+    """The layer plan the suite makes parallel and its loss (the surrogate hooks of docs/defect.md).
+
+    Attributes:
+        k: layers in the plan; layers: the plan (k lowest-C sequential layers); variant: the score used.
+        strategy: how the plan was chosen (``"lowest_C"`` today).
+        n_candidates: sequential layers the plan chose from.
+        highest_layers: the k highest-C layers (the control).
+        delta_ce_lowest, delta_ce_highest: CE increase with the plan / the control made parallel.
+        source: where the two dCE come from (the defect curves, or two hooked forwards of the suite).
+    """
+
+    k: int = 0
+    layers: list[int] = dataclasses.field(default_factory=list)
+    variant: str = "C"
+    strategy: str = "lowest_C"
+    n_candidates: int = 0
+    highest_layers: list[int] = dataclasses.field(default_factory=list)
+    delta_ce_lowest: float = math.nan
+    delta_ce_highest: float = math.nan
+    source: str = ""
+
+    @property
+    def high_over_low(self) -> float:
+        """dCE(highest k) / dCE(lowest k) (inf when only the control costs, NaN when neither does)."""
+        lo, hi = self.delta_ce_lowest, self.delta_ce_highest
+        return hi / lo if lo > 0 else (math.inf if hi > 0 else math.nan)
+
+
+@register
+@dataclasses.dataclass
+class SpeedupEstimate:
+    """The critical-path speedup estimate of the plan from the sub-module times (``DefectResult.speedup_estimate``)."""
+
+    label: str = ""
+    layers: list[int] = dataclasses.field(default_factory=list)
+    k: int = 0
+    T_seq_s: float = math.nan
+    T_par_s: float = math.nan
+    speedup: float = math.nan
+    T_other_s: float = math.nan
+    speedup_with_other: float = math.nan
+    timing_shape: list[int] = dataclasses.field(default_factory=list)
+    device: str = ""
+
+    @classmethod
+    def from_estimate(cls, est: dict[str, Any]) -> "SpeedupEstimate":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in est.items() if k in names})
+
+
+@register
+@dataclasses.dataclass
+class ExecutorTiming:
+    """The plan run by the real parallel executor: its loss and the median whole-forward time vs the original.
+
+    ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why).
+    """
+
+    status: str = "ok"
+    reason: str = ""
+    label: str = ""
+    layers: list[int] = dataclasses.field(default_factory=list)
+    timing_shape: list[int] = dataclasses.field(default_factory=list)
+    device: str = ""
+    t_forward_sequential_s: float = math.nan
+    t_forward_parallel_s: float = math.nan
+    measured_speedup: float = math.nan
+    loss: float = math.nan
+    delta_ce: float = math.nan
+
+
+@register
+@dataclasses.dataclass
+class StageTiming:
+    """Wall and CPU seconds of one stage."""
+
+    wall_s: float = math.nan
+    cpu_s: float = math.nan
+
+
+@register
+@dataclasses.dataclass
+class RunArguments:
+    """How the suite was asked for (the CLI's arguments; empty when run_suite was called from Python)."""
+
+    model: str = ""
+    backend: str = ""
+    text: str = ""
+    windows: int | None = None
+    length: int | None = None
+    out: str = ""
+    device: str | None = None
+    seed: int = 0
+    quick: bool = False
+    command: str | None = None
+
+
+@register
+@dataclasses.dataclass
+class SuiteResult(Result):
+    """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
+
+    A field is ``None`` when its stage was not run (``settings.stages``). Timings are the only numbers that
+    change between identical runs.
+    """
+
+    settings: SuiteSettings = dataclasses.field(default_factory=SuiteSettings)
+    seed: int = 0
+    model: ModelSummary = dataclasses.field(default_factory=ModelSummary)
+    environment: Environment = dataclasses.field(default_factory=Environment)
+    arguments: RunArguments = dataclasses.field(default_factory=RunArguments)
+    started: str = ""
+    total_wall_s: float = math.nan
+    timings: dict[str, StageTiming] = dataclasses.field(default_factory=dict)
+    checks: Checks | None = None
+    deficit: DeficitResult | None = None
+    ablation: AblationResult | None = None
+    diversity: DiversityResult | None = None
+    defect: DefectResult | None = None
+    defect_gold: DefectResult | None = None
+    plan: PlanLosses | None = None
+    speedup: SpeedupEstimate | None = None
+    executor: ExecutorTiming | None = None
+    gates: GateResult | None = None
+    critical: CriticalSummary | None = None
+    critical_fixed_point: CriticalSummary | None = None
+    prefix: PrefixSensitivityResult | None = None
+
+    kind = "suite"
+
+    def protocol_results(self) -> dict[str, Result]:
+        """The protocols' own results that were run, by field name."""
+        names = ("deficit", "ablation", "diversity", "defect", "defect_gold", "gates", "critical",
+                 "critical_fixed_point", "prefix")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def summary(self) -> dict[str, Any]:
+        from .numbers import headline
+
+        return headline(self)
+
+
+__all__ = [
+    "Checks",
+    "Environment",
+    "ExecutorTiming",
+    "ModelSummary",
+    "PlanLosses",
+    "RunArguments",
+    "SpeedupEstimate",
+    "StageTiming",
+    "SuiteResult",
+]

@@ -1,0 +1,334 @@
+"""The suite runner: the ONE code path that runs every protocol of the paper on a model (see docs/suite.md).
+
+``run_suite(model, tokens, settings)`` runs the stages of :data:`~tl_steering.suite.settings.STAGES` in order,
+each a plain function of (model, tokens, settings, the result so far) that fills its own fields of the
+:class:`~tl_steering.suite.result.SuiteResult`. Stages are explicit and independent on purpose: a scheduler that
+plans shared forward passes, or shards windows across ranks, replaces one stage at a time.
+"""
+
+import datetime as _dt
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ..backends import adapt, tl_version
+from ..data import TokenWindows, token_source
+from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
+from .result import (
+    Checks,
+    Environment,
+    ExecutorTiming,
+    ModelSummary,
+    PlanLosses,
+    SpeedupEstimate,
+    StageTiming,
+    SuiteResult,
+)
+from .settings import STAGES, SuiteSettings
+
+Tick = Callable[[str], None]
+
+
+class Progress(Protocol):
+    """What run_suite reports progress to: ``with progress.stage(name, total) as tick: tick(note)``."""
+
+    def stage(self, name: str, total: int = 1) -> Any: ...
+
+
+class TqdmProgress:
+    """One tqdm bar per stage on stderr (``enabled=False``: silent)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    @contextmanager
+    def stage(self, name: str, total: int = 1) -> Iterator[Tick]:
+        from tqdm.auto import tqdm
+
+        i = STAGES.index(name) + 1 if name in STAGES else 0
+        bar = tqdm(total=total, desc=f"[{i}/{len(STAGES)}] {name:<9}", unit="step", leave=True, file=sys.stderr,
+                   disable=not self.enabled, dynamic_ncols=True)
+        t0 = time.perf_counter()
+
+        def tick(note: str = "") -> None:
+            if note:
+                bar.set_postfix_str(note, refresh=False)
+            bar.update(1)
+
+        try:
+            yield tick
+            if bar.n < total:
+                bar.update(total - bar.n)
+        finally:
+            bar.set_postfix_str(f"{time.perf_counter() - t0:.1f}s", refresh=True)
+            bar.close()
+
+
+def _mean_loss(model: Any, tokens: Tensor, hooks: list, batch_size: int) -> float:
+    """Mean next-token CE over every predicted position of ``tokens``, in batches, with ``hooks``."""
+    ad = adapt(model)
+    losses = [ad.loss_per_token(tokens[i:i + batch_size], hooks).reshape(-1)
+              for i in range(0, tokens.shape[0], batch_size)]
+    return float(torch.cat(losses).mean())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stages: each fills its fields of `res` from (model, tokens, settings, what earlier stages filled)
+
+
+class _Ctx:
+    """What every stage reads: the model, the tokens and their corpus label, the settings and the seed."""
+
+    def __init__(self, model: Any, tokens: Tensor, corpus: str | None, s: SuiteSettings, seed: int):
+        self.model, self.tokens, self.corpus, self.s, self.seed = model, tokens, corpus, s, seed
+        self.ad = adapt(model)
+
+
+def stage_checks(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    """Clean mean CE over the tokens and the residual identity on the first window."""
+    clean = _mean_loss(c.model, c.tokens, [], c.s.batch_size)
+    tick("clean loss")
+    _, cache = c.ad.run_with_cache(c.tokens[:1], c.ad.identity_names())
+    identity = c.ad.check_residual_identity(cache)
+    del cache
+    res.checks = Checks(clean_loss=clean, max_residual_identity_error=max(identity.values()))
+    tick("identity")
+
+
+def stage_deficit(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    from ..protocols.deficit import angular_deficit
+
+    res.deficit = angular_deficit(c.model, c.tokens, n_bootstrap=c.s.n_bootstrap, seed=c.seed,
+                                  batch_size=c.s.batch_size, corpus=c.corpus)
+
+
+def stage_ablation(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    from ..protocols.ablation import ffn_ablation
+
+    res.ablation = ffn_ablation(c.model, c.tokens, keep=tuple(c.s.ablation_variants), scope="all",
+                                include_random_tangent=True, seed=c.seed, batch_size=c.s.batch_size,
+                                n_bootstrap=c.s.n_bootstrap, corpus=c.corpus)
+
+
+def stage_diversity(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    from ..protocols.diversity import diversity
+
+    res.diversity = diversity(c.model, c.tokens, ablations=tuple(c.s.diversity_ablations),
+                              gains=tuple(c.s.diversity_gains), seed=c.seed, batch_size=c.s.batch_size,
+                              corpus=c.corpus)
+
+
+def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    """Defect scores (and the gold standard when asked), the plan and its loss, the speedup estimate."""
+    from ..protocols.defect import parallel_defect
+
+    s = c.s
+    defect = parallel_defect(c.model, c.tokens, evaluate=s.defect_evaluate, k_values=s.defect_k_values,
+                             n_random=s.defect_n_random, brackets=s.defect_brackets, seed=c.seed,
+                             timing=s.defect_timing, batch_size=s.batch_size, timing_repeats=s.timing_repeats,
+                             corpus=c.corpus)
+    res.defect = defect
+    tick("scores")
+    if s.defect_gold_layers is not None:
+        res.defect_gold = parallel_defect(c.model, c.tokens, layers=s.defect_gold_layers, evaluate=True,
+                                          k_values=s.defect_gold_k_values, n_random=0, timing=False, seed=c.seed,
+                                          batch_size=s.batch_size, corpus=c.corpus)
+    # ---- the plan. The k lowest-C sequential layers today; a planner strategy (tl_steering.planning,
+    # plan_parallel(model, tokens, k, strategy=..., held_out=...)) plugs in HERE: it returns the layers, and
+    # PlanLosses.strategy records which strategy chose them.
+    k = min(s.plan_k, len(defect.candidates))
+    layers = defect.plan(k)
+    res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res))
+    if s.defect_timing:
+        res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
+    tick("plan")
+
+
+def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
+    """The clean mean CE: from the checks stage when it ran, else one clean pass over the tokens."""
+    return res.checks.clean_loss if res.checks is not None else _mean_loss(c.model, c.tokens, [], c.s.batch_size)
+
+
+def _plan_losses(c: _Ctx, defect: Any, k: int, layers: list[int], clean_loss: Callable[[], float]) -> PlanLosses:
+    """dCE with the plan and with the k highest-C layers made parallel (the surrogate hooks of docs/defect.md).
+
+    Taken from the defect curves when they hold k, else measured (two hooked forwards over the tokens).
+    """
+    from ..hooks import parallel_blocks
+
+    high = sorted(sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k])
+    out = PlanLosses(k=k, layers=list(layers), variant="C", strategy="lowest_C",
+                     n_candidates=len(defect.candidates), highest_layers=high)
+    if defect.evaluated and k in defect.k_values:
+        j = defect.k_values.index(k)
+        out.delta_ce_lowest = float(defect.curves["lowest"][j])
+        out.delta_ce_highest = float(defect.curves["highest"][j])
+        out.source = "defect curves (evaluate=True)"
+        return out
+    clean = clean_loss()
+    out.delta_ce_lowest = _mean_loss(c.model, c.tokens, parallel_blocks(c.model, layers), c.s.batch_size) - clean
+    out.delta_ce_highest = _mean_loss(c.model, c.tokens, parallel_blocks(c.model, high), c.s.batch_size) - clean
+    out.source = "measured by the suite (parallel_blocks hooks)"
+    return out
+
+
+def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    """The plan run by the real parallel executor: loss and median whole-forward time against the original."""
+    from ..parallel import parallelize
+
+    ad, s = c.ad, c.s
+    plan = res.plan.layers if res.plan is not None else []
+    sl = c.tokens[:s.batch_size]
+    info = ExecutorTiming(label="measured on this machine: whole forward, fused parallel blocks "
+                                "(tl_steering.parallel.parallelize), median wall time",
+                          layers=list(plan), timing_shape=list(sl.shape), device=str(ad.device))
+    res.executor = info
+    if not plan:
+        info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
+        return
+    try:
+        par = parallelize(c.model, plan)
+    except (ModelNotSupportedError, ParallelBlockError) as e:
+        info.status, info.reason = "not supported", f"{type(e).__name__}: {e}"
+        return
+
+    def median_time(mdl: Any) -> float:
+        times = []
+        with torch.no_grad():
+            mdl(sl, return_type="logits")  # warm-up
+            for _ in range(s.parallel_repeats):
+                if ad.device.type == "cuda":
+                    torch.cuda.synchronize(ad.device)
+                t0 = time.perf_counter()
+                mdl(sl, return_type="logits")
+                if ad.device.type == "cuda":
+                    torch.cuda.synchronize(ad.device)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    t_seq = median_time(c.model)
+    t_par = median_time(par)
+    par_loss = _mean_loss(par, c.tokens, [], s.batch_size)
+    del par
+    clean = _clean_loss(c, res)
+    info.t_forward_sequential_s, info.t_forward_parallel_s = t_seq, t_par
+    info.measured_speedup = t_seq / t_par if t_par > 0 else math.nan
+    info.loss, info.delta_ce = par_loss, par_loss - clean
+
+
+def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    from ..gates import calibrate_gates
+
+    plan = res.plan.layers if res.plan is not None else []
+    res.gates = calibrate_gates(c.model, c.tokens, method=c.s.gate_method, plan=plan, seed=c.seed,
+                                steps=c.s.gate_steps, batch_size=c.s.batch_size, corpus=c.corpus)
+
+
+def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    """Critical points of the FFN field on ``critical_layers``, once per finder method."""
+    from ..critical import critical_points_all_layers
+
+    s = c.s
+    if not s.critical_layers:
+        return
+    tokens = c.tokens if s.critical_max_windows is None else c.tokens[:s.critical_max_windows]
+    for method in s.critical_methods:
+        summ = critical_points_all_layers(c.model, layers=list(s.critical_layers), field="ffn", tokens=tokens,
+                                          n_starts=s.critical_n_starts, seed=c.seed, method=method)
+        if method == "riemannian":
+            res.critical = summ
+        else:
+            res.critical_fixed_point = summ
+        tick(f"{method}: {int(summ.n_points.sum())} points")
+
+
+def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    from ..prefix import prefix_sensitivity
+
+    res.prefix = prefix_sensitivity(c.model, c.tokens, layer=c.s.prefix_layer, position=c.s.prefix_positions,
+                                    eps=c.s.prefix_eps, mode="noise", seed=c.seed, corpus=c.corpus)
+
+
+#: stage name -> (function, number of progress ticks for settings s)
+STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], Callable[[SuiteSettings], int]]] = {
+    "checks": (stage_checks, lambda s: 2),
+    "deficit": (stage_deficit, lambda s: 1),
+    "ablation": (stage_ablation, lambda s: 1),
+    "diversity": (stage_diversity, lambda s: 1),
+    "defect": (stage_defect, lambda s: 2),
+    "parallel": (stage_parallel, lambda s: 1),
+    "gates": (stage_gates, lambda s: 1),
+    "critical": (stage_critical, lambda s: max(1, len(s.critical_methods))),
+    "prefix": (stage_prefix, lambda s: 1),
+}
+
+
+def _model_summary(ad: Any) -> ModelSummary:
+    return ModelSummary(name=ad.info.name, revision=ad.info.revision, n_layers=ad.n_layers, d_model=ad.d_model,
+                        backend=ad.backend, processing=ad.info.processing,
+                        dtype=str(ad.dtype).removeprefix("torch."), device=str(ad.device),
+                        prepend_bos=ad.info.prepend_bos)
+
+
+def run_suite(
+    model: Any,
+    tokens: Tensor | TokenWindows,
+    settings: SuiteSettings,
+    progress: bool | Progress = True,
+    seed: int = 0,
+    corpus: str | None = None,
+) -> SuiteResult:
+    """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
+        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.TokenWindows` (its corpus label
+            goes into every result's provenance; ``corpus=`` wins).
+        settings: :class:`SuiteSettings` (:func:`~tl_steering.suite.default_settings` sizes them for a model).
+        progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
+        seed: seed of bootstraps, random controls, gate splits, critical-point starts and perturbations.
+        corpus: the corpus label recorded in the provenance (e.g. ``corpus_label("pydoc", 8, 128, 0)``).
+
+    Returns:
+        The :class:`SuiteResult`; the fields of stages not run are None.
+    """
+    if not isinstance(settings, SuiteSettings):
+        raise InputError(f"run_suite: settings must be a SuiteSettings, got {type(settings).__name__}")
+    settings.check()
+    tokens, corpus = token_source(tokens, corpus)
+    ad = adapt(model)
+    tokens = ad.validate_tokens(tokens)
+    prog: Progress = TqdmProgress(progress) if isinstance(progress, bool) else progress
+    t_start = time.perf_counter()
+    res = SuiteResult(
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="run_suite",
+                                 stages=list(settings.stages)),
+        settings=settings,
+        seed=seed,
+        model=_model_summary(ad),
+        environment=Environment.here(tl_version()),
+        started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    ctx = _Ctx(model, tokens, corpus, settings, seed)
+    for name in STAGES:
+        if not settings.runs(name):
+            continue
+        fn, total = STAGE_FUNCTIONS[name]
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            with prog.stage(name, total=total(settings)) as tick:
+                fn(ctx, res, tick)
+        finally:
+            res.timings[name] = StageTiming(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
+    res.total_wall_s = time.perf_counter() - t_start
+    return res
+
+
+__all__ = ["Progress", "STAGE_FUNCTIONS", "TqdmProgress", "run_suite"]

@@ -1,0 +1,168 @@
+"""Every knob of a suite run (:class:`SuiteSettings`) and the default sizes for a model of a given depth.
+
+The settings are recorded in the :class:`~tl_steering.suite.result.SuiteResult` (and so in ``results.json``).
+See docs/suite.md (stages, fields, the published-number map).
+"""
+
+import dataclasses
+
+from ..errors import InputError
+from ..results import register
+
+#: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
+#: the data it reads from earlier stages (``checks`` -> clean loss; ``defect`` -> the plan that ``parallel`` and
+#: ``gates`` use), so a later scheduler can plan shared passes or shard windows stage by stage.
+STAGES: tuple[str, ...] = (
+    "checks",
+    "deficit",
+    "ablation",
+    "diversity",
+    "defect",
+    "parallel",
+    "gates",
+    "critical",
+    "prefix",
+)
+
+CRITICAL_METHODS: tuple[str, ...] = ("riemannian", "fixed_point")
+
+
+@register
+@dataclasses.dataclass
+class SuiteSettings:
+    """Every knob of :func:`~tl_steering.suite.run_suite`.
+
+    Defaults are sized for about 10 minutes on 2 CPU cores with SmolLM2-135M (:func:`default_settings` sizes
+    them for a model's depth; ``quick`` for about 2 minutes).
+
+    Attributes:
+        stages: the stages to run (a subset of :data:`STAGES`, run in :data:`STAGES` order). A stage that is
+            left out leaves its fields of the result ``None``; ``parallel`` and ``gates`` need ``defect``.
+        quick: recorded only (the sizes below are what counts).
+        windows, length: token windows and tokens per window (recorded; the tokens are given to run_suite).
+        n_bootstrap: bootstrap resamples of the deficit and ablation confidence intervals (0: none).
+        ablation_variants: FFN-write variants of the ablation (the random-tangent control is always added).
+        diversity_ablations, diversity_gains: ablations and attention gains of the diversity protocol.
+        defect_k_values, defect_n_random, defect_brackets, defect_evaluate: ``parallel_defect`` options.
+        defect_timing: time the sub-modules (needed by the speedup estimate), ``timing_repeats`` times.
+        defect_gold_layers: when set, the gold standard runs as a second ``parallel_defect`` restricted to
+            these layers (``evaluate=True``, ``defect_gold_k_values``, no random sets, no timing), stored as
+            ``SuiteResult.defect_gold``.
+        plan_k: layers made parallel by the plan (the k lowest-C sequential layers; capped at the candidates).
+        parallel_repeats: timed whole forwards per model in the executor stage.
+        gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
+        critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
+            (``critical_methods`` among ``"riemannian"`` and ``"fixed_point"``).
+        critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
+        prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
+        batch_size: windows per forward.
+    """
+
+    stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
+    quick: bool = False
+    windows: int = 8
+    length: int = 128
+    n_bootstrap: int = 1000
+    ablation_variants: list[str] = dataclasses.field(default_factory=lambda: ["tangential", "radial", "zero"])
+    diversity_ablations: list[str] = dataclasses.field(default_factory=lambda: ["tangential", "radial"])
+    diversity_gains: list[float] = dataclasses.field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0])
+    defect_k_values: list[int] | None = None
+    defect_n_random: int = 3
+    defect_brackets: bool = True
+    defect_timing: bool = True
+    timing_repeats: int = 5
+    defect_evaluate: bool = True
+    defect_gold_layers: list[int] | None = None
+    defect_gold_k_values: list[int] | None = None
+    plan_k: int = 0
+    parallel_repeats: int = 5
+    gate_method: str = "closed_form"
+    gate_steps: int = 0
+    critical_layers: list[int] = dataclasses.field(default_factory=list)
+    critical_n_starts: int = 8
+    critical_methods: list[str] = dataclasses.field(default_factory=lambda: list(CRITICAL_METHODS))
+    critical_max_windows: int | None = None
+    prefix_layer: int = 0
+    prefix_positions: list[int] = dataclasses.field(default_factory=list)
+    prefix_eps: float = 1e-2
+    batch_size: int = 8
+
+    def check(self) -> None:
+        """Raise :class:`InputError` on settings run_suite cannot honour (before any forward)."""
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise InputError(f"SuiteSettings.stages: unknown stages {unknown}; known: {list(STAGES)}")
+        for need in ("parallel", "gates"):
+            if need in self.stages and "defect" not in self.stages:
+                raise InputError(f"SuiteSettings.stages: {need!r} runs on the defect plan: add 'defect'")
+        bad = [m for m in self.critical_methods if m not in CRITICAL_METHODS]
+        if bad:
+            raise InputError(f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}")
+        for name in ("batch_size", "parallel_repeats", "timing_repeats", "critical_n_starts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"SuiteSettings.{name} must be an int >= 1, got {v!r}")
+        for name in ("n_bootstrap", "plan_k", "gate_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InputError(f"SuiteSettings.{name} must be an int >= 0, got {v!r}")
+
+    def runs(self, stage: str) -> bool:
+        """Whether ``stage`` is among :attr:`stages`."""
+        return stage in self.stages
+
+
+def check_windows_length(windows: int | None, length: int | None) -> None:
+    """The report's limits on ``--windows`` / ``--length`` (None: the default); raises :class:`InputError`."""
+    if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 2):
+        raise InputError(f"--windows must be an int >= 2 (one window is held out for the gates), got {windows!r}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 16):
+        raise InputError(f"--length must be an int >= 16, got {length!r}")
+
+
+def default_settings(
+    n_layers: int, quick: bool = False, windows: int | None = None, length: int | None = None
+) -> SuiteSettings:
+    """The report's settings for a model with ``n_layers`` blocks (all sized relative to the depth)."""
+    check_windows_length(windows, length)
+    windows = windows if windows is not None else (4 if quick else 8)
+    length = length if length is not None else (64 if quick else 128)
+    L = n_layers
+    half = L // 2
+    if quick:
+        ks = None  # no gold-standard curves in quick mode: the plan's loss comes from the surrogate hooks
+        crit = [half]
+        positions = [length // 4]
+    else:
+        ks = sorted({0, L // 4, half, (3 * L) // 4, L})
+        crit = sorted({L // 4, half, (3 * L) // 4})
+        positions = sorted({length // 8, length // 4, length // 2})
+    return SuiteSettings(
+        quick=quick,
+        windows=windows,
+        length=length,
+        n_bootstrap=200 if quick else 1000,
+        ablation_variants=["tangential", "radial", "zero"],
+        diversity_ablations=["tangential", "radial"],
+        diversity_gains=[1.0, 2.0] if quick else [0.5, 1.0, 2.0],
+        defect_k_values=ks,
+        defect_n_random=0 if quick else 1,
+        defect_brackets=not quick,
+        defect_evaluate=not quick,
+        defect_timing=True,
+        timing_repeats=3,
+        plan_k=half,
+        parallel_repeats=3,
+        gate_method="closed_form",
+        gate_steps=0,
+        critical_layers=crit,
+        critical_n_starts=4 if quick else 8,
+        critical_methods=list(CRITICAL_METHODS),
+        prefix_layer=L // 2,
+        prefix_positions=[p for p in positions if 0 < p < length],
+        prefix_eps=1e-2,
+        batch_size=8,
+    )
+
+
+__all__ = ["CRITICAL_METHODS", "STAGES", "SuiteSettings", "check_windows_length", "default_settings"]
