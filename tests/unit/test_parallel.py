@@ -9,7 +9,8 @@ import tl_steering as ts
 from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 from tl_steering.errors import InputError, LayerIndexError
 from tl_steering.hooks import parallel_blocks
-from tl_steering.parallel import _deepcopy_model, _raw, parallel_layers, parallelize, unfused
+from tl_steering.backends.executor import _raw
+from tl_steering.parallel import _deepcopy_model, parallel_layers, parallelize, unfused
 
 RTOL = 1e-4  # fp32, relative to the largest entry
 

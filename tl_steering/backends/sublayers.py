@@ -1,0 +1,144 @@
+"""Pure sublayer callables of one block, with the block's norms detected from the block itself.
+
+A pre-norm block (GPT-2, Llama) computes ``x -> x + attn(LN1(x))``, then ``y -> y + MLP(LN2(y))``. A sandwich-norm
+block (Gemma 2 / 3) also normalizes each sublayer's OUTPUT before the residual add, and a post-norm-only block
+(OLMo 2) normalizes only the output. One description covers them all (see docs/gemma.md):
+
+    A(x)   = post_attn( attn( pre_attn(x) ) ),
+    Phi(y) = post_ffn ( MLP ( pre_ffn (y) ) ),
+
+where a missing norm is the identity. Which norms a block has is read from its modules (``ln1`` / ``ln1_post`` /
+``ln2`` / ``ln2_post`` on both backends), never from ``cfg`` alone; the one exception is OLMo 2 on
+HookedTransformer, whose block keeps its post-norms under the names ``ln1`` / ``ln2`` and whose forward switches on
+``cfg.original_architecture`` (we read the block's own switch).
+
+Attention on a bridge needs what the Hugging Face decoder layer would pass it: rotary ``position_embeddings``
+(per layer type on Gemma 3: local layers use their own base) and, for sliding-window layers longer than the
+window, the sliding causal mask. :func:`bridge_attention_kwargs` builds both.
+"""
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # TL 3.x: OLMo 2 post-norm blocks on HookedTransformer
+    from transformer_lens.components.transformer_block import (  # type: ignore[attr-defined]
+        POST_NORM_ARCHITECTURES as _POST_NORM_ARCHS,
+    )
+except ImportError:  # TL 4.x (no HookedTransformer) or an older 3.x
+    _POST_NORM_ARCHS = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SublayerNorms:
+    """The four norms around a block's sublayers; ``None`` means identity (the norm is absent)."""
+
+    pre_attn: torch.nn.Module | None
+    post_attn: torch.nn.Module | None
+    pre_ffn: torch.nn.Module | None
+    post_ffn: torch.nn.Module | None
+
+    @property
+    def sandwich(self) -> bool:
+        """Whether either sublayer normalizes its output before the residual add (Gemma 2/3, OLMo 2)."""
+        return self.post_attn is not None or self.post_ffn is not None
+
+
+def _child(blk: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    m = blk._modules.get(name)
+    return None if m is None or isinstance(m, torch.nn.Identity) else m
+
+
+def sublayer_norms(blk: torch.nn.Module) -> SublayerNorms:
+    """Detect the norms of a TransformerLens block (HookedTransformer ``TransformerBlock`` or ``BlockBridge``)."""
+    cfg = getattr(blk, "cfg", None)
+    if _POST_NORM_ARCHS and getattr(cfg, "original_architecture", None) in _POST_NORM_ARCHS \
+            and type(blk).__name__ != "BlockBridge" and "ln1_post" not in blk._modules:
+        # HookedTransformer OLMo 2: ln1/ln2 are applied AFTER attn/MLP (TransformerBlock.forward)
+        return SublayerNorms(None, _child(blk, "ln1"), None, _child(blk, "ln2"))
+    ln1, ln2 = _child(blk, "ln1"), _child(blk, "ln2")
+    post1, post2 = _child(blk, "ln1_post"), _child(blk, "ln2_post")
+    if ln2 is None and post2 is None:
+        ln2 = ln1  # GPT-J / Phi: the MLP reads ln1's output (shared norm)
+    return SublayerNorms(ln1, post1, ln2, post2)
+
+
+def _apply(norm: torch.nn.Module | None, x: Tensor) -> Tensor:
+    if norm is None:
+        return x
+    out = norm(x)
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def ffn_apply(blk: torch.nn.Module, norms: SublayerNorms, x3: Tensor) -> Tensor:
+    """Phi(x) = post_ffn(MLP(pre_ffn(x))) on ``[batch, pos, d]`` (no hook handling here)."""
+    return _apply(norms.post_ffn, _apply(blk.mlp, _apply(norms.pre_ffn, x3)))
+
+
+def _rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
+    raw = rotary
+    for _ in range(8):
+        inner = raw._modules.get("_original_component") if isinstance(raw, torch.nn.Module) else None
+        if inner is None:
+            break
+        raw = inner
+    try:
+        return "layer_type" in inspect.signature(raw.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def hf_attention_module(blk: torch.nn.Module) -> Any:
+    """The Hugging Face attention module inside a bridge block (for its ``layer_type`` / ``sliding_window``)."""
+    m = blk.attn
+    for _ in range(8):
+        inner = m._modules.get("_original_component")
+        if inner is None:
+            break
+        m = inner
+    return m
+
+
+def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict[str, Any]:
+    """What the decoder layer passes the bridge's attention for a full causal sequence ``x`` [batch, pos, d]:
+    rotary ``position_embeddings`` for positions 0..pos-1 (the layer's own type on Gemma 3) and, on
+    sliding-window layers longer than their window, a 4-D boolean causal sliding mask (True = attend)."""
+    kwargs: dict[str, Any] = {}
+    batch, n_pos = x.shape[0], x.shape[1]
+    hf_attn = hf_attention_module(blk)
+    rotary = getattr(model, "rotary_emb", None)
+    if rotary is not None:
+        pos = torch.arange(n_pos, device=x.device).unsqueeze(0).expand(batch, -1)
+        layer_type = getattr(hf_attn, "layer_type", None)
+        if layer_type is not None and _rotary_takes_layer_type(rotary):
+            kwargs["position_embeddings"] = rotary(x, pos, layer_type)
+        else:
+            kwargs["position_embeddings"] = rotary(x, pos)
+    window = getattr(hf_attn, "sliding_window", None)
+    if window and n_pos > int(window):
+        i = torch.arange(n_pos, device=x.device)
+        diff = i[:, None] - i[None, :]
+        allowed = (diff >= 0) & (diff < int(window))
+        kwargs["attention_mask"] = allowed[None, None].expand(batch, 1, n_pos, n_pos)
+    return kwargs
+
+
+def attention_apply(model: Any, blk: torch.nn.Module, norms: SublayerNorms, backend: str, x: Tensor) -> Tensor:
+    """A(x) = post_attn(attn(pre_attn(x))) on the full residual ``[batch, pos, d]`` (causal; no hook handling)."""
+    h = _apply(norms.pre_attn, x)
+    if backend == "hooked":
+        out = blk.attn(h, h, h)
+    else:
+        out = blk.attn(hidden_states=h, **bridge_attention_kwargs(model, blk, x))
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return _apply(norms.post_attn, out)
+
+
+__all__ = ["SublayerNorms", "attention_apply", "bridge_attention_kwargs", "ffn_apply", "hf_attention_module",
+           "sublayer_norms"]
