@@ -7,6 +7,7 @@ See docs/parallel.md.
 """
 
 import copy
+import inspect
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -221,10 +222,16 @@ def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool
 # TransformerBridge (TL 3.9 and 4.x): replace the forward of the Hugging Face decoder layer inside the block
 
 
+_GEMMA_MODULES = {"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "mlp"}
+
+
 def _hf_family(layer: Any) -> str | None:
     names = set(layer._modules)
     if {"ln_1", "attn", "ln_2", "mlp"} <= names:
         return "gpt2"
+    if _GEMMA_MODULES <= names:  # sandwich norms (Gemma 2 / 3): a norm before AND after each sublayer
+        return "gemma"
     if {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"} <= names:
         return "llama"
     return None
@@ -235,7 +242,77 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rms_gain(norm: Any, dim: int) -> tuple[Tensor | None, float | None]:
+    """The gain g and eps with ``norm(x) == x / rms(x) * g`` (plain RMSNorm: g = w; Gemma: g = 1 + w), found
+    by probing the module numerically (so a norm with another formula is refused, never folded wrongly)."""
+    raw = _raw(norm)
+    eps = getattr(raw, "variance_epsilon", getattr(raw, "eps", None))
+    w = getattr(raw, "weight", None)
+    if eps is None or not isinstance(w, Tensor) or w.shape != (dim,) or getattr(raw, "bias", None) is not None:
+        return None, None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, dim, generator=g, dtype=torch.float64).to(w.device, w.dtype) * 3.0
+    with torch.no_grad():
+        got = raw(x).double()
+        xd = x.double()
+        xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + float(eps))
+        for gain in (w.double(), 1.0 + w.double()):
+            if torch.allclose(got, xhat * gain, rtol=1e-4, atol=1e-5 * float(got.abs().max())):
+                return gain.to(w.dtype), float(eps)
+    return None, None
+
+
+def _gemma_fused(layer: Any) -> tuple[FusedWeights | None, str, int]:
+    """Gemma 2/3 decoder layer: fold the pre-norm gains into q|k|v and gate|up; keep QK-norms and the two
+    post-norms as gains applied after the GEMMs (see FusedWeights.set_sandwich)."""
+    attn, mlp = _raw(layer.self_attn), _raw(layer.mlp)
+    if not all(n in mlp._modules for n in ("gate_proj", "up_proj", "down_proj")):
+        return None, f"MLP {type(mlp).__name__} is not gate/up/down", -1
+    lin = lambda m: (_raw(m).weight.detach().T, None if _raw(m).bias is None else _raw(m).bias.detach())  # noqa: E731
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj),
+                                              lin(attn.o_proj))
+    (wg, bg), (wu, bu), (wd, bd) = lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)
+    if bo is not None or bd is not None:
+        return None, "output biases under a post-norm", -1
+    d = wq.shape[0]
+    gains = {}
+    for name in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                 "post_feedforward_layernorm"):
+        gains[name] = _rms_gain(getattr(layer, name), d)
+        if gains[name][0] is None:
+            return None, f"{name} is not an RMSNorm of the form x / rms(x) * g", -1
+    eps = {e for _, e in gains.values()}
+    if len(gains) != 4 or gains["input_layernorm"][1] != gains["pre_feedforward_layernorm"][1]:
+        return None, f"pre-norm eps differ ({sorted(eps)})", -1
+    dh = int(attn.head_dim)
+    qk: dict[str, Any] = {}
+    for name in ("q_norm", "k_norm"):
+        if name in attn._modules:
+            g, e = _rms_gain(attn._modules[name], dh)
+            if g is None:
+                return None, f"{name} is not a per-head RMSNorm", -1
+            qk[name] = (g, e)
+    if len({e for _, e in qk.values()}) > 1:
+        return None, "q_norm/k_norm eps differ", -1
+    post_eps = {gains["post_attention_layernorm"][1], gains["post_feedforward_layernorm"][1]}
+    if len(post_eps) > 1:
+        return None, "post-norm eps differ", -1
+    nh, nkv = wq.shape[1] // dh, wk.shape[1] // dh
+    fw = _build("rms", gains["input_layernorm"][1], (gains["input_layernorm"][0], None),
+                (gains["pre_feedforward_layernorm"][0], None), wq, bq, wk, bk, wv, bv, wo, None, wg, bg, wu, bu,
+                wd, None, nh, nkv, dh, mlp.act_fn, float(attn.scaling), _raw(attn.q_proj).weight.dtype)
+    qk_eps = next(iter(qk.values()))[1] if qk else 0.0
+    fw.set_sandwich(q_norm_g=qk["q_norm"][0] if "q_norm" in qk else None,
+                    k_norm_g=qk["k_norm"][0] if "k_norm" in qk else None, qk_eps=qk_eps,
+                    post_attn_g=gains["post_attention_layernorm"][0], post_ffn_g=gains["post_feedforward_layernorm"][0],
+                    post_eps=post_eps.pop(), softcap=getattr(attn, "attn_logit_softcapping", None),
+                    window=getattr(attn, "sliding_window", None))
+    return fw, "", int(attn.layer_idx)
+
+
 def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, int]:
+    if family == "gemma":
+        return _gemma_fused(layer)
     if family == "gpt2":
         ln1, ln2, attn, mlp = _raw(layer.ln_1), _raw(layer.ln_2), _raw(layer.attn), _raw(layer.mlp)
         if not isinstance(ln1, torch.nn.LayerNorm) or not isinstance(ln2, torch.nn.LayerNorm):
@@ -296,6 +373,9 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
             raise ModelNotSupportedError("parallelized GPT-2 blocks do not support cross-attention")
         kwargs.pop("encoder_hidden_states", None)
         kwargs.pop("encoder_attention_mask", None)
+    elif args and family == "gemma":  # Gemma3DecoderLayer(hidden_states, position_embeddings, attention_mask, ...)
+        for n, a in zip(_positional_names(self), args):
+            kwargs[n] = a
     elif args:  # LlamaDecoderLayer(hidden_states, attention_mask, position_ids, cache, use_cache, pos_emb)
         for n, a in zip(("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings"), args):
             kwargs[n] = a
@@ -311,17 +391,30 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
         ln1, attn, ln2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
         attn_kwargs = {k: kwargs[k] for k in kwargs}
         a_call = lambda h: attn(h, **attn_kwargs)  # noqa: E731
+    elif family == "gemma":  # each branch keeps its own post-norm: post_attn(attn(ln1 x)) + post_ffn(mlp(ln2 x))
+        ln1, attn, ln2 = self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm
+        post1, post2 = self.post_attention_layernorm, self.post_feedforward_layernorm
+        mlp = lambda h: post2(_first(self.mlp(h)))  # noqa: E731
+        a_call = lambda h: post1(_first(attn(hidden_states=h, **kwargs)))  # noqa: E731
     else:
         ln1, attn, ln2, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
         a_call = lambda h: attn(hidden_states=h, **kwargs)  # noqa: E731
-    a = a_call(ln1(x))
-    a = a[0] if isinstance(a, tuple) else a
+    a = _first(a_call(ln1(x)))
     ctx, join = _on_side(st.use_streams, x, st._streams)
     with ctx:
-        m = mlp(ln2(x))
-        m = m[0] if isinstance(m, tuple) else m
+        m = _first(mlp(ln2(x)))
     join(m)
     return x + a + m
+
+
+def _first(out: Any) -> Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _positional_names(layer: Any) -> list[str]:
+    """Names of the decoder layer's positional parameters after ``hidden_states`` (from its class forward)."""
+    params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: dict) -> Tensor:
@@ -332,13 +425,13 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
         raise InputError(f"parallelized block got a {mask.dim()}-D attention mask; expected the 4-D mask "
                          "Hugging Face builds (or None)")
     pe = kwargs.get("position_embeddings")
-    if family == "llama" and pe is None:
+    if family in ("llama", "gemma") and pe is None:
         raise InputError("parallelized Llama-style block needs position_embeddings (cos, sin); the bridge "
                          "passes them in a normal forward")
 
     def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if family == "llama":
+        if family in ("llama", "gemma"):  # Gemma: q/k were QK-normed in project(), then rotary (HF order)
             cos, sin = pe[0].unsqueeze(1), pe[1].unsqueeze(1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
@@ -358,7 +451,8 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
         if family is None:
             raise ModelNotSupportedError(
                 f"block {layer_i} wraps a {type(layer).__name__}; parallelize supports GPT-2-style (ln_1/attn/ln_2/"
-                "mlp) and Llama-style (input_layernorm/self_attn/post_attention_layernorm/mlp) decoder layers"
+                "mlp), Llama-style (input_layernorm/self_attn/post_attention_layernorm/mlp) and Gemma-style "
+                "(sandwich norms: input/post_attention/pre_feedforward/post_feedforward_layernorm) decoder layers"
             )
         fw, why, layer_idx = _bridge_fused(layer, family) if fuse else (None, "", -1)
         if fuse and fw is None:
