@@ -1,16 +1,23 @@
-"""Measured speedup of the parallel executor vs the paper-style estimate (MATH_SPEC §7), in ONE process.
+"""Measured speedup of the parallel executor vs the paper-style estimate (docs/parallel.md), in ONE process.
 
     python benchmarks/parallel_speedup.py [--model smollm2-135m] [--backend hooked|bridge] [--device cpu|cuda]
-                                          [--repeats N] [--json out.json]
+                                          [--strategy best|C|greedy|...] [--repeats N] [--json out.json]
 
-For k = 0, L/4, L/2 parallel layers (the lowest-defect ones: ``parallel_defect(...).plan(k)`` when
-tl_steering.protocols provides it, else an inline C_l = ||Phi(x+a) - Phi(x)|| / ||dx|| on 8x128 calibration
-windows) and shapes batch x seq = 1x1 decode step (HookedTransformer only: frozen 127-token KV cache),
-1x128 and 8x128, the original and the parallelized model are timed alternately (A, B, A, B, ...) after
-warm-up; medians are printed with tokens/s, the measured speedup, the paper-style estimate T_seq / T_par from
-per-submodule median times (adapter.attention / adapter.ffn; a parallel layer costs max(t_attn, t_ffn)) and
-the loss change on held-out windows (text_tokens seed 1). k = 0 is an A/A control (a deep copy): its
-"speedup" shows the timing noise.
+The plan: ``tl_steering.plan_parallel(model, calibration, k=max(ks), strategy=--strategy, held_out=held,
+k_values=ks)`` (calibration: 8 pydoc windows x 128, seed 0; held-out: 8 windows, seed 1); for every k of
+0, L/4, L/2 the chosen strategy's k-set. For each shape batch x seq = 1x1 decode step (HookedTransformer only:
+frozen 127-token KV cache), 1x128 and 8x128, THREE models are timed round-robin after warm-up:
+
+* ``TL``: the user's model (TransformerLens, every block sequential, hook points on the path);
+* ``seq``: the executor's SEQUENTIAL control (``_lean_sequential_copy``): the chosen blocks stay sequential
+  but run on the executor's lean kernels (folded norms, SDPA, addmm): same kernels, no TL hook overhead;
+* ``par``: the executor's parallel model (``parallelize``).
+
+Two speedups are printed, each labelled: ``vs TL`` = t_TL / t_par (implementation gain AND parallel
+structure) and ``vs seq`` = t_seq / t_par (the parallel structure alone, what the paper's estimate is
+about). Beside them: tokens/s, the paper-style estimate T_seq / T_par from per-submodule median times
+(adapter.attention / adapter.ffn; a parallel layer costs max(t_attn, t_ffn)) and the held-out loss change.
+k = 0 is an A/A control (deep copies): its "speedup" shows the timing noise.
 """
 
 import argparse
@@ -49,17 +56,18 @@ def timer(fn, device: str) -> float:
     return time.perf_counter() - t
 
 
-def ab_medians(fa, fb, device: str, repeats: int, warmup: int = 3) -> tuple[float, float]:
+def rr_medians(fns, device: str, repeats: int, warmup: int = 3) -> list[float]:
+    """Median seconds of each function, timed round-robin (the order rotates every repeat)."""
     for _ in range(warmup):
-        fa(), fb()
+        for f in fns:
+            f()
     sync(device)
-    ta, tb = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
-        if r % 2 == 0:  # alternate the order too (ABBA...) so neither side always goes first
-            ta.append(timer(fa, device)), tb.append(timer(fb, device))
-        else:
-            tb.append(timer(fb, device)), ta.append(timer(fa, device))
-    return statistics.median(ta), statistics.median(tb)
+        for j in range(len(fns)):
+            i = (j + r) % len(fns)
+            times[i].append(timer(fns[i], device))
+    return [statistics.median(t) for t in times]
 
 
 def median_time(fn, device: str, repeats: int, warmup: int = 2) -> float:
@@ -72,45 +80,12 @@ def median_time(fn, device: str, repeats: int, warmup: int = 2) -> float:
 # layer plan
 
 
-def inline_defect(model, tokens) -> list[float]:
-    """C_l = sqrt(sum ||Phi(x+a) - Phi(x)||^2) / sqrt(sum ||dx||^2), positions >= 1 (MATH_SPEC §7)."""
-    ad = adapt(model)
-    names = []
-    for lay in range(ad.n_layers):
-        names += [ad.hook_name(lay, s) for s in ("resid_pre", "attn_out", "resid_post")]
-    _, cache = ad.run_with_cache(tokens, names)
-    out = []
-    with torch.no_grad():
-        for lay in range(ad.n_layers):
-            x, a, y = (cache[ad.hook_name(lay, s)] for s in ("resid_pre", "attn_out", "resid_post"))
-            if ad.is_parallel(lay):
-                out.append(float("inf"))
-                continue
-            phi = ad.ffn(lay)
-            d = (phi(x + a) - phi(x)).double()[:, 1:]
-            dx = (y - x).double()[:, 1:]
-            out.append(float(d.norm() / dx.norm()))
-    return out
-
-
-def layer_plan(model, tokens) -> tuple[list[int], str]:
-    """Layers ranked by ascending defect (lowest first) and where the ranking came from."""
-    try:
-        from tl_steering.protocols.defect import parallel_defect  # another developer's module
-
-        res = parallel_defect(model, tokens, timing=False)
-        n = adapt(model).n_layers
-        order = []
-        for k in range(1, n + 1):
-            for lay in res.plan(k):
-                if lay not in order:
-                    order.append(lay)
-        return order, "tl_steering.protocols.parallel_defect(...).plan(k)"
-    except Exception as e:  # noqa: BLE001 - fall back to the inline score whatever went wrong
-        why = f"{type(e).__name__}: {str(e)[:80]}"
-    c = inline_defect(model, tokens)
-    order = sorted(range(len(c)), key=lambda i: (c[i], i))
-    return order, f"inline C_l (parallel_defect unavailable: {why})"
+def layer_plans(model, calib, held, ks: list[int], strategy: str) -> tuple[dict[int, list[int]], dict]:
+    """Per k, the layers of the chosen strategy's plan (chosen on calib; held-out dCE reported)."""
+    plan = ts.plan_parallel(model, calib, max(ks), strategy=strategy, held_out=held, k_values=ks, batch_size=4)
+    info = {"strategy": plan.strategy, "requested": strategy, "held_out_delta_ce": plan.held_out_delta_ce,
+            "cost": plan.cost, "total_cost": plan.total_cost}
+    return {k: plan.plan_of(plan.strategy, k) for k in ks}, info
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -164,10 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sub-repeats", type=int, default=7, help="repeats per submodule timing")
     ap.add_argument("--shapes", default="1x1,1x128,8x128")
-    ap.add_argument("--controls", nargs="?", const="unfused,lean-seq", default="",
-                    help="also time, at k = L/2, 'unfused' (fuse=False) and/or 'lean-seq' (the same lean kernels in "
-                         "SEQUENTIAL blocks: isolates implementation gain from parallel-structure gain); "
-                         "default with the flag alone: both")
+    ap.add_argument("--controls", nargs="?", const="unfused", default="",
+                    help="also time, at k = L/2, 'unfused' (fuse=False); the executor's sequential control "
+                         "(lean-seq) is always timed")
+    ap.add_argument("--strategy", default="best", help="plan_parallel strategy (best, C, greedy, ...)")
     ap.add_argument("--ks", default=None, help="comma list of k to time (default: 0, L/4, L/2)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -192,18 +167,19 @@ def main(argv: list[str] | None = None) -> dict:
           f"torch threads {torch.get_num_threads()}); loaded in {time.time() - t0:.0f}s")
     calib = ts.text_tokens(model, n_windows=8, length=128, seed=0)
     held = ts.text_tokens(model, n_windows=8, length=128, seed=1)
-    order, source = layer_plan(model, calib)
-    print(f"# layer ranking (lowest defect first) from {source}: {order}")
     ks = sorted({int(k) for k in args.ks.split(",")}) if args.ks else sorted({0, L // 4, L // 2})
+    t1 = time.time()
+    plans, plan_info = layer_plans(model, calib, held, ks, args.strategy)
+    print(f"# plans ({plan_info['strategy']}, requested {args.strategy}; chosen on calibration windows, "
+          f"{time.time() - t1:.0f}s): {plans}; planner cost {plan_info['cost']}")
     base_loss = mean_loss(model, held)
-    pars = {}
+    pars, seqs = {}, {}
     for k in ks:
-        pars[("fused", k)] = parallelize(model, sorted(order[:k]))
+        pars[("fused", k)] = parallelize(model, plans[k])
+        seqs[k] = _lean_sequential_copy(model, plans[k])
     controls = [c for c in args.controls.split(",") if c]
     if "unfused" in controls:
-        pars[("unfused", L // 2)] = parallelize(model, sorted(order[: L // 2]), fuse=False)
-    if "lean-seq" in controls:
-        pars[("lean-seq", L // 2)] = _lean_sequential_copy(model, sorted(order[: L // 2]))
+        pars[("unfused", L // 2)] = parallelize(model, plans[L // 2], fuse=False)
     losses = {key: mean_loss(p, held) for key, p in pars.items()}
 
     rows = []
@@ -219,66 +195,55 @@ def main(argv: list[str] | None = None) -> dict:
         sub_shape = (1, 1) if decode else shape
         ta, tf = submodule_times(model, sub_shape, device, args.sub_repeats)
         for (mode, k), p in pars.items():
+            seq = seqs[k]
             if decode:
                 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache as KV
 
-                caches = []
-                for mdl in (model, p):
+                fns = []
+                for mdl in (model, seq, p):
                     c = KV.init_cache(mdl.cfg, device, 1)
                     with torch.no_grad():
                         mdl(toks[:, :-1], past_kv_cache=c)
                     c.freeze()
-                    caches.append(c)
-                step = toks[:, -1:]
-                fa = lambda c=caches[0]: model(step, past_kv_cache=c)  # noqa: E731
-                fb = lambda c=caches[1], p=p: p(step, past_kv_cache=c)  # noqa: E731
+                    fns.append(lambda c=c, mdl=mdl: mdl(toks[:, -1:], past_kv_cache=c))
                 n_tok = 1
             else:
-                fa = lambda: model(toks)  # noqa: E731
-                fb = lambda p=p: p(toks)  # noqa: E731
+                fns = [lambda mdl=mdl: mdl(toks) for mdl in (model, seq, p)]
                 n_tok = b * s
             with torch.no_grad():
-                t_a, t_b = ab_medians(fa, fb, device, args.repeats)
-            chosen = sorted(order[:k])
-            est = paper_estimate(ta, tf, chosen) if mode != "lean-seq" else 1.0
-            saved = sum(min(ta[i], tf[i]) for i in chosen)
-            est_e2e = t_a / max(t_a - saved, 1e-12)
-            meas = t_a / t_b
+                t_tl, t_seq, t_par = rr_medians(fns, device, args.repeats)
+            chosen = plans[k]
+            est = paper_estimate(ta, tf, chosen)
             row = dict(shape=f"{b}x{s}" + (" decode" if decode else ""), mode=mode, k=k, layers=chosen,
-                       t_orig_ms=t_a * 1e3, t_par_ms=t_b * 1e3, tok_s_orig=n_tok / t_a, tok_s_par=n_tok / t_b,
-                       speedup=meas, estimate=est, estimate_e2e=est_e2e,
-                       ratio=(meas - 1) / (est - 1) if est > 1 + 1e-9 else float("nan"),
-                       meas_over_est=meas / est, dloss=losses[(mode, k)] - base_loss,
+                       strategy=plan_info["strategy"], t_tl_ms=t_tl * 1e3, t_seq_ms=t_seq * 1e3,
+                       t_par_ms=t_par * 1e3, tok_s_tl=n_tok / t_tl, tok_s_seq=n_tok / t_seq,
+                       tok_s_par=n_tok / t_par, speedup_vs_tl=t_tl / t_par, speedup_vs_seq=t_seq / t_par,
+                       estimate=est, dloss=losses[(mode, k)] - base_loss,
                        attn_ffn_ms=(sum(ta) * 1e3, sum(tf) * 1e3))
             rows.append(row)
-            print(f"  {row['shape']:>11} {mode:>7} k={k:>2}: orig {row['t_orig_ms']:8.2f} ms  par "
-                  f"{row['t_par_ms']:8.2f} ms  speedup {meas:.3f}  estimate {est:.3f} (e2e {est_e2e:.3f})  "
-                  f"meas/est {meas / est:.3f}  dCE {row['dloss']:+.4f}", flush=True)
+            print(f"  {row['shape']:>11} {mode:>7} k={k:>2}: TL {row['t_tl_ms']:8.2f} ms  exec-seq "
+                  f"{row['t_seq_ms']:8.2f} ms  exec-par {row['t_par_ms']:8.2f} ms  speedup vs TL "
+                  f"{row['speedup_vs_tl']:.3f}  vs exec-seq {row['speedup_vs_seq']:.3f}  estimate {est:.3f}  "
+                  f"dCE {row['dloss']:+.4f}", flush=True)
 
     print()
-    print(f"| shape | mode | k | t_orig ms | t_par ms | tok/s orig | tok/s par | measured speedup | "
-          f"paper estimate | measured/estimate | ΔCE (held-out) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | mode | k | t TL ms | t exec-seq ms | t exec-par ms | tok/s TL | tok/s exec-seq | tok/s exec-par | "
+          "measured speedup vs TL model | measured speedup vs executor's sequential model | estimate | "
+          "ΔCE (held-out) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['mode']} | {r['k']} | {r['t_orig_ms']:.2f} | {r['t_par_ms']:.2f} | "
-              f"{r['tok_s_orig']:.0f} | {r['tok_s_par']:.0f} | {r['speedup']:.3f}x | {r['estimate']:.3f}x | "
-              f"{r['meas_over_est']:.3f} | {r['dloss']:+.4f} |")
+        print(f"| {r['shape']} | {r['mode']} | {r['k']} | {r['t_tl_ms']:.2f} | {r['t_seq_ms']:.2f} | "
+              f"{r['t_par_ms']:.2f} | {r['tok_s_tl']:.0f} | {r['tok_s_seq']:.0f} | {r['tok_s_par']:.0f} | "
+              f"{r['speedup_vs_tl']:.3f}x | {r['speedup_vs_seq']:.3f}x | {r['estimate']:.3f}x | {r['dloss']:+.4f} |")
     for shape in shapes:
         rr = [r for r in rows if r["shape"].startswith(f"{shape[0]}x{shape[1]}")]
-        fz = [r for r in rr if r["mode"] == "fused" and r["k"] == L // 2]
-        ls = [r for r in rr if r["mode"] == "lean-seq"]
-        if fz and ls:
-            # ratio of speedups: each is normalised by its own A/B original, so machine drift between rows cancels
-            print(f"# {rr[0]['shape']}: parallel-structure gain at k={L // 2} (speedup fused / speedup lean-seq) = "
-                  f"{fz[0]['speedup'] / ls[0]['speedup']:.3f}x vs paper estimate {fz[0]['estimate']:.3f}x; "
-                  f"implementation gain (orig / lean-seq) = {ls[0]['speedup']:.3f}x")
         if rr:
             a, f = rr[0]["attn_ffn_ms"]
             print(f"# {rr[0]['shape']}: sum t_attn = {a:.2f} ms, sum t_ffn = {f:.2f} ms (t_attn/t_ffn = {a / f:.2f})")
     print(f"# base held-out CE {base_loss:.4f}; torch threads {torch.get_num_threads()}; total {time.time() - t0:.0f}s")
     out = dict(model=args.model, backend=backend, device=device, tl=ts.tl_version(), torch=torch.__version__,
-               threads=torch.get_num_threads(), ranking=order, ranking_source=source, base_loss=base_loss,
-               rows=rows)
+               threads=torch.get_num_threads(), plans={str(k): v for k, v in plans.items()}, plan=plan_info,
+               base_loss=base_loss, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

@@ -25,6 +25,7 @@ from .parallel import parallelize
 from .prefix import prefix_sensitivity, prefix_statistics
 from .probe import probe
 from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect
+from .planning import ParallelPlan, ParallelScoresResult, parallel_scores, plan_parallel
 from .results import Provenance, Result
 
 __all__ = [
@@ -47,6 +48,10 @@ __all__ = [
     "hooks",
     "load_model",
     "parallel_defect",
+    "ParallelPlan",
+    "ParallelScoresResult",
+    "parallel_scores",
+    "plan_parallel",
     "parallelize",
     "prefix_sensitivity",
     "prefix_statistics",

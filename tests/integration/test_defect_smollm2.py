@@ -1,4 +1,4 @@
-"""parallel_defect on SmolLM2-135M: pinned scores and the paper's claims (MATH_SPEC §7, §12 row 6).
+"""parallel_defect on SmolLM2-135M: pinned scores and the paper's claims (docs/defect.md).
 
 One run (module fixture) on the first 4 of the 8 pydoc windows (seed 0, 128 tokens, no BOS; position 0
 excluded from the scores), with brackets, the gold standard (30 single-layer parallel runs) and the curves at
@@ -58,7 +58,7 @@ PLAN_15 = [6, 7, 8, 9, 10, 11, 21, 22, 23, 24, 25, 26, 27, 28, 29]
 def defect(smollm2, smollm2_tokens):
     before = weights_fingerprint(smollm2)
     res = parallel_defect(smollm2, smollm2_tokens[:4], brackets=True, evaluate=True, k_values=K_VALUES,
-                          n_random=3, batch_size=4, timing_repeats=3)
+                          n_random=3, batch_size=4, timing=True, timing_repeats=3)
     assert weights_fingerprint(smollm2) == before
     return res
 

@@ -1,4 +1,4 @@
-"""parallel_defect (MATH_SPEC §7) on the tiny models of every architecture and backend.
+"""parallel_defect (docs/defect.md) on the tiny models of every architecture and backend.
 
 The scores are recomputed independently from TransformerLens's own ``run_with_cache`` and direct calls of the
 block's ``ln2`` / ``mlp`` modules (``torch.autograd.functional.jvp`` for the first-order term, not
@@ -37,7 +37,8 @@ def _arch(model) -> str:
 @pytest.fixture(scope="module")
 def result(tiny, tiny_tokens):
     """One full run per tiny model (fp32): brackets, gold standard, timing."""
-    return parallel_defect(tiny, tiny_tokens, brackets=True, evaluate=True, n_random=2, timing_repeats=2)
+    return parallel_defect(tiny, tiny_tokens, brackets=True, evaluate=True, n_random=2, timing=True,
+                           timing_repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +293,19 @@ def test_timing_and_speedup(tiny, result):
         result.speedup_estimate([99])
 
 
+def test_timing_is_opt_in(tiny, tiny_tokens):
+    """A scoring call measures nothing by default: deterministic and fast; no speedup estimate without times."""
+    a = parallel_defect(tiny, tiny_tokens)
+    b = parallel_defect(tiny, tiny_tokens)
+    assert not a.options["timing"] and bool(torch.isnan(a.t_attn).all()) and math.isnan(a.t_forward)
+    for k in a.scores:
+        torch.testing.assert_close(a.scores[k], b.scores[k], rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(InputError, match="timing=True"):
+        a.speedup_estimate([])
+
+
 def test_speedup_formula():
-    """Uniform layers, k = L/2: speedup = 2 (a + m) / ((a + m) + max(a, m)) (MATH_SPEC §7)."""
+    """Uniform layers, k = L/2: speedup = 2 (a + m) / ((a + m) + max(a, m)) (docs/defect.md)."""
     a, m = 0.63, 1.0
     res = DefectResult(layers=list(range(4)), scores={"C": torch.arange(4.0, dtype=torch.float64)},
                        t_attn=torch.full((4,), a, dtype=torch.float64),

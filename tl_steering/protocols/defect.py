@@ -1,4 +1,4 @@
-"""Sequential-to-parallel defect, Lie bracket and the parallelization score C_l (MATH_SPEC §7, protocol 4).
+"""Sequential-to-parallel defect, Lie bracket and the parallelization score C_l (docs/defect.md, protocol 4).
 
 Per layer l with x = resid_pre, a = attn_out, y = resid_mid = x + a (the FFN input of a sequential block),
 Phi = MLP(LN2(.)) (``ad.ffn(l)``, positionwise) and Dx = resid_post - resid_pre:
@@ -9,7 +9,7 @@ Phi = MLP(LN2(.)) (``ad.ffn(l)``, positionwise) and Dx = resid_post - resid_pre:
   recorded in ``phi_check``);
 * first-order estimate  ``J_Phi(x) a = D_Phi[a](x)``: one ``torch.func.jvp(Phi, (x,), (a,))``, positionwise;
 * nonlinearity index  ``nu = sqrt(sum ||d - J a||^2) / sqrt(sum ||d||^2)``;
-* scores [I, MATH_SPEC §7 and §13.4], pooled over the tokens of the non-excluded positions, float64:
+* scores [paper + ours, docs/defect.md], pooled over the tokens of the non-excluded positions, float64:
 
   - ``C``     (primary) ``sqrt(sum ||d||^2) / sqrt(sum ||Dx||^2)``: relative RMS of the defect against the
     block update;
@@ -23,8 +23,8 @@ Phi = MLP(LN2(.)) (``ad.ffn(l)``, positionwise) and Dx = resid_post - resid_pre:
   bracket ``[A, Phi] = DPhi.A - DA.Phi``. Since ``d ~ DPhi.A = 1/2 [A, Phi] + 1/2 (DPhi.A + DA.Phi)``, the
   defect is governed by the bracket *and* the directional-derivative term [S+I].
 
-Gold standard (``evaluate=True``): ``dCE_l = CE(layer l alone parallel) - CE(clean)`` with
-:func:`tl_steering.hooks.parallel_blocks`, the Spearman correlation of every C variant with dCE_l, and the
+Gold standard (``evaluate=True``, :mod:`tl_steering.planning.gold`): ``dCE_l = CE(layer l alone parallel) -
+CE(clean)`` with :func:`tl_steering.hooks.parallel_blocks`, the Spearman correlation of every C variant with dCE_l, and the
 loss-vs-k curves of four layer choices (``lowest`` / ``highest`` C, ``random`` seeded draws, ``contiguous`` =
 the window of k consecutive candidate layers with the lowest summed C, earliest on ties). CE is the mean
 next-token cross-entropy over every predicted position (the loss is not subject to ``exclude_positions``).
@@ -36,9 +36,9 @@ the JVP direction is 0) and ``nu`` is NaN (0/0). They are never candidates of :m
 the curves, and their dCE is 0 exactly (``parallel_blocks`` leaves them alone). ``counterfactual_scores``
 holds, for every block, the scores of ``Phi(x + a) - Phi(x)`` with x = resid_pre: for a sequential block
 they equal ``scores``; for a parallel block they say how far a *sequential* ordering would move it
-(MATH_SPEC §13.8: a new construction, not the paper's).
+(docs/defect.md: a new construction [ours], not the paper's).
 
-Speedup (``timing=True``) [S+I]: per-submodule times on the model's device with ``ad.attention(l)`` (LN1 +
+Speedup (``timing=True``, opt-in, :mod:`tl_steering.planning.speedup`) [ours]: per-submodule times on the model's device with ``ad.attention(l)`` (LN1 +
 attention) and ``ad.ffn(l)`` (LN2 + MLP) on the first ``batch_size`` sequences, after warm-up, median over
 repeats (CUDA events on GPU, ``time.perf_counter`` on CPU). For a set S of parallelized layers
 ``T_seq = sum_l (t_attn + t_ffn)`` and
@@ -53,11 +53,9 @@ analysis cast a copy of the model (``model.to(torch.float64)``).
 import dataclasses
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -66,7 +64,11 @@ from .. import geometry as geo
 from ..backends import adapt, check_finite
 from ..data import token_source
 from ..errors import InputError, ResidualIdentityError
-from ..hooks import parallel_blocks
+from ..planning import strategies as _strategies
+from ..planning.gold import PlanLoss, single_layer_delta
+from ..planning.gold import spearman as _spearman
+from ..planning.speedup import SPEEDUP_LABEL, estimate_speedup, submodule_times
+from ..planning.strategies import default_k_values
 from ..results import Result, register
 from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
 
@@ -76,8 +78,6 @@ CURVE_STRATEGIES: tuple[str, ...] = ("lowest", "highest", "random", "contiguous"
 """Layer choices of the loss-vs-k curves."""
 BRACKET_TERMS: tuple[str, ...] = ("DPhi_A", "DA_Phi", "bracket")
 """Keys of :attr:`DefectResult.brackets`: RMS of DPhi.A, DA.Phi and [A, Phi] = DPhi.A - DA.Phi."""
-SPEEDUP_LABEL = "estimate (sub-module times, critical path max(t_attn, t_ffn))"
-"""Label of every :meth:`DefectResult.speedup_estimate`: an estimate, not a measured kernel speedup."""
 DEFECT_RMS_TERMS: tuple[str, ...] = ("defect", "update", "ffn_write", "first_order", "defect_tangential",
                               "first_order_error")
 """Keys of :attr:`DefectResult.rms`: per-token RMS of d, Dx, Phi(ffn input), J a, P_u d and d - J a."""
@@ -214,22 +214,8 @@ class DefectResult(Result):
         """
         if not torch.isfinite(self.t_attn).all() or not torch.isfinite(self.t_ffn).all() or not self.layers:
             raise InputError("no sub-module times in this result: run parallel_defect(..., timing=True)")
-        chosen = sorted({int(x) for x in layers})
-        unknown = [x for x in chosen if x not in self.layers]
-        if unknown:
-            raise InputError(f"layers {unknown} were not analysed (analysed: {self.layers})")
-        ta, tf = self.t_attn.tolist(), self.t_ffn.tolist()
-        t_seq = t_par = 0.0
-        for i, lay in enumerate(self.layers):
-            seq_cost = max(ta[i], tf[i]) if self.already_parallel[i] else ta[i] + tf[i]
-            t_seq += seq_cost
-            t_par += max(ta[i], tf[i]) if lay in chosen else seq_cost
-        other = self.t_other
-        out = {"label": SPEEDUP_LABEL, "layers": chosen, "k": len(chosen), "T_seq_s": t_seq, "T_par_s": t_par,
-               "speedup": t_seq / t_par if t_par > 0 else math.nan, "T_other_s": other,
-               "speedup_with_other": (t_seq + other) / (t_par + other) if math.isfinite(other) else math.nan,
-               "timing_shape": list(self.timing_shape), "device": self.timing_device}
-        return out
+        return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
+                                t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
 
     # -- display --------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -313,68 +299,8 @@ class DefectResult(Result):
 
 def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: int,
             lowest: bool) -> list[int]:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= len(candidates):
-        raise InputError(f"k must be an int in [0, {len(candidates)}] (the number of sequential layers "
-                         f"analysed), got {k!r}")
     pos = {lay: i for i, lay in enumerate(layers)}
-    vals = {lay: float(score[pos[lay]]) for lay in candidates}
-
-    def key(lay: int) -> tuple[int, float, int]:
-        v = vals[lay]
-        return (1, 0.0, lay) if math.isnan(v) else (0, v if lowest else -v, lay)
-
-    return sorted(sorted(candidates, key=key)[: int(k)])
-
-
-def _contiguous(candidates: Sequence[int], score_of: dict[int, float], k: int) -> list[int]:
-    """The window of k consecutive candidates with the lowest summed score (earliest on ties)."""
-    if k == 0:
-        return []
-    sums = [sum(score_of[lay] for lay in candidates[i:i + k]) for i in range(len(candidates) - k + 1)]
-    finite = [s if math.isfinite(s) else math.inf for s in sums]
-    start = int(np.argmin(finite))
-    return list(candidates[start:start + k])
-
-
-def default_k_values(n_candidates: int) -> list[int]:
-    """``0..L`` in steps of ``max(1, L // 8)``, plus ``L // 2`` and ``L`` (L = number of candidate layers)."""
-    step = max(1, n_candidates // 8)
-    return sorted(set(range(0, n_candidates + 1, step)) | {n_candidates // 2, n_candidates})
-
-
-def _spearman(x: Tensor, y: Tensor) -> float:
-    if x.numel() < 3:
-        return math.nan
-    from scipy.stats import spearmanr
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rho = spearmanr(x.numpy(), y.numpy()).statistic
-    return float(rho)
-
-
-def _median_seconds(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` after ``warmup`` calls (CUDA events on GPU, perf_counter on CPU)."""
-    cuda = device.type == "cuda"
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return _strategies.one_shot(candidates, {lay: float(score[pos[lay]]) for lay in candidates}, k, lowest)
 
 
 class _Sums:
@@ -424,11 +350,14 @@ def parallel_defect(
     n_random: int = 5,
     seed: int = 0,
     corpus: str | None = None,
-    timing: bool = True,
+    timing: bool = False,
     batch_size: int = 8,
     timing_repeats: int = 7,
 ) -> DefectResult:
-    """Per-layer sequential-to-parallel defect scores C_l (MATH_SPEC §7); see the module docstring.
+    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); see the module docstring.
+
+    Layer planning beyond the paper's lowest-C choice (a loss-aware score, greedy and contiguous planners,
+    held-out evaluation) is :func:`tl_steering.plan_parallel` / :func:`tl_steering.parallel_scores`.
 
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge). Never modified; every hook
@@ -445,7 +374,9 @@ def parallel_defect(
             sequential layers analysed.
         n_random: random layer sets per k (seeded by ``seed``).
         seed: seed of the random layer sets.
-        timing: measure per-submodule times for :meth:`DefectResult.speedup_estimate`.
+        timing: also measure per-submodule times for :meth:`DefectResult.speedup_estimate` (opt-in: off by
+            default so a scoring call is fast and deterministic; see
+            :func:`tl_steering.planning.speedup.submodule_times`).
         batch_size: sequences per forward pass (also the timed slice).
         timing_repeats: timed calls per sub-module (median reported, after 2 warm-up calls).
 
@@ -492,7 +423,6 @@ def parallel_defect(
         for rows, _, cache in iter_batches(ad, tokens, names, batch_size):
             ad.check_residual_identity(cache, sel)
             n_tokens += int(tokens[rows].shape[0] * keep.sum())
-            first = rows.start == 0
             for i, lay in enumerate(sel):
                 g = {s: cache[ad.hook_name(lay, s)]
                      for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")}
@@ -537,10 +467,6 @@ def parallel_defect(
                     sums.add("DPhi_A", i, cf["ja"][:, keep])
                     sums.add("DA_Phi", i, da_phi[:, keep])
                     sums.add("bracket", i, (cf["ja"] - da_phi)[:, keep])
-                if timing and first:
-                    attn = ad.attention(lay)
-                    t_attn[i] = _median_seconds(lambda: attn(x), x.device, 2, timing_repeats)
-                    t_ffn[i] = _median_seconds(lambda: phi(ffn_in), x.device, 2, timing_repeats)
             del cache
 
     dx2 = sums.get("dx")
@@ -563,56 +489,37 @@ def parallel_defect(
     rms = {k: torch.sqrt(v / count) for k, v in rms.items()}
     bracket_rms = {k: torch.sqrt(sums.get(k) / count) for k in BRACKET_TERMS} if brackets else {}
 
-    # -- timing of the whole forward (for the embed/unembed/overhead share) ----------------------------------
+    # -- timing (opt-in): sub-module and whole-forward times on the first batch ------------------------------
     t_forward = t_other = math.nan
     timing_shape: list[int] = []
     if timing:
-        sl = tokens[:batch_size]
-        timing_shape = [int(sl.shape[0]), int(sl.shape[1])]
-        t_forward = _median_seconds(lambda: ad.run_with_hooks(sl, [], return_type="logits"), ad.device, 1,
-                                    max(3, timing_repeats // 2))
-        if len(sel) == ad.n_layers:
-            t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0)
+        tm = submodule_times(ad, tokens[:batch_size], sel, timing_repeats)
+        t_attn, t_ffn = tm["t_attn"].tolist(), tm["t_ffn"].tolist()
+        t_forward, t_other, timing_shape = tm["t_forward"], tm["t_other"], tm["timing_shape"]
 
-    # -- gold standard -------------------------------------------------------------------------------------
+    # -- gold standard (tl_steering.planning.gold) ----------------------------------------------------------
     clean_loss = math.nan
     delta_ce = torch.full((n,), math.nan, dtype=torch.float64)
     spearman: dict[str, float] = {}
     curves: dict[str, Tensor] = {}
     curve_layers: dict[str, list] = {}
     if evaluate:
-        memo: dict[tuple[int, ...], float] = {}
-
-        def loss_of(chosen: Sequence[int]) -> float:
-            key = tuple(sorted(chosen))
-            if key not in memo:
-                hooks = parallel_blocks(model, list(key))
-                total, cnt = 0.0, 0
-                for start in range(0, tokens.shape[0], batch_size):
-                    lpt = ad.loss_per_token(tokens[start:start + batch_size], hooks)
-                    total += float(lpt.sum())
-                    cnt += lpt.numel()
-                memo[key] = total / cnt
-            return memo[key]
-
-        clean_loss = loss_of([])
-        for i, lay in enumerate(sel):
-            delta_ce[i] = 0.0 if parallel[i] else loss_of([lay]) - clean_loss
+        loss = PlanLoss(model, tokens, batch_size)
+        clean_loss = loss.clean
+        delta_ce = single_layer_delta(loss, sel, parallel)
         cidx = [i for i, par in enumerate(parallel) if not par]
         spearman = {v: _spearman(s[cidx], delta_ce[cidx]) for v, s in scores.items()}
         score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
         sets: dict[str, list] = {
-            "lowest": [_choose(sel, candidates, scores["C"], k, lowest=True) for k in ks],
-            "highest": [_choose(sel, candidates, scores["C"], k, lowest=False) for k in ks],
-            "contiguous": [_contiguous(candidates, score_of, k) for k in ks],
+            "lowest": [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks],
+            "highest": [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks],
+            "contiguous": [_strategies.contiguous(candidates, score_of, k) for k in ks],
+            "random": _strategies.random_sets(candidates, ks, n_random, seed),
         }
-        rng = np.random.default_rng(seed)
-        sets["random"] = [[sorted(int(v) for v in rng.choice(candidates, size=k, replace=False)) if k else []
-                           for k in ks] for _ in range(n_random)]
         curves["k"] = torch.tensor(ks, dtype=torch.int64)
         for name in ("lowest", "highest", "contiguous"):
-            curves[name] = torch.tensor([loss_of(s) - clean_loss for s in sets[name]], dtype=torch.float64)
-        rnd = torch.tensor([[loss_of(s) - clean_loss for s in draw] for draw in sets["random"]],
+            curves[name] = torch.tensor([loss.delta(s) for s in sets[name]], dtype=torch.float64)
+        rnd = torch.tensor([[loss.delta(s) for s in draw] for draw in sets["random"]],
                            dtype=torch.float64).reshape(n_random, len(ks))
         curves["random"] = rnd
         curves["random_mean"] = (rnd.mean(0) if n_random

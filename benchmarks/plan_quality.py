@@ -1,0 +1,115 @@
+"""Quality and cost of the layer planners (tl_steering.plan_parallel) against the paper's lowest-C plan.
+
+    python benchmarks/plan_quality.py [--model smollm2-135m] [--backend bridge|hooked] [--k 15]
+                                      [--windows 8] [--length 128] [--shortlist 4] [--json out.json]
+
+Windows: ``text_tokens(model, n_windows=W, length=N, seed=0)`` (pydoc); the first W/2 windows calibrate
+(every plan is chosen on them), the other W/2 (disjoint chunks of the same text) are held out and only
+reported. Prints:
+
+1. Spearman rho of every per-layer score (C variants, attribution variants; computed on the calibration
+   windows) with the measured single-layer dCE on the calibration AND on the held-out windows;
+2. every strategy's plan at k: calibration dCE, held-out dCE, its own cost in passes over the calibration
+   windows, and the ratio held-out dCE(best) / held-out dCE(C);
+3. the loss-vs-k curves (held-out) of every strategy.
+
+Timings (planner seconds) on a shared CPU are distorted by other processes; the pass counts are exact.
+"""
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tl_steering as ts  # noqa: E402
+from tl_steering.planning.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="a load_model name, or tiny-gpt2 / tiny-llama")
+    ap.add_argument("--backend", default="bridge")
+    ap.add_argument("--k", type=int, default=None, help="layers to make parallel (default L // 2)")
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--shortlist", type=int, default=4)
+    ap.add_argument("--k-values", default=None, help="comma list (default: 0..k in steps of L//8, and k)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    t0 = time.time()
+    if args.model.startswith("tiny-"):
+        model = ts.tiny_model(args.model.removeprefix("tiny-"), backend=args.backend, n_layers=8)
+    else:
+        model = ts.load_model(args.model, backend=args.backend)
+    ad = ts.adapt(model)
+    L = len([lay for lay in ad.layers() if not ad.is_parallel(lay)])
+    k = args.k if args.k is not None else L // 2
+    toks = ts.text_tokens(model, n_windows=args.windows, length=args.length, seed=0)
+    half = args.windows - args.windows // 2
+    cal, held = toks[:half], toks[half:]
+    print(f"# {args.model} ({args.backend}, TL {ts.tl_version()}, torch threads {torch.get_num_threads()}); "
+          f"loaded in {time.time() - t0:.0f}s; calibration {tuple(cal.shape)}, held-out {tuple(held.shape)}, k={k}",
+          flush=True)
+
+    t1 = time.time()
+    sc = ts.parallel_scores(model, cal, gold=True, batch_size=args.batch_size)
+    t_scores = time.time() - t1
+    held_loss = PlanLoss(model, held, args.batch_size)
+    gold_held = single_layer_delta(held_loss, sc.layers, sc.already_parallel)
+    cidx = [i for i, par in enumerate(sc.already_parallel) if not par]
+    rho_held = {name: spearman(v[cidx], gold_held[cidx]) for name, v in sc.scores.items()}
+    print(f"\n## Scores vs measured single-layer dCE ({t_scores:.0f}s incl. {len(cidx)} gold forwards)")
+    print("| score | Spearman vs dCE (calibration) | Spearman vs dCE (held-out) |\n|---|---|---|")
+    for name in sc.scores:
+        print(f"| {name} | {sc.spearman[name]:.3f} | {rho_held[name]:.3f} |")
+    print("per-layer measured dCE (calibration):", [round(float(v), 4) for v in sc.delta_ce])
+    print("per-layer attribution (calibration):", [round(float(v), 4) for v in sc.scores["attribution"]],
+          flush=True)
+
+    ks = [int(v) for v in args.k_values.split(",")] if args.k_values else None
+    t1 = time.time()
+    plan = ts.plan_parallel(model, cal, k, held_out=held, k_values=ks, shortlist=args.shortlist,
+                            batch_size=args.batch_size)
+    t_plan = time.time() - t1
+    at_cal, at_held = plan.at_k("calibration"), plan.at_k("held_out")
+    print(f"\n## Plans at k = {k} (chosen on calibration; {t_plan:.0f}s for the whole comparison)")
+    print("| strategy | layers | ΔCE calibration | ΔCE held-out | cost (fwd / bwd passes) | seconds |\n"
+          "|---|---|---|---|---|---|")
+    for s in plan.strategies:
+        c = plan.strategy_costs[s]
+        mark = " **chosen**" if s == plan.strategy else ""
+        print(f"| {s}{mark} | {plan.plan_of(s)} | {at_cal[s]:+.4f} | {at_held[s]:+.4f} | "
+              f"{c['forward']:.0f} / {c['backward']:.0f} | {c['seconds']:.1f} |")
+    ratio = plan.held_out_delta_ce / at_held["C"] if at_held.get("C") else float("nan")
+    print(f"\nchosen: {plan.strategy} {plan.layers}; held-out ΔCE {plan.held_out_delta_ce:+.4f} vs C plan "
+          f"{at_held.get('C', float('nan')):+.4f}: ratio {ratio:.3f} (target <= 0.5)")
+    print(f"total planner cost: {plan.total_cost['forward']:.0f} forward + {plan.total_cost['backward']:.0f} "
+          f"backward passes (calibration + held-out curve points), {plan.total_cost['seconds']:.0f}s")
+    print("\n## Held-out ΔCE vs k\n| strategy | " + " | ".join(f"k={j}" for j in plan.k_values) + " |")
+    print("|---|" + "---|" * len(plan.k_values))
+    for s in plan.strategies:
+        print(f"| {s} | " + " | ".join(f"{v:+.4f}" for v in plan.held_out_curves[s].tolist()) + " |")
+    out = {"model": args.model, "backend": args.backend, "k": k, "calibration_shape": list(cal.shape),
+           "held_out_shape": list(held.shape), "spearman_calibration": sc.spearman, "spearman_held_out": rho_held,
+           "delta_ce_calibration": sc.delta_ce.tolist(), "delta_ce_held_out": gold_held.tolist(),
+           "scores": {n: v.tolist() for n, v in sc.scores.items()}, "chosen": plan.strategy, "layers": plan.layers,
+           "held_out_at_k": at_held, "calibration_at_k": at_cal, "ratio_best_over_C": ratio,
+           "strategy_costs": plan.strategy_costs, "total_cost": plan.total_cost, "k_values": plan.k_values,
+           "held_out_curves": {s: v.tolist() for s, v in plan.held_out_curves.items()},
+           "plans": plan.plans, "seconds_scores": t_scores, "seconds_plan": t_plan}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"# total {time.time() - t0:.0f}s", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Layer planning: which blocks to make parallel (see docs/defect.md and docs/parallel.md "Planning").
+
+* :mod:`.strategies` - pure layer-choice strategies (no model);
+* :mod:`.gold` - the measured loss of a plan (the gold standard);
+* :mod:`.speedup` - opt-in sub-module timing and the speedup estimate;
+* :mod:`.attribution` - the first-order loss-change score of every layer from one forward + one backward;
+* :mod:`.scores` - :func:`parallel_scores`, every per-layer score in one typed result;
+* :mod:`.plan` - :func:`plan_parallel`, planners chosen on calibration windows, reported on held-out ones.
+"""
+
+from . import gold, speedup, strategies
+from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
+from .gold import PlanLoss
+from .plan import PLAN_STRATEGIES, ParallelPlan, plan_parallel
+from .scores import ParallelScoresResult, parallel_scores
+from .speedup import SPEEDUP_LABEL, estimate_speedup
+from .strategies import default_k_values
+
+__all__ = ["ATTRIBUTION_VARIANTS", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss",
+           "SPEEDUP_LABEL", "attribution_scores", "default_k_values", "estimate_speedup", "gold", "parallel_scores",
+           "plan_parallel", "speedup", "strategies"]

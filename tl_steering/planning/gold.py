@@ -1,0 +1,70 @@
+"""The gold standard of layer planning: the measured loss of a plan (see docs/defect.md "Gold standard").
+
+``dCE(S) = CE(layers S parallel) - CE(clean)``, CE the mean next-token cross-entropy over every predicted
+position of the token windows, the parallel blocks applied exactly with :func:`tl_steering.hooks.parallel_blocks`.
+"""
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..backends import adapt
+from ..batching import mean_loss
+from ..hooks import parallel_blocks
+
+
+class PlanLoss:
+    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows.
+
+    ``loss(layers)`` runs ``ceil(batch / batch_size)`` hooked forwards the first time a set is asked for;
+    :attr:`passes` counts the passes over the windows actually run (the cost).
+    """
+
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8):
+        self.model = model
+        self.ad = adapt(model)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.memo: dict[tuple[int, ...], float] = {}
+        self.passes = 0
+
+    def __call__(self, layers: Sequence[int]) -> float:
+        key = tuple(sorted(int(x) for x in layers))
+        if key not in self.memo:
+            self.memo[key] = mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key)),
+                                       self.batch_size)
+            self.passes += 1
+        return self.memo[key]
+
+    @property
+    def clean(self) -> float:
+        return self([])
+
+    def delta(self, layers: Sequence[int]) -> float:
+        """``CE(layers parallel) - CE(clean)``."""
+        return self(layers) - self.clean
+
+
+def single_layer_delta(loss: PlanLoss, layers: Sequence[int], already_parallel: Sequence[bool]) -> Tensor:
+    """Per layer, dCE with that layer alone parallel (0 for already-parallel blocks), float64."""
+    return torch.tensor([0.0 if par else loss.delta([lay]) for lay, par in zip(layers, already_parallel)],
+                        dtype=torch.float64)
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman rho (scipy); NaN with fewer than 3 points or a constant input."""
+    if x.numel() < 3:
+        return math.nan
+    from scipy.stats import spearmanr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rho = spearmanr(x.numpy(), y.numpy()).statistic
+    return float(rho)
+
+
+__all__ = ["PlanLoss", "single_layer_delta", "spearman"]

@@ -1,0 +1,293 @@
+"""Parallel plans chosen on calibration windows, reported on held-out windows: :func:`plan_parallel`.
+
+Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a set of k sequential layers):
+
+* one-shot by a score (``"C"``, ``"C1"``, ``"C_phi"``, ``"C_tan"`` [paper]; ``"attribution"``,
+  ``"attribution_abs"``, ``"attribution_rms"`` [ours]): the k lowest-scored layers
+  (:func:`tl_steering.parallel_scores`);
+* ``"greedy"`` [ours]: add, one at a time, the layer with the lowest attribution re-computed on the partly
+  parallel model (one forward + backward per step);
+* ``"greedy_measured"`` [ours, SLEB-style]: the same, but among the ``shortlist`` lowest-attribution layers
+  the one whose measured calibration loss is lowest is added (``shortlist=None``: every remaining layer);
+* ``"contiguous"`` [ours]: the window of k consecutive candidate layers with the lowest measured
+  calibration loss;
+* ``"random"``: a seeded random k-set (a baseline, never chosen by ``"best"``).
+
+``strategy="best"`` runs every strategy and keeps the plan with the lowest CALIBRATION dCE at k; the held-out
+dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
+"""
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..backends import adapt
+from ..data import token_source
+from ..errors import InputError
+from ..results import Result, register
+from . import strategies as st
+from .attribution import attribution_scores
+from .gold import PlanLoss
+from .scores import parallel_scores
+
+SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
+                                     "attribution_rms")
+"""One-shot strategies: the k layers with the lowest value of that score."""
+PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("greedy", "greedy_measured", "contiguous", "random")
+"""Every strategy :func:`plan_parallel` knows."""
+DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "greedy", "greedy_measured",
+                                       "contiguous", "random")
+"""Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class ParallelPlan(Result):
+    """A set of layers to make parallel, how it was chosen and what it costs (loss and planner passes).
+
+    Attributes:
+        layers: the chosen layers (sorted).
+        k: ``len(layers)``.
+        strategy: the strategy that produced :attr:`layers`.
+        requested: the ``strategy`` argument (``"best"`` or a strategy name).
+        candidates: the sequential layers that could be chosen.
+        calibration_delta_ce / held_out_delta_ce: CE(plan) - CE(clean) on the calibration / held-out windows.
+        clean_loss_calibration / clean_loss_held_out: the clean mean next-token CE on each.
+        cost: passes over the calibration windows the chosen strategy needed on its own (``forward``,
+            ``backward``, ``seconds``); total_cost: of the whole call (every strategy and every curve point).
+        k_values: the k of the curves; strategies: the strategies compared.
+        calibration_curves / held_out_curves: per strategy, dCE at each k (float64).
+        plans: per strategy, the layer set at each k.
+        strategy_costs: per strategy, its own cost (as :attr:`cost`).
+        n_calibration / n_held_out: token windows in each set.
+        options: the call's options.
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    k: int = 0
+    strategy: str = ""
+    requested: str = ""
+    candidates: list[int] = dataclasses.field(default_factory=list)
+    calibration_delta_ce: float = math.nan
+    held_out_delta_ce: float = math.nan
+    clean_loss_calibration: float = math.nan
+    clean_loss_held_out: float = math.nan
+    cost: dict[str, float] = dataclasses.field(default_factory=dict)
+    total_cost: dict[str, float] = dataclasses.field(default_factory=dict)
+    k_values: list[int] = dataclasses.field(default_factory=list)
+    strategies: list[str] = dataclasses.field(default_factory=list)
+    calibration_curves: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
+    held_out_curves: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
+    plans: dict[str, list] = dataclasses.field(default_factory=dict)
+    strategy_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
+    n_calibration: int = 0
+    n_held_out: int = 0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    kind = "parallel_plan"
+
+    def plan_of(self, strategy: str, k: int | None = None) -> list[int]:
+        """The layer set ``strategy`` chose at ``k`` (default :attr:`k`)."""
+        k = self.k if k is None else k
+        if strategy not in self.plans or k not in self.k_values:
+            raise InputError(f"no {strategy!r} plan at k={k}; strategies {self.strategies}, k {self.k_values}")
+        return list(self.plans[strategy][self.k_values.index(k)])
+
+    def at_k(self, curves: str = "held_out", k: int | None = None) -> dict[str, float]:
+        """Every strategy's dCE at ``k`` (default :attr:`k`) on ``"held_out"`` or ``"calibration"`` windows."""
+        k = self.k if k is None else k
+        c = self.held_out_curves if curves == "held_out" else self.calibration_curves
+        j = self.k_values.index(k)
+        return {s: float(v[j]) for s, v in c.items()}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
+                               "calibration_delta_ce": self.calibration_delta_ce,
+                               "held_out_delta_ce": self.held_out_delta_ce,
+                               "cost_forward": self.cost.get("forward"), "cost_backward": self.cost.get("backward"),
+                               "total_forward": self.total_cost.get("forward"),
+                               "total_backward": self.total_cost.get("backward")}
+        if self.k in self.k_values:
+            out.update({f"held_out_delta_ce_{s}": v for s, v in self.at_k().items()})
+        return out
+
+    def plot(self, title: str | None = None):
+        """Loss increase vs k for every strategy: held-out (solid) and calibration (dotted); plotly Figure."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        palette = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf", "#000000"]
+        for i, s in enumerate(self.strategies):
+            color = palette[i % len(palette)]
+            width = 4 if s == self.strategy else 2
+            fig.add_trace(go.Scatter(x=self.k_values, y=self.held_out_curves[s].tolist(), mode="lines+markers",
+                                     name=f"{s} (held-out)", line={"color": color, "width": width},
+                                     legendgroup=s))
+            fig.add_trace(go.Scatter(x=self.k_values, y=self.calibration_curves[s].tolist(), mode="lines",
+                                     name=f"{s} (calibration)", line={"color": color, "dash": "dot"},
+                                     legendgroup=s, showlegend=False))
+        fig.update_layout(title=title or f"Loss increase vs parallel layers, chosen: {self.strategy} at k={self.k} "
+                                         f"({self.provenance.model})",
+                          xaxis_title="k (layers made parallel)", yaxis_title="ΔCE (nats)", template="plotly_white")
+        return fig
+
+
+def _split(tokens: Tensor, held_out: Any) -> tuple[Tensor, Tensor]:
+    if held_out is not None:
+        return tokens, held_out
+    n = tokens.shape[0]
+    if n < 2:
+        raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
+                         "(the first half calibrates, the second half is held out)")
+    cut = n - n // 2
+    return tokens[:cut], tokens[cut:]
+
+
+def plan_parallel(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    k: int,
+    strategy: str = "best",
+    held_out: Int[Tensor, "batch2 pos2"] | None = None,
+    layers: Sequence[int] | None = None,
+    k_values: Sequence[int] | None = None,
+    strategies: Sequence[str] | None = None,
+    shortlist: int | None = 4,
+    seed: int = 0,
+    batch_size: int = 8,
+    corpus: str | None = None,
+) -> ParallelPlan:
+    """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
+
+    Args:
+        model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
+        tokens: calibration windows ``[batch, pos]`` (or a ``TokenWindows``). With ``held_out=None`` the first
+            ``ceil(batch / 2)`` windows calibrate and the rest are held out.
+        k: number of layers to make parallel, in ``[0, L]`` (L = sequential layers among ``layers``).
+        strategy: ``"best"`` (run ``strategies``, keep the lowest calibration dCE at k) or one name of
+            :data:`PLAN_STRATEGIES` (see the module docstring).
+        held_out: held-out windows (never used to choose).
+        layers: blocks that may be chosen (default all).
+        k_values: k of the comparison curves (default: :func:`default_k_values` up to k, and k).
+        strategies: strategies compared by ``"best"`` (default :data:`DEFAULT_COMPARISON`).
+        shortlist: candidates measured per greedy_measured step (``None``: all remaining).
+        seed: seed of the ``random`` baseline (every other strategy is deterministic; ties go to the lower layer).
+        batch_size: sequences per forward pass.
+        corpus: provenance label.
+
+    Returns:
+        A :class:`ParallelPlan`.
+    """
+    t0 = time.perf_counter()
+    ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
+    if held_out is not None:
+        held_out = token_source(held_out, None)[0]
+        held_out = ad.validate_tokens(held_out)
+    tokens = ad.validate_tokens(tokens)
+    cal, held = _split(tokens, held_out)
+    sel = ad.layers(layers)
+    cand = [lay for lay in sel if not ad.is_parallel(lay)]
+    k = st.check_k(k, len(cand))
+    if strategy == "best":
+        names = list(strategies) if strategies is not None else list(DEFAULT_COMPARISON)
+    else:
+        names = [strategy]
+    unknown = [s for s in names if s not in PLAN_STRATEGIES]
+    if unknown or not names:
+        raise InputError(f"unknown strategy {unknown or names!r}; choose 'best' or one of {list(PLAN_STRATEGIES)}")
+    if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
+        raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
+    ks = sorted({st.check_k(int(j), len(cand)) for j in (k_values if k_values is not None
+                                                         else [j for j in st.default_k_values(len(cand)) if j <= k])}
+                | {k})
+    kmax = max(ks)
+    cal_loss, held_loss = PlanLoss(model, cal, batch_size), PlanLoss(model, held, batch_size)
+
+    costs: dict[str, dict[str, float]] = {}
+    extra = {"passes": 0}  # attribution passes of the greedy steps after the first
+    sets: dict[str, list[list[int]]] = {}
+    scores = None
+    if any(s in SCORE_STRATEGIES or s.startswith("greedy") for s in names):
+        scores = parallel_scores(model, cal, layers=sel, batch_size=batch_size)
+    for name in names:
+        t1 = time.perf_counter()
+        if name in SCORE_STRATEGIES:
+            so = scores.score_of(name)
+            sets[name] = [st.one_shot(cand, so, j) for j in ks]
+            cost = {"forward": 1.0, "backward": 0.0} if name.startswith("C") else {"forward": 1.0, "backward": 1.0}
+        elif name.startswith("greedy"):
+            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of("attribution"), cal_loss,
+                                  shortlist if name == "greedy_measured" else 0, batch_size, extra)
+            sets[name] = [sorted(order[:j]) for j in ks]
+        elif name == "contiguous":
+            n_eval = 0
+            sets[name] = []
+            for j in ks:
+                wins = st.windows(cand, j)
+                vals = {i: cal_loss(w) for i, w in enumerate(wins)}
+                n_eval += len(wins)
+                sets[name].append(wins[min(vals, key=lambda i: (vals[i], i))])
+            cost = {"forward": float(n_eval), "backward": 0.0}
+        else:  # random
+            sets[name] = st.random_sets(cand, ks, 1, seed)[0]
+            cost = {"forward": 0.0, "backward": 0.0}
+        cost["seconds"] = time.perf_counter() - t1
+        costs[name] = cost
+
+    cal_curves = {s: torch.tensor([cal_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
+    held_curves = {s: torch.tensor([held_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
+    j = ks.index(k)
+    selectable = [s for s in names if s != "random"] or names
+    chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
+    total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if scores is not None else 0)
+                              + extra["passes"]),
+             "backward": float((1 if scores is not None else 0) + extra["passes"]),
+             "seconds": time.perf_counter() - t0}
+    options = {"k": k, "strategy": strategy, "layers": sel, "k_values": ks, "strategies": names,
+               "shortlist": shortlist, "batch_size": batch_size,
+               "held_out": "given" if held_out is not None else "second half of tokens"}
+    return ParallelPlan(
+        provenance=ad.provenance(cal, corpus=corpus, seed=seed, **options),
+        layers=list(sets[chosen][j]), k=k, strategy=chosen, requested=strategy, candidates=cand,
+        calibration_delta_ce=float(cal_curves[chosen][j]), held_out_delta_ce=float(held_curves[chosen][j]),
+        clean_loss_calibration=cal_loss.clean, clean_loss_held_out=held_loss.clean,
+        cost=costs[chosen], total_cost=total, k_values=ks, strategies=names, calibration_curves=cal_curves,
+        held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
+        n_held_out=int(held.shape[0]), options=options)
+
+
+def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
+            cal_loss: PlanLoss, shortlist: int | None, batch_size: int,
+            extra: dict[str, int]) -> tuple[list[int], dict[str, float]]:
+    """Greedy order of ``kmax`` layers (see the module docstring); ``shortlist=0``: attribution only."""
+    order: list[int] = []
+    fwd = bwd = 0.0
+    for step in range(kmax):
+        if step == 0:
+            so = first
+        else:
+            attr, _ = attribution_scores(model, cal, sel, base=order, batch_size=batch_size)
+            so = {lay: float(attr["attribution"][sel.index(lay)]) for lay in cand}
+            extra["passes"] += 1
+        fwd, bwd = fwd + 1, bwd + 1
+        rest = st.rank([lay for lay in cand if lay not in order], so)
+        if shortlist == 0:
+            best = rest[0]
+        else:
+            short = rest if shortlist is None else rest[:shortlist]
+            vals = {lay: cal_loss(order + [lay]) for lay in short}
+            fwd += len(short)
+            best = min(short, key=lambda lay: (vals[lay], lay))
+        order.append(best)
+    return order, {"forward": fwd, "backward": bwd}
+
+
+__all__ = ["DEFAULT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]
