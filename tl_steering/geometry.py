@@ -18,7 +18,7 @@ This module knows nothing of TransformerLens: it takes tensors and returns tenso
 import math
 
 import torch
-from jaxtyping import Bool, Float, Float64, Int64, Shaped
+from jaxtyping import Bool, Float, Float64, Shaped
 from torch import Tensor
 
 from tl_steering.errors import InputError
@@ -114,7 +114,7 @@ def norm(x: Float[Tensor, "*batch d_model"]) -> Float64[Tensor, "*batch"]:
     """Euclidean norm over ``d_model``: ``||x||_2``.
 
     Returns:
-        Shape ``[*batch]`` (no keepdim; :func:`polar` gives ``r`` with shape ``[*batch, 1]``).
+        Shape ``[*batch]`` (no keepdim).
     """
     return _norm(_checked("x", x))
 

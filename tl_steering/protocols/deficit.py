@@ -250,7 +250,7 @@ def angular_deficit(
             masked[j] += int((base & ~valid).sum())
             used[j] += int(valid.sum())
 
-            align = geo.safe_cosine(ta, tdx)
+            align = geo.tangent_alignment(a, dx, x)  # cos(P_u a, P_u Dx)
             per_seq["align"][rows, j] = masked_mean(align, valid).cpu()
             per_seq["untangented"][rows, j] = masked_mean(geo.safe_cosine(a, dx), valid).cpu()
             per_seq["angle"][rows, j] = masked_mean(geo.angle(ta, tdx) / math.pi, valid).cpu()
