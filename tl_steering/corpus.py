@@ -177,33 +177,16 @@ def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int =
     """
     ad = adapt(model)
     spec = source if isinstance(source, CorpusSpec) else parse_source(source)
-    for name, v, lo in (("length", length, 2), ("batch_size", batch_size, 1), ("start", start, 0),
-                        ("world_size", world_size, 1), ("chunk_chars", chunk_chars, 1)):
+    for name, v, lo in (("batch_size", batch_size, 1), ("start", start, 0), ("world_size", world_size, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
     if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1):
         raise InputError(f"n_windows must be a positive int or None, got {n_windows!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InputError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-    tok = getattr(model, "tokenizer", None)
-    if tok is None:
-        raise InputError("the model has no tokenizer; stream_windows needs one to tokenize the text")
-    bos = ad.info.prepend_bos and tok.bos_token_id is not None
-    body = length - 1 if bos else length
-
-    def windows() -> Iterator[list[int]]:
-        pending: list[int] = []
-        for chunk in text_chunks(spec, chunk_chars):
-            pending.extend(tok(chunk, add_special_tokens=False)["input_ids"])
-            n_full = len(pending) // body
-            for w in range(n_full):
-                row = pending[w * body:(w + 1) * body]
-                yield [tok.bos_token_id] + row if bos else row
-            del pending[:n_full * body]
-
     rows: list[list[int]] = []
     first = None
-    for i, row in enumerate(windows()):
+    for i, row in iter_window_rows(model, spec, length, chunk_chars):
         if n_windows is not None and i >= n_windows:
             break
         if i < start or i % world_size != rank:
@@ -218,10 +201,34 @@ def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int =
         yield first, _batch(rows, first, first + (len(rows) - 1) * world_size, spec, length, ad.device)
 
 
+def iter_window_rows(model: Any, source: str | CorpusSpec, length: int,
+                     chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[int, list[int]]]:
+    """``(i, token ids of window i)`` for every window of the stream, in order (see the module docstring)."""
+    spec = source if isinstance(source, CorpusSpec) else parse_source(source)
+    for name, v, lo in (("length", length, 2), ("chunk_chars", chunk_chars, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise InputError("the model has no tokenizer; streaming a corpus needs one to tokenize the text")
+    bos = adapt(model).info.prepend_bos and tok.bos_token_id is not None
+    body = length - 1 if bos else length
+    pending: list[int] = []
+    i = 0
+    for chunk in text_chunks(spec, chunk_chars):
+        pending.extend(tok(chunk, add_special_tokens=False)["input_ids"])
+        n_full = len(pending) // body
+        for w in range(n_full):
+            row = pending[w * body:(w + 1) * body]
+            yield i, ([tok.bos_token_id] + row if bos else row)
+            i += 1
+        del pending[:n_full * body]
+
+
 def _batch(rows: list[list[int]], first: int, last: int, spec: CorpusSpec, length: int,
            device: torch.device) -> TokenWindows:
     t: Int[Tensor, "batch pos"] = torch.tensor(rows, dtype=torch.long, device=device)
     return TokenWindows(t, f"{spec.label}:w{first}-{last}/{length}")
 
 
-__all__ = ["CorpusSpec", "parse_source", "stream_windows", "text_chunks"]
+__all__ = ["CorpusSpec", "iter_window_rows", "parse_source", "stream_windows", "text_chunks"]

@@ -1,0 +1,312 @@
+"""Corpus-scale probe scans: data parallel on ``torch.distributed``, resumable after a kill (docs/scale_out.md).
+
+::
+
+    # one process
+    res = tl_steering.scale.scan(model, "corpus.txt", n_windows=100_000, length=128, out_dir="scan/")
+    # N processes (gloo on CPU, NCCL on GPU), one command:
+    torchrun --standalone --nproc_per_node=N -m tl_steering.scale --model smollm2-135m \\
+        --source corpus.txt --windows 100000 --length 128 --out scan/ [--resume]
+
+The stream of windows (:func:`tl_steering.corpus.stream_windows`) is cut into shards of ``shard_windows``
+consecutive windows; shard ``j`` belongs to rank ``j % world_size``. Each rank runs the streaming probe
+(:func:`tl_steering.probe`) over its shards, writes each finished shard's running sums to
+``out_dir/shards/shard-JJJJJJ.safetensors`` (atomically: a temporary file renamed into place, never pickle),
+and the sums of all shards are gathered and added in shard order. The probe's sums are sufficient statistics:
+one batch, many batches, many shards and many ranks give the same numbers up to float64 summation order.
+
+``resume=True`` skips the shards already on disk (verified against the run's settings in ``out_dir/scan.json``):
+a run killed at any moment resumes without counting a shard twice or losing one.
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import adapt, weights_fingerprint
+from .corpus import CorpusSpec, iter_window_rows, parse_source
+from .errors import InputError
+from .probe import ProbeResult, probe
+
+FORMAT = 1
+
+__all__ = ["World", "check_agreement", "init_from_env", "main", "scan", "world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place in a ``torch.distributed`` job (rank 0 of 1 when there is no process group)."""
+
+    rank: int = 0
+    size: int = 1
+    backend: str = "none"
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """The current process group, if one is initialized (``torch.distributed``), else a single process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+    return World()
+
+
+def init_from_env(device: str | None = None) -> bool:
+    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1).
+
+    gloo on CPU, NCCL when ``device`` is CUDA (each rank then uses ``cuda:LOCAL_RANK``). Returns True when it
+    created the group (the caller destroys it), False when there is nothing to do.
+    """
+    dist = torch.distributed
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    if not dist.is_available():
+        raise InputError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    cuda = device is not None and str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return True
+
+
+def _gather(obj: Any, w: World) -> list[Any]:
+    if not w.active:
+        return [obj]
+    out: list[Any] = [None] * w.size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def check_agreement(settings: dict[str, Any], w: World | None = None) -> None:
+    """Raise :class:`InputError` on every rank when the ranks were started with different settings/models."""
+    w = w or world()
+    everyone = _gather(settings, w)
+    bad = sorted({k for other in everyone for k in set(other) | set(settings) if other.get(k) != everyone[0].get(k)})
+    if bad:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={everyone[r].get(k)!r}" for r in range(w.size))
+                           for k in bad)
+        raise InputError(f"the {w.size} ranks disagree on {', '.join(bad)} ({detail}); start every rank with the "
+                         "same model, weights, corpus and settings")
+
+
+def _digest(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _save_atomic(res: ProbeResult, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+    res.save(tmp)
+    os.replace(tmp, path)
+
+
+def scan(
+    model: Any,
+    source: str | CorpusSpec = "pydoc",
+    *,
+    n_windows: int,
+    length: int = 128,
+    metrics: Sequence[str] | str | None = None,
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    shard_windows: int = 64,
+    batch_size: int = 8,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+) -> ProbeResult:
+    """Probe ``n_windows`` windows of a streamed corpus, split over the ranks of the process group.
+
+    Args:
+        model: a TransformerLens model (the same on every rank).
+        source: ``"pydoc"``, a text file, a directory, ``"jsonl:PATH[:FIELD]"`` or ``"hf:..."``
+            (see :func:`tl_steering.corpus.parse_source`).
+        n_windows: windows of ``length`` tokens to cover (all ranks together).
+        metrics, layers, exclude_positions: as for :func:`tl_steering.probe`.
+        shard_windows: windows per shard (the unit of work, of checkpointing and of resuming).
+        batch_size: windows per forward.
+        out_dir: where shards and the result are written (needed for ``resume``); None keeps all in memory.
+        resume: continue a killed run in ``out_dir`` (its ``scan.json`` must hold the same settings).
+        progress: a tqdm bar on rank 0 (tokens and tokens/s of this rank).
+
+    Returns:
+        The merged :class:`ProbeResult` (on every rank; rank 0 also writes ``out_dir/result.json``). Its
+        provenance records the corpus, the world size and the torch.distributed backend.
+    """
+    for name, v, lo in (("n_windows", n_windows, 1), ("length", length, 2), ("shard_windows", shard_windows, 1),
+                        ("batch_size", batch_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"scan: {name} must be an int >= {lo}, got {v!r}")
+    if resume and out_dir is None:
+        raise InputError("scan: resume=True needs out_dir (where the finished shards are)")
+    ad = adapt(model)
+    spec = source if isinstance(source, CorpusSpec) else parse_source(source)
+    w = world()
+    info = ad.info
+    settings = {
+        "format": FORMAT, "model": info.name, "revision": info.revision, "weights": weights_fingerprint(model),
+        "processing": info.processing, "source": dataclasses.asdict(spec), "n_windows": n_windows,
+        "length": length, "metrics": metrics if isinstance(metrics, (str, type(None))) else list(metrics),
+        "layers": layers if isinstance(layers, (int, type(None))) else list(layers),
+        "exclude_positions": list(exclude_positions), "shard_windows": shard_windows,
+    }
+    check_agreement(settings, w)
+    n_shards = -(-n_windows // shard_windows)
+    mine = [j for j in range(n_shards) if j % w.size == w.rank]
+    shard_dir = None
+    done: set[int] = set()
+    if out_dir is not None:
+        out = Path(out_dir)
+        shard_dir = out / "shards"
+        manifest = out / "scan.json"
+        if w.rank == 0:
+            if manifest.exists() and not resume:
+                raise InputError(f"{out} already holds a scan; pass resume=True (--resume) to continue it, or "
+                                 "choose another output directory")
+            if manifest.exists():
+                old = json.loads(manifest.read_text())
+                if old.get("digest") != _digest(settings):
+                    diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
+                    raise InputError(f"{manifest} was written with other settings (differs in: {', '.join(diff)});"
+                                     " resume needs the same model, corpus and settings")
+            shard_dir.mkdir(parents=True, exist_ok=True)
+            manifest.write_text(json.dumps({"digest": _digest(settings), "settings": settings,
+                                            "n_shards": n_shards}, indent=1, default=str))
+        if w.active:
+            torch.distributed.barrier()
+        if resume:
+            done = {j for j in mine if (shard_dir / f"shard-{j:06d}.safetensors").exists()}
+
+    todo = [j for j in mine if j not in done]
+    bar = None
+    if progress and w.rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo) * shard_windows * length, unit="tok", unit_scale=True, desc="scan")
+    results: dict[int, ProbeResult] = {}
+    if todo:
+        rows: list[list[int]] = []
+        current = None
+
+        def finish(j: int, batch_rows: list[list[int]]) -> None:
+            t0 = time.perf_counter()
+            with probe(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
+                       corpus=f"{spec.label}:shard{j}") as trace, torch.no_grad():
+                for i in range(0, len(batch_rows), batch_size):
+                    t = torch.tensor(batch_rows[i:i + batch_size], dtype=torch.long, device=ad.device)
+                    ad.model(t, return_type=None)
+            res = trace.result()
+            if shard_dir is not None:
+                _save_atomic(res, shard_dir / f"shard-{j:06d}.safetensors")
+            results[j] = res
+            if bar is not None:
+                bar.update(len(batch_rows) * length)
+                bar.set_postfix(tok_per_s=f"{len(batch_rows) * length / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+        wanted = set(todo)
+        for i, row in iter_window_rows(model, spec, length):
+            if i >= n_windows:
+                break
+            j = i // shard_windows
+            if j not in wanted:
+                continue
+            if current is not None and j != current:
+                finish(current, rows)
+                rows = []
+            current = j
+            rows.append(row)
+        if current is not None and rows:
+            finish(current, rows)
+        missing = wanted - set(results)
+        if missing:
+            raise InputError(f"the corpus {spec.label} ended before window {min(missing) * shard_windows}: it "
+                             f"holds fewer than n_windows={n_windows} windows of {length} tokens")
+    if bar is not None:
+        bar.close()
+    for j in sorted(done):
+        results[j] = ProbeResult.load(shard_dir / f"shard-{j:06d}.safetensors")
+
+    # gather every rank's shard sums and add them in shard order (the same order on every rank)
+    payload = {j: r.to_dict() for j, r in results.items()}
+    merged_parts: dict[int, Any] = {}
+    for part in _gather(payload, w):
+        merged_parts.update(part)
+    total = None
+    for j in range(n_shards):
+        r = results[j] if j in results else ProbeResult.from_dict(merged_parts[j])
+        total = r if total is None else total.merge(r)
+    assert total is not None
+    prov = dataclasses.replace(total.provenance, corpus=f"{spec.label}:{n_windows}x{length}", world_size=w.size,
+                               extra={**total.provenance.extra, "scan": {"shard_windows": shard_windows,
+                                                                        "n_shards": n_shards,
+                                                                        "dist_backend": w.backend,
+                                                                        "resumed_shards": len(done)}})
+    total = dataclasses.replace(total, provenance=prov)
+    if out_dir is not None and w.rank == 0:
+        total.save(Path(out_dir) / "result.json")
+    return total
+
+
+def _load(name: str, backend: str, device: str | None) -> Any:
+    from . import backends
+
+    if name.startswith("tiny-"):
+        return backends.tiny_model(name.removeprefix("tiny-"), backend=backend)  # type: ignore[arg-type]
+    return backends.load_model(name, backend=backend, device=device)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tl_steering.scale`` / ``torchrun ... -m tl_steering.scale``: a resumable probe scan."""
+    p = argparse.ArgumentParser(prog="tl_steering.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma-3-270m, tiny-gpt2, or a TL name")
+    p.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
+    p.add_argument("--source", default="pydoc", help="pydoc, a text file, a directory, jsonl:PATH[:FIELD], hf:...")
+    p.add_argument("--windows", type=int, required=True)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--metrics", default=None, help="comma-separated probe metrics (default: all)")
+    p.add_argument("--shard-windows", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        spec = parse_source(args.source)  # fail fast, before any model loads
+        created = init_from_env(args.device)
+        rank = world().rank
+        try:
+            device = args.device
+            if device is not None and device.startswith("cuda") and world().active:
+                device = f"cuda:{torch.cuda.current_device()}"
+            model = _load(args.model, args.backend, device)
+            metrics = args.metrics.split(",") if args.metrics else None
+            res = scan(model, spec, n_windows=args.windows, length=args.length, metrics=metrics,
+                       shard_windows=args.shard_windows, batch_size=args.batch_size, out_dir=args.out,
+                       resume=args.resume, progress=not args.no_progress)
+        finally:
+            if created:
+                torch.distributed.destroy_process_group()
+    except InputError as e:
+        print(f"tl_steering.scale: error: {e}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        print(json.dumps({"out": str(Path(args.out) / "result.json"), "n_tokens": res.n_tokens,
+                          "world_size": res.provenance.world_size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
