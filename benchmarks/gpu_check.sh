@@ -33,3 +33,8 @@ timeout 240 "$py" -m pytest tests/unit/test_parallel.py -q -p no:cacheprovider -
 # 2) the benchmark on CUDA (SmolLM2-135M), ~3 min
 timeout 300 "$py" benchmarks/parallel_speedup.py --device cuda --repeats 30 --sub-repeats 15 --unfused \
   --json "$out/parallel_speedup_cuda.json" 2>&1 | tail -40
+# 3) scale-out probe scan on NCCL: 1..N processes, one GPU each (N = number of GPUs; one GPU: the 1-process row)
+ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+nprocs=$(seq -s, 1 "$ngpu")
+timeout 300 "$py" benchmarks/scale_scan.py --device cuda --nprocs "$nprocs" --windows 256 --length 128 \
+  --shard-windows 32 --batch-size 32 --json "$out/scale_scan_cuda.json" 2>&1 | tail -12
