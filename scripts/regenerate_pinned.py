@@ -5,7 +5,8 @@
 
 Run it after an intended change of a definition, look at the diff of the JSON, and commit both together.
 ``--check`` compares instead of writing (exit 1 on a mismatch). The values come from
-tl_steering.reference.pinned.compute_pinned with its PINNED_SETTINGS (4 pydoc windows x 64 tokens, seed 0);
+tl_steering.reference.pinned.compute_pinned (one run_suite with its PINNED_SETTINGS: 4 pydoc windows x 64 tokens,
+seed 0; names -> SuiteResult fields in tl_steering.suite.numbers.PINNED);
 tests/published/test_smollm2_pinned.py asserts them on TL 4.x (bridge) and TL 3.9 (HookedTransformer).
 """
 

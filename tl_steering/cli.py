@@ -27,9 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tl-steering", description="Feed-forward steering diagnostics (arXiv:2608.02071)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("report", help="run every protocol and write an HTML report")
-    r.add_argument("--model", default="smollm2-135m", help="smollm2-135m (offline), gemma-3-270m, or a TL model name")
+    r.add_argument(
+        "--model", default="smollm2-135m", help="smollm2-135m (offline), gemma-3-270m, or a TL model name"
+    )
     r.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
-    r.add_argument("--text", default="pydoc", help="'pydoc' (offline), a text file, or hf:NAME[:CONFIG]:SPLIT")
+    r.add_argument(
+        "--text", default="pydoc", help="'pydoc' (offline), a text file, or hf:NAME[:CONFIG]:SPLIT"
+    )
     r.add_argument("--windows", type=int, default=None, help="number of token windows (default 8, --quick 4)")
     r.add_argument("--length", type=int, default=None, help="tokens per window (default 128, --quick 64)")
     r.add_argument("--out", default="report", help="output directory")
@@ -71,7 +75,9 @@ def check_text_source(text: str) -> None:
     if text.startswith("hf:"):
         parts = text.split(":")[1:]
         if not 2 <= len(parts) <= 3 or not all(parts):
-            raise InputError(f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)")
+            raise InputError(
+                f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)"
+            )
         if importlib.util.find_spec("datasets") is None:
             raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
         return
@@ -165,8 +171,15 @@ def run_report(
     suite.timings = {"load": load, **suite.timings}
     suite.total_wall_s += load.wall_s
     suite.arguments = RunArguments(
-        model=model if isinstance(model, str) else ad.info.name, backend=backend, text=text, windows=windows,
-        length=length, out=str(out), device=device, seed=seed, quick=quick,
+        model=model if isinstance(model, str) else ad.info.name,
+        backend=backend,
+        text=text,
+        windows=windows,
+        length=length,
+        out=str(out),
+        device=device,
+        seed=seed,
+        quick=quick,
         command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None,
     )
     out_dir = Path(out)
@@ -181,9 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             check_report_args(args)
-            path = run_report(model=args.model, backend=args.backend, text=args.text, windows=args.windows,
-                              length=args.length, out=args.out, device=args.device, seed=args.seed,
-                              quick=args.quick, progress=not args.no_progress)
+            path = run_report(
+                model=args.model,
+                backend=args.backend,
+                text=args.text,
+                windows=args.windows,
+                length=args.length,
+                out=args.out,
+                device=args.device,
+                seed=args.seed,
+                quick=args.quick,
+                progress=not args.no_progress,
+            )
         else:
             from .report import render_report
 

@@ -65,8 +65,20 @@ def rendered(suite, tmp_path_factory):
 
 def test_every_stage_fills_its_fields(suite):
     assert set(suite.timings) == set(STAGES)
-    for name in ("checks", "deficit", "ablation", "diversity", "defect", "plan", "speedup", "executor", "gates",
-                 "critical", "critical_fixed_point", "prefix"):
+    for name in (
+        "checks",
+        "deficit",
+        "ablation",
+        "diversity",
+        "defect",
+        "plan",
+        "speedup",
+        "executor",
+        "gates",
+        "critical",
+        "critical_fixed_point",
+        "prefix",
+    ):
         assert getattr(suite, name) is not None, name
     assert suite.defect_gold is None  # only when settings.defect_gold_layers is set
     assert suite.deficit.provenance.corpus == "file:corpus.txt:4x16:seed0"
@@ -151,12 +163,12 @@ def test_one_map_covers_published_and_pinned_names():
     assert all(PINNED[k].tol == v["tol"] for k, v in pinned_values()["values"].items())
 
 
-def test_stages_subset_and_bad_settings(suite):
+def test_stages_subset_and_bad_settings():
     model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
     tokens = torch.randint(0, 100, (2, 8))
     res = run_suite(model, tokens, SuiteSettings(stages=["deficit"], n_bootstrap=0), progress=False)
     assert res.deficit is not None and res.ablation is None and set(res.timings) == {"deficit"}
-    assert res.deficit.provenance.corpus == "user tokens"
+    assert res.deficit.provenance.corpus.startswith("user tokens")
     with pytest.raises(ts.errors.InputError, match="defect"):
         run_suite(model, tokens, SuiteSettings(stages=["gates"]), progress=False)
     with pytest.raises(ts.errors.InputError, match="unknown stages"):
@@ -164,7 +176,9 @@ def test_stages_subset_and_bad_settings(suite):
 
 
 def test_cli_parses_the_readme_command():
-    args = build_parser().parse_args(["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"])
+    args = build_parser().parse_args(
+        ["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"]
+    )
     assert args.quick and args.model == "smollm2-135m" and args.windows is None
     check_report_args(args)  # valid: no error, nothing created
     assert not Path("r").exists()
@@ -200,21 +214,30 @@ def test_cli_checks_arguments_before_loading(tmp_path):
 
 @pytest.mark.parametrize("case", ["windows", "text", "device", "backend"])
 def test_cli_user_error_fails_fast_in_one_line(tmp_path, case):
-    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, under 5 s, nothing written."""
+    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, nothing written, in under 5 s.
+
+    The time bound is on the child's CPU time (user + system), which is the wall time on an idle machine and
+    does not grow when other processes share the cores; the wall time is in the message.
+    """
+    import resource
+
     out = tmp_path / "report_out"
     argv = [sys.executable, "-m", "tl_steering", "report", "--out", str(out), *_bad_args(tmp_path)[case]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    elapsed = time.perf_counter() - t0
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists() and not (tmp_path / "figures").exists()
-    assert elapsed < 5.0, f"{case}: the error took {elapsed:.1f} s"
+    assert cpu < 5.0, f"{case}: the error took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
 
 
 def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):
-    page, loaded = rendered
+    page, _ = rendered
     from tl_steering.cli import main
 
     assert main(["render", str(page.parent / "results.json"), "--out", str(tmp_path / "again")]) == 0
@@ -224,6 +247,6 @@ def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):
 
 
 def test_results_json_is_the_suite(rendered):
-    page, loaded = rendered
+    page, _ = rendered
     doc = json.loads((page.parent / "results.json").read_text())
     assert doc["__dataclass__"] == "SuiteResult"

@@ -102,7 +102,12 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "(minimises ½||P<sub>u</sub>F||²/||F||²: saddles are found as readily as attractors; the comparison with the "
         "paper uses it), then the cheap fixed-point iteration u ← sign(λ) normalize(F(u)), which only converges to "
         "points stable for that map (biased toward attractors: shown for orientation, never compared).",
-        ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"],
+        [
+            "critical_counts",
+            "critical_spectra",
+            "critical_fixed_point_counts",
+            "critical_fixed_point_spectra",
+        ],
     ),
     (
         "prefix",
@@ -127,10 +132,14 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         f"<script type='text/javascript'>{get_plotlyjs()}</script>",
         "</head><body><main>",
         f"<h1>Feed-forward steering report: {_esc(name)}</h1>",
-        "<p class='muted'>tl_steering " + _esc(suite.environment.tl_steering)
-        + " · arXiv:2608.02071 (Mudarisov, Burtsev, State) · " + _esc(suite.provenance.corpus) + " · "
+        "<p class='muted'>tl_steering "
+        + _esc(suite.environment.tl_steering)
+        + " · arXiv:2608.02071 (Mudarisov, Burtsev, State) · "
+        + _esc(suite.provenance.corpus)
+        + " · "
         + f"{_esc(suite.started)} · {suite.total_wall_s:.0f} s"
-        + (" · quick settings" if suite.settings.quick else "") + "</p>",
+        + (" · quick settings" if suite.settings.quick else "")
+        + "</p>",
         "<nav><a href='#summary'>Summary vs paper</a>"
         + "".join(f"<a href='#{key}'>{_esc(key)}</a>" for key, *_ in SECTIONS)
         + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
@@ -145,21 +154,29 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         summ = result.summary()
         if key == "critical" and suite.critical_fixed_point is not None:
             fp = suite.critical_fixed_point.summary()
-            summ = {**{f"Riemannian: {k}": v for k, v in summ.items()},
-                    **{f"fixed point: {k}": v for k, v in fp.items()}}
+            summ = {
+                **{f"Riemannian: {k}": v for k, v in summ.items()},
+                **{f"fixed point: {k}": v for k, v in fp.items()},
+            }
         if key == "defect" and suite.plan is not None:
             summ = {**summ, "plan (k lowest C)": suite.plan.layers, "plan dCE": suite.plan.delta_ce_lowest}
             if suite.speedup is not None:
                 sp = _asdict(suite.speedup)
-                summ.update({f"speedup estimate: {k}": sp[k]
-                             for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")})
+                summ.update(
+                    {
+                        f"speedup estimate: {k}": sp[k]
+                        for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")
+                    }
+                )
         parts.append(_kv_table(summ))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
             parts.append(parallel_section(suite))
     parts.append(provenance_section(suite))
-    parts.append("<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
-                 "every number is in <code>results.json</code> (<code>SuiteResult.load</code>).</p>")
+    parts.append(
+        "<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
+        "every number is in <code>results.json</code> (<code>SuiteResult.load</code>).</p>"
+    )
     parts.append("</main></body></html>")
     return "\n".join(parts)
 
@@ -171,7 +188,11 @@ def summary_section(suite: SuiteResult) -> str:
     rows = []
     for r in comparison_rows(suite):
         band = r["in_paper_band"]
-        mark = "—" if band is None else ("<span class='ok'>inside</span>" if band else "<span class='off'>outside</span>")
+        mark = (
+            "—"
+            if band is None
+            else ("<span class='ok'>inside</span>" if band else "<span class='off'>outside</span>")
+        )
         cls = " class='lowtrust'" if not r["regress"] else ""
         rows.append(
             f"<tr{cls}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
@@ -211,13 +232,16 @@ def parallel_section(suite: SuiteResult) -> str:
     return (
         "<h3 id='parallel'>The plan run by the parallel executor</h3><p>The low-C plan made parallel for real "
         "(<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole forward on this "
-        "machine; the estimate above is the critical-path model of the paper.</p>" + _kv_table(_asdict(suite.executor))
+        "machine; the estimate above is the critical-path model of the paper.</p>"
+        + _kv_table(_asdict(suite.executor))
     )
 
 
 def provenance_section(suite: SuiteResult) -> str:
-    timings = {k: f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU" if math.isfinite(v.wall_s) else "—"
-               for k, v in suite.timings.items()}
+    timings = {
+        k: f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU" if math.isfinite(v.wall_s) else "—"
+        for k, v in suite.timings.items()
+    }
     return (
         "<h2 id='provenance'>Provenance</h2><h3>Model and data</h3>"
         + _kv_table(_asdict(suite.model))

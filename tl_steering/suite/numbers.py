@@ -70,9 +70,11 @@ def _saddle_note(r: SuiteResult) -> str:
     n_eq, n_conv, n_starts = _critical_points(r)
     t = cr.totals()
     if n_eq:
-        return (f"Riemannian finder, layers {cr.layers}: {t.get('saddle', 0)} saddles, {t.get('attractor', 0)} "
-                f"attractors, {t.get('repeller', 0)} repellers of {n_eq} points ({n_conv} of {n_starts} starts "
-                "converged)")
+        return (
+            f"Riemannian finder, layers {cr.layers}: {t.get('saddle', 0)} saddles, {t.get('attractor', 0)} "
+            f"attractors, {t.get('repeller', 0)} repellers of {n_eq} points ({n_conv} of {n_starts} starts "
+            "converged)"
+        )
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the Riemannian finder converged on layers {cr.layers}"
 
 
@@ -93,36 +95,52 @@ PUBLISHED: dict[str, Number] = {
     "deficit_pythia": _AS_ABOVE,
     "deficit_mistral": _AS_ABOVE,
     "deficit_order_gpt2_llama": _none("needs two models: tests/published runs it where both load"),
-    "one_step_prediction_improves": Number(get=lambda r: r.deficit.ffn_contribution_mean,
-                                           note=lambda r: "(e_A - e_AF) / e_A, mean over layers"),
-    "ablation_tangential": Number(get=lambda r: r.ablation.delta_loss.get("tangential", math.nan),
-                                  note=lambda r: "all layers at once"),
-    "ablation_radial": Number(get=lambda r: r.ablation.delta_loss.get("radial", math.nan),
-                              note=lambda r: "all layers at once"),
+    "one_step_prediction_improves": Number(
+        get=lambda r: r.deficit.ffn_contribution_mean, note=lambda r: "(e_A - e_AF) / e_A, mean over layers"
+    ),
+    "ablation_tangential": Number(
+        get=lambda r: r.ablation.delta_loss.get("tangential", math.nan), note=lambda r: "all layers at once"
+    ),
+    "ablation_radial": Number(
+        get=lambda r: r.ablation.delta_loss.get("radial", math.nan), note=lambda r: "all layers at once"
+    ),
     "ablation_radial_like_zero": Number(
         get=lambda r: r.ablation.ratio_to_zero.get("radial", math.nan),
-        note=lambda r: f"dCE(zero FFN) = {r.ablation.delta_loss.get('zero', math.nan):.3f}"),
+        note=lambda r: f"dCE(zero FFN) = {r.ablation.delta_loss.get('zero', math.nan):.3f}",
+    ),
     "parallel_gpt2_large_delta_ce": Number(
         get=lambda r: r.plan.delta_ce_lowest,
-        note=lambda r: f"k = {r.plan.k} lowest-C of {r.plan.n_candidates} layers"),
+        note=lambda r: f"k = {r.plan.k} lowest-C of {r.plan.n_candidates} layers",
+    ),
     "parallel_gpt2_large_high_defect_degrades": Number(
-        get=_ratio_high_low, note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"),
+        get=_ratio_high_low, note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"
+    ),
     "parallel_gpt2_large_speedup": Number(get=lambda r: r.speedup.speedup, note=_speedup_note),
     "critical_mostly_saddles": Number(
-        get=lambda r: r.critical.saddle_fraction() if _critical_points(r)[0] else None, note=_saddle_note),
+        get=lambda r: r.critical.saddle_fraction() if _critical_points(r)[0] else None, note=_saddle_note
+    ),
     "critical_rotational_modes": Number(
         get=lambda r: r.critical.totals().get("rotational", 0) if _critical_points(r)[0] else None,
-        note=lambda r: "points with a rotational mode" if _critical_points(r)[0] else "no equilibrium found"),
+        note=lambda r: "points with a rotational mode" if _critical_points(r)[0] else "no equilibrium found",
+    ),
     "diversity_attention_contracts": Number(
         get=lambda r: r.diversity.summary()["frac_layers_attention_concentrates"],
-        note=lambda r: "fraction of layers"),
-    "diversity_ffn_restores": Number(get=lambda r: r.diversity.summary()["frac_layers_ffn_diversifies"],
-                                     note=lambda r: "fraction of layers"),
+        note=lambda r: "fraction of layers",
+    ),
+    "diversity_ffn_restores": Number(
+        get=lambda r: r.diversity.summary()["frac_layers_ffn_diversifies"],
+        note=lambda r: "fraction of layers",
+    ),
     "diversity_tangential_preserves": Number(
         get=_tangential_preserves,
-        note=lambda r: (f"final pairwise cosine: clean {_final_cos(r, None):.3f}, tangential-only "
-                        f"{_final_cos(r, 'tangential'):.3f}, radial-only {_final_cos(r, 'radial'):.3f}")),
-    "eq19_radial_coefficient": _none("our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"),
+        note=lambda r: (
+            f"final pairwise cosine: clean {_final_cos(r, None):.3f}, tangential-only "
+            f"{_final_cos(r, 'tangential'):.3f}, radial-only {_final_cos(r, 'radial'):.3f}"
+        ),
+    ),
+    "eq19_radial_coefficient": _none(
+        "our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"
+    ),
     "low_trust_auto_summaries": _none("not compared: low trust"),
 }
 
@@ -137,34 +155,51 @@ PINNED: dict[str, Number] = {
     "deficit.deficit": Number(get=lambda r: _t(r.deficit.deficit), tol="geometry"),
     "deficit.mean": Number(get=lambda r: float(r.deficit.mean), tol="geometry"),
     "deficit.untangented_deficit": Number(get=lambda r: _t(r.deficit.untangented_deficit), tol="geometry"),
-    "deficit.ffn_contribution_mean": Number(get=lambda r: float(r.deficit.ffn_contribution_mean), tol="geometry"),
+    "deficit.ffn_contribution_mean": Number(
+        get=lambda r: float(r.deficit.ffn_contribution_mean), tol="geometry"
+    ),
     "deficit.r2_attention": Number(get=lambda r: _t(r.deficit.r2_attention), tol="geometry"),
     "ablation.clean_loss": Number(get=lambda r: float(r.ablation.clean_loss), tol="loss"),
-    **{f"ablation.delta_loss.{v}": Number(get=lambda r, v=v: float(r.ablation.delta_loss[v]), tol="delta_loss")
-       for v in ("tangential", "radial", "zero", "random_tangent")},
-    **{f"ablation.top1_agreement.{v}": Number(get=lambda r, v=v: float(r.ablation.top1_agreement[v]),
-                                              tol="geometry")
-       for v in ("tangential", "radial", "zero", "random_tangent")},
+    **{
+        f"ablation.delta_loss.{v}": Number(
+            get=lambda r, v=v: float(r.ablation.delta_loss[v]), tol="delta_loss"
+        )
+        for v in ("tangential", "radial", "zero", "random_tangent")
+    },
+    **{
+        f"ablation.top1_agreement.{v}": Number(
+            get=lambda r, v=v: float(r.ablation.top1_agreement[v]), tol="geometry"
+        )
+        for v in ("tangential", "radial", "zero", "random_tangent")
+    },
     "diversity.pairwise_cosine": Number(get=lambda r: _t(r.diversity.pairwise_cosine), tol="diversity"),
     "diversity.effective_rank": Number(get=lambda r: _t(r.diversity.effective_rank), tol="diversity"),
     "diversity.final_pairwise_cosine": Number(
-        get=lambda r: float(r.diversity.final_diversity["pairwise_cosine"]), tol="diversity"),
+        get=lambda r: float(r.diversity.final_diversity["pairwise_cosine"]), tol="diversity"
+    ),
     "diversity.final_pairwise_cosine.tangential": Number(get=_div_final("tangential"), tol="diversity"),
     "diversity.final_pairwise_cosine.radial": Number(get=_div_final("radial"), tol="diversity"),
-    **{f"defect.{n}": Number(get=lambda r, n=n: _t(r.defect.scores[n]), tol="ratio")
-       for n in ("C", "C_phi", "C1", "C_tan")},
+    **{
+        f"defect.{n}": Number(get=lambda r, n=n: _t(r.defect.scores[n]), tol="ratio")
+        for n in ("C", "C_phi", "C1", "C_tan")
+    },
     "defect.nonlinearity": Number(get=lambda r: _t(r.defect.nonlinearity), tol="ratio"),
     "defect.plan": Number(get=lambda r: list(r.plan.layers), tol="exact"),
     "defect.gold_delta_ce": Number(get=lambda r: _t(r.defect_gold.delta_ce), tol="delta_loss"),
     "defect.gold_lowest_2": Number(
-        get=lambda r: float(r.defect_gold.curves["lowest"][r.defect_gold.k_values.index(2)]), tol="delta_loss"),
+        get=lambda r: float(r.defect_gold.curves["lowest"][r.defect_gold.k_values.index(2)]), tol="delta_loss"
+    ),
     "defect.plan_delta_ce": Number(get=lambda r: float(r.plan.delta_ce_lowest), tol="delta_loss"),
-    "gates.closed_form": Number(get=lambda r: [float(r.gates.gates[lay]) for lay in r.plan.layers], tol="gate"),
+    "gates.closed_form": Number(
+        get=lambda r: [float(r.gates.gates[lay]) for lay in r.plan.layers], tol="gate"
+    ),
     "gates.loss_base_heldout": Number(get=lambda r: float(r.gates.loss_base_heldout), tol="loss"),
     "gates.loss_gated_heldout": Number(get=lambda r: float(r.gates.loss_gated_heldout), tol="loss"),
     "prefix.prefix_bitwise_equal": Number(get=lambda r: bool(r.prefix.prefix_bitwise_equal), tol="exact"),
     "prefix.kl_at_perturbed": Number(get=lambda r: float(r.prefix.kl[0]), tol="prefix"),
-    "prefix.angle_final_mean_later": Number(get=lambda r: float(r.prefix.angle_final[1:].nanmean()), tol="prefix"),
+    "prefix.angle_final_mean_later": Number(
+        get=lambda r: float(r.prefix.angle_final[1:].nanmean()), tol="prefix"
+    ),
 }
 
 #: every named number: published ids and pinned names (disjoint), one map
@@ -190,42 +225,65 @@ def headline(r: SuiteResult) -> dict[str, Any]:
     """The scalars the report leads with (each also inside a field of the result); stages not run are left out."""
     out: dict[str, Any] = {}
     if r.checks is not None:
-        out.update(clean_loss=r.checks.clean_loss, max_residual_identity_error=r.checks.max_residual_identity_error)
+        out.update(
+            clean_loss=r.checks.clean_loss, max_residual_identity_error=r.checks.max_residual_identity_error
+        )
     if r.deficit is not None:
         d = r.deficit
-        out.update(deficit_mean=d.mean, deficit_mean_ci=list(d.mean_ci),
-                   deficit_mean_excluding_first=d.mean_excluding_first, ffn_contribution_mean=d.ffn_contribution_mean)
+        out.update(
+            deficit_mean=d.mean,
+            deficit_mean_ci=list(d.mean_ci),
+            deficit_mean_excluding_first=d.mean_excluding_first,
+            ffn_contribution_mean=d.ffn_contribution_mean,
+        )
     if r.ablation is not None:
         out.update({f"ablation_delta_loss_{k}": val for k, val in r.ablation.delta_loss.items()})
         out["ablation_ratio_to_zero_radial"] = r.ablation.ratio_to_zero.get("radial", math.nan)
     if r.diversity is not None:
         vs = r.diversity.summary()
-        out.update(diversity_frac_layers_attention_concentrates=vs["frac_layers_attention_concentrates"],
-                   diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"])
+        out.update(
+            diversity_frac_layers_attention_concentrates=vs["frac_layers_attention_concentrates"],
+            diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"],
+        )
     if r.defect is not None:
         cs = r.defect.summary()
-        out.update(defect_C_min=cs.get("C_min", math.nan), defect_C_max=cs.get("C_max", math.nan),
-                   defect_spearman_C=r.defect.spearman.get("C", math.nan))
+        out.update(
+            defect_C_min=cs.get("C_min", math.nan),
+            defect_C_max=cs.get("C_max", math.nan),
+            defect_spearman_C=r.defect.spearman.get("C", math.nan),
+        )
     if r.plan is not None:
         out.update(plan_k=r.plan.k, plan_layers=r.plan.layers, plan_delta_ce=r.plan.delta_ce_lowest)
     if r.speedup is not None:
-        out.update(speedup_estimate=r.speedup.speedup, speedup_estimate_with_other=r.speedup.speedup_with_other)
+        out.update(
+            speedup_estimate=r.speedup.speedup, speedup_estimate_with_other=r.speedup.speedup_with_other
+        )
     if r.executor is not None:
-        out.update(parallel_measured_speedup=r.executor.measured_speedup,
-                   parallel_executor_delta_ce=r.executor.delta_ce)
+        out.update(
+            parallel_measured_speedup=r.executor.measured_speedup,
+            parallel_executor_delta_ce=r.executor.delta_ce,
+        )
     if r.gates is not None:
         gs = r.gates.summary()
-        out.update(gates_delta_ce_base_heldout=gs["delta_ce_base_heldout"],
-                   gates_delta_ce_gated_heldout=gs["delta_ce_gated_heldout"])
+        out.update(
+            gates_delta_ce_base_heldout=gs["delta_ce_base_heldout"],
+            gates_delta_ce_gated_heldout=gs["delta_ce_gated_heldout"],
+        )
     if r.critical is not None:
         cr = r.critical
-        out.update(critical_n_points=int(cr.n_points.sum()), critical_saddle_fraction=cr.saddle_fraction(),
-                   critical_rotational_points=int(cr.rotational.sum()),
-                   critical_converged_starts=int(cr.n_converged.sum()))
-    out["critical_fixed_point_counts"] = (r.critical_fixed_point.totals() if r.critical_fixed_point is not None
-                                          else None)
+        out.update(
+            critical_n_points=int(cr.n_points.sum()),
+            critical_saddle_fraction=cr.saddle_fraction(),
+            critical_rotational_points=int(cr.rotational.sum()),
+            critical_converged_starts=int(cr.n_converged.sum()),
+        )
+    out["critical_fixed_point_counts"] = (
+        r.critical_fixed_point.totals() if r.critical_fixed_point is not None else None
+    )
     if r.prefix is not None:
-        out.update(prefix_max_angle=r.prefix.prefix_max_angle, prefix_bitwise_equal=r.prefix.prefix_bitwise_equal)
+        out.update(
+            prefix_max_angle=r.prefix.prefix_max_angle, prefix_bitwise_equal=r.prefix.prefix_bitwise_equal
+        )
     return out
 
 
@@ -302,12 +360,33 @@ def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
             in_band = None
         else:
             in_band = _in_band(float(num), pub["band"])
-        rows.append({"id": pub["id"], "spec_row": pub["spec_row"], "claim": pub["description"],
-                     "paper_model": pub["model_label"], "paper_value": _paper_value(pub), "band": pub["band"],
-                     "certainty": pub["certainty"], "ours": value, "ours_note": note, "our_model": model_name,
-                     "relation": relation, "in_paper_band": in_band, "regress": pub["regress"]})
+        rows.append(
+            {
+                "id": pub["id"],
+                "spec_row": pub["spec_row"],
+                "claim": pub["description"],
+                "paper_model": pub["model_label"],
+                "paper_value": _paper_value(pub),
+                "band": pub["band"],
+                "certainty": pub["certainty"],
+                "ours": value,
+                "ours_note": note,
+                "our_model": model_name,
+                "relation": relation,
+                "in_paper_band": in_band,
+                "regress": pub["regress"],
+            }
+        )
     return rows
 
 
-__all__ = ["NUMBERS", "Number", "PINNED", "PUBLISHED", "comparison_rows", "headline", "pinned_values",
-           "published_value"]
+__all__ = [
+    "NUMBERS",
+    "PINNED",
+    "PUBLISHED",
+    "Number",
+    "comparison_rows",
+    "headline",
+    "pinned_values",
+    "published_value",
+]

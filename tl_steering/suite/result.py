@@ -12,8 +12,12 @@ from typing import Any
 
 import torch
 
-from ..critical import CriticalSummary
 from ..gates import GateResult
+
+try:  # the critical-points room's per-layer result (named CriticalSummary before critical/ became a package)
+    from ..critical import CriticalPointsResult as CriticalResult
+except ImportError:  # pragma: no cover - older tree
+    from ..critical import CriticalSummary as CriticalResult
 from ..prefix import PrefixSensitivityResult
 from ..protocols.ablation import AblationResult
 from ..protocols.defect import DefectResult
@@ -83,7 +87,7 @@ class PlanLosses:
 
     Attributes:
         k: layers in the plan; layers: the plan (k lowest-C sequential layers); variant: the score used.
-        strategy: how the plan was chosen (``"lowest_C"`` today).
+        strategy: how the plan was chosen (``"lowest_C"``, or the planner strategy of ``SuiteResult.planner``).
         n_candidates: sequential layers the plan chose from.
         highest_layers: the k highest-C layers (the control).
         delta_ce_lowest, delta_ce_highest: CE increase with the plan / the control made parallel.
@@ -181,7 +185,8 @@ class RunArguments:
 class SuiteResult(Result):
     """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
 
-    A field is ``None`` when its stage was not run (``settings.stages``). Timings are the only numbers that
+    A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
+    ``tl_steering.planning.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy. Timings are the only numbers that
     change between identical runs.
     """
 
@@ -200,19 +205,30 @@ class SuiteResult(Result):
     defect: DefectResult | None = None
     defect_gold: DefectResult | None = None
     plan: PlanLosses | None = None
+    planner: Result | None = None
     speedup: SpeedupEstimate | None = None
     executor: ExecutorTiming | None = None
     gates: GateResult | None = None
-    critical: CriticalSummary | None = None
-    critical_fixed_point: CriticalSummary | None = None
+    critical: CriticalResult | None = None
+    critical_fixed_point: CriticalResult | None = None
     prefix: PrefixSensitivityResult | None = None
 
     kind = "suite"
 
     def protocol_results(self) -> dict[str, Result]:
         """The protocols' own results that were run, by field name."""
-        names = ("deficit", "ablation", "diversity", "defect", "defect_gold", "gates", "critical",
-                 "critical_fixed_point", "prefix")
+        names = (
+            "planner",
+            "deficit",
+            "ablation",
+            "diversity",
+            "defect",
+            "defect_gold",
+            "gates",
+            "critical",
+            "critical_fixed_point",
+            "prefix",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def summary(self) -> dict[str, Any]:

@@ -8,19 +8,20 @@ plans shared forward passes, or shards windows across ranks, replaces one stage 
 
 import datetime as _dt
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
+from .. import progress as _progress
 from ..backends import adapt, tl_version
+from ..batching import mean_loss
 from ..data import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
+from ..timing import median_seconds, timed
 from .result import (
     Checks,
     Environment,
@@ -53,30 +54,39 @@ class TqdmProgress:
         from tqdm.auto import tqdm
 
         i = STAGES.index(name) + 1 if name in STAGES else 0
-        bar = tqdm(total=total, desc=f"[{i}/{len(STAGES)}] {name:<9}", unit="step", leave=True, file=sys.stderr,
-                   disable=not self.enabled, dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            desc=f"[{i}/{len(STAGES)}] {name:<9}",
+            unit="step",
+            leave=True,
+            file=sys.stderr,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+        )
         t0 = time.perf_counter()
+        notes = {"step": "", "fwd": ""}
+
+        def show(refresh: bool) -> None:
+            bar.set_postfix_str(" | ".join(v for v in notes.values() if v), refresh=refresh)
 
         def tick(note: str = "") -> None:
             if note:
-                bar.set_postfix_str(note, refresh=False)
+                notes["step"] = note
+                show(False)
             bar.update(1)
 
+        def forwards(stats: _progress.ForwardStats) -> None:  # every adapter forward of the stage
+            notes["fwd"] = stats.note()
+            show(True)
+
         try:
-            yield tick
+            with _progress.reporting(forwards, min_interval=1.0):
+                yield tick
             if bar.n < total:
                 bar.update(total - bar.n)
         finally:
             bar.set_postfix_str(f"{time.perf_counter() - t0:.1f}s", refresh=True)
             bar.close()
-
-
-def _mean_loss(model: Any, tokens: Tensor, hooks: list, batch_size: int) -> float:
-    """Mean next-token CE over every predicted position of ``tokens``, in batches, with ``hooks``."""
-    ad = adapt(model)
-    losses = [ad.loss_per_token(tokens[i:i + batch_size], hooks).reshape(-1)
-              for i in range(0, tokens.shape[0], batch_size)]
-    return float(torch.cat(losses).mean())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -93,7 +103,7 @@ class _Ctx:
 
 def stage_checks(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Clean mean CE over the tokens and the residual identity on the first window."""
-    clean = _mean_loss(c.model, c.tokens, [], c.s.batch_size)
+    clean = mean_loss(c.model, c.tokens, [], c.s.batch_size)
     tick("clean loss")
     _, cache = c.ad.run_with_cache(c.tokens[:1], c.ad.identity_names())
     identity = c.ad.check_residual_identity(cache)
@@ -105,24 +115,44 @@ def stage_checks(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 def stage_deficit(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.deficit import angular_deficit
 
-    res.deficit = angular_deficit(c.model, c.tokens, n_bootstrap=c.s.n_bootstrap, seed=c.seed,
-                                  batch_size=c.s.batch_size, corpus=c.corpus)
+    res.deficit = angular_deficit(
+        c.model,
+        c.tokens,
+        n_bootstrap=c.s.n_bootstrap,
+        seed=c.seed,
+        batch_size=c.s.batch_size,
+        corpus=c.corpus,
+    )
 
 
 def stage_ablation(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.ablation import ffn_ablation
 
-    res.ablation = ffn_ablation(c.model, c.tokens, keep=tuple(c.s.ablation_variants), scope="all",
-                                include_random_tangent=True, seed=c.seed, batch_size=c.s.batch_size,
-                                n_bootstrap=c.s.n_bootstrap, corpus=c.corpus)
+    res.ablation = ffn_ablation(
+        c.model,
+        c.tokens,
+        keep=tuple(c.s.ablation_variants),
+        scope="all",
+        include_random_tangent=True,
+        seed=c.seed,
+        batch_size=c.s.batch_size,
+        n_bootstrap=c.s.n_bootstrap,
+        corpus=c.corpus,
+    )
 
 
 def stage_diversity(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.diversity import diversity
 
-    res.diversity = diversity(c.model, c.tokens, ablations=tuple(c.s.diversity_ablations),
-                              gains=tuple(c.s.diversity_gains), seed=c.seed, batch_size=c.s.batch_size,
-                              corpus=c.corpus)
+    res.diversity = diversity(
+        c.model,
+        c.tokens,
+        ablations=tuple(c.s.diversity_ablations),
+        gains=tuple(c.s.diversity_gains),
+        seed=c.seed,
+        batch_size=c.s.batch_size,
+        corpus=c.corpus,
+    )
 
 
 def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
@@ -130,22 +160,54 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.defect import parallel_defect
 
     s = c.s
-    defect = parallel_defect(c.model, c.tokens, evaluate=s.defect_evaluate, k_values=s.defect_k_values,
-                             n_random=s.defect_n_random, brackets=s.defect_brackets, seed=c.seed,
-                             timing=s.defect_timing, batch_size=s.batch_size, timing_repeats=s.timing_repeats,
-                             corpus=c.corpus)
+    defect = parallel_defect(
+        c.model,
+        c.tokens,
+        evaluate=s.defect_evaluate,
+        k_values=s.defect_k_values,
+        n_random=s.defect_n_random,
+        brackets=s.defect_brackets,
+        seed=c.seed,
+        timing=s.defect_timing,
+        batch_size=s.batch_size,
+        timing_repeats=s.timing_repeats,
+        corpus=c.corpus,
+    )
     res.defect = defect
     tick("scores")
     if s.defect_gold_layers is not None:
-        res.defect_gold = parallel_defect(c.model, c.tokens, layers=s.defect_gold_layers, evaluate=True,
-                                          k_values=s.defect_gold_k_values, n_random=0, timing=False, seed=c.seed,
-                                          batch_size=s.batch_size, corpus=c.corpus)
-    # ---- the plan. The k lowest-C sequential layers today; a planner strategy (tl_steering.planning,
-    # plan_parallel(model, tokens, k, strategy=..., held_out=...)) plugs in HERE: it returns the layers, and
-    # PlanLosses.strategy records which strategy chose them.
+        res.defect_gold = parallel_defect(
+            c.model,
+            c.tokens,
+            layers=s.defect_gold_layers,
+            evaluate=True,
+            k_values=s.defect_gold_k_values,
+            n_random=0,
+            timing=False,
+            seed=c.seed,
+            batch_size=s.batch_size,
+            corpus=c.corpus,
+        )
+    # ---- the plan: the k lowest-C sequential layers (the default, the report's numbers), or a planner strategy
+    # of tl_steering.planning (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
+    # one; its ParallelPlan is kept in SuiteResult.planner and PlanLosses.strategy records which strategy chose.
     k = min(s.plan_k, len(defect.candidates))
-    layers = defect.plan(k)
-    res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res))
+    if s.plan_strategy == "lowest_C":
+        layers, strategy = defect.plan(k), "lowest_C"
+    else:
+        from ..planning import plan_parallel
+
+        res.planner = plan_parallel(
+            c.model,
+            c.tokens,
+            k,
+            strategy=s.plan_strategy,
+            seed=c.seed,
+            batch_size=s.batch_size,
+            corpus=c.corpus,
+        )
+        layers, strategy = list(res.planner.layers), res.planner.strategy
+    res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
     if s.defect_timing:
         res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
     tick("plan")
@@ -153,28 +215,44 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
     """The clean mean CE: from the checks stage when it ran, else one clean pass over the tokens."""
-    return res.checks.clean_loss if res.checks is not None else _mean_loss(c.model, c.tokens, [], c.s.batch_size)
+    return (
+        res.checks.clean_loss if res.checks is not None else mean_loss(c.model, c.tokens, [], c.s.batch_size)
+    )
 
 
-def _plan_losses(c: _Ctx, defect: Any, k: int, layers: list[int], clean_loss: Callable[[], float]) -> PlanLosses:
+def _plan_losses(
+    c: _Ctx, defect: Any, k: int, layers: list[int], clean_loss: Callable[[], float], strategy: str
+) -> PlanLosses:
     """dCE with the plan and with the k highest-C layers made parallel (the surrogate hooks of docs/defect.md).
 
     Taken from the defect curves when they hold k, else measured (two hooked forwards over the tokens).
     """
     from ..hooks import parallel_blocks
 
-    high = sorted(sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k])
-    out = PlanLosses(k=k, layers=list(layers), variant="C", strategy="lowest_C",
-                     n_candidates=len(defect.candidates), highest_layers=high)
-    if defect.evaluated and k in defect.k_values:
+    high = sorted(
+        sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k]
+    )
+    out = PlanLosses(
+        k=k,
+        layers=list(layers),
+        variant="C",
+        strategy=strategy,
+        n_candidates=len(defect.candidates),
+        highest_layers=high,
+    )
+    if strategy == "lowest_C" and defect.evaluated and k in defect.k_values:
         j = defect.k_values.index(k)
         out.delta_ce_lowest = float(defect.curves["lowest"][j])
         out.delta_ce_highest = float(defect.curves["highest"][j])
         out.source = "defect curves (evaluate=True)"
         return out
     clean = clean_loss()
-    out.delta_ce_lowest = _mean_loss(c.model, c.tokens, parallel_blocks(c.model, layers), c.s.batch_size) - clean
-    out.delta_ce_highest = _mean_loss(c.model, c.tokens, parallel_blocks(c.model, high), c.s.batch_size) - clean
+    out.delta_ce_lowest = (
+        mean_loss(c.model, c.tokens, parallel_blocks(c.model, layers), c.s.batch_size) - clean
+    )
+    out.delta_ce_highest = (
+        mean_loss(c.model, c.tokens, parallel_blocks(c.model, high), c.s.batch_size) - clean
+    )
     out.source = "measured by the suite (parallel_blocks hooks)"
     return out
 
@@ -185,10 +263,14 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
     ad, s = c.ad, c.s
     plan = res.plan.layers if res.plan is not None else []
-    sl = c.tokens[:s.batch_size]
-    info = ExecutorTiming(label="measured on this machine: whole forward, fused parallel blocks "
-                                "(tl_steering.parallel.parallelize), median wall time",
-                          layers=list(plan), timing_shape=list(sl.shape), device=str(ad.device))
+    sl = c.tokens[: s.batch_size]
+    info = ExecutorTiming(
+        label="measured on this machine: whole forward, fused parallel blocks "
+        "(tl_steering.parallel.parallelize), median wall time",
+        layers=list(plan),
+        timing_shape=list(sl.shape),
+        device=str(ad.device),
+    )
     res.executor = info
     if not plan:
         info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
@@ -200,22 +282,13 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         return
 
     def median_time(mdl: Any) -> float:
-        times = []
-        with torch.no_grad():
-            mdl(sl, return_type="logits")  # warm-up
-            for _ in range(s.parallel_repeats):
-                if ad.device.type == "cuda":
-                    torch.cuda.synchronize(ad.device)
-                t0 = time.perf_counter()
-                mdl(sl, return_type="logits")
-                if ad.device.type == "cuda":
-                    torch.cuda.synchronize(ad.device)
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(
+            lambda: mdl(sl, return_type="logits"), ad.device, warmup=1, repeats=s.parallel_repeats
+        )
 
     t_seq = median_time(c.model)
     t_par = median_time(par)
-    par_loss = _mean_loss(par, c.tokens, [], s.batch_size)
+    par_loss = mean_loss(par, c.tokens, [], s.batch_size)
     del par
     clean = _clean_loss(c, res)
     info.t_forward_sequential_s, info.t_forward_parallel_s = t_seq, t_par
@@ -227,21 +300,42 @@ def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..gates import calibrate_gates
 
     plan = res.plan.layers if res.plan is not None else []
-    res.gates = calibrate_gates(c.model, c.tokens, method=c.s.gate_method, plan=plan, seed=c.seed,
-                                steps=c.s.gate_steps, batch_size=c.s.batch_size, corpus=c.corpus)
+    res.gates = calibrate_gates(
+        c.model,
+        c.tokens,
+        method=c.s.gate_method,
+        plan=plan,
+        seed=c.seed,
+        steps=c.s.gate_steps,
+        batch_size=c.s.batch_size,
+        corpus=c.corpus,
+    )
 
 
 def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Critical points of the FFN field on ``critical_layers``, once per finder method."""
-    from ..critical import critical_points_all_layers
+    from .. import critical
 
+    # critical_points(model, layers=...) once critical/ takes layers= itself; the old all-layers driver before
+    run = (
+        critical.critical_points
+        if hasattr(critical, "CriticalPointsResult")
+        else critical.critical_points_all_layers
+    )
     s = c.s
     if not s.critical_layers:
         return
-    tokens = c.tokens if s.critical_max_windows is None else c.tokens[:s.critical_max_windows]
+    tokens = c.tokens if s.critical_max_windows is None else c.tokens[: s.critical_max_windows]
     for method in s.critical_methods:
-        summ = critical_points_all_layers(c.model, layers=list(s.critical_layers), field="ffn", tokens=tokens,
-                                          n_starts=s.critical_n_starts, seed=c.seed, method=method)
+        summ = run(
+            c.model,
+            layers=list(s.critical_layers),
+            field="ffn",
+            tokens=tokens,
+            n_starts=s.critical_n_starts,
+            seed=c.seed,
+            method=method,
+        )
         if method == "riemannian":
             res.critical = summ
         else:
@@ -252,12 +346,22 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..prefix import prefix_sensitivity
 
-    res.prefix = prefix_sensitivity(c.model, c.tokens, layer=c.s.prefix_layer, position=c.s.prefix_positions,
-                                    eps=c.s.prefix_eps, mode="noise", seed=c.seed, corpus=c.corpus)
+    res.prefix = prefix_sensitivity(
+        c.model,
+        c.tokens,
+        layer=c.s.prefix_layer,
+        position=c.s.prefix_positions,
+        eps=c.s.prefix_eps,
+        mode="noise",
+        seed=c.seed,
+        corpus=c.corpus,
+    )
 
 
 #: stage name -> (function, number of progress ticks for settings s)
-STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], Callable[[SuiteSettings], int]]] = {
+STAGE_FUNCTIONS: dict[
+    str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], Callable[[SuiteSettings], int]]
+] = {
     "checks": (stage_checks, lambda s: 2),
     "deficit": (stage_deficit, lambda s: 1),
     "ablation": (stage_ablation, lambda s: 1),
@@ -271,10 +375,17 @@ STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], Call
 
 
 def _model_summary(ad: Any) -> ModelSummary:
-    return ModelSummary(name=ad.info.name, revision=ad.info.revision, n_layers=ad.n_layers, d_model=ad.d_model,
-                        backend=ad.backend, processing=ad.info.processing,
-                        dtype=str(ad.dtype).removeprefix("torch."), device=str(ad.device),
-                        prepend_bos=ad.info.prepend_bos)
+    return ModelSummary(
+        name=ad.info.name,
+        revision=ad.info.revision,
+        n_layers=ad.n_layers,
+        d_model=ad.d_model,
+        backend=ad.backend,
+        processing=ad.info.processing,
+        dtype=str(ad.dtype).removeprefix("torch."),
+        device=str(ad.device),
+        prepend_bos=ad.info.prepend_bos,
+    )
 
 
 def run_suite(
@@ -308,8 +419,9 @@ def run_suite(
     prog: Progress = TqdmProgress(progress) if isinstance(progress, bool) else progress
     t_start = time.perf_counter()
     res = SuiteResult(
-        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="run_suite",
-                                 stages=list(settings.stages)),
+        provenance=ad.provenance(
+            tokens, corpus=corpus, seed=seed, protocol="run_suite", stages=list(settings.stages)
+        ),
         settings=settings,
         seed=seed,
         model=_model_summary(ad),
@@ -321,14 +433,11 @@ def run_suite(
         if not settings.runs(name):
             continue
         fn, total = STAGE_FUNCTIONS[name]
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            with prog.stage(name, total=total(settings)) as tick:
-                fn(ctx, res, tick)
-        finally:
-            res.timings[name] = StageTiming(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
+        with timed() as sw, prog.stage(name, total=total(settings)) as tick:
+            fn(ctx, res, tick)
+        res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
     res.total_wall_s = time.perf_counter() - t_start
     return res
 
 
-__all__ = ["Progress", "STAGE_FUNCTIONS", "TqdmProgress", "run_suite"]
+__all__ = ["STAGE_FUNCTIONS", "Progress", "TqdmProgress", "run_suite"]

@@ -48,7 +48,9 @@ class SuiteSettings:
         defect_gold_layers: when set, the gold standard runs as a second ``parallel_defect`` restricted to
             these layers (``evaluate=True``, ``defect_gold_k_values``, no random sets, no timing), stored as
             ``SuiteResult.defect_gold``.
-        plan_k: layers made parallel by the plan (the k lowest-C sequential layers; capped at the candidates).
+        plan_k: layers made parallel by the plan (capped at the sequential candidates).
+        plan_strategy: ``"lowest_C"`` (the k lowest-C layers of the defect scores) or a strategy of
+            ``tl_steering.planning.plan_parallel`` (``"best"`` or one name), kept as ``SuiteResult.planner``.
         parallel_repeats: timed whole forwards per model in the executor stage.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
@@ -75,6 +77,7 @@ class SuiteSettings:
     defect_gold_layers: list[int] | None = None
     defect_gold_k_values: list[int] | None = None
     plan_k: int = 0
+    plan_strategy: str = "lowest_C"
     parallel_repeats: int = 5
     gate_method: str = "closed_form"
     gate_steps: int = 0
@@ -95,9 +98,13 @@ class SuiteSettings:
         for need in ("parallel", "gates"):
             if need in self.stages and "defect" not in self.stages:
                 raise InputError(f"SuiteSettings.stages: {need!r} runs on the defect plan: add 'defect'")
+        if not isinstance(self.plan_strategy, str) or not self.plan_strategy:
+            raise InputError(f"SuiteSettings.plan_strategy must be a strategy name, got {self.plan_strategy!r}")
         bad = [m for m in self.critical_methods if m not in CRITICAL_METHODS]
         if bad:
-            raise InputError(f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}")
+            raise InputError(
+                f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}"
+            )
         for name in ("batch_size", "parallel_repeats", "timing_repeats", "critical_n_starts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -115,7 +122,9 @@ class SuiteSettings:
 def check_windows_length(windows: int | None, length: int | None) -> None:
     """The report's limits on ``--windows`` / ``--length`` (None: the default); raises :class:`InputError`."""
     if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 2):
-        raise InputError(f"--windows must be an int >= 2 (one window is held out for the gates), got {windows!r}")
+        raise InputError(
+            f"--windows must be an int >= 2 (one window is held out for the gates), got {windows!r}"
+        )
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 16):
         raise InputError(f"--length must be an int >= 16, got {length!r}")
 
