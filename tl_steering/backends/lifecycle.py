@@ -30,6 +30,7 @@ from torch import Tensor
 
 from transformer_lens.hook_points import HookPoint
 
+from .. import progress as _progress
 from ..errors import HookNotFoundError
 
 # torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
@@ -323,7 +324,9 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
                 raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
                                         "configuration)") from e
             raise
-        return model(tokens, return_type=return_type, **kwargs)
+        out = model(tokens, return_type=return_type, **kwargs)
+    _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (progress.py)
+    return out
 
 
 def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
