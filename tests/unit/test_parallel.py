@@ -194,3 +194,50 @@ def test_cuda_equivalence(seq_tiny, tiny_tokens, streams):
     p = parallelize(m, [0, 1], streams=streams)
     ref = m.run_with_hooks(toks, fwd_hooks=parallel_blocks(m, [0, 1]))
     assert rel(p(toks), ref) < RTOL
+
+
+# -- sandwich-norm blocks (Gemma 3 / Gemma 2) on tiny random models: window 4 < 16 tokens, softcapping (Gemma 2)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def gemma_tiny(request):
+    return ts.tiny_model(request.param, seed=0)
+
+
+def test_sandwich_sublayers_match_hooks(gemma_tiny, tiny_tokens):
+    """A = post_attn(attn(ln1 x)) and Phi = post_ffn(mlp(ln2 y)) reproduce hook_attn_out / hook_mlp_out exactly,
+    on a sliding-window layer longer than its window and on a global layer."""
+    ad = adapt(gemma_tiny)
+    _, cache = ad.run_with_cache(tiny_tokens, ad.identity_names())
+    assert max(ad.check_residual_identity(cache).values()) < 1e-6
+    for lay in range(ad.n_layers):
+        assert ad.sublayer_norms(lay).sandwich
+        with torch.no_grad():
+            phi = ad.ffn(lay)(cache[ad.hook_name(lay, "resid_mid")])
+            a = ad.attention(lay)(cache[ad.hook_name(lay, "resid_pre")])
+        assert rel(phi, cache[ad.hook_name(lay, "mlp_out")]) < 1e-6
+        assert rel(a, cache[ad.hook_name(lay, "attn_out")]) < 1e-6
+
+
+def test_sandwich_parallelize_equals_surrogate(gemma_tiny, tiny_tokens):
+    fp = weights_fingerprint(gemma_tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fused: no "not fused" note
+        p = parallelize(gemma_tiny, [0, 1])
+    ref = adapt(gemma_tiny).run_with_hooks(tiny_tokens, parallel_blocks(gemma_tiny, [0, 1]))
+    with torch.no_grad():
+        assert rel(p(tiny_tokens), ref) < RTOL
+        with unfused(p):
+            assert rel(p(tiny_tokens), ref) < RTOL
+    fw = [m for m in p.modules() if type(m).__name__ == "FusedWeights"]
+    qk_norm = adapt(gemma_tiny).info.name == "tiny-gemma3"  # Gemma 3 has QK-norm, Gemma 2 softcapping
+    assert len(fw) == 2 and all(f.sandwich and (f.q_norm_g is not None) == qk_norm for f in fw)
+    assert all((f.softcap is not None) != qk_norm for f in fw) and {f.window for f in fw} == {4, None}
+    assert weights_fingerprint(gemma_tiny) == fp
+
+
+def test_sandwich_hooked_tiny_is_refused():
+    if not hooked_available():
+        pytest.skip("HookedTransformer needs TransformerLens 3.x")
+    with pytest.raises(ts.errors.ModelNotSupportedError, match="bridge only"):
+        ts.tiny_model("gemma3", backend="hooked")

@@ -290,7 +290,7 @@ def _byte_tokenizer_dir() -> str:
     return d
 
 
-TinyArch = Literal["gpt2", "llama", "neox"]
+TinyArch = Literal["gpt2", "llama", "neox", "gemma3", "gemma2"]
 
 
 def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
@@ -323,14 +323,16 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
                             num_attention_heads=n_heads, max_position_embeddings=n_ctx,
                             use_parallel_residual=True, **common)
         cls = GPTNeoXForCausalLM
+    elif arch in ("gemma3", "gemma2"):  # sandwich norms, QK-norm (3), softcapping (2), local/global, GQA
+        cfg, cls = _tiny_gemma_config(arch, n_layers, d_model, n_heads, d_mlp, n_ctx, common)
     else:
-        raise InputError(f"arch must be 'gpt2', 'llama' or 'neox', got {arch!r}")
+        raise InputError(f"arch must be 'gpt2', 'llama', 'neox', 'gemma3' or 'gemma2', got {arch!r}")
     cfg.architectures = [cls.__name__]
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         hf = cls(cfg).eval()
-        if arch == "llama":
+        if arch in ("llama", "gemma3", "gemma2"):
             # Random init gives all-ones RMSNorm gains and tiny weights; perturb so tests are not degenerate.
             with torch.no_grad():
                 for n, p in hf.named_parameters():
@@ -342,18 +344,43 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
     return hf, tok
 
 
+def _tiny_gemma_config(arch: str, n_layers: int, d_model: int, n_heads: int, d_mlp: int, n_ctx: int,
+                       common: dict) -> tuple[Any, Any]:
+    """A small Gemma 3 / Gemma 2 config: sliding window of 4 on every other layer (so 16-token tests cross it),
+    one KV head; Gemma 2 with attention-logit and final-logit softcapping."""
+    d_head = d_model // n_heads
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    kw = dict(hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+              num_key_value_heads=1, head_dim=d_head, sliding_window=4, layer_types=kinds,
+              query_pre_attn_scalar=d_head, max_position_embeddings=n_ctx, **common)
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        return Gemma3TextConfig(**kw), Gemma3ForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=30.0, **kw), Gemma2ForCausalLM
+
+
 def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "bridge", seed: int = 0,
                processing: Literal["raw", "tl"] = "raw", **sizes: int) -> Any:
     """A small random-init TransformerLens model for tests (no hub).
 
     Args:
         arch: ``"gpt2"`` (LayerNorm, learned positions), ``"llama"`` (RMSNorm, rotary, gated MLP, grouped-query
-            attention) or ``"neox"`` (parallel attention/MLP blocks).
+            attention), ``"neox"`` (parallel attention/MLP blocks), ``"gemma3"`` / ``"gemma2"`` (sandwich norms,
+            local/global layers with a window of 4; bridge only: TL 3.9's HookedTransformer reads Gemma configs
+            by official name only, see docs/gemma.md).
         backend: ``"bridge"`` or ``"hooked"`` (TL 3.9 only).
         seed: weight seed; the same seed gives the same weights on both backends.
         sizes: n_layers, d_model, n_heads, d_mlp, n_ctx.
     """
     _check_backend(backend)
+    if backend == "hooked" and arch in ("gemma3", "gemma2"):
+        from ..errors import ModelNotSupportedError
+
+        raise ModelNotSupportedError(f"tiny {arch} runs on the bridge only: TL 3.9's HookedTransformer builds Gemma "
+                                     "configs from official model names, not from a local config")
     hf, tok = tiny_hf_model(arch, seed, **sizes)
     model = wrap_hf(hf, tok, backend, processing, "cpu", label=f"tiny-{arch}")
     model._tl_steering_info = ModelInfo(name=f"tiny-{arch}", revision=f"random-init seed={seed}",
