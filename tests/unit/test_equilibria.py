@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.equilibria (MATH_SPEC §9): fields with analytically known equilibria and spectra.
+"""Unit tests of the equilibrium finder (docs/critical_points.md): fields with analytically known equilibria and spectra.
 
 No model is loaded. Tolerances are stated per comparison; everything runs in float64 on CPU.
 """
@@ -96,12 +96,20 @@ def test_symmetric_linear_all_twelve_from_perturbed_starts():
     assert res.near_zero == [0] * 12
 
 
-def test_fixed_point_is_biased_to_the_dominant_eigenvector():
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=32, method="fixed_point")
-    # power iteration: only ±v_1 (largest |μ|), never the saddles that the Riemannian finder reaches
-    assert res.n_points == 2
-    assert bool(((res.points @ V[:, 0]).abs() > 1 - 1e-12).all())
-    assert res.labels == ["attractor", "attractor"]
+def test_fixed_point_phase_is_biased_to_the_dominant_eigenvector():
+    """The projected power iteration alone (the first phase of method="fixed_point") reaches only ±v_1, never
+    the saddles; the full finder with that method then hands over to LM and deflation."""
+    from tl_steering.critical.fields import _FieldAdapter, _normalize
+    from tl_steering.critical.firstorder import _fixed_point
+
+    fld = _FieldAdapter(_linear(M_SYM), 6, F64, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    u0 = _normalize(torch.randn(32, 6, generator=g, dtype=F64))
+    fld.probe(u0[:2])
+    u = _fixed_point(fld, u0, 500, 1e-10)
+    assert bool(((u @ V[:, 0]).abs() > 1 - 1e-9).all())
+    full = find_equilibria(_linear(M_SYM), 6, n_starts=32, method="fixed_point")
+    assert full.n_points == 12 and full.options["method"] == "fixed_point"
 
 
 # ---------------------------------------------------------------------------------------------------------

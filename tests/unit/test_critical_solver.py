@@ -1,0 +1,186 @@
+"""The deflated Levenberg-Marquardt finder on synthetic fields whose equilibria are known exactly
+(docs/critical_points.md). No model is loaded; float64 on CPU; tolerances stated per comparison."""
+
+import math
+
+import pytest
+import torch
+
+from tl_steering.critical import CriticalPointsResult, clopper_pearson, find_equilibria, saddle_verdict
+from tl_steering.critical.fields import relative_residual
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+F64 = torch.float64
+
+
+def _orthogonal(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(d, d, generator=g, dtype=F64))[0]
+
+
+def _match(points: torch.Tensor, known: torch.Tensor, tol: float = 1e-8) -> list[int]:
+    """For each known point, the row of ``points`` within ``tol`` of it (-1 when none)."""
+    out = []
+    for k in known:
+        if points.shape[0] == 0:
+            out.append(-1)
+            continue
+        dist = (points - k).norm(dim=-1)
+        j = int(dist.argmin())
+        out.append(j if float(dist[j]) < tol else -1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# d = 12: ten real eigenvalues of mixed sign and a rotation block; the equilibria are exactly the 20 points ±q_i
+# (the rotation block has no real eigenvector). The old gradient-descent finder found 13 of them from 400 starts.
+
+MU12 = torch.tensor([3.0, 2.2, 1.5, 0.8, 0.3, -0.4, -1.1, -1.7, -2.4, -3.0], dtype=F64)
+ROT = torch.tensor([[0.5, 2.0], [-2.0, 0.5]], dtype=F64)  # eigenvalues 0.5 ± 2i
+
+
+def _field12():
+    q = _orthogonal(12, 0)
+    t = torch.zeros(12, 12, dtype=F64)
+    t.diagonal()[:10] = MU12
+    t[10:, 10:] = ROT
+    return q @ t @ q.T, q
+
+
+def _expected_label(mu: float) -> tuple[str, int]:
+    """Label and Morse index at the eigenvector of μ: tangent eigenvalues {μ_j - μ} ∪ {0.5 - μ ± 2i}."""
+    re = [float(m) - mu for m in MU12 if float(m) != mu] + [0.5 - mu, 0.5 - mu]
+    index = sum(x > 0 for x in re)
+    label = "attractor" if index == 0 else "repeller" if index == len(re) else "saddle"
+    return label, index
+
+
+def test_d12_mixed_spectrum_all_twenty_equilibria_from_random_starts():
+    m, q = _field12()
+    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=64, seed=0)
+    assert res.n_points == 20
+    assert res.n_converged >= 32  # at least half of the starts reach rel. residual <= 1e-10
+    assert float(res.residuals.max()) <= 1e-10
+    known = torch.cat([q[:, :10].T, -q[:, :10].T])
+    rows = _match(res.points, known)
+    assert -1 not in rows and len(set(rows)) == 20
+    for i, j in enumerate(rows):
+        mu = float(MU12[i % 10])
+        label, index = _expected_label(mu)
+        assert abs(float(res.lambdas[j]) - mu) < 1e-9
+        assert res.labels[j] == label and res.index[j] == index, (mu, res.labels[j], res.index[j])
+        assert res.rotational[j]  # the rotation block shows at every point (|Im| = 2 > 0.1 |Re|)
+    assert res.morse_histogram() == {k: 2 for k in (0, 1, 2, 3, 6, 7, 8, 9, 10, 11)}
+    assert res.rotational_pairs() == [1] * 20
+    assert res.counts() == {"attractor": 2, "repeller": 2, "saddle": 16, "degenerate": 0, "rotational": 20}
+
+
+def test_deflation_finds_more_points_than_plain_restarts():
+    m, _ = _field12()
+    kw = dict(n_starts=12, seed=3)
+    plain = find_equilibria(lambda u: u @ m.T, 12, deflation=False, **kw)
+    deflated = find_equilibria(lambda u: u @ m.T, 12, deflation=True, **kw)
+    assert deflated.n_points > plain.n_points
+    assert deflated.n_points >= 10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# linear + cubic, d = 14: F(u) = A u + c (u ⊙ u ⊙ u) in coordinates where A = diag(a_1..a_12) ⊕ rotation block.
+# Every ± axis e_i (i < 12) is an equilibrium with λ = a_i + c_i, DF(e_i) = A + 3 c_i e_i e_iᵀ, so the tangent
+# spectrum at ±e_i is {a_j - λ}_{j≠i, j<12} ∪ {0.5 - λ ± 2i}.
+
+
+def _cubic_field(d: int = 14):
+    g = torch.Generator().manual_seed(11)
+    a = torch.linspace(-2.5, 2.7, d - 2, dtype=F64)
+    c = 0.2 + 0.3 * torch.rand(d - 2, generator=g, dtype=F64)
+    q = _orthogonal(d, 5)
+
+    def field(u):
+        x = u @ q  # coordinates
+        lin = torch.cat([x[..., : d - 2] * a, x[..., d - 2:] @ ROT.T], dim=-1)
+        cub = torch.cat([c * x[..., : d - 2] ** 3, torch.zeros_like(x[..., d - 2:])], dim=-1)
+        return (lin + cub) @ q.T
+
+    return field, a, c, q
+
+
+def test_linear_plus_cubic_axes_found_and_labelled():
+    d = 14
+    field, a, c, q = _cubic_field(d)
+    res = find_equilibria(field, d, n_starts=128, seed=1)
+    axes = torch.cat([q[:, : d - 2].T, -q[:, : d - 2].T])
+    rows = _match(res.points, axes)
+    # measured: 22 of the 24 axes from these 128 starts (±e_10, λ = 2.5, is missed: see docs/critical_points.md)
+    assert sum(r >= 0 for r in rows) >= 22, f"missing axes: {[i for i, r in enumerate(rows) if r < 0]}"
+    for i, j in enumerate(rows):
+        if j < 0:
+            continue
+        k = i % (d - 2)
+        lam = float(a[k] + c[k])
+        assert abs(float(res.lambdas[j]) - lam) < 1e-9
+        re = [float(a[m]) - lam for m in range(d - 2) if m != k] + [0.5 - lam] * 2
+        index = sum(x > 0 for x in re)
+        label = "attractor" if index == 0 else "repeller" if index == d - 1 else "saddle"
+        assert res.index[j] == index and res.labels[j] == label
+        assert res.rotational[j]
+    for k in range(res.n_points):  # every other reported point is a true equilibrium too
+        assert float(relative_residual(res.points[k], field(res.points[k]))) <= 1e-10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# d = 576 (SmolLM2's width): a symmetric linear field with a planted spectrum. Its equilibria are the 1152 points
+# ±v_i; random starts must converge (half of them at least) to exact, correctly labelled ±v_i.
+
+
+def test_d576_planted_equilibria_found_and_labelled():
+    d = 576
+    q = _orthogonal(d, 7)
+    mu = torch.cat([torch.tensor([9.0, 6.0, -8.0], dtype=F64), torch.linspace(-1.0, 1.0, d - 3, dtype=F64)])
+    m = (q * mu) @ q.T
+    res = find_equilibria(lambda u: u @ m.T, d, n_starts=8, seed=0, batch_size=4, max_iter=30)
+    assert res.n_converged >= 4 and res.n_points >= 3
+    order = torch.argsort(mu, descending=True)
+    for k in range(res.n_points):
+        p = res.points[k]
+        overlap = (q.T @ p).abs()
+        i = int(overlap.argmax())
+        assert float(overlap[i]) > 1 - 1e-9
+        assert abs(float(res.lambdas[k]) - float(mu[i])) < 1e-8
+        rank = int((order == i).nonzero())  # Morse index = number of larger eigenvalues
+        assert res.index[k] == rank
+        assert res.labels[k] == ("attractor" if rank == 0 else "repeller" if rank == d - 1 else "saddle")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the claim test
+
+
+def test_clopper_pearson_exact_values():
+    low, high = clopper_pearson(7, 10)
+    assert low == pytest.approx(0.3475, abs=1e-4) and high == pytest.approx(0.9333, abs=1e-4)
+    assert clopper_pearson(0, 5)[0] == 0.0 and clopper_pearson(5, 5)[1] == 1.0
+    assert all(math.isnan(x) for x in clopper_pearson(0, 0))
+    assert saddle_verdict(19, 20)["verdict"] == "supported"
+    assert saddle_verdict(1, 20)["verdict"] == "rejected"
+    assert saddle_verdict(3, 5)["verdict"] == "undecided"
+    assert saddle_verdict(0, 0)["verdict"] == "no equilibria"
+
+
+def test_critical_points_result_claim_and_round_trip(tmp_path):
+    m, _ = _field12()
+    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=24, seed=0)
+    counts = torch.tensor([[res.labels.count(x) for x in ("attractor", "repeller", "saddle", "degenerate")]])
+    i64 = torch.int64
+    out = CriticalPointsResult(layers=[0], counts=counts, rotational=torch.tensor([sum(res.rotational)]),
+                               rotational_pairs=torch.tensor([sum(res.rotational_pairs())]),
+                               n_points=torch.tensor([res.n_points]), n_converged=torch.tensor([res.n_converged]),
+                               n_starts=torch.tensor([res.n_starts], dtype=i64), radius=torch.tensor([1.0], dtype=F64),
+                               seconds=torch.tensor([res.seconds], dtype=F64), results=[res])
+    claim = out.claim()
+    assert claim["pooled"]["n"] == res.n_points and claim["per_layer"][0]["saddles"] == res.counts()["saddle"]
+    assert out.summary()["mostly_saddles"] == claim["pooled"]["verdict"]
+    back = CriticalPointsResult.load(out.save(tmp_path / "cp.json"))
+    assert torch.equal(back.counts, out.counts) and back.results[0].labels == res.labels
+    assert back.result(0).morse_histogram() == res.morse_histogram()

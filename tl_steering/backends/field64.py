@@ -1,0 +1,156 @@
+"""An exact float64 copy of one block's sublayers, for the critical-point fields (see docs/critical_points.md).
+
+The critical-point finder needs the field Phi(z) = post_ffn(MLP(pre_ffn(z))) (and, for the frozen-context fields,
+the attention sublayer) in float64 all the way through: a relative residual of 1e-10 is out of reach if any step
+rounds to float32. Two kinds of step do that in the models we support, whatever the input dtype:
+
+* Hugging Face norms upcast to float32 (``hidden_states.to(torch.float32)`` in ``LlamaRMSNorm``, ``x.float()`` in
+  ``Gemma3RMSNorm``) and HookedTransformer norms cast to ``cfg.dtype``;
+* attention asks for a float32 softmax (``softmax(scores, dim=-1, dtype=torch.float32)``).
+
+:class:`Float64Block` deep-copies the block (with its hooks detached; the copy's hook points are emptied, so no
+hook of the user ever fires in it), casts the copy to float64 and runs it inside :func:`float64_compute`: a
+:class:`torch.overrides.TorchFunctionMode`, active only on the calling thread and only inside the ``with`` block,
+that keeps float64 tensors float64 where the code asks for a lower floating precision (``Tensor.to/float/half/
+bfloat16/type`` and the ``dtype=`` of ``softmax``/``log_softmax``). Nothing is patched process-wide and the user's
+model is never touched.
+
+The sublayer structure comes from :func:`.sublayers.sublayer_norms`, the same description the adapter's
+``ffn``/``attention`` use, so a sandwich-norm block (Gemma 2/3: a post-FFN norm) is covered by the same code.
+"""
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ..errors import InputError
+from .adapter import ModelAdapter, hook_points, hooks_silenced
+from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
+
+_LOW = (torch.float32, torch.float16, torch.bfloat16)
+_CAST_METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+                 torch.Tensor.bfloat16: torch.bfloat16}
+_SOFTMAX = {torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.softmax, torch.log_softmax,
+            torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+def _is64(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.dtype == torch.float64
+
+
+class _KeepFloat64(TorchFunctionMode):
+    """Keeps float64 tensors float64 where code requests float32/16 (see the module docstring)."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _CAST_METHODS and args and _is64(args[0]):
+            return args[0]
+        if func is torch.Tensor.to and args and _is64(args[0]):
+            if kwargs.get("dtype") in _LOW:
+                kwargs["dtype"] = torch.float64
+            args = tuple(torch.float64 if (a in _LOW) else a for a in args)
+            if len(args) > 1 and isinstance(args[1], Tensor) and args[1].dtype in _LOW:  # .to(other_tensor)
+                args = (args[0], torch.float64, *args[2:])
+        elif func is torch.Tensor.type and args and _is64(args[0]):
+            target = args[1] if len(args) > 1 else kwargs.get("dtype")
+            if target in _LOW:
+                return args[0]
+        elif func is torch.Tensor.type_as and len(args) > 1 and _is64(args[0]) and args[1].dtype in _LOW:
+            return args[0]
+        elif func in _SOFTMAX and args and _is64(args[0]):
+            if kwargs.get("dtype") in _LOW:
+                kwargs["dtype"] = torch.float64
+            args = tuple(torch.float64 if a in _LOW else a for a in args)
+        return func(*args, **kwargs)
+
+
+def float64_compute() -> TorchFunctionMode:
+    """Context manager: inside it, float64 tensors are not downcast by ``.to(float32)``, ``.float()``, ``.half()``,
+    ``.type(float32)``, ``.type_as(float32 tensor)`` or ``softmax(..., dtype=float32)``. Thread-local; nothing is
+    patched; tensors of other dtypes are untouched."""
+    return _KeepFloat64()
+
+
+def _private_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A float64 deep copy of ``module`` that carries no hook (the user's module is unchanged)."""
+    with hooks_silenced(module):
+        cp = copy.deepcopy(module)
+    for hp in hook_points(cp):  # the copy is private: empty its hook dicts (cheaper than silencing per call)
+        hp._forward_hooks.clear()
+        hp._forward_pre_hooks.clear()
+        hp._backward_hooks.clear()
+    cp.to(torch.float64)
+    cp.requires_grad_(False)
+    cfg = getattr(cp, "cfg", None)
+    if cfg is not None and hasattr(cfg, "dtype"):
+        try:
+            cfg.dtype = torch.float64  # HookedTransformer norms cast their output to cfg.dtype (copy's own cfg)
+        except (AttributeError, TypeError):  # pragma: no cover - a frozen config
+            pass
+    return cp
+
+
+class Float64Block:
+    """A private float64 copy of block ``layer`` with pure ``ffn`` / ``attention`` callables.
+
+    ``ffn(z) = post_ffn(MLP(pre_ffn(z)))`` positionwise on ``[..., d]`` (the post-FFN norm only where the block
+    has one, e.g. Gemma), ``attention(X) = post_attn(attn(pre_attn(X)))`` on ``[batch, pos, d]`` (causal; rotary
+    and sliding window as the adapter's :meth:`ModelAdapter.attention`). Both take and return float64 and are
+    differentiable by ``torch.func`` (jacfwd / jacrev / vmap).
+
+    Attributes:
+        layer: the block index.
+        norms: the copy's :class:`SublayerNorms` (``norms.post_ffn`` is None on pre-norm blocks).
+        backend: "hooked" or "bridge".
+    """
+
+    def __init__(self, ad: ModelAdapter, layer: int, post_ffn_norm: torch.nn.Module | None | str = "auto") -> None:
+        self.ad = ad
+        self.layer = ad.check_layer(layer)
+        self.backend = ad.backend
+        self.blk = _private_copy(ad.model.blocks[self.layer])
+        norms = sublayer_norms(self.blk)
+        if post_ffn_norm != "auto":  # an explicit post-norm (a module, or None for none), e.g. for experiments
+            post = None if post_ffn_norm is None else _private_copy(post_ffn_norm)
+            norms = SublayerNorms(norms.pre_attn, norms.post_attn, norms.pre_ffn, post)
+        self.norms = norms
+        self.d_model = ad.d_model
+
+    @property
+    def has_post_ffn_norm(self) -> bool:
+        return self.norms.post_ffn is not None
+
+    def ffn(self, x: Tensor) -> Tensor:
+        """Phi(x) for ``[..., d]`` input (cast to float64)."""
+        if x.shape[-1] != self.d_model:
+            raise InputError(f"ffn expects [..., {self.d_model}], got shape {tuple(x.shape)}")
+        shape = x.shape
+        x3 = x.to(torch.float64).reshape(1, -1, shape[-1])
+        with float64_compute():
+            out = ffn_apply(self.blk, self.norms, x3)
+        return out.reshape(shape)
+
+    def attention(self, x: Tensor) -> Tensor:
+        """A(X) for ``[batch, pos, d]`` input (cast to float64)."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise InputError(f"attention expects [batch, pos, {self.d_model}], got shape {tuple(x.shape)}")
+        model = self.ad.model
+        rotary = getattr(model, "rotary_emb", None)
+        silence = hooks_silenced(rotary) if isinstance(rotary, torch.nn.Module) else _null()
+        with silence, float64_compute():
+            return attention_apply(model, self.blk, self.norms, self.backend, x.to(torch.float64))
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+__all__ = ["Float64Block", "float64_compute"]

@@ -1,0 +1,35 @@
+"""Critical points of a field on the sphere: nonlinear projective equilibria, their tangent spectra, and the
+"mostly saddles" claim (see docs/critical_points.md).
+
+* :mod:`.fields`: calling conventions of a field, tangent projection, relative residual, tangent basis;
+* :mod:`.solver`: the deflated Levenberg-Marquardt solver; :mod:`.firstorder`: first-order phases, GMRES-Newton;
+* :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
+* :mod:`.finder`: :func:`find_equilibria`, :func:`classify_point` for any torch field;
+* :mod:`.model`: :func:`critical_points` / :func:`critical_field` for TransformerLens models.
+"""
+
+from .fields import relative_residual, tangent_basis
+from .finder import METHODS, classify_point, find_equilibria
+from .model import FIELDS, CriticalField, critical_field, critical_points, critical_points_all_layers
+from .results import CriticalPointsResult, EquilibriaResult, PointClassification, clopper_pearson, saddle_verdict
+from .spectrum import DENSE_MAX_DIM, LABELS
+
+__all__ = [
+    "DENSE_MAX_DIM",
+    "FIELDS",
+    "LABELS",
+    "METHODS",
+    "CriticalField",
+    "CriticalPointsResult",
+    "EquilibriaResult",
+    "PointClassification",
+    "classify_point",
+    "clopper_pearson",
+    "critical_field",
+    "critical_points",
+    "critical_points_all_layers",
+    "find_equilibria",
+    "relative_residual",
+    "saddle_verdict",
+    "tangent_basis",
+]

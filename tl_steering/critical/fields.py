@@ -1,0 +1,208 @@
+"""The field on the sphere as the finder sees it: calling conventions, tangent projection, residual, tangent basis.
+
+A field is any torch callable F: R^d -> R^d that accepts a batch ``[n, d]`` or a single vector ``[d]``; the
+adapter probes which and uses, in this order, the batched call, ``torch.func.vmap`` of the single call, or a
+Python loop. See docs/critical_points.md.
+"""
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import InputError
+
+Field = Callable[[Tensor], Tensor]
+
+_EPS = 1e-300  # guards 0/0 only; the residual of a point where ||F|| underflows is reported as inf
+
+
+# ----------------------------------------------------------------------------------------------------------
+# small geometry helpers (pure tensor functions)
+
+
+def tangent_part(u: Float[Tensor, "*batch d"], v: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
+    """P_u v = v - <u, v> u for a unit u (no normalisation; differentiable under torch.func). The checked public
+    version for arbitrary references is :func:`tl_steering.geometry.tangential_part`."""
+    return v - (u * v).sum(-1, keepdim=True) * u
+
+
+def relative_residual(u: Float[Tensor, "*batch d"], f: Float[Tensor, "*batch d"]) -> Float[Tensor, " *batch"]:
+    """||P_u F(u)|| / ||F(u)||: the sine of the angle between u and F(u); 0 exactly at an equilibrium."""
+    fn = f.norm(dim=-1)
+    res = tangent_part(u, f).norm(dim=-1) / fn.clamp_min(_EPS)
+    return torch.where(torch.isfinite(res) & (fn > 0), res, torch.full_like(res, math.inf))
+
+
+def _normalize(x: Tensor) -> Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+class _Householder:
+    """The reflector H = I - β w wᵀ with H u = ∓e_1; its columns 2..d are an orthonormal basis Q of u^⊥.
+
+    This Q is the one a QR of [u, I] gives up to an orthogonal change of basis of the tangent space (the spectrum
+    of M = Qᵀ DF Q - λ I does not depend on that choice), and it is applied in O(d) without forming a d × d matrix,
+    which the matrix-free (ARPACK / GMRES) paths need.
+    """
+
+    def __init__(self, u: Tensor) -> None:
+        w = u.clone()
+        w[0] = w[0] + (1.0 if float(u[0]) >= 0 else -1.0)
+        self.w = w
+        self.beta = 2.0 / float(w @ w)
+
+    def apply(self, x: Tensor) -> Tensor:
+        return x - self.beta * (self.w @ x) * self.w
+
+    def q(self, s: Tensor) -> Tensor:
+        """Q s: tangent coordinates (d-1) -> tangent vector (d)."""
+        return self.apply(torch.cat([s.new_zeros(1), s]))
+
+    def qt(self, v: Tensor) -> Tensor:
+        """Qᵀ v: vector (d) -> tangent coordinates (d-1)."""
+        return self.apply(v)[1:]
+
+    def conjugate(self, a: Tensor) -> Tensor:
+        """H A H for a d × d matrix A, in O(d²)."""
+        w, b = self.w, self.beta
+        aw = a @ w
+        wa = w @ a
+        waw = w @ aw
+        return a - b * torch.outer(w, wa) - b * torch.outer(aw, w) + (b * b * waw) * torch.outer(w, w)
+
+
+def tangent_basis(u: Float[Tensor, " d"]) -> Float[Tensor, "d d_minus_1"]:
+    """An orthonormal basis of the tangent space at unit u, as columns (the last d-1 columns of a Householder
+    reflector that maps u to ∓e_1)."""
+    h = _Householder(_normalize(u))
+    eye = torch.eye(u.shape[0], dtype=u.dtype, device=u.device)
+    return (eye - h.beta * torch.outer(h.w, h.w))[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the field, made callable on one point and on a batch
+
+
+class _FieldAdapter:
+    """Wraps the user's callable so that ``one([d])``, ``many([n, d])``, ``jacobian(u)`` and ``linearize(u)`` all
+    work, whichever calling convention the callable follows."""
+
+    def __init__(self, field: Field, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        if not callable(field):
+            raise InputError(f"field must be a callable mapping a [d] or [n, d] tensor to the same shape; got a "
+                             f"{type(field).__name__}")
+        self.field = field
+        self.dim = dim
+        self.dtype = dtype
+        self.device = device
+        self.mode: Literal["batched", "vmap", "loop"] = "loop"
+        self._jac_mode: Literal["forward", "reverse"] | None = None
+        self._jvp_mode: Literal["forward", "reverse"] | None = None
+
+    # -- probing -------------------------------------------------------------------------------------------
+    def _check(self, out: Any, shape: tuple[int, ...], what: str) -> Tensor:
+        if not isinstance(out, Tensor):
+            raise InputError(f"field returned a {type(out).__name__} for {what}; it must return a torch tensor of "
+                             f"shape {list(shape)}")
+        if tuple(out.shape) != shape:
+            raise InputError(f"field returned shape {list(out.shape)} for {what}; it must map a [d] vector to [d] "
+                             f"(or an [n, d] batch to [n, d]) with d = {self.dim}. Reshape the output inside the "
+                             "callable, e.g. `lambda u: mlp(u[None])[0]`.")
+        return out.to(self.dtype)
+
+    def probe(self, u: Tensor) -> None:
+        """Decide the calling convention from two probe points (rows of ``u``, shape [2, d])."""
+        d = self.dim
+        single: list[Tensor] | None = None
+        single_err: Exception | None = None
+        try:
+            single = [self._check(self.field(u[i]), (d,), "a [d] input") for i in range(u.shape[0])]
+        except InputError as exc:
+            single_err = exc
+        except Exception as exc:  # noqa: BLE001 - the user's callable may raise anything
+            single_err = exc
+        batched: Tensor | None = None
+        batched_err: Exception | None = None
+        try:
+            batched = self._check(self.field(u), tuple(u.shape), "an [n, d] input")
+        except Exception as exc:  # noqa: BLE001
+            batched_err = exc
+        if single is None and batched is None:
+            if isinstance(single_err, InputError):
+                raise single_err
+            raise InputError(f"calling the field on a float64 [{d}] vector failed ({single_err!r}) and on an "
+                             f"[n, {d}] batch too ({batched_err!r}); the field must accept float64 tensors on "
+                             f"{self.device} (cast inside the callable if the model runs in another dtype)"
+                             ) from single_err
+        if batched is not None and single is not None:
+            if _agree(batched, torch.stack(single)):
+                self.mode = "batched"
+                return
+        elif batched is not None:
+            self.mode = "batched"
+            return
+        # single works; the batched call failed or mixed rows: try vmap, else loop
+        assert single is not None
+        try:
+            vm = torch.func.vmap(self.field)(u)
+            if isinstance(vm, Tensor) and tuple(vm.shape) == tuple(u.shape) and _agree(vm.to(self.dtype),
+                                                                                          torch.stack(single)):
+                self.mode = "vmap"
+                return
+        except Exception:  # noqa: BLE001 - not vmappable (e.g. .item(), numpy inside)
+            pass
+        self.mode = "loop"
+
+    # -- evaluation ----------------------------------------------------------------------------------------
+    def one(self, u: Tensor) -> Tensor:
+        if self.mode == "batched":
+            return self.field(u[None])[0].to(self.dtype)
+        return self.field(u).to(self.dtype)
+
+    def many(self, u: Tensor) -> Tensor:
+        if u.shape[0] == 0:
+            return u.clone()
+        if self.mode == "batched":
+            return self.field(u).to(self.dtype)
+        if self.mode == "vmap":
+            return torch.func.vmap(self.field)(u).to(self.dtype)
+        return torch.stack([self.field(x) for x in u]).to(self.dtype)
+
+    def jacobian(self, u: Tensor) -> Tensor:
+        """DF(u), d × d (row i = output i)."""
+        if self._jac_mode in (None, "forward"):
+            try:
+                jac = torch.func.jacfwd(self.one)(u)
+                self._jac_mode = "forward"
+                return jac.to(self.dtype)
+            except Exception:  # noqa: BLE001 - forward AD or vmap unsupported by the field
+                if self._jac_mode == "forward":
+                    raise
+                self._jac_mode = "reverse"
+        return torch.autograd.functional.jacobian(self.one, u, vectorize=False).to(self.dtype)
+
+    def linearize(self, u: Tensor) -> Callable[[Tensor], Tensor]:
+        """v ↦ DF(u) v, reusing the linearisation across calls (for ARPACK / GMRES)."""
+        if self._jvp_mode in (None, "forward"):
+            try:
+                with warnings.catch_warnings():  # torch.fx const-folding chatter, harmless
+                    warnings.simplefilter("ignore", UserWarning)
+                    _, jvp_fn = torch.func.linearize(self.one, u)
+                    jvp_fn(torch.zeros_like(u))
+                self._jvp_mode = "forward"
+                return lambda v: jvp_fn(v).to(self.dtype)
+            except Exception:  # noqa: BLE001
+                if self._jvp_mode == "forward":
+                    raise
+                self._jvp_mode = "reverse"
+        return lambda v: torch.autograd.functional.jvp(self.one, u, v)[1].to(self.dtype)
+
+
+def _agree(a: Tensor, b: Tensor) -> bool:
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return bool(torch.isfinite(a).all()) and bool(torch.allclose(a, b, rtol=1e-9, atol=1e-12 * (1.0 + scale)))

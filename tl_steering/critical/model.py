@@ -1,0 +1,302 @@
+"""Critical points of a layer's steering field on the sphere for TransformerLens models (docs/critical_points.md).
+
+For layer l the fields are functions of a unit direction u ∈ S^{d-1}:
+
+* ``field="ffn"``: F(u) = Phi_l(ρ u), Phi = post_ffn(MLP(pre_ffn(·))) (MLP(LN2(·)) on pre-norm blocks),
+  ρ = median ||FFN input|| over the calibration tokens (position 0 excluded) or a float. Evaluating at ρ u rather
+  than at u matters: at unit norm the LN/RMS ``eps`` is comparable to the variance 1/d.
+* ``field="attention"``: the field of one token i (``token_index``, default the last position) of one sequence
+  with its prefix frozen, F_i(u) = A_i(u; X_<i frozen): the attention sublayer run on the clean residual matrix
+  ``resid_pre[seq, :i+1]`` whose row i is replaced by ρ u, row i of the output. ρ = median ||resid_pre||.
+* ``field="block"``: F_i(u) = A_i(u; X_<i frozen) + Phi_l(ρ u) (same ρ).
+
+Everything runs in float64 on the backend's private float64 copy of the block
+(:class:`tl_steering.backends.field64.Float64Block`): the user's model is never changed and no hook of the user
+fires. The equilibria are found and classified by :func:`tl_steering.critical.finder.find_equilibria`.
+"""
+
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..backends import ModelAdapter, adapt, check_finite
+from ..backends.field64 import Float64Block
+from ..errors import InputError
+from .finder import find_equilibria
+from .results import CriticalPointsResult, EquilibriaResult
+from .spectrum import LABELS
+
+FieldKind = Literal["ffn", "attention", "block"]
+FIELDS: tuple[str, ...] = ("ffn", "attention", "block")
+
+
+class CriticalField:
+    """The field F: [n, d] -> [n, d] of one layer, in float64 (see the module docstring).
+
+    Attributes:
+        kind: "ffn", "attention" or "block".
+        layer: the block.
+        radius: ρ.
+        dim: d_model.
+        prefix: for attention/block, the frozen clean rows ``resid_pre[sequence, :token_index]`` (float64).
+        token_index, sequence: the token whose field this is (attention/block).
+    """
+
+    def __init__(self, block: Float64Block, kind: str, radius: float, prefix: Tensor | None = None,
+                 token_index: int | None = None, sequence: int | None = None) -> None:
+        self.block = block
+        self.kind = kind
+        self.layer = block.layer
+        self.radius = float(radius)
+        self.dim = block.ad.d_model
+        self.prefix = prefix
+        self.token_index = token_index
+        self.sequence = sequence
+
+    def with_radius(self, radius: float) -> "CriticalField":
+        return CriticalField(self.block, self.kind, radius, self.prefix, self.token_index, self.sequence)
+
+    def attention_rows(self, u: Float[Tensor, "n d"]) -> Float[Tensor, "n d"]:
+        """A_i with row i of the frozen matrix replaced by ρ u, for each row of u."""
+        x = self.radius * u
+        n = x.shape[0]
+        assert self.prefix is not None
+        mat = torch.cat([self.prefix[None].expand(n, -1, -1), x[:, None, :]], dim=1)
+        return self.block.attention(mat)[:, -1]
+
+    def __call__(self, u: Float[Tensor, "*n d"]) -> Float[Tensor, "*n d"]:
+        single = u.dim() == 1
+        u2 = u[None] if single else u
+        out = 0.0
+        if self.kind in ("ffn", "block"):
+            out = self.block.ffn(self.radius * u2)
+        if self.kind in ("attention", "block"):
+            out = out + self.attention_rows(u2)
+        return out[0] if single else out
+
+
+def _check_field(field: Any) -> str:
+    if field not in FIELDS:
+        raise InputError(f"field must be one of {FIELDS}, got {field!r}")
+    return field
+
+
+def _default_tokens(model: Any) -> Tensor:
+    from .data import text_tokens
+
+    return text_tokens(model, n_windows=4, length=64)
+
+
+def _site_for(ad: ModelAdapter, layer: int, kind: str) -> str:
+    return "ffn_input" if kind == "ffn" else "resid_pre"
+
+
+def _median_norm(acts: Tensor) -> float:
+    """Median ||x|| over every position but 0 (all positions if there is only one)."""
+    x = acts[:, 1:] if acts.shape[1] > 1 else acts
+    return float(x.to(torch.float64).norm(dim=-1).median())
+
+
+def _resolve_radius(radius: Any, acts: Tensor) -> tuple[float, str]:
+    if isinstance(radius, str):
+        if radius != "median":
+            raise InputError(f"radius must be 'median' or a positive float, got {radius!r}")
+        return _median_norm(acts), "median"
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
+        raise InputError(f"radius must be 'median' or a positive finite float, got {radius!r}")
+    return float(radius), "fixed"
+
+
+def _token_starts(acts: Tensor, n: int, seed: int) -> Tensor:
+    """``n`` token directions (rows of ``acts`` other than position 0), chosen by a seeded permutation."""
+    x = acts[:, 1:] if acts.shape[1] > 1 else acts
+    x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    x = x[x.norm(dim=-1) > 0]
+    if n <= 0 or x.shape[0] == 0:
+        return x[:0]
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    idx = torch.randperm(x.shape[0], generator=gen)[: min(n, x.shape[0])]
+    return x[idx.to(x.device)]
+
+
+def _activations(ad: ModelAdapter, tokens: Tensor, layers: Sequence[int], kind: str) -> dict[int, Tensor]:
+    names = {layer: ad.hook_name(layer, _site_for(ad, layer, kind)) for layer in layers}
+    _, cache = ad.run_with_cache(tokens, sorted(set(names.values())))
+    out = {}
+    for layer, name in names.items():
+        check_finite(cache[name], layer, _site_for(ad, layer, kind))
+        out[layer] = cache[name].detach().to(torch.float64)
+    return out
+
+
+def _build_field(ad: ModelAdapter, layer: int, kind: str, radius: Any, acts: Tensor,
+                 token_index: int | None, sequence: int) -> tuple[CriticalField, str]:
+    rho, mode = _resolve_radius(radius, acts)
+    block = Float64Block(ad, layer)
+    if kind == "ffn":
+        return CriticalField(block, kind, rho), mode
+    n_seq, n_pos = acts.shape[0], acts.shape[1]
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or not -n_seq <= sequence < n_seq:
+        raise InputError(f"sequence must be an int in [0, {n_seq}), got {sequence!r}")
+    sequence %= n_seq
+    i = n_pos - 1 if token_index is None else token_index
+    if isinstance(i, bool) or not isinstance(i, int) or not -n_pos <= i < n_pos:
+        raise InputError(f"token_index must be an int in [0, {n_pos}) for sequences of length {n_pos}, "
+                         f"got {token_index!r}")
+    i %= n_pos
+    prefix = acts[sequence, :i].clone()
+    return CriticalField(block, kind, rho, prefix=prefix, token_index=i, sequence=sequence), mode
+
+
+def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str | float = "median",
+                   tokens: Tensor | None = None, token_index: int | None = None, sequence: int = 0
+                   ) -> CriticalField:
+    """The float64 field of :func:`critical_points` as a callable ``[n, d] -> [n, d]`` (or ``[d] -> [d]``).
+
+    Args: as :func:`critical_points`. Tokens default to ``text_tokens(model, n_windows=4, length=64)``.
+    """
+    ad = adapt(model)
+    layer = ad.check_layer(layer)
+    kind = _check_field(field)
+    tokens = ad.validate_tokens(_default_tokens(model) if tokens is None else tokens)
+    acts = _activations(ad, tokens, [layer], kind)[layer]
+    return _build_field(ad, layer, kind, radius, acts, token_index, sequence)[0]
+
+
+def _check_scales(radius_scales: Any) -> tuple[float, ...]:
+    if radius_scales is None:
+        return ()
+    try:
+        scales = tuple(float(s) for s in radius_scales)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"radius_scales must be a sequence of positive floats such as (0.5, 1, 2), got "
+                         f"{radius_scales!r}") from e
+    if not scales or any(not math.isfinite(s) or s <= 0 for s in scales):
+        raise InputError(f"radius_scales must be non-empty positive finite floats, got {radius_scales!r}")
+    return scales
+
+
+def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, acts: Tensor, n_starts: int,
+         token_index: int | None, sequence: int, seed: int, eigensolver: str, scales: tuple[float, ...],
+         finder_kwargs: dict[str, Any]) -> EquilibriaResult:
+    t0 = time.perf_counter()
+    fld, mode = _build_field(ad, layer, kind, radius, acts, token_index, sequence)
+    starts = _token_starts(acts, n_starts // 2, seed)
+    res = find_equilibria(fld, fld.dim, n_starts=n_starts, starts=starts, seed=seed, eigensolver=eigensolver,
+                          **finder_kwargs)
+    sensitivity: dict[str, Any] = {}
+    for s in scales:
+        if res.n_points == 0:
+            sensitivity[f"{s:g}"] = {"scale": s, "radius": s * fld.radius, "n_points": 0,
+                                     "counts": {k: 0 for k in (*LABELS, "rotational")}}
+            continue
+        again = find_equilibria(fld.with_radius(s * fld.radius), fld.dim, n_starts=res.n_points,
+                                starts=res.points.to(acts.device), seed=seed, eigensolver=eigensolver,
+                                **{**finder_kwargs, "deflation": False})
+        sensitivity[f"{s:g}"] = {"scale": s, "radius": s * fld.radius, "n_points": again.n_points,
+                                 "n_converged": again.n_converged, "counts": again.counts()}
+    options = {
+        "protocol": "critical_points", "layer": layer, "field": kind, "radius": fld.radius, "radius_mode": mode,
+        "radius_site": ad.hook_name(layer, _site_for(ad, layer, kind)), "token_index": fld.token_index,
+        "sequence": fld.sequence, "n_token_starts": int(starts.shape[0]),
+        "post_ffn_norm": fld.block.has_post_ffn_norm, "radius_scales": list(scales),
+        "radius_sensitivity": sensitivity,
+    }
+    res.options = {**res.options, **options}
+    res.provenance = ad.provenance(tokens, seed=seed, **{k: v for k, v in res.options.items()
+                                                          if k not in ("seed", "iterations", "start_residuals")})
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def critical_points(
+    model: Any,
+    layers: Sequence[int] | int | None = None,
+    field: FieldKind = "ffn",
+    radius: str | float = "median",
+    n_starts: int = 16,
+    tokens: Int[Tensor, "batch pos"] | None = None,
+    token_index: int | None = None,
+    seed: int = 0,
+    eigensolver: str = "auto",
+    radius_scales: Sequence[float] | None = None,
+    sequence: int = 0,
+    **finder_kwargs: Any,
+) -> CriticalPointsResult:
+    """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
+
+    One call for one layer (``layers=7``) or many (``layers=[0, 5]``, None = all); one forward pass collects the
+    radii and token starts of every layer. See docs/critical_points.md.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
+        layers: a layer, a list of layers, or None for all.
+        field: ``"ffn"`` (F(u) = Phi(ρu)), ``"attention"`` (token i's attention field, prefix frozen) or
+            ``"block"`` (their sum).
+        radius: ``"median"`` (median norm of the field's input site, position 0 excluded: FFN input for "ffn",
+            resid_pre for "attention"/"block") or a positive float ρ.
+        n_starts: starts per layer; ``n_starts // 2`` are token directions of that site (seeded choice), the rest
+            random.
+        tokens: calibration tokens (default ``text_tokens(model, n_windows=4, length=64)``).
+        token_index: token i of the attention/block field (default: the last position).
+        seed: seed of the token-start choice and of the random starts.
+        eigensolver: "auto" | "dense" | "arpack" (see :func:`find_equilibria`).
+        radius_scales: e.g. ``(0.5, 1, 2)``: re-solve from the found points at ρ·scale and record the label counts
+            per scale in each layer's ``options["radius_sensitivity"]``.
+        sequence: which sequence supplies the frozen prefix (attention/block).
+        **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size, ...).
+
+    Returns:
+        A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
+    """
+    ad = adapt(model)
+    kind = _check_field(field)
+    scales = _check_scales(radius_scales)
+    sel = ad.layers(layers)
+    if isinstance(n_starts, bool) or not isinstance(n_starts, int) or n_starts < 1:
+        raise InputError(f"n_starts must be an int >= 1, got {n_starts!r}")
+    if "starts" in finder_kwargs or "dim" in finder_kwargs:
+        raise InputError("critical_points chooses the starts (half token directions, half random) and dim itself;"
+                         " call tl_steering.find_equilibria with critical_field(...) for your own")
+    tokens = ad.validate_tokens(_default_tokens(model) if tokens is None else tokens)
+    acts = _activations(ad, tokens, sel, kind)
+    results = [_run(ad, tokens, layer, kind, radius, acts[layer], n_starts, token_index, sequence, seed,
+                    eigensolver, scales, dict(finder_kwargs)) for layer in sel]
+    counts = torch.tensor([[r.labels.count(lab) for lab in LABELS] for r in results], dtype=torch.int64)
+    i64 = torch.int64
+    return CriticalPointsResult(
+        provenance=ad.provenance(tokens, seed=seed, protocol="critical_points", layers=sel, field=kind,
+                                 radius=radius if isinstance(radius, str) else float(radius), n_starts=n_starts,
+                                 eigensolver=eigensolver, radius_scales=list(scales),
+                                 finder_kwargs={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                for k, v in finder_kwargs.items()}),
+        layers=sel,
+        field=kind,
+        counts=counts.reshape(len(sel), len(LABELS)),
+        rotational=torch.tensor([int(sum(r.rotational)) for r in results], dtype=i64),
+        rotational_pairs=torch.tensor([int(sum(r.rotational_pairs())) for r in results], dtype=i64),
+        n_points=torch.tensor([r.n_points for r in results], dtype=i64),
+        n_converged=torch.tensor([r.n_converged for r in results], dtype=i64),
+        n_starts=torch.tensor([r.n_starts for r in results], dtype=i64),
+        radius=torch.tensor([r.options["radius"] for r in results], dtype=torch.float64),
+        seconds=torch.tensor([r.seconds for r in results], dtype=torch.float64),
+        results=results,
+    )
+
+
+def critical_points_all_layers(model: Any, layers: Sequence[int] | int | None = None, field: FieldKind = "ffn",
+                               tokens: Int[Tensor, "batch pos"] | None = None, **kwargs: Any) -> CriticalPointsResult:
+    """Deprecated alias of :func:`critical_points` (which takes ``layers=`` itself)."""
+    warnings.warn("critical_points_all_layers is deprecated; call critical_points(model, layers=...)",
+                  DeprecationWarning, stacklevel=2)
+    return critical_points(model, layers, field=field, tokens=tokens, **kwargs)
+
+
+__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points",
+           "critical_points_all_layers"]

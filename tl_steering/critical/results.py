@@ -1,0 +1,358 @@
+"""Result classes of the critical-point analysis (see docs/critical_points.md)."""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Complex, Float, Int
+from torch import Tensor
+
+from ..errors import InputError
+from ..results import Result, register
+from .spectrum import LABELS
+
+
+def _empty(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tensor]:
+    return lambda: torch.zeros(*shape, dtype=dtype)
+
+
+@register
+@dataclasses.dataclass
+class PointClassification(Result):
+    """Tangent spectrum and label of one point (see :func:`classify_point`).
+
+    Attributes:
+        point: the unit vector u (float64).
+        lam: λ = <u, F(u)>.
+        residual: ||P_u F(u)|| / ||F(u)||; the spectrum describes an equilibrium only when this is small.
+        eigenvalues: eigenvalues of M = Qᵀ DF(u) Q - λ I, sorted by real part, descending. All d-1 of them
+            (dense), or the n_eigs of largest real part followed by the n_eigs of smallest real part (arpack).
+        label: "attractor" | "repeller" | "saddle" | "degenerate".
+        rotational: any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones for arpack).
+        index: number of eigenvalues with Re > tol (for arpack: among the 2·n_eigs computed, a lower bound).
+        spectral_abscissa: max Re.
+        near_zero: number of eigenvalues with |Re| <= tol (among the computed ones).
+        max_im_re: largest |Im|/|Re| over the non-real eigenvalues (0 if all are real, inf for a pure-imaginary pair).
+        rotational_fraction: fraction of the computed eigenvalues that are rotational.
+        eigensolver: "dense" or "arpack".
+    """
+
+    point: Float[Tensor, " d_model"] = dataclasses.field(default_factory=_empty(0))
+    lam: float = math.nan
+    residual: float = math.nan
+    eigenvalues: Complex[Tensor, " k"] = dataclasses.field(default_factory=_empty(0, dtype=torch.complex128))
+    label: str = "degenerate"
+    rotational: bool = False
+    index: int = 0
+    spectral_abscissa: float = math.nan
+    near_zero: int = 0
+    max_im_re: float = math.nan
+    rotational_fraction: float = math.nan
+    eigensolver: str = "dense"
+
+    kind = "point_classification"
+
+    def summary(self) -> dict[str, Any]:
+        return {"label": self.label, "lambda": self.lam, "residual": self.residual, "index": self.index,
+                "spectral_abscissa": self.spectral_abscissa, "rotational": self.rotational,
+                "near_zero": self.near_zero, "max_im_re": self.max_im_re, "eigensolver": self.eigensolver}
+
+
+@register
+@dataclasses.dataclass
+class EquilibriaResult(Result):
+    """Distinct equilibria found on S^{d-1}, sorted by λ (descending), with their tangent spectra.
+
+    Attributes:
+        points: unit equilibria u*, float64 ``[n, d]``.
+        lambdas: λ = <u*, F(u*)> ``[n]``.
+        residuals: ||P_u F(u)|| / ||F(u)|| at each point ``[n]`` (all < tol).
+        eigenvalues: complex128 ``[n, k]``, eigenvalues of M = Qᵀ DF Q - λ I sorted by real part (descending);
+            k = d - 1 for the dense solver; for ARPACK k = 2·n_eigs: the n_eigs of largest real part (descending)
+            then the n_eigs of smallest real part (ascending).
+        labels: "attractor" | "repeller" | "saddle" per point, or "degenerate" when near-zero modes leave the sign
+            pattern undecided (non-hyperbolic; not in the paper's vocabulary).
+        rotational: per point, any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones).
+        index: per point, the number of eigenvalues with Re > tol (unstable directions); for ARPACK only the
+            2·n_eigs computed ones are counted, so it is a lower bound there.
+        spectral_abscissa: max Re per point.
+        near_zero: per point, the number of eigenvalues with |Re| <= tol (among the computed ones).
+        max_im_re: per point, max |Im|/|Re| over the non-real eigenvalues.
+        rotational_fraction: per point, the fraction of computed eigenvalues that are rotational.
+        hits: per point, how many starts converged to it.
+        start_index: per point, the first start (row of the start matrix) that converged to it.
+        start_kind: per point, "given" or "random": the kind of that start.
+        dim: d.
+        n_starts: number of starts run.
+        n_converged: number of starts that converged (before deduplication).
+        method: "riemannian" or "fixed_point".
+        eigensolver: "dense" or "arpack" (resolved from "auto").
+        seconds: wall time.
+        options: every option of the call.
+    """
+
+    points: Float[Tensor, "n d_model"] = dataclasses.field(default_factory=_empty(0, 0))
+    lambdas: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
+    residuals: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
+    eigenvalues: Complex[Tensor, "n k"] = dataclasses.field(default_factory=_empty(0, 0, dtype=torch.complex128))
+    labels: list[str] = dataclasses.field(default_factory=list)
+    rotational: list[bool] = dataclasses.field(default_factory=list)
+    index: list[int] = dataclasses.field(default_factory=list)
+    spectral_abscissa: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
+    near_zero: list[int] = dataclasses.field(default_factory=list)
+    max_im_re: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
+    rotational_fraction: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
+    hits: list[int] = dataclasses.field(default_factory=list)
+    start_index: list[int] = dataclasses.field(default_factory=list)
+    start_kind: list[str] = dataclasses.field(default_factory=list)
+    dim: int = 0
+    n_starts: int = 0
+    n_converged: int = 0
+    method: str = "riemannian"
+    eigensolver: str = "dense"
+    seconds: float = 0.0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    kind = "equilibria"
+
+    def __post_init__(self) -> None:
+        n = int(self.points.shape[0])
+        per_point = {"lambdas": self.lambdas, "residuals": self.residuals, "eigenvalues": self.eigenvalues,
+                     "labels": self.labels, "rotational": self.rotational, "index": self.index,
+                     "spectral_abscissa": self.spectral_abscissa, "near_zero": self.near_zero,
+                     "max_im_re": self.max_im_re, "rotational_fraction": self.rotational_fraction,
+                     "hits": self.hits, "start_index": self.start_index, "start_kind": self.start_kind}
+        for name, value in per_point.items():
+            if len(value) != n:
+                raise InputError(f"EquilibriaResult.{name} has {len(value)} entries for {n} points; build it "
+                                 "with find_equilibria")
+        bad = set(self.labels) - set(LABELS)
+        if bad:
+            raise InputError(f"unknown labels {sorted(bad)}; expected some of {LABELS}")
+
+    @property
+    def n_points(self) -> int:
+        return int(self.points.shape[0])
+
+    def morse_histogram(self) -> dict[int, int]:
+        """Number of points per Morse index (eigenvalues with Re > tol; a lower bound for ARPACK spectra)."""
+        out: dict[int, int] = {}
+        for k in self.index:
+            out[int(k)] = out.get(int(k), 0) + 1
+        return dict(sorted(out.items()))
+
+    def rotational_pairs(self) -> list[int]:
+        """Per point, the number of complex-conjugate pairs that are rotational (|Im| > rot_ratio·|Re|, Im > 0)."""
+        ratio = float(self.options.get("rot_ratio", 0.1))
+        out = []
+        for k in range(self.n_points):
+            ev = self.eigenvalues[k]
+            ev = ev[torch.isfinite(ev.real) & torch.isfinite(ev.imag)]
+            if ev.numel() == 0:
+                out.append(0)
+                continue
+            tol = float(self.options.get("label_tol", 1e-6)) * float(ev.abs().max())
+            rot = (ev.imag > torch.clamp(ratio * ev.real.abs(), min=tol))
+            out.append(int(rot.sum()))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Number of points per label, plus ``rotational`` (points with at least one rotational mode)."""
+        out = {name: self.labels.count(name) for name in LABELS}
+        out["rotational"] = int(sum(self.rotational))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dim": self.dim, "n_starts": self.n_starts, "n_converged": self.n_converged,
+                               "n_points": self.n_points, "method": self.method, "eigensolver": self.eigensolver,
+                               "seconds": self.seconds, **self.counts()}
+        if self.n_points:
+            out["lambda_max"] = float(self.lambdas.max())
+            out["lambda_min"] = float(self.lambdas.min())
+            out["max_residual"] = float(self.residuals.max())
+            out["median_spectral_abscissa"] = float(self.spectral_abscissa.median())
+            out["mean_index"] = float(np.mean(self.index))
+        return out
+
+    def plot(self, title: str | None = None):
+        """Tangent eigenvalues of every point in the complex plane, one colour per label (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        colors = {"attractor": "#2ca02c", "repeller": "#d62728", "saddle": "#1f77b4", "degenerate": "#7f7f7f"}
+        fig = go.Figure()
+        for label in LABELS:
+            rows = [i for i, lab in enumerate(self.labels) if lab == label]
+            if not rows:
+                continue
+            ev = self.eigenvalues[rows]
+            pid = torch.tensor(rows).repeat_interleave(ev.shape[1])
+            lam = self.lambdas[rows].repeat_interleave(ev.shape[1])
+            ev = ev.reshape(-1)
+            keep = torch.isfinite(ev.real) & torch.isfinite(ev.imag)
+            fig.add_trace(go.Scatter(
+                x=ev.real[keep].tolist(), y=ev.imag[keep].tolist(), mode="markers", name=label,
+                marker={"color": colors[label], "size": 6, "opacity": 0.7},
+                text=[f"point {int(p)}, λ={float(v):.4g}" for p, v in zip(pid[keep], lam[keep])],
+                hovertemplate="%{text}<br>Re=%{x:.4g}<br>Im=%{y:.4g}<extra>" + label + "</extra>",
+            ))
+        fig.add_vline(x=0.0, line={"color": "black", "width": 1, "dash": "dot"})
+        fig.update_layout(
+            title=title or f"Tangent spectra of {self.n_points} equilibria (d={self.dim}, {self.eigensolver})",
+            xaxis_title="Re(eig of Qᵀ DF Q − λI)", yaxis_title="Im", template="plotly_white")
+        return fig
+
+    def plot_counts(self, title: str | None = None):
+        """Bar chart of :meth:`counts` (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        counts = self.counts()
+        fig = go.Figure(go.Bar(x=list(counts), y=list(counts.values()),
+                               marker_color=["#2ca02c", "#d62728", "#1f77b4", "#7f7f7f", "#9467bd"]))
+        fig.update_layout(title=title or f"Equilibria by type ({self.n_points} points, {self.n_starts} starts)",
+                          yaxis_title="points", template="plotly_white")
+        return fig
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the "mostly saddles" claim
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval of a binomial proportion k/n; (nan, nan) when n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    from scipy.stats import binomtest
+
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
+    """The claim "most equilibria are saddles" for k saddles among n distinct equilibria.
+
+    ``supported`` when the exact interval lies above 1/2, ``rejected`` when it lies below, ``undecided``
+    otherwise (including n = 0: ``no equilibria``). The points of one field are not independent draws, so the
+    interval describes the found set, not a population of fields (see docs/critical_points.md).
+    """
+    low, high = clopper_pearson(k, n, level)
+    if n == 0:
+        verdict = "no equilibria"
+    elif low > 0.5:
+        verdict = "supported"
+    elif high < 0.5:
+        verdict = "rejected"
+    else:
+        verdict = "undecided"
+    return {"saddles": int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
+            "level": level, "verdict": verdict}
+
+
+def _zeros(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tensor]:
+    return lambda: torch.zeros(*shape, dtype=dtype)
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class CriticalPointsResult(Result):
+    """Critical points of one field for one or several layers (see :func:`tl_steering.critical_points`).
+
+    Attributes:
+        layers: the layers, in order.
+        field: "ffn" | "attention" | "block".
+        labels: column names of ``counts``: attractor, repeller, saddle, degenerate.
+        counts: ``[layer, label]`` number of distinct equilibria per label.
+        rotational: ``[layer]`` points with at least one rotational mode.
+        rotational_pairs: ``[layer]`` rotational complex-conjugate pairs summed over the layer's points.
+        n_points: ``[layer]`` distinct equilibria; n_converged: ``[layer]`` converged starts; n_starts: starts run.
+        radius: ``[layer]`` ρ used.
+        seconds: ``[layer]`` wall time per layer.
+        results: the per-layer :class:`EquilibriaResult`.
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    field: str = "ffn"
+    labels: list[str] = dataclasses.field(default_factory=lambda: list(LABELS))
+    counts: Int[Tensor, "layer label"] = dataclasses.field(default_factory=_zeros(0, 4, dtype=torch.int64))
+    rotational: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
+    rotational_pairs: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
+    n_points: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
+    n_converged: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
+    n_starts: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
+    radius: Float[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0))
+    seconds: Float[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0))
+    results: list[EquilibriaResult] = dataclasses.field(default_factory=list)
+
+    kind = "critical_points"
+
+    def __post_init__(self) -> None:
+        n = len(self.layers)
+        for name in ("counts", "rotational", "rotational_pairs", "n_points", "n_converged", "n_starts", "radius",
+                     "seconds", "results"):
+            if len(getattr(self, name)) != n:
+                raise InputError(f"CriticalPointsResult.{name} has {len(getattr(self, name))} entries for {n} "
+                                 "layers; build it with critical_points")
+
+    def result(self, layer: int) -> EquilibriaResult:
+        """The :class:`EquilibriaResult` of one layer."""
+        if layer not in self.layers:
+            raise InputError(f"layer {layer} was not analysed; layers: {self.layers}")
+        return self.results[self.layers.index(layer)]
+
+    def totals(self) -> dict[str, int]:
+        out = {lab: int(self.counts[:, k].sum()) for k, lab in enumerate(self.labels)}
+        out["rotational"] = int(self.rotational.sum())
+        return out
+
+    def saddle_fraction(self) -> float:
+        """Saddles / all distinct equilibria, pooled over layers (NaN when none was found)."""
+        total = int(self.counts.sum())
+        return self.totals()["saddle"] / total if total else math.nan
+
+    def converged_fraction(self) -> Float[Tensor, " layer"]:
+        """Converged starts / starts, per layer."""
+        return self.n_converged.to(torch.float64) / self.n_starts.clamp_min(1).to(torch.float64)
+
+    def morse_histogram(self) -> dict[int, int]:
+        """Points per Morse index, pooled over layers."""
+        out: dict[int, int] = {}
+        for r in self.results:
+            for k, v in r.morse_histogram().items():
+                out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
+    def claim(self, level: float = 0.95) -> dict[str, Any]:
+        """The "mostly saddles" claim per layer and pooled, with exact Clopper-Pearson intervals."""
+        s = self.labels.index("saddle")
+        per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
+                     for i, layer in enumerate(self.layers)}
+        pooled = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
+        return {"per_layer": per_layer, "pooled": pooled}
+
+    def summary(self) -> dict[str, Any]:
+        frac = self.saddle_fraction()
+        pooled = self.claim()["pooled"]
+        return {"field": self.field, "n_layers": len(self.layers), "n_points": int(self.n_points.sum()),
+                **self.totals(), "rotational_pairs": int(self.rotational_pairs.sum()), "saddle_fraction": frac,
+                "saddle_ci_low": pooled["ci_low"], "saddle_ci_high": pooled["ci_high"],
+                "mostly_saddles": pooled["verdict"],
+                "converged_starts": int(self.n_converged.sum()), "starts": int(self.n_starts.sum()),
+                "seconds_total": float(self.seconds.sum()),
+                "seconds_per_layer": float(self.seconds.mean()) if len(self.layers) else math.nan}
+
+    def plot(self, title: str | None = None):
+        """Stacked bars of the label counts per layer (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        colors = {"attractor": "#2ca02c", "repeller": "#d62728", "saddle": "#1f77b4", "degenerate": "#7f7f7f"}
+        fig = go.Figure()
+        for k, lab in enumerate(self.labels):
+            fig.add_trace(go.Bar(x=list(self.layers), y=self.counts[:, k].tolist(), name=lab,
+                                 marker_color=colors.get(lab)))
+        fig.update_layout(barmode="stack", template="plotly_white", xaxis_title="layer",
+                          yaxis_title="distinct equilibria",
+                          title=title or f"Critical points of the {self.field} field per layer "
+                                         f"(saddle fraction {self.saddle_fraction():.2f})")
+        return fig
