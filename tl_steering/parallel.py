@@ -1,13 +1,16 @@
 """The parallel executor: run chosen sequential blocks as parallel attention/MLP blocks, for real.
 
 :func:`parallelize` returns a NEW model (a deep copy; the original is left bit-identical and hook-free) in
-which exactly the chosen blocks compute the parallel surrogate of MATH_SPEC §7,
+which exactly the chosen blocks compute the parallel surrogate (docs/defect.md, docs/parallel.md),
 
     P(x) = x + A(x) + Phi(x),    A(x) = attn(LN1(x)),  Phi(x) = MLP(LN2(x)),
 
-while every other block is unchanged. Supported: GPT-2-style blocks (LayerNorm, learned positions) and
-Llama-style blocks (RMSNorm, rotary, gated MLP, grouped-query attention), on ``TransformerBridge`` (TL 3.9
-and 4.x) and ``HookedTransformer`` (TL 3.9), CPU and CUDA.
+(on sandwich-norm blocks, Gemma 2/3, each branch keeps its post-norm: A = post_attn(attn(LN1 x)),
+Phi = post_ffn(MLP(LN2 x)); docs/gemma.md) while every other block is unchanged. Supported: GPT-2-style blocks
+(LayerNorm, learned positions), Llama-style blocks (RMSNorm, rotary, gated MLP, grouped-query attention) and
+Gemma 2/3 blocks, on ``TransformerBridge`` (TL 3.9 and 4.x) and ``HookedTransformer`` (TL 3.9), CPU and CUDA.
+The block surgery lives in :mod:`tl_steering.backends.executor`, the fused math in
+:mod:`tl_steering.backends.fused`; this module is the public API only.
 
 Fused block (``fuse=True``, the default). A parallel block reads ONE normalized input x_hat (the norm
 WITHOUT its affine part: ``(x - mean) / std`` for LayerNorm, ``x / rms`` for RMSNorm). LN1's gain/bias are
