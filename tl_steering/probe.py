@@ -43,32 +43,21 @@ fires, so it measures the activation the model actually goes on with, including 
 the with-block (``model.run_with_hooks(tokens, fwd_hooks=ffn_component(...))`` is probed as steered).
 """
 
-import dataclasses
-import math
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
+from . import validation
 from .backends import adapt
-from .errors import InputError
+from .backends.lifecycle import add_hook_last
+from .errors import InputError, NonFiniteError
 from .geometry import EPS_NORM, SINGULAR_REL
-from .results import Result, register
+from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, TOKEN_METRICS, ProbeResult
+from .stats import position_bin_edges, position_bin_index
 
-METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity")
-SITES3: tuple[str, ...] = ("pre", "mid", "post")
-QUANTITIES: dict[str, tuple[str, ...]] = {
-    "resid_norm": ("resid_norm_pre", "resid_norm_mid", "resid_norm_post"),
-    "radial_coef": ("radial_coef_attn", "radial_coef_ffn"),
-    "tangent_alignment": ("tangent_alignment",),
-    "tangential_speed": ("tangential_speed_attn", "tangential_speed_ffn"),
-    "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length", "effective_rank")
-                       for w in SITES3),
-}
-TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
-ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _F64 = torch.float64
 _SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -88,21 +77,12 @@ def _sites_needed(metrics: Sequence[str]) -> set[str]:
 
 
 def bin_edges_for(n_ctx: int) -> Tensor:
-    """Log-spaced position-bin edges ``[0, 1, 2, 4, ..., 2^k]`` with ``2^k >= n_ctx`` (int64)."""
-    edges = [0, 1]
-    while edges[-1] < n_ctx:
-        edges.append(edges[-1] * 2)
-    return torch.tensor(edges, dtype=torch.int64)
+    """Log-spaced position-bin edges ``[0, 1, 2, 4, ..., 2^k]`` with ``2^k >= n_ctx`` (int64;
+    :func:`tl_steering.stats.position_bin_edges`)."""
+    return torch.tensor(position_bin_edges(n_ctx), dtype=torch.int64)
 
 
-def _position_bins(positions: Tensor) -> Tensor:
-    """Bin index of each position: 0 for position 0, ``floor(log2 p) + 1`` otherwise."""
-    p = positions.to(torch.int64)
-    out = torch.zeros_like(p)
-    pos = p > 0
-    # exact integer log2: bit length
-    out[pos] = torch.floor(torch.log2(p[pos].to(_F64))).to(torch.int64) + 1
-    return out
+_position_bins = position_bin_index  # 0 for position 0, floor(log2 p) + 1 otherwise (tl_steering.stats)
 
 
 def _erank_from_gram(gram: Tensor) -> Tensor:
@@ -166,13 +146,8 @@ class ProbeTrace:
                              "(or metrics=None for all)")
         self.metrics = [m for m in METRICS if m in metrics]
         self.layers = self.ad.layers(layers)
-        try:
-            self.exclude_positions = tuple(sorted({int(p) for p in exclude_positions}))
-        except (TypeError, ValueError) as e:
-            raise InputError(f"exclude_positions must be a sequence of ints, got {exclude_positions!r}") from e
-        if any(isinstance(p, bool) for p in exclude_positions):
-            raise InputError("exclude_positions must hold ints, not bools")
-        self.position_bins = bool(position_bins)
+        self.exclude_positions = validation.as_positions(exclude_positions, "exclude_positions")
+        self.position_bins = validation.as_bool(position_bins, "position_bins")
         self.corpus = corpus
         n_ctx = int(getattr(self.ad.cfg, "n_ctx", 0) or 2048)
         self.bin_edges = bin_edges_for(n_ctx) if self.position_bins else torch.tensor([0, n_ctx])
@@ -186,8 +161,7 @@ class ProbeTrace:
         self.n_sequences = 0
         self.n_forwards = 0
         self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
-        self._guard: Any = None
-        self._pre_handles: list[Any] = []
+        self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
@@ -292,45 +266,28 @@ class ProbeTrace:
     def __enter__(self) -> "ProbeTrace":
         if self._entered:
             raise InputError("this probe is already active; use one `with` block at a time")
-        self._guard = self.ad.hook_guard()
-        self._guard.__enter__()
+        # interrupt-safe: the guard only reads the model on entry; everything added after it (TL hooks, the
+        # pre-hooks that keep ours last) is undone by closing the stack, also when an interrupt lands here
+        stack = contextlib.ExitStack()
         try:
+            stack.enter_context(self.ad.hook_guard())
+            self._stack = stack
             for layer in self.layers:
                 for name, fn in self._make_hooks(layer):
-                    self._attach(name, fn)
+                    add_hook_last(self.model, name, fn)
+            self._entered = True
+            return self
         except BaseException:
             self._detach(*_exc_info())
+            stack.close()
             raise
-        self._entered = True
-        return self
-
-    def _attach(self, name: str, fn: Callable) -> None:
-        hp = self.model.hook_dict[name]
-        before = {id(h) for h in hp.fwd_hooks}
-        self.model.add_hook(name, fn)
-        mine = [h for h in hp.fwd_hooks if id(h) not in before]
-        hook_ids = [h.hook.id for h in mine if hasattr(h, "hook")]
-
-        def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
-            # Move the probe's hook behind every other forward hook of this point, so it sees the final value
-            # (hooks added later, e.g. by run_with_hooks inside the probe, would otherwise run after it).
-            hooks = module._forward_hooks
-            if hasattr(hooks, "move_to_end"):
-                for i in hook_ids:
-                    if i in hooks:
-                        hooks.move_to_end(i)
-
-        self._pre_handles.append(hp.register_forward_pre_hook(last))
 
     def _detach(self, *exc: Any) -> None:
         self._carry = None
         self._buf = None
-        for h in self._pre_handles:
-            h.remove()
-        self._pre_handles = []
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(*exc)
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
 
     def __exit__(self, *exc: Any) -> None:
         self._entered = False
@@ -373,9 +330,15 @@ class ProbeTrace:
             return
         k = self._slots
         has_mid = not parallel and "resid_mid" in st
+        G = None
         if acc.token_q:
             # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
             G = V @ V.mT  # [batch, n, slots, slots]
+        # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
+        sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (V * V).sum(-1)
+        if not bool(torch.isfinite(sq).all()):
+            self._raise_non_finite(layer, sq)
+        if acc.token_q:
             values: list[Tensor] = []
             valid: list[Tensor] = []
             qidx: list[int] = []
@@ -451,6 +414,13 @@ class ProbeTrace:
                     acc.s_cnt[i, row] += good.sum()
                     acc.s_msk[i, row] += (~good).sum()
 
+    def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
+        bad = [site for site, k in self._slots.items() if not bool(torch.isfinite(sq[..., k]).all())]
+        raise NonFiniteError(
+            f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
+            "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
+            "hooks of yours on that point; in float16 try float32 or bfloat16.")
+
     def _diversity(self, sets: list[Tensor]) -> list[list[tuple[Tensor, Tensor]]]:
         """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set, each
         with its validity mask; all sets in one batched Gram product and one batched eigendecomposition."""
@@ -489,7 +459,14 @@ class ProbeTrace:
         return sum(t.numel() * t.element_size() for t in self._acc.tensors())
 
     def result(self) -> "ProbeResult":
-        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running)."""
+        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running).
+
+        Raises :class:`InputError` when no forward pass ran inside the probe (nothing was measured: every
+        number would be NaN)."""
+        if self.n_forwards == 0:
+            raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
+                             "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "
+                             "trace.add_cache(cache)")
         acc = self._acc
         sums: dict[str, Tensor] = {}
         counts: dict[str, Tensor] = {}
@@ -557,158 +534,4 @@ def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequen
                       position_bins=position_bins, corpus=corpus)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# result
-
-
-def _mean(s: Tensor, c: Tensor) -> Tensor:
-    c64 = c.to(_F64)
-    return torch.where(c > 0, s / c64.clamp_min(1.0), torch.full_like(s, math.nan))
-
-
-@register
-@dataclasses.dataclass(kw_only=True)
-class ProbeResult(Result):
-    """Per-layer geometry accumulated by :func:`probe`.
-
-    Attributes:
-        metrics: metric groups that were computed.
-        layers: probed layers (index i of every per-layer tensor is layer ``layers[i]``).
-        parallel: per probed layer, whether the block is parallel (no resid_mid: ``*_mid`` entries NaN).
-        exclude_positions: positions left out of every statistic.
-        position_bins: whether the token metrics were binned by position.
-        bin_edges: int64 ``[n_bins + 1]``; bin k holds positions ``bin_edges[k] <= p < bin_edges[k+1]``
-            (a single bin when ``position_bins`` is False).
-        n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
-        sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
-            sequences for diversity) and int64 counts of masked rows, each ``[layer, n_bins]`` (``[layer, 1]``
-            for diversity). Means are ``sums / counts``; two results of the same probe setup merge by adding
-            them (:meth:`merge`).
-
-    Per-layer means: :meth:`get` (``res.get("tangent_alignment")``) or the attribute of the same name
-    (``res.tangent_alignment``), ``Float[Tensor, " layer"]``, NaN where nothing was counted.
-    """
-
-    metrics: list[str] = dataclasses.field(default_factory=list)
-    layers: list[int] = dataclasses.field(default_factory=list)
-    parallel: list[bool] = dataclasses.field(default_factory=list)
-    exclude_positions: list[int] = dataclasses.field(default_factory=lambda: [0])
-    position_bins: bool = False
-    bin_edges: Tensor = dataclasses.field(default_factory=lambda: torch.tensor([0, 1]))
-    n_tokens: int = 0
-    n_sequences: int = 0
-    n_forwards: int = 0
-    sums: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    counts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-    masked: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-
-    kind = "probe"
-
-    def __post_init__(self) -> None:
-        if set(self.sums) != set(self.counts) or set(self.sums) != set(self.masked):
-            raise InputError("ProbeResult: sums, counts and masked must hold the same quantities")
-        for q, s in self.sums.items():
-            if s.shape[0] != len(self.layers):
-                raise InputError(f"ProbeResult.sums[{q!r}] has {s.shape[0]} layers, expected {len(self.layers)}")
-
-    @property
-    def quantities(self) -> list[str]:
-        return [q for q in ALL_QUANTITIES if q in self.sums]
-
-    def _check(self, name: str) -> str:
-        if name in self.sums:
-            return name
-        if name in QUANTITIES:
-            if name not in self.metrics:
-                raise InputError(f"metric {name!r} was not probed (probed: {self.metrics}); pass it in metrics=")
-            raise InputError(f"metric {name!r} has several quantities; ask for one of {QUANTITIES[name]}")
-        if name in ALL_QUANTITIES:
-            raise InputError(f"{name!r} was not probed (probed metrics: {self.metrics})")
-        raise InputError(f"unknown quantity {name!r}; choose one of {self.quantities}")
-
-    def get(self, name: str) -> Float[Tensor, " layer"]:
-        """Per-layer mean of one quantity (float64, NaN where no row was counted)."""
-        q = self._check(name)
-        return _mean(self.sums[q].sum(-1), self.counts[q].sum(-1))
-
-    def get_bins(self, name: str) -> Float[Tensor, "layer bin"]:
-        """Per-layer, per-position-bin mean of one token quantity (``position_bins=True``)."""
-        q = self._check(name)
-        if q in QUANTITIES["diversity"]:
-            raise InputError(f"{q!r} is a per-sequence statistic and has no position bins")
-        return _mean(self.sums[q], self.counts[q])
-
-    def n_masked(self, name: str) -> Tensor:
-        """Per-layer number of masked rows (undefined statistic) of one quantity (int64)."""
-        return self.masked[self._check(name)].sum(-1)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ALL_QUANTITIES:
-            sums = self.__dict__.get("sums", {})
-            if name in sums:
-                return self.get(name)
-        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
-
-    def merge(self, other: "ProbeResult") -> "ProbeResult":
-        """Add the running sums of another result of the same probe setup (e.g. from another process)."""
-        same = (self.layers == other.layers and set(self.sums) == set(other.sums)
-                and self.exclude_positions == other.exclude_positions
-                and torch.equal(self.bin_edges, other.bin_edges))
-        if not same:
-            raise InputError("can only merge results of the same probe setup (layers, metrics, positions, bins)")
-        out = dataclasses.replace(
-            self,
-            sums={q: self.sums[q] + other.sums[q] for q in self.sums},
-            counts={q: self.counts[q] + other.counts[q] for q in self.counts},
-            masked={q: self.masked[q] + other.masked[q] for q in self.masked},
-            n_tokens=self.n_tokens + other.n_tokens, n_sequences=self.n_sequences + other.n_sequences,
-            n_forwards=self.n_forwards + other.n_forwards,
-            provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
-                                           n_sequences=self.n_sequences + other.n_sequences),
-        )
-        return out
-
-    def summary(self) -> dict[str, Any]:
-        """Mean over probed layers (NaN layers skipped) of every quantity, plus token counts."""
-        out: dict[str, Any] = {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences,
-                               "n_forwards": self.n_forwards}
-        for q in self.quantities:
-            v = self.get(q)
-            v = v[~torch.isnan(v)]
-            out[q] = float(v.mean()) if v.numel() else math.nan
-        return out
-
-    def plot(self):
-        """Per-layer curves, one panel per metric group (plotly Figure)."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        groups = [m for m in METRICS if m in self.metrics]
-        fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, subplot_titles=groups,
-                            vertical_spacing=0.06 if len(groups) > 1 else 0.1)
-        for r, m in enumerate(groups, start=1):
-            for q in QUANTITIES[m]:
-                if q in self.sums:
-                    fig.add_trace(go.Scatter(x=self.layers, y=self.get(q).tolist(), mode="lines+markers",
-                                             name=q, legendgroup=m), row=r, col=1)
-        fig.update_xaxes(title_text="layer", row=len(groups), col=1)
-        fig.update_layout(height=260 * len(groups) + 80, title=f"probe: {self.provenance.model} "
-                          f"({self.n_tokens} tokens)")
-        return fig
-
-    def plot_bins(self, name: str = "tangent_alignment"):
-        """Heatmap layer x position bin of one token quantity (needs ``position_bins=True``)."""
-        import plotly.graph_objects as go
-
-        if not self.position_bins:
-            raise InputError("plot_bins needs a probe run with position_bins=True")
-        z = self.get_bins(name)
-        e = self.bin_edges.tolist()
-        labels = [f"[{e[k]},{e[k + 1]})" for k in range(len(e) - 1)]
-        fig = go.Figure(go.Heatmap(z=z.T.tolist(), x=self.layers, y=labels, colorbar={"title": name}))
-        fig.update_layout(title=f"{name} by layer and position bin", xaxis_title="layer",
-                          yaxis_title="position bin")
-        return fig
-
-
-__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "ProbeResult", "ProbeTrace", "bin_edges_for", "probe"]
+__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "SITES3", "ProbeResult", "ProbeTrace", "bin_edges_for", "probe"]

@@ -6,26 +6,53 @@ dtype); ``to_dict()`` turns them into nested lists tagged with dtype and shape s
 them exactly. Complex tensors are stored as ``[..., 2]`` real views.
 """
 
+import collections.abc
 import dataclasses
 import datetime as _dt
 import json
 import math
 import platform
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, ResultFileError
 
+# kind -> class. A file names its record by kind and format version ("__kind__", "__format__"), never by a
+# Python path: no import by string, no pickle.
 _REGISTRY: dict[str, type] = {}
+_BY_CLASS_NAME: dict[str, type] = {}  # read-only fallback for files written before kinds ("__dataclass__")
 
 T = TypeVar("T", bound="Result")
 
 
+def kind_of(cls: type) -> str:
+    """The registry key of a class: its own ``kind`` class attribute, else its class name."""
+    own = cls.__dict__.get("kind")
+    return own if isinstance(own, str) and own else cls.__name__
+
+
+def format_version_of(cls: type) -> int:
+    v = getattr(cls, "format_version", 1)
+    return v if isinstance(v, int) and not isinstance(v, bool) else 1
+
+
 def register(cls: type) -> type:
-    """Register a dataclass so that ``from_dict`` can rebuild it by name (no pickle, no import by string)."""
-    _REGISTRY[cls.__name__] = cls
+    """Register a dataclass under its explicit ``kind`` (a class attribute; the class name when it has none)
+    and ``format_version`` (default 1), so that ``from_dict`` can rebuild it. Two different classes may not
+    share a kind: a duplicate raises (re-registering the same class, e.g. on a module reload, replaces it)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"register expects a dataclass, got {cls!r}")
+    key = kind_of(cls)
+    old = _REGISTRY.get(key)
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"result kind {key!r} is already registered by {old.__module__}.{old.__qualname__}; "
+                        f"give {cls.__module__}.{cls.__qualname__} its own `kind = \"...\"`")
+    _REGISTRY[key] = cls
+    _BY_CLASS_NAME[cls.__name__] = cls
     return cls
 
 
@@ -51,6 +78,8 @@ class Provenance:
         created: UTC timestamp.
         extra: protocol options (layers, exclude_positions, variants, ...).
     """
+
+    kind: ClassVar[str] = "provenance"
 
     model: str = "unknown"
     model_revision: str | None = None
@@ -96,8 +125,12 @@ def _encode(value: Any) -> Any:
         return {"__tensor__": True, "dtype": dtype, "complex": is_complex, "shape": list(value.shape),
                 "data": _encode_floats(data)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        if _REGISTRY.get(kind_of(cls)) is not cls:
+            raise InputError(f"cannot serialise {cls.__name__}: decorate it with @tl_steering.results.register")
         out = {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        out["__dataclass__"] = type(value).__name__
+        out["__kind__"] = kind_of(cls)
+        out["__format__"] = format_version_of(cls)
         return out
     if isinstance(value, dict):
         return {str(k): _encode(v) for k, v in value.items()}
@@ -139,36 +172,174 @@ def _decode_floats(x: Any) -> Any:
     return x
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: Any, where: str = "") -> Any:
+    """Rebuild tensors and registered dataclasses; strict: unknown kinds, missing, unknown or wrong-typed fields
+    raise :class:`ResultFileError` naming the field (``where`` is the path of the value inside the file)."""
     if isinstance(value, dict):
         if value.get("__tensor__"):
-            dtype = getattr(torch, value["dtype"])
-            data = _decode_floats(value["data"])
-            build_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-            t = torch.tensor(data, dtype=build_dtype)
-            if value.get("complex"):
-                shape = list(value["shape"]) + [2]
-                t = torch.view_as_complex(t.reshape(shape).contiguous())
-            else:
-                t = t.reshape(value["shape"]).to(dtype)
-            return t
+            return _decode_tensor(value, where)
         if "__complex__" in value:
             re, im = value["__complex__"]
             return complex(re, im)
-        if "__dataclass__" in value:
-            name = value["__dataclass__"]
-            cls = _REGISTRY.get(name)
-            if cls is None:
-                raise InputError(f"unknown result type {name!r} in file; was it saved by a newer tl_steering?")
-            kwargs = {k: _decode(v) for k, v in value.items() if k != "__dataclass__"}
-            names = {f.name for f in dataclasses.fields(cls)}
-            return cls(**{k: v for k, v in kwargs.items() if k in names})
-        return {k: _decode(v) for k, v in value.items()}
+        if "__kind__" in value or "__dataclass__" in value:
+            return _decode_record(value, where)
+        return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode(v) for v in value]
+        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, str) and value in _SPECIAL:
         return _SPECIAL[value]
     return value
+
+
+def _decode_tensor(value: dict, where: str) -> torch.Tensor:
+    try:
+        dtype = getattr(torch, value["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{value['dtype']!r} is not a torch dtype")
+        data = _decode_floats(value["data"])
+        build_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        t = torch.tensor(data, dtype=build_dtype)
+        if value.get("complex"):
+            shape = list(value["shape"]) + [2]
+            return torch.view_as_complex(t.reshape(shape).contiguous())
+        return t.reshape(value["shape"]).to(dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise ResultFileError(f"{where or 'tensor'}: malformed tensor record ({type(e).__name__}: {e})") from None
+
+
+def _decode_record(value: dict, where: str) -> Any:
+    if "__kind__" in value:
+        kind = value["__kind__"]
+        cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise ResultFileError(f"{where or 'file'}: unknown result kind {kind!r}; known kinds: "
+                                  f"{sorted(_REGISTRY)} (saved by another tl_steering version?)")
+        version = value.get("__format__", 1)
+        have = format_version_of(cls)
+        if version != have:
+            newer = isinstance(version, int) and version > have
+            raise ResultFileError(
+                f"{where or 'file'}: {kind!r} record has format version {version!r}; this tl_steering reads version "
+                f"{have}" + (" (the file was written by a newer tl_steering: upgrade)" if newer else ""))
+    else:  # files written before explicit kinds
+        name = value["__dataclass__"]
+        cls = _BY_CLASS_NAME.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise ResultFileError(f"{where or 'file'}: unknown result type {name!r} in file; was it saved by a "
+                                  "newer tl_steering?")
+        kind = kind_of(cls)
+    label = where or kind
+    data = {k: v for k, v in value.items() if k not in ("__kind__", "__format__", "__dataclass__")}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ResultFileError(f"{label}: unknown field(s) {unknown} for {kind!r} (fields: {sorted(fields)})")
+    missing = sorted(set(fields) - set(data))
+    if missing:
+        raise ResultFileError(f"{label}: missing field(s) {missing} for {kind!r}; the file is incomplete")
+    hints = _type_hints(cls)
+    kwargs, late = {}, {}
+    for name, raw in data.items():
+        v = _decode(raw, f"{label}.{name}")
+        tp = hints.get(name)
+        if tp is not None and not _has_type(v, tp):
+            raise ResultFileError(f"{label}.{name}: expected {_type_name(tp)}, got {_value_desc(v)}")
+        (kwargs if fields[name].init else late)[name] = v
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ResultFileError(f"{label}: the fields do not make a valid {kind!r} ({e})") from None
+    for name, v in late.items():
+        object.__setattr__(obj, name, v)
+    return obj
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: check nothing rather than fail to load
+        return {}
+
+
+def _has_type(v: Any, tp: Any) -> bool:
+    """A light structural check of a decoded value against a field annotation (unknown annotations pass)."""
+    if tp is Any or tp is object:
+        return True
+    if tp is type(None) or tp is None:
+        return v is None
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_has_type(v, a) for a in args)
+    if origin is typing.Literal:
+        return v in args
+    if origin is typing.ClassVar:
+        return True
+    if tp is bool:
+        return isinstance(v, bool)
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if tp is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp is str:
+        return isinstance(v, str)
+    if tp is complex:
+        return isinstance(v, (int, float, complex)) and not isinstance(v, bool)
+    if origin in (list, collections.abc.Sequence) or tp in (list, tuple):
+        if not isinstance(v, (list, tuple)):
+            return False
+        return not args or all(_has_type(x, args[0]) for x in v)
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_has_type(x, args[0]) for x in v)
+        return not args or (len(args) == len(v) and all(_has_type(x, a) for x, a in zip(v, args)))
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        if not isinstance(v, dict):
+            return False
+        return len(args) != 2 or all(_has_type(x, args[1]) for x in v.values())
+    if isinstance(tp, type):
+        if issubclass(tp, torch.Tensor) or _is_jaxtyping(tp):
+            if not isinstance(v, torch.Tensor):
+                return False
+            if _is_jaxtyping(tp):
+                try:
+                    return isinstance(v, tp)
+                except Exception:  # noqa: BLE001
+                    return True
+            return True
+        if dataclasses.is_dataclass(tp):
+            return isinstance(v, tp)
+        try:
+            return isinstance(v, tp)
+        except TypeError:
+            return True
+    return True
+
+
+def _is_jaxtyping(tp: Any) -> bool:
+    try:
+        import jaxtyping
+
+        return isinstance(tp, type) and issubclass(tp, jaxtyping.AbstractArray)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _type_name(tp: Any) -> str:
+    if _is_jaxtyping(tp):
+        return f"a tensor {tp.__name__}" if hasattr(tp, "__name__") else "a tensor"
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "").replace("torch.Tensor", "Tensor")
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _value_desc(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.dtype).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
+    r = repr(v)
+    return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -186,6 +357,7 @@ class Result:
     provenance: Provenance = dataclasses.field(default_factory=Provenance)
 
     kind: ClassVar[str] = "result"
+    format_version: ClassVar[int] = 1
 
     # -- serialisation ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -194,9 +366,15 @@ class Result:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        """Rebuild a result from :meth:`to_dict` output. Strict: an unknown kind or format version, a missing,
+        unknown or wrong-typed field raises :class:`~tl_steering.errors.ResultFileError` naming it."""
+        if not isinstance(data, dict) or not ("__kind__" in data or "__dataclass__" in data):
+            raise ResultFileError(f"not a tl_steering result record (expected a dict with '__kind__', got "
+                                  f"{type(data).__name__})")
         obj = _decode(data)
         if not isinstance(obj, cls):
-            raise InputError(f"the data holds a {type(obj).__name__}, not a {cls.__name__}")
+            raise ResultFileError(f"the data holds a {type(obj).__name__} ({kind_of(type(obj))!r}), "
+                                  f"not a {cls.__name__}")
         return obj
 
     def save(self, path: str | Path) -> Path:
@@ -216,18 +394,48 @@ class Result:
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
+        """Load a result saved by :meth:`save`. Every failure (truncated or corrupted file, unknown kind,
+        missing / unknown / wrong-typed field) raises :class:`~tl_steering.errors.ResultFileError` naming the
+        file and the field."""
         path = Path(path)
         if not path.exists():
-            raise InputError(f"no result file at {path}")
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads(f.metadata()["tl_steering"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            data = cls._join_tensors(meta, tensors)
+            raise ResultFileError(f"no result file at {path}")
+        try:
+            if path.suffix == ".safetensors":
+                data = cls._read_safetensors(path)
+            else:
+                try:
+                    data = json.loads(path.read_text())
+                except json.JSONDecodeError as e:
+                    raise ResultFileError(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): the "
+                                          "file is truncated or corrupted; save the result again") from None
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ResultFileError(f"cannot read it ({type(e).__name__}: {e})") from None
             return cls.from_dict(data)
-        return cls.from_dict(json.loads(path.read_text()))
+        except ResultFileError as e:
+            raise ResultFileError(f"{path}: {e}") from None
+
+    @classmethod
+    def _read_safetensors(cls, path: Path) -> Any:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta_text = (f.metadata() or {}).get("tl_steering")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError
+            raise ResultFileError(f"not a readable safetensors file ({type(e).__name__}: {e}); the file is "
+                                  "truncated or corrupted") from None
+        if meta_text is None:
+            raise ResultFileError("a safetensors file without tl_steering metadata (not saved by Result.save)")
+        try:
+            meta = json.loads(meta_text)
+        except json.JSONDecodeError as e:
+            raise ResultFileError(f"corrupted tl_steering metadata ({e.msg})") from None
+        try:
+            return cls._join_tensors(meta, tensors)
+        except KeyError as e:
+            raise ResultFileError(f"tensor {e} named in the metadata is missing from the file") from None
 
     @staticmethod
     def _split_tensors(node: Any, out: dict[str, torch.Tensor], prefix: str) -> Any:

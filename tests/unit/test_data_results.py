@@ -80,3 +80,79 @@ def test_result_round_trip(tmp_path):
         assert torch.equal(back.spectrum, r.spectrum)
         assert back.labels == r.labels and back.scalars["inf"] == float("inf")
         assert back.provenance.seed == 3 and back.provenance.extra == {"layers": [1, 2]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# strict loading: every failure names the file and the field
+
+
+def _demo():
+    return _Demo(values=torch.tensor([1.0, 2.0]), spectrum=torch.tensor([1j]), labels=["a"], scalars={"x": 1.0},
+                 provenance=Provenance(model="m"))
+
+
+def test_truncated_json_names_the_file(tmp_path):
+    from tl_steering.errors import ResultFileError
+
+    path = _demo().save(tmp_path / "cut.json")
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ResultFileError, match=r"cut\.json: not valid JSON .*truncated"):
+        _Demo.load(path)
+    st = _demo().save(tmp_path / "cut.safetensors")
+    st.write_bytes(st.read_bytes()[:40])
+    with pytest.raises(ResultFileError, match=r"cut\.safetensors: .*truncated or corrupted"):
+        _Demo.load(st)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.pop("labels"), r"missing field\(s\) \['labels'\]"),
+    (lambda d: d["provenance"].pop("seed"), r"provenance: missing field\(s\) \['seed'\]"),
+    (lambda d: d.__setitem__("bogus", 1), r"unknown field\(s\) \['bogus'\]"),
+    (lambda d: d.__setitem__("labels", "saddle"), r"\.labels: expected list\[str\], got str"),
+    (lambda d: d.__setitem__("labels", [1, 2]), r"\.labels: expected list\[str\]"),
+    (lambda d: d.__setitem__("values", [1.0, 2.0]), r"\.values: expected .*got list"),
+    (lambda d: d["provenance"].__setitem__("n_tokens", "many"), r"n_tokens: expected int, got str"),
+    (lambda d: d.__setitem__("__kind__", "no_such_kind"), r"unknown result kind 'no_such_kind'"),
+    (lambda d: d.__setitem__("__format__", 99), r"format version 99.*newer tl_steering"),
+])
+def test_bad_field_is_an_error_at_load(tmp_path, edit, match):
+    from tl_steering.errors import ResultFileError
+
+    d = _demo().to_dict()
+    edit(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ResultFileError, match=r"bad\.json: .*" + match):
+        _Demo.load(path)
+
+
+def test_registry_keys_on_kind_and_refuses_duplicates():
+    from tl_steering.results import _REGISTRY, kind_of
+
+    deficit_cls = _REGISTRY["angular_deficit"]  # keyed by the class's explicit kind, not its name
+    assert kind_of(deficit_cls) == "angular_deficit" and deficit_cls.__name__ != "angular_deficit"
+    d = _demo().to_dict()
+    assert d["__kind__"] == "_Demo" and d["__format__"] == 1 and d["provenance"]["__kind__"] == "provenance"
+
+    with pytest.raises(TypeError, match="'angular_deficit' is already registered"):
+        @register
+        @dataclasses.dataclass(kw_only=True)
+        class Impostor(Result):
+            kind = "angular_deficit"
+    assert _REGISTRY["angular_deficit"] is deficit_cls
+
+
+def test_files_written_before_kinds_still_load():
+    d = _demo().to_dict()
+
+    def legacy(node):
+        if isinstance(node, dict):
+            out = {k: legacy(v) for k, v in node.items() if k not in ("__kind__", "__format__")}
+            if "__kind__" in node:
+                out["__dataclass__"] = {"provenance": "Provenance"}.get(node["__kind__"], node["__kind__"])
+            return out
+        return [legacy(v) for v in node] if isinstance(node, list) else node
+
+    back = _Demo.from_dict(legacy(d))
+    assert back.labels == ["a"] and back.provenance.model == "m"
