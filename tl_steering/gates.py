@@ -33,6 +33,7 @@ from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
 from .metrics import next_token_loss
 from .results import Result, register
+from .validation import as_int
 
 Method = Literal["loss", "closed_form"]
 
@@ -221,16 +222,13 @@ def calibrate_gates(
     tokens = ad.validate_tokens(tokens)
     if method not in ("loss", "closed_form"):
         raise InputError(f"method must be 'loss' or 'closed_form', got {method!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InputError(f"seed must be an int, got {seed!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
     plan_l = ad.layers(plan) if plan is not None else []
     if method == "closed_form" and not plan_l:
         raise InputError("method='closed_form' fits the parallel surrogate of the layers in plan=[...]; pass plan")
     if method == "loss":
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise InputError(f"steps must be an int >= 0, got {steps!r}")
+        steps = as_int(steps, "steps", minimum=0)
         if not isinstance(lr, (int, float)) or not lr > 0:
             raise InputError(f"lr must be a positive float, got {lr!r}")
     sel = ad.layers(layers) if layers is not None else (plan_l if method == "closed_form" else ad.layers(None))

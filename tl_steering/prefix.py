@@ -30,6 +30,7 @@ from .errors import InputError
 from .metrics import kl_divergence
 from .results import Result, register
 from .stats import check_exclude_positions, position_mask
+from .validation import as_int
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
@@ -162,8 +163,7 @@ def prefix_sensitivity(
     tokens = ad.validate_tokens(tokens)
     if mode not in ("noise", "token"):
         raise InputError(f"mode must be 'noise' or 'token', got {mode!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InputError(f"seed must be an int, got {seed!r}")
+    seed = as_int(seed, "seed")
     n_seq, n_pos = tokens.shape
     positions = _check_positions(position, n_pos)
     if mode == "noise":

@@ -11,25 +11,18 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .errors import InputError
+from .validation import as_positions
 
 # ----------------------------------------------------------------------------------------------------------
 # positions
 
 
 def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
-    """Normalise ``exclude_positions`` to a tuple of ints (negative indices count from the end)."""
+    """``exclude_positions`` as a sorted tuple of distinct ints (negative indices count from the end; None: none);
+    :func:`tl_steering.validation.as_positions` does the checking."""
     if exclude_positions is None:
         return ()
-    if isinstance(exclude_positions, int) and not isinstance(exclude_positions, bool):
-        exclude_positions = (exclude_positions,)
-    try:
-        out = tuple(exclude_positions)
-    except TypeError as e:
-        raise InputError(f"exclude_positions must be a tuple of ints such as (0,), got {exclude_positions!r}") from e
-    for p in out:
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise InputError(f"exclude_positions must hold ints, got {p!r}")
-    return out
+    return as_positions(exclude_positions, "exclude_positions")
 
 
 def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.device | str = "cpu"

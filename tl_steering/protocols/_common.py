@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import geometry as geo
 from ..backends import check_finite
 from ..batching import HookList, iter_batches, mean_loss
-from ..errors import InputError
+from ..validation import as_int
 from ..stats import (
     bin_labels,
     bootstrap_ci,
@@ -30,25 +30,20 @@ from ..stats import (
 
 
 # ----------------------------------------------------------------------------------------------------------
-# argument checks
+# argument checks (tl_steering.validation does the checking)
 
 
 def check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
-    return batch_size
+    return as_int(batch_size, "batch_size", minimum=1)
 
 
 def check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InputError(f"seed must be an int, got {seed!r}")
-    return seed
+    return as_int(seed, "seed")
 
 
 def check_n_bootstrap(n_bootstrap: Any) -> int:
-    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 0:
-        raise InputError(f"n_bootstrap must be an int >= 0 (0 = no confidence interval), got {n_bootstrap!r}")
-    return n_bootstrap
+    """An int >= 0 (0 = no confidence interval)."""
+    return as_int(n_bootstrap, "n_bootstrap", minimum=0)
 
 
 # ----------------------------------------------------------------------------------------------------------
