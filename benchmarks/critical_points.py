@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, nargs="*", default=None)
     p.add_argument("--n-starts", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-iter", type=int, default=None, help="LM iterations per start (default: the finder's)")
     p.add_argument("--json", default=None, help="write the CriticalPointsResult here (.json / .safetensors)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -35,7 +36,8 @@ def main() -> None:
           "s/layer | saddle frac [95% CI] verdict", flush=True)
     results = []
     for layer in layers:
-        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts)
+        extra = {} if a.max_iter is None else {"max_iter": a.max_iter}
+        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, **extra)
         results.append(r)
         e = r.results[0]
         c = e.counts()

@@ -18,8 +18,8 @@ from tl_steering.prefix import prefix_sensitivity
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
-# critical-point budget: 16 starts (8 token directions + 8 random), 150 descent iterations, dense spectra
-CRIT = {"n_starts": 16, "max_iter": 150, "eigensolver": "dense"}
+# critical-point budget: 8 starts (4 token directions + 4 random), 40 LM iterations, dense spectra
+CRIT = {"n_starts": 8, "max_iter": 40, "eigensolver": "dense"}
 
 
 def test_critical_points_first_layer(smollm2):
@@ -28,9 +28,9 @@ def test_critical_points_first_layer(smollm2):
     from tl_steering import critical_points
 
     fp = weights_fingerprint(smollm2)
-    r = critical_points(smollm2, 0, **CRIT)
+    r = critical_points(smollm2, 0, **CRIT).result(0)
     assert r.n_points >= 1
-    assert float(r.residuals.max()) < 1e-8
+    assert float(r.residuals.max()) <= 1e-10
     assert float(r.options["radius"]) == pytest.approx(3.55, rel=0.1)
     assert set(r.labels) <= {"attractor", "repeller", "saddle", "degenerate"}
     assert weights_fingerprint(smollm2) == fp

