@@ -50,8 +50,11 @@ def test_nesting_throttling_and_nothing_outside(tiny, tiny_tokens):
 
 def test_a_raising_forward_is_not_counted_and_the_block_closes(tiny):
     ad = adapt(tiny)
+    def boom(act, hook):
+        raise RuntimeError("hook failed")
+
     with progress.reporting(lambda s: None) as stats:
-        with pytest.raises(Exception):
-            ad.run_with_hooks(torch.zeros(1, 4, dtype=torch.long), fwd_hooks=[("no.such.hook", lambda a, hook: a)])
+        with pytest.raises(RuntimeError, match="hook failed"):
+            ad.run_with_hooks(torch.zeros(1, 4, dtype=torch.long), fwd_hooks=[(ad.hook_name(0, "resid_pre"), boom)])
     assert stats.forwards == 0
     assert progress._current.get() is None
