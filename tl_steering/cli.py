@@ -1,4 +1,5 @@
-"""Command line: ``tl-steering report ...`` and ``tl-steering render ...`` (also ``python -m tl_steering``).
+"""Command line: ``tl-steering report ...``, ``tl-steering render ...`` and ``tl-steering scan ...`` (also
+``python -m tl_steering``; ``torchrun ... -m tl_steering scan ...`` runs a scan on N processes).
 
 ``report`` = check the arguments (before any model is loaded: a user error is one line on stderr and exit
 code 2, and nothing is written) -> load the model -> :func:`~tl_steering.suite.run_suite` -> save
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    sc = sub.add_parser("scan", add_help=False,
+                        help="resumable probe scan of a streamed corpus, data parallel under torchrun "
+                             "(tl-steering scan --help; docs/scale_out.md)")
     v = sub.add_parser("render", help="re-render a saved results.json (no model)")
     v.add_argument("results", help="a results.json written by 'tl-steering report'")
     v.add_argument("--out", default=None, help="output directory (default: the results file's directory)")
@@ -188,6 +192,11 @@ def run_report(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["scan"]:  # its own parser (tl_steering.scale), options and all
+        from .scale import main as scan_main
+
+        return scan_main(argv[1:])
     args = build_parser().parse_args(argv)
     from .errors import TLSteeringError
 

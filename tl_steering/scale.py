@@ -268,7 +268,7 @@ def _load(name: str, backend: str, device: str | None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tl_steering.scale`` / ``torchrun ... -m tl_steering.scale``: a resumable probe scan."""
-    p = argparse.ArgumentParser(prog="tl_steering.scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tl-steering scan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma-3-270m, tiny-gpt2, or a TL name")
     p.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
     p.add_argument("--source", default="pydoc", help="pydoc, a text file, a directory, jsonl:PATH[:FIELD], hf:...")
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             if created:
                 torch.distributed.destroy_process_group()
     except InputError as e:
-        print(f"tl_steering.scale: error: {e}", file=sys.stderr)
+        print(f"tl-steering scan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if rank == 0:
         print(json.dumps({"out": str(Path(args.out) / "result.json"), "n_tokens": res.n_tokens,
