@@ -1,4 +1,4 @@
-"""The paper's experiment protocols on TransformerLens models (MATH_SPEC §4-§7).
+"""The paper's experiment protocols on TransformerLens models (docs/protocols.md).
 
 * :func:`angular_deficit` (§4): alignment of the attention-only update with the real block update.
 * :func:`ffn_ablation` (§5): keep only the tangential / radial part of every FFN write; loss, KL, top-1.
