@@ -1,8 +1,8 @@
 """The paper's experiment protocols on TransformerLens models (docs/protocols.md).
 
-* :func:`angular_deficit` (§4): alignment of the attention-only update with the real block update.
-* :func:`ffn_ablation` (§5): keep only the tangential / radial part of every FFN write; loss, KL, top-1.
-* :func:`diversity` (§6): spherical diversity of token directions around attention and the FFN.
+* :func:`angular_deficit` (docs/deficit.md): alignment of the attention-only update with the real block update.
+* :func:`ffn_ablation` (docs/ablation.md): keep only the tangential / radial part of every FFN write; loss, KL, top-1.
+* :func:`diversity` (docs/diversity.md): spherical diversity of token directions around attention and the FFN.
 
 Each returns a registered :class:`tl_steering.results.Result` with provenance, ``summary()`` and ``plot()``.
 """
@@ -21,7 +21,7 @@ __all__ = [
     "ffn_ablation",
 ]
 
-try:  # protocols/defect.py (sequential-to-parallel defect, §7) is written separately and may not exist yet
+try:  # protocols/defect.py (sequential-to-parallel defect, docs/defect.md) is written separately and may not exist yet
     from . import defect as _defect
 except ModuleNotFoundError as _e:  # only a missing defect.py is tolerated; its own import errors surface
     if _e.name != f"{__name__}.defect":
