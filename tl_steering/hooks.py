@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import geometry as geo
 from . import validation
-from .backends import ModelAdapter, adapt
+from .backends import ModelAdapter, adapt, check_finite
 from .backends.lifecycle import capture_site
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
 
@@ -92,7 +92,7 @@ def ffn_component(
             state["fallback"] = act if ref_site == "resid_pre" else None
             capture_site(ad, layer, ref_site, lambda x, state=state: state.__setitem__("ref", x))
 
-        def patch(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> Tensor:
+        def patch(act: Tensor, hook: Any, state: dict = state, layer: int = layer, ref_site: str = ref_site) -> Tensor:
             ref = state.pop("ref", None)
             if ref is None or ref.shape != act.shape:
                 ref = state.pop("fallback", None)
@@ -102,6 +102,8 @@ def ffn_component(
                     f"ffn_component: the FFN input of layer {layer} was not seen before hook_mlp_out (this model's "
                     "hook order is not supported, or a run interrupted earlier left this hook attached: call "
                     "model.reset_hooks())")
+            check_finite(ref, layer, f"FFN input ({ref_site}) seen by ffn_component")
+            check_finite(act, layer, "mlp_out seen by ffn_component")
             u = geo.normalize(ref)
             phi = act.to(torch.float64)
             if keep == "full":
@@ -131,7 +133,7 @@ def ffn_component(
 
 
 def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) -> HookList:
-    """Scale each layer's FFN write: x^{l+1} = y + g_l Phi_l(y) (docs/critical_prefix_gates.md).
+    """Scale each layer's FFN write: x^{l+1} = y + g_l Phi_l(y) (docs/gates.md).
 
     Args:
         gates: ``{layer: g}``, or one gate per layer (sequence or tensor of length n_layers). A tensor that

@@ -57,9 +57,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import validation
 from .backends import adapt
 from .backends.executor import parallel_states, parallelize_blocks
-from .errors import InputError, ParallelBlockError
+from .errors import ParallelBlockError
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
@@ -87,16 +88,14 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
         ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block.
     """
     ad = adapt(model)
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, torch.Tensor, range)):
-        raise InputError(f"layers must be a list of block indices, got {type(layers).__name__}")
-    chosen = sorted({ad.check_layer(int(lay)) for lay in layers})
+    # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
+    chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
     already = [lay for lay in chosen if ad.is_parallel(lay)]
     if already:
         warnings.warn(f"blocks {already} are parallel attention/MLP blocks already; parallelize leaves them as "
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
+    validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
     new = _deepcopy_model(model)
     if not todo:
         return new
@@ -104,10 +103,16 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
         notes = parallelize_blocks(new, ad.backend, todo, fuse, streams)
     for n in notes:
         warnings.warn(n, stacklevel=2)
-    new._tl_steering_parallel = {"layers": todo, "fuse": fuse, "streams": streams, "notes": notes}
+    # parallelize(parallelize(m, [1, 2]), [0]) reports [0, 1, 2]: the copy keeps the earlier surgery
+    done = sorted(set(parallel_layers(model)) | set(todo))
+    new._tl_steering_parallel = {"layers": done, "fuse": fuse, "streams": streams, "notes": notes}
     if verify and fuse and len(notes) < len(todo):
         _verify(new)
     return new
+
+
+def _is_empty(layers: Any) -> bool:
+    return isinstance(layers, (list, tuple, range)) and len(layers) == 0
 
 
 def _deepcopy_model(model: Any) -> Any:

@@ -76,6 +76,20 @@ def as_choice(value: Any, name: str, choices: Sequence[str]) -> str:
     return value
 
 
+def as_choices(value: Any, name: str, choices: Sequence[str]) -> list[str]:
+    """One choice or a sequence of choices (each a string among ``choices``); None and other types refused."""
+    if isinstance(value, str):
+        value = [value]
+    if value is None or not isinstance(value, (list, tuple)):
+        raise ArgumentTypeError(f"{name} must be one of {tuple(choices)} or a list of them, got {value!r}")
+    bad = [v for v in value if not isinstance(v, str) or v not in choices]
+    if bad:
+        raise InputError(f"unknown {name} value(s) {bad}; choose among {tuple(choices)}")
+    if not value:
+        raise InputError(f"{name} is empty; choose among {tuple(choices)}")
+    return list(value)
+
+
 def as_int_list(value: Any, name: str, *, allow_empty: bool = True, where: str = "") -> list[int]:
     """A sequence of ints (a list, tuple, range or 1-d integer tensor), each checked by :func:`as_int`.
 
@@ -203,6 +217,36 @@ def same_device(actual: torch.device, wanted: torch.device) -> bool:
     return actual.index == wanted.index
 
 
+def _site_of(param_name: str) -> str:
+    n = param_name.lower()
+    for key, site in (("attn", "attention"), ("mlp", "FFN"), ("ln1", "norm before attention"),
+                      ("ln2", "norm before the FFN"), ("norm", "norm")):
+        if key in n:
+            return site
+    return "block"
+
+
+def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = None, where: str = "") -> None:
+    """Raise :class:`~tl_steering.errors.NonFiniteError` naming the layer, the site (attention, FFN, norm) and
+    the parameter when a weight of the chosen blocks (all when ``layers`` is None) holds NaN or Inf."""
+    from .errors import NonFiniteError
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return
+    idx = range(len(blocks)) if layers is None else layers
+    for layer in idx:
+        for pname, p in blocks[layer].named_parameters():
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                n_nan = int(torch.isnan(p).sum())
+                n_inf = int(torch.isinf(p).sum())
+                at = f"{where}: " if where else ""
+                raise NonFiniteError(
+                    f"{at}non-finite weights at layer {layer}, {_site_of(pname)} (blocks.{layer}.{pname}: "
+                    f"{n_nan} NaN and {n_inf} Inf values); the model's weights are broken there (a failed "
+                    "load or an in-place edit), not the input")
+
+
 def as_path_arg(value: Any, name: str) -> str:
     """A non-empty path-like string."""
     import os
@@ -217,6 +261,7 @@ def as_path_arg(value: Any, name: str) -> str:
 __all__ = [
     "as_bool",
     "as_choice",
+    "as_choices",
     "as_device",
     "as_float",
     "as_int",
@@ -226,5 +271,6 @@ __all__ = [
     "as_path_arg",
     "as_positions",
     "check_length",
+    "check_weights_finite",
     "same_device",
 ]

@@ -31,6 +31,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import progress as _progress
+from .. import validation
 from ..errors import HookNotFoundError
 
 # torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
@@ -316,6 +317,9 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
     so its own cleanup sees the exception. Every hook is removed afterwards, also on error or interrupt.
     ``grad=True`` keeps autograd on (for ``torch.autograd.grad`` w.r.t. hooked activations; never
     ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
+    if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
+        n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+        validation.check_length(int(tokens.shape[-1]), n_ctx if isinstance(n_ctx, int) else None)
     with hook_guard(model), (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
         try:
             stack.enter_context(model.hooks(fwd_hooks=list(fwd_hooks)))

@@ -31,6 +31,7 @@ from torch import Tensor
 from ..backends import adapt
 from ..data import token_source
 from ..errors import InputError
+from .. import validation
 from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
@@ -173,12 +174,8 @@ def ffn_ablation(
     n_bootstrap = check_n_bootstrap(n_bootstrap)
     if scope not in ("all", "per_layer"):
         raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
-    if isinstance(keep, str):
-        keep = (keep,)
-    variants = list(dict.fromkeys(keep))
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        raise InputError(f"unknown variant(s) {bad}; choose among {VARIANTS}")
+    variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS)))
+    validation.check_weights_finite(model, layer_list, "ffn_ablation")  # NaN weights: name layer and site
     if "zero" not in variants:
         variants.append("zero")
     if include_random_tangent and "random_tangent" not in variants:
