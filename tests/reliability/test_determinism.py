@@ -16,13 +16,16 @@ DETERMINISTIC = [k for k in PUBLIC_CALLS if not k.startswith("hooks.")]
 def _canonical(out):
     if isinstance(out, torch.Tensor):
         return out.detach().cpu().numpy().tobytes()
-    d = out.to_dict()
-    d["provenance"].pop("created", None)
-    d.pop("seconds", None)
-    for key in list(d):
-        if "time" in key or "seconds" in key:
-            d.pop(key)
-    return json.dumps(d, sort_keys=True)
+    return json.dumps(_drop_timings(out.to_dict()), sort_keys=True)
+
+
+def _drop_timings(d):
+    """Remove timestamps and timings at every depth (nested results, e.g. per-layer critical points, carry theirs)."""
+    if isinstance(d, list):
+        return [_drop_timings(x) for x in d]
+    if not isinstance(d, dict):
+        return d
+    return {k: _drop_timings(v) for k, v in d.items() if k != "created" and "time" not in k and "seconds" not in k}
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC)
