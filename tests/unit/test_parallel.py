@@ -241,3 +241,35 @@ def test_sandwich_hooked_tiny_is_refused():
         pytest.skip("HookedTransformer needs TransformerLens 3.x")
     with pytest.raises(ts.errors.ModelNotSupportedError, match="bridge only"):
         ts.tiny_model("gemma3", backend="hooked")
+
+
+def test_post_norm_only_olmo2_sublayers(tiny_tokens):
+    """OLMo 2 (bridge): norms only AFTER each sublayer; A = post_attn(attn(x)), Phi = post_ffn(mlp(y)) reproduce
+    the hooks; the executor refuses the block with a clear error (not fused wrongly)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, PreTrainedTokenizerFast
+
+    from tl_steering.backends import wrap_hf
+    from tl_steering.backends.loading import _byte_tokenizer_dir
+
+    torch.manual_seed(0)
+    cfg = Olmo2Config(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0)
+    hf = Olmo2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    m = wrap_hf(hf, PreTrainedTokenizerFast.from_pretrained(_byte_tokenizer_dir()), "bridge", "raw", "cpu",
+                label="tiny-o2")
+    ad = adapt(m)
+    norms = ad.sublayer_norms(0)
+    assert norms.pre_attn is None and norms.pre_ffn is None and norms.post_attn is not None and norms.sandwich
+    _, cache = ad.run_with_cache(tiny_tokens, ad.identity_names())
+    for lay in range(2):
+        with torch.no_grad():
+            assert rel(ad.ffn(lay)(cache[ad.hook_name(lay, "resid_mid")]), cache[ad.hook_name(lay, "mlp_out")]) < 1e-6
+            assert rel(ad.attention(lay)(cache[ad.hook_name(lay, "resid_pre")]),
+                       cache[ad.hook_name(lay, "attn_out")]) < 1e-6
+    with pytest.raises(ts.errors.ModelNotSupportedError, match="Gemma-style"):
+        parallelize(m, [0])
