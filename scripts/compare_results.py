@@ -25,19 +25,33 @@ TIMING = re.compile(
     r"timings|total_wall_s|torch_threads|(^|\.)command$|(^|\.)out$|timing_device|label$)"
 )
 
-OLD_RESULTS = {"deficit", "ablation", "diversity", "defect", "gates", "critical", "critical_fixed_point", "prefix"}
+OLD_RESULTS = {
+    "deficit",
+    "ablation",
+    "diversity",
+    "defect",
+    "gates",
+    "critical",
+    "critical_fixed_point",
+    "prefix",
+}
 
 
 def _normalise_old(doc: dict[str, Any]) -> dict[str, Any]:
     out = {k: doc["results"][k] for k in OLD_RESULTS if k in doc["results"]}
-    out["checks"] = {"clean_loss": doc["clean_loss"], "max_residual_identity_error": doc["max_residual_identity_error"]}
+    out["checks"] = {
+        "clean_loss": doc["clean_loss"],
+        "max_residual_identity_error": doc["max_residual_identity_error"],
+    }
     out["plan"] = doc["plan"]
     out["speedup"] = doc["speedup_estimate"]
     out["executor"] = doc["parallel_executor"]
     out["settings"] = doc["settings"]
     out["headline"] = doc["headline"]
-    out["comparison"] = {r["id"]: {"ours": r["ours"], "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
-                         for r in doc["comparison"]}
+    out["comparison"] = {
+        r["id"]: {"ours": r["ours"], "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
+        for r in doc["comparison"]
+    }
     out["model"] = doc["model"]
     out["provenance"] = doc["provenance"]
     return out
@@ -50,8 +64,10 @@ def _normalise_new(path: Path) -> dict[str, Any]:
     suite = SuiteResult.load(path)
     out = {k: v for k, v in suite.to_dict().items() if not k.startswith("__")}
     out["headline"] = _encode(headline(suite))
-    out["comparison"] = {r["id"]: {"ours": _encode(r["ours"]), "relation": r["relation"],
-                                   "in_paper_band": r["in_paper_band"]} for r in comparison_rows(suite)}
+    out["comparison"] = {
+        r["id"]: {"ours": _encode(r["ours"]), "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
+        for r in comparison_rows(suite)
+    }
     return out
 
 
@@ -68,7 +84,7 @@ def flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
             flatten(node["data"], prefix, out)
             return
         for k, v in node.items():
-            if k in ("__dataclass__",):
+            if k in ("__dataclass__", "__kind__", "__format__"):
                 continue
             flatten(v, f"{prefix}.{k}" if prefix else k, out)
     elif isinstance(node, list):
@@ -84,7 +100,12 @@ def flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
 
 def same(a: Any, b: Any, rtol: float, atol: float) -> str:
     """'equal', 'close' or 'differ'."""
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+    if (
+        isinstance(a, bool)
+        or isinstance(b, bool)
+        or not isinstance(a, (int, float))
+        or not isinstance(b, (int, float))
+    ):
         return "equal" if a == b else "differ"
     if a == b or (math.isnan(a) and math.isnan(b)):
         return "equal"
@@ -121,18 +142,24 @@ def main() -> int:
         stats[top][verdict] += 1
         if verdict == "differ":
             a, b = fa[key], fb[key]
-            d = f" (|diff| {abs(a - b):.3g})" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
+            d = (
+                f" (|diff| {abs(a - b):.3g})"
+                if isinstance(a, (int, float)) and isinstance(b, (int, float))
+                else ""
+            )
             diffs[top].append(f"differ:      {key}: {a!r} -> {b!r}{d}"[:240])
     bad = 0
     print(f"{'field':<22} {'equal':>7} {'close':>6} {'differ':>7} {'only<':>6} {'only>':>6} {'timing':>7}")
     for top in sorted(stats):
         s = stats[top]
         bad += s["differ"]
-        print(f"{top:<22} {s['equal']:>7} {s['close']:>6} {s['differ']:>7} {s['only before']:>6} "
-              f"{s['only after']:>6} {s['timing (skipped)']:>7}")
+        print(
+            f"{top:<22} {s['equal']:>7} {s['close']:>6} {s['differ']:>7} {s['only before']:>6} "
+            f"{s['only after']:>6} {s['timing (skipped)']:>7}"
+        )
     for top in sorted(diffs):
         print(f"\n[{top}] {len(diffs[top])} leaves")
-        for line in diffs[top][:args.show]:
+        for line in diffs[top][: args.show]:
             print("  " + line)
         if len(diffs[top]) > args.show:
             print(f"  ... {len(diffs[top]) - args.show} more")

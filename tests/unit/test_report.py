@@ -249,4 +249,4 @@ def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):
 def test_results_json_is_the_suite(rendered):
     page, _ = rendered
     doc = json.loads((page.parent / "results.json").read_text())
-    assert doc["__dataclass__"] == "SuiteResult"
+    assert doc["__kind__"] == "suite" and SuiteResult.kind == "suite"

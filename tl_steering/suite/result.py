@@ -8,7 +8,7 @@ renders it without a model. See docs/suite.md.
 import dataclasses
 import math
 import platform
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +32,8 @@ from .settings import SuiteSettings
 class ModelSummary:
     """The model the suite ran on (name, revision, shape, backend, processing, dtype, device, BOS)."""
 
+    kind: ClassVar[str] = "suite_model"
+
     name: str = "unknown"
     revision: str | None = None
     n_layers: int = 0
@@ -47,6 +49,8 @@ class ModelSummary:
 @dataclasses.dataclass
 class Environment:
     """Versions and machine of the run."""
+
+    kind: ClassVar[str] = "suite_environment"
 
     tl_steering: str = ""
     transformer_lens: str = "unknown"
@@ -76,6 +80,8 @@ class Environment:
 class Checks:
     """The clean model on the suite's tokens: mean next-token CE and the residual identity check."""
 
+    kind: ClassVar[str] = "suite_checks"
+
     clean_loss: float = math.nan
     max_residual_identity_error: float = math.nan
 
@@ -93,6 +99,8 @@ class PlanLosses:
         delta_ce_lowest, delta_ce_highest: CE increase with the plan / the control made parallel.
         source: where the two dCE come from (the defect curves, or two hooked forwards of the suite).
     """
+
+    kind: ClassVar[str] = "suite_plan"
 
     k: int = 0
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -115,6 +123,8 @@ class PlanLosses:
 @dataclasses.dataclass
 class SpeedupEstimate:
     """The critical-path speedup estimate of the plan from the sub-module times (``DefectResult.speedup_estimate``)."""
+
+    kind: ClassVar[str] = "suite_speedup"
 
     label: str = ""
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -141,6 +151,8 @@ class ExecutorTiming:
     ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why).
     """
 
+    kind: ClassVar[str] = "suite_executor"
+
     status: str = "ok"
     reason: str = ""
     label: str = ""
@@ -159,6 +171,8 @@ class ExecutorTiming:
 class StageTiming:
     """Wall and CPU seconds of one stage."""
 
+    kind: ClassVar[str] = "suite_stage_timing"
+
     wall_s: float = math.nan
     cpu_s: float = math.nan
 
@@ -167,6 +181,8 @@ class StageTiming:
 @dataclasses.dataclass
 class RunArguments:
     """How the suite was asked for (the CLI's arguments; empty when run_suite was called from Python)."""
+
+    kind: ClassVar[str] = "suite_arguments"
 
     model: str = ""
     backend: str = ""

@@ -5,6 +5,7 @@ See docs/suite.md (stages, fields, the published-number map).
 """
 
 import dataclasses
+from typing import ClassVar
 
 from ..errors import InputError
 from ..results import register
@@ -59,6 +60,8 @@ class SuiteSettings:
         prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
         batch_size: windows per forward.
     """
+
+    kind: ClassVar[str] = "suite_settings"
 
     stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
     quick: bool = False
