@@ -6,6 +6,8 @@ Each measurement is a fresh subprocess (``import tl_steering`` included, as a us
   write the cache entry, build the model;
 * ``warm``: the same cache, now filled: hash the GGUF, verify the entry, read ``model.safetensors``, build.
 
+Wall and process CPU time (all threads) are printed: on a shared machine CPU time is the steadier number.
+
 Then one more subprocess dequantizes the GGUF in memory (the cold path's builder, no cache) and checks that every
 tensor of the warm-loaded Hugging Face model is bitwise equal to it (tied weights included).
 
@@ -23,12 +25,12 @@ import time
 
 CHILD_LOAD = """
 import sys, time
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 import tl_steering as ts
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 ts.load_model(sys.argv[1], backend=sys.argv[2])
-t2 = time.perf_counter()
-print(f"RESULT {t1 - t0:.2f} {t2 - t1:.2f}")
+t2, c2 = time.perf_counter(), time.process_time()
+print(f"RESULT {t1 - t0:.2f} {t2 - t1:.2f} {c1 - c0:.2f} {c2 - c1:.2f}")
 """
 
 CHILD_IDENTITY = """
@@ -67,13 +69,16 @@ def main() -> int:
         if rc:
             print(out)
             return 1
-        imp, load = (float(x) for x in next(l for l in out.splitlines() if l.startswith("RESULT")).split()[1:])
-        rows.append((kind, imp, load, wall))
-        print(f"{kind}: import {imp:6.2f} s  load_model {load:6.2f} s  process {wall:6.2f} s", flush=True)
+        line = next(l for l in out.splitlines() if l.startswith("RESULT"))
+        imp, load, imp_cpu, load_cpu = (float(x) for x in line.split()[1:])
+        rows.append((kind, imp, load, wall, load_cpu))
+        print(f"{kind}: import {imp:6.2f} s (CPU {imp_cpu:6.2f} s)  load_model {load:6.2f} s (CPU {load_cpu:6.2f} s)"
+              f"  process {wall:6.2f} s", flush=True)
     warm = [r for r in rows if r[0] == "warm"]
     print(f"summary {args.model} ({args.backend}): cold load_model {rows[0][2]:.1f} s (import+load "
           f"{rows[0][1] + rows[0][2]:.1f} s); warm median load_model {statistics.median(r[2] for r in warm):.1f} s "
-          f"(import+load {statistics.median(r[1] + r[2] for r in warm):.1f} s) over {len(warm)} processes")
+          f"(import+load {statistics.median(r[1] + r[2] for r in warm):.1f} s) over {len(warm)} processes; load_model "
+          f"CPU time cold {rows[0][4]:.1f} s, warm median {statistics.median(r[4] for r in warm):.1f} s")
     rc, out, _ = _run(CHILD_IDENTITY, [args.model], env)
     print(next((l for l in out.splitlines() if l.startswith("IDENTITY")), out))
     return rc
