@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time, at k = L/2, 'unfused' (fuse=False); the executor's sequential control "
                          "(lean-seq) is always timed")
     ap.add_argument("--strategy", default="best", help="plan_parallel strategy (best, C, greedy, ...)")
+    ap.add_argument("--windows", type=int, default=8, help="calibration / held-out windows of 128 tokens each")
     ap.add_argument("--ks", default=None, help="comma list of k to time (default: 0, L/4, L/2)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     L = ad.n_layers
     print(f"# {args.model} ({backend}, TL {ts.tl_version()}, torch {torch.__version__}, device {device}, "
           f"torch threads {torch.get_num_threads()}); loaded in {time.time() - t0:.0f}s")
-    calib = ts.text_tokens(model, n_windows=8, length=128, seed=0)
-    held = ts.text_tokens(model, n_windows=8, length=128, seed=1)
+    calib = ts.text_tokens(model, n_windows=args.windows, length=128, seed=0)
+    held = ts.text_tokens(model, n_windows=args.windows, length=128, seed=1)
     ks = sorted({int(k) for k in args.ks.split(",")}) if args.ks else sorted({0, L // 4, L // 2})
     t1 = time.time()
     plans, plan_info = layer_plans(model, calib, held, ks, args.strategy)

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shortlist", type=int, default=4)
     ap.add_argument("--k-values", default=None, help="comma list (default: 0..k in steps of L//8, and k)")
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--strategies", default=None, help="comma list (default: plan_parallel's comparison)")
+    ap.add_argument("--no-gold", action="store_true", help="skip the measured single-layer dCE (2 x L forwards)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -60,24 +62,29 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
 
     t1 = time.time()
-    sc = ts.parallel_scores(model, cal, gold=True, batch_size=args.batch_size)
+    sc = ts.parallel_scores(model, cal, gold=not args.no_gold, batch_size=args.batch_size)
     t_scores = time.time() - t1
-    held_loss = PlanLoss(model, held, args.batch_size)
-    gold_held = single_layer_delta(held_loss, sc.layers, sc.already_parallel)
     cidx = [i for i, par in enumerate(sc.already_parallel) if not par]
-    rho_held = {name: spearman(v[cidx], gold_held[cidx]) for name, v in sc.scores.items()}
-    print(f"\n## Scores vs measured single-layer dCE ({t_scores:.0f}s incl. {len(cidx)} gold forwards)")
-    print("| score | Spearman vs dCE (calibration) | Spearman vs dCE (held-out) |\n|---|---|---|")
-    for name in sc.scores:
-        print(f"| {name} | {sc.spearman[name]:.3f} | {rho_held[name]:.3f} |")
-    print("per-layer measured dCE (calibration):", [round(float(v), 4) for v in sc.delta_ce])
+    gold_held, rho_held = torch.full((len(sc.layers),), float("nan")), {}
+    if not args.no_gold:
+        held_loss = PlanLoss(model, held, args.batch_size)
+        gold_held = single_layer_delta(held_loss, sc.layers, sc.already_parallel)
+        rho_held = {name: spearman(v[cidx], gold_held[cidx]) for name, v in sc.scores.items()}
+        print(f"\n## Scores vs measured single-layer dCE ({t_scores:.0f}s incl. {len(cidx)} gold forwards)")
+        print("| score | Spearman vs dCE (calibration) | Spearman vs dCE (held-out) |\n|---|---|---|")
+        for name in sc.scores:
+            print(f"| {name} | {sc.spearman[name]:.3f} | {rho_held[name]:.3f} |")
+        print("per-layer measured dCE (calibration):", [round(float(v), 4) for v in sc.delta_ce])
+    for name in ("C", "C1", "attribution_abs", "attribution_rms"):
+        print(f"per-layer {name} (calibration):", [round(float(v), 4) for v in sc.scores[name]])
     print("per-layer attribution (calibration):", [round(float(v), 4) for v in sc.scores["attribution"]],
           flush=True)
 
     ks = [int(v) for v in args.k_values.split(",")] if args.k_values else None
     t1 = time.time()
+    strategies = args.strategies.split(",") if args.strategies else None
     plan = ts.plan_parallel(model, cal, k, held_out=held, k_values=ks, shortlist=args.shortlist,
-                            batch_size=args.batch_size)
+                            strategies=strategies, batch_size=args.batch_size, scores=sc)
     t_plan = time.time() - t1
     at_cal, at_held = plan.at_k("calibration"), plan.at_k("held_out")
     print(f"\n## Plans at k = {k} (chosen on calibration; {t_plan:.0f}s for the whole comparison)")

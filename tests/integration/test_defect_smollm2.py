@@ -52,6 +52,7 @@ CURVES_PINNED = {
     "random_mean": [0.0, 3.18674, 2.85397, 1.86115, 5.18713],
 }
 PLAN_15 = [6, 7, 8, 9, 10, 11, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+PLAN_RATIO_MAX = 1.0  # held-out dCE of the chosen plan / held-out dCE of the C plan, k = 15
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,40 @@ def test_speedup_estimate(defect, tmp_path):
     assert 1.0 <= est["speedup_with_other"] <= est["speedup"] + 1e-12
     back = DefectResult.load(defect.save(tmp_path / "defect.json"))
     assert back.speedup_estimate(defect.plan(15)) == est
+
+
+# ----------------------------------------------------------------------------------------------------------
+# layer planning (tl_steering.planning, docs/defect.md "Layer planning"): the loss-aware attribution score and
+# a planner chosen on the same 4 calibration windows, reported on the other 4 (held out). Cost on an idle
+# 2-core machine: one forward + backward (attribution) reusing the gold of the `defect` fixture, then
+# plan_parallel with C / attribution_abs / greedy at k = 15 (about 17 forward + 15 backward passes of 4 x 128).
+
+
+def test_attribution_ranks_single_layer_damage(smollm2, smollm2_tokens, defect):
+    from tl_steering.planning.attribution import attribution_scores
+    from tl_steering.planning.gold import spearman
+
+    scores, clean = attribution_scores(smollm2, smollm2_tokens[:4], list(range(30)), batch_size=4)
+    assert clean == pytest.approx(CLEAN_LOSS, abs=2e-3)
+    # measured: attribution_abs 0.775, attribution_rms 0.746, signed attribution 0.116 (first order fails at the
+    # most damaging layers: -0.24 / -0.12 nats predicted at layers 0 / 1, +1.68 / +0.61 measured), C 0.511
+    rho = {k: spearman(v, defect.delta_ce) for k, v in scores.items()}
+    assert rho["attribution_abs"] == pytest.approx(0.775, abs=0.02), rho
+    assert rho["attribution_abs"] > defect.spearman["C"] + 0.2
+    assert rho["attribution"] < 0.3 and float(scores["attribution"][0]) < 0 < float(defect.delta_ce[0])
+    # the two most damaging single layers (0, 1) have the two highest absolute attributions
+    assert set(torch.argsort(scores["attribution_abs"], descending=True)[:2].tolist()) == {0, 1}
+
+
+def test_planner_beats_the_C_plan_held_out(smollm2, smollm2_tokens):
+    import tl_steering as ts
+
+    before = weights_fingerprint(smollm2)
+    plan = ts.plan_parallel(smollm2, smollm2_tokens[:4], 15, held_out=smollm2_tokens[4:8], k_values=[15],
+                            strategies=("C", "attribution_abs", "greedy"), batch_size=4)
+    assert weights_fingerprint(smollm2) == before
+    assert plan.plan_of("C") == PLAN_15  # the paper's plan is the lowest-C plan of the defect fixture
+    at_cal, at_held = plan.at_k("calibration"), plan.at_k("held_out")
+    assert at_cal["C"] == pytest.approx(CURVES_PINNED["lowest"][2], abs=5e-3)
+    assert plan.strategy != "C" and plan.calibration_delta_ce < at_cal["C"]
+    assert plan.held_out_delta_ce <= PLAN_RATIO_MAX * at_held["C"], (plan.strategy, at_held)

@@ -125,11 +125,11 @@ def test_greedy_choices_rechecked(planner_model, planner_tokens, plan):
         best = min(losses.values())
         assert losses[added] <= best + 1e-6, (step, added, losses)
         order.append(added)
-    order = []  # greedy (attribution only): each step adds the lowest attribution on the partly parallel model
+    order = []  # greedy (score only): each step adds the lowest attribution_abs on the partly parallel model
     for step in range(1, len(plan.k_values)):
         added = (set(plan.plans["greedy"][step]) - set(order)).pop()
         scores, _ = attribution_scores(planner_model, cal, list(range(5)), base=order)
-        rest = {lay: float(scores["attribution"][lay]) for lay in range(5) if lay not in order}
+        rest = {lay: float(scores["attribution_abs"][lay]) for lay in range(5) if lay not in order}
         assert rest[added] == min(rest.values())
         order.append(added)
     assert plan.strategy_costs["greedy"]["backward"] == 3 and plan.strategy_costs["greedy_measured"]["forward"] == (

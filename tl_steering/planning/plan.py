@@ -5,8 +5,8 @@ Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a se
 * one-shot by a score (``"C"``, ``"C1"``, ``"C_phi"``, ``"C_tan"`` [paper]; ``"attribution"``,
   ``"attribution_abs"``, ``"attribution_rms"`` [ours]): the k lowest-scored layers
   (:func:`tl_steering.parallel_scores`);
-* ``"greedy"`` [ours]: add, one at a time, the layer with the lowest attribution re-computed on the partly
-  parallel model (one forward + backward per step);
+* ``"greedy"`` [ours]: add, one at a time, the layer with the lowest ``attribution_abs`` (:data:`GREEDY_SCORE`)
+  re-computed on the partly parallel model (one forward + backward per step);
 * ``"greedy_measured"`` [ours, SLEB-style]: the same, but among the ``shortlist`` lowest-attribution layers
   the one whose measured calibration loss is lowest is added (``shortlist=None``: every remaining layer);
 * ``"contiguous"`` [ours]: the window of k consecutive candidate layers with the lowest measured
@@ -34,7 +34,7 @@ from ..results import Result, register
 from . import strategies as st
 from .attribution import attribution_scores
 from .gold import PlanLoss
-from .scores import parallel_scores
+from .scores import ParallelScoresResult, parallel_scores
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
                                      "attribution_rms")
@@ -44,6 +44,11 @@ PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("greedy", "greedy_measure
 DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "greedy", "greedy_measured",
                                        "contiguous", "random")
 """Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
+GREEDY_SCORE = "attribution_abs"
+"""The score the greedy planners re-compute. Not the signed first-order ``attribution``: on a trained model
+the loss sits near a minimum, the first-order term of a large defect can even be negative (SmolLM2 layers 0
+and 1: -0.24 / -0.12 nats predicted, +1.68 / +0.61 measured), so a signed greedy would pick the worst layers
+first; the token-wise absolute value does not cancel and ranks damage far better (docs/defect.md)."""
 
 
 @register
@@ -163,6 +168,7 @@ def plan_parallel(
     seed: int = 0,
     batch_size: int = 8,
     corpus: str | None = None,
+    scores: ParallelScoresResult | None = None,
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
 
@@ -181,6 +187,8 @@ def plan_parallel(
         seed: seed of the ``random`` baseline (every other strategy is deterministic; ties go to the lower layer).
         batch_size: sequences per forward pass.
         corpus: provenance label.
+        scores: a :func:`parallel_scores` result computed on the SAME calibration windows and layers (saves
+            its passes; its cost is then not counted again).
 
     Returns:
         A :class:`ParallelPlan`.
@@ -214,8 +222,11 @@ def plan_parallel(
     costs: dict[str, dict[str, float]] = {}
     extra = {"passes": 0}  # attribution passes of the greedy steps after the first
     sets: dict[str, list[list[int]]] = {}
-    scores = None
-    if any(s in SCORE_STRATEGIES or s.startswith("greedy") for s in names):
+    need = any(s in SCORE_STRATEGIES or s.startswith("greedy") for s in names)
+    given = scores is not None
+    if given and (scores.layers != sel or scores.provenance.n_sequences != int(cal.shape[0])):
+        raise InputError("scores= must come from parallel_scores on the same calibration windows and layers")
+    if need and not given:
         scores = parallel_scores(model, cal, layers=sel, batch_size=batch_size)
     for name in names:
         t1 = time.perf_counter()
@@ -224,7 +235,7 @@ def plan_parallel(
             sets[name] = [st.one_shot(cand, so, j) for j in ks]
             cost = {"forward": 1.0, "backward": 0.0} if name.startswith("C") else {"forward": 1.0, "backward": 1.0}
         elif name.startswith("greedy"):
-            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of("attribution"), cal_loss,
+            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), cal_loss,
                                   shortlist if name == "greedy_measured" else 0, batch_size, extra)
             sets[name] = [sorted(order[:j]) for j in ks]
         elif name == "contiguous":
@@ -247,9 +258,9 @@ def plan_parallel(
     j = ks.index(k)
     selectable = [s for s in names if s != "random"] or names
     chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
-    total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if scores is not None else 0)
-                              + extra["passes"]),
-             "backward": float((1 if scores is not None else 0) + extra["passes"]),
+    fresh = need and not given
+    total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]),
+             "backward": float((1 if fresh else 0) + extra["passes"]),
              "seconds": time.perf_counter() - t0}
     options = {"k": k, "strategy": strategy, "layers": sel, "k_values": ks, "strategies": names,
                "shortlist": shortlist, "batch_size": batch_size,
@@ -275,7 +286,7 @@ def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int,
             so = first
         else:
             attr, _ = attribution_scores(model, cal, sel, base=order, batch_size=batch_size)
-            so = {lay: float(attr["attribution"][sel.index(lay)]) for lay in cand}
+            so = {lay: float(attr[GREEDY_SCORE][sel.index(lay)]) for lay in cand}
             extra["passes"] += 1
         fwd, bwd = fwd + 1, bwd + 1
         rest = st.rank([lay for lay in cand if lay not in order], so)
