@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 
 from . import errors, geometry, hooks
 from .backends import ModelAdapter, adapt, tl_version
-from .critical import critical_points, critical_points_all_layers
+from .critical import CriticalPointsResult, critical_points, critical_points_all_layers
 from .data import TokenWindows, corpus_label, text_tokens, text_windows
-from .equilibria import EquilibriaResult, classify_point, find_equilibria
+from .critical import EquilibriaResult, classify_point, find_equilibria
 from .gates import calibrate_gates
 from .backends import load_model, tiny_model
 from .parallel import parallelize
@@ -29,6 +29,7 @@ from .planning import ParallelPlan, ParallelScoresResult, parallel_scores, plan_
 from .results import Provenance, Result
 
 __all__ = [
+    "CriticalPointsResult",
     "EquilibriaResult",
     "ModelAdapter",
     "Provenance",
