@@ -33,7 +33,7 @@ from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
 from .metrics import next_token_loss
 from .results import Result, register
-from .validation import as_int
+from .validation import as_choice, as_int
 
 Method = Literal["loss", "closed_form"]
 
@@ -220,8 +220,7 @@ def calibrate_gates(
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
-    if method not in ("loss", "closed_form"):
-        raise InputError(f"method must be 'loss' or 'closed_form', got {method!r}")
+    method = as_choice(method, "method", ("loss", "closed_form"))
     seed = as_int(seed, "seed")
     batch_size = as_int(batch_size, "batch_size", minimum=1)
     plan_l = ad.layers(plan) if plan is not None else []

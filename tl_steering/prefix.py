@@ -30,7 +30,7 @@ from .errors import InputError
 from .metrics import kl_divergence
 from .results import Result, register
 from .stats import check_exclude_positions, position_mask
-from .validation import as_int
+from .validation import as_choice, as_int
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
@@ -161,8 +161,7 @@ def prefix_sensitivity(
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
     tokens = ad.validate_tokens(tokens)
-    if mode not in ("noise", "token"):
-        raise InputError(f"mode must be 'noise' or 'token', got {mode!r}")
+    mode = as_choice(mode, "mode", ("noise", "token"))
     seed = as_int(seed, "seed")
     n_seq, n_pos = tokens.shape
     positions = _check_positions(position, n_pos)
