@@ -59,11 +59,45 @@ def sublayer_norms(blk: torch.nn.Module) -> SublayerNorms:
             and type(blk).__name__ != "BlockBridge" and "ln1_post" not in blk._modules:
         # HookedTransformer OLMo 2: ln1/ln2 are applied AFTER attn/MLP (TransformerBlock.forward)
         return SublayerNorms(None, _child(blk, "ln1"), None, _child(blk, "ln2"))
+    post_only = _bridge_post_norm_only(blk)
+    if post_only is not None:
+        return post_only
     ln1, ln2 = _child(blk, "ln1"), _child(blk, "ln2")
     post1, post2 = _child(blk, "ln1_post"), _child(blk, "ln2_post")
     if ln2 is None and post2 is None:
         ln2 = ln1  # GPT-J / Phi: the MLP reads ln1's output (shared norm)
     return SublayerNorms(ln1, post1, ln2, post2)
+
+
+def _unwrap(m: Any) -> Any:
+    for _ in range(8):
+        inner = m._modules.get("_original_component") if isinstance(m, torch.nn.Module) else None
+        if inner is None:
+            break
+        m = inner
+    return m
+
+
+def _bridge_post_norm_only(blk: torch.nn.Module) -> SublayerNorms | None:
+    """A bridge block whose Hugging Face layer has norms only AFTER its sublayers (OLMo 2: post_attention_ and
+    post_feedforward_layernorm, no input_/pre_feedforward_layernorm). TL 3.9's bridge names those norms ``ln1`` /
+    ``ln2``, TL 4.x ``ln1_post`` / ``ln2_post``: we map them by the Hugging Face module they wrap, not by name."""
+    layer = blk._modules.get("_original_component")
+    if layer is None:
+        return None
+    names = set(layer._modules)
+    if not {"post_attention_layernorm", "post_feedforward_layernorm"} <= names or \
+            names & {"input_layernorm", "pre_feedforward_layernorm"}:
+        return None
+    want = {id(_unwrap(layer._modules[n])): n for n in ("post_attention_layernorm", "post_feedforward_layernorm")}
+    found: dict[str, torch.nn.Module] = {}
+    for child in ("ln1", "ln1_post", "ln2", "ln2_post"):
+        m = _child(blk, child)
+        if m is not None and id(_unwrap(m)) in want:
+            found[want[id(_unwrap(m))]] = m
+    if len(found) != 2:
+        return None
+    return SublayerNorms(None, found["post_attention_layernorm"], None, found["post_feedforward_layernorm"])
 
 
 def _apply(norm: torch.nn.Module | None, x: Tensor) -> Tensor:
