@@ -15,17 +15,17 @@ counts of masked rows per layer (and per position bin). No activation outlives i
 probe does not depend on the number of forwards (:meth:`ProbeTrace.state_nbytes`). Every hook is removed on
 exit, also when the with-block raises.
 
-Metrics (MATH_SPEC §§2-6; x = resid_pre, a = attn_out, y = resid_mid, phi = mlp_out, z = resid_post,
+Metrics (docs/probe.md; x = resid_pre, a = attn_out, y = resid_mid, phi = mlp_out, z = resid_post,
 f = FFN input = y for sequential blocks and x for parallel ones, Dx = z - x, u(v) = v / ||v||):
 
 * ``"resid_norm"``: mean ||x||, ||y||, ||z|| (``resid_norm_pre/mid/post``).
 * ``"radial_coef"``: mean cos(f, phi) (``radial_coef_ffn``, the Eq. 19 FFN radial coefficient) and mean
   cos(x, a) (``radial_coef_attn``).
-* ``"tangent_alignment"``: mean cos(P_u a, P_u Dx) with u = u(x) (MATH_SPEC §4, align_A).
+* ``"tangent_alignment"``: mean cos(P_u a, P_u Dx) with u = u(x) (docs/deficit.md, align_A).
 * ``"tangential_speed"``: mean ||P_u a|| / ||x|| with u = u(x) (``tangential_speed_attn``) and
   mean ||P_w phi|| / ||f|| with w = u(f) (``tangential_speed_ffn``). Choice: each branch is measured at the
   state it acts on in the Lie-Trotter split (attention at x, the FFN sub-step at y = x + a), so a purely radial
-  FFN write (phi = c u(y)) has FFN speed exactly 0; for parallel blocks both use x, i.e. v_A and v_Phi of §3.
+  FFN write (phi = c u(y)) has FFN speed exactly 0; for parallel blocks both use x, i.e. v_A and v_Phi of docs/geometry.md.
 * ``"diversity"``: per sequence (over its non-excluded positions) the mean pairwise cosine, the mean resultant
   length and the (uncentered, Roy-Vetterli) effective rank of the directions at x, y and z, averaged over
   sequences (``pairwise_cosine_pre/mid/post``, ``resultant_length_*``, ``effective_rank_*``). Not binned by
@@ -293,6 +293,15 @@ class ProbeTrace:
         self._entered = False
         self._detach(*exc)
         return None
+
+    def __del__(self) -> None:
+        # safety net: an interrupt landing on entry to __exit__ skips the detach; the probe's hooks then go when
+        # the probe object is freed (with the interrupt's traceback, in a script or a function)
+        if getattr(self, "_stack", None) is not None:
+            try:
+                self._detach(None, None, None)
+            except BaseException:  # noqa: BLE001 - never raise from a finalizer
+                pass
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
         """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.

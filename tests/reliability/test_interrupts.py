@@ -159,3 +159,74 @@ def test_random_interrupts_in_transformerlens_run_with_hooks(model, alarm):
         model(tokens)
         assert owned_hooks(model) == []
         torch.testing.assert_close(model(tokens), plain, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# deterministic injection: a KeyboardInterrupt at chosen line events inside the code that mutates hook state
+# (tl_steering's lifecycle, TransformerLens's hook API, contextlib), via sys.settrace
+
+
+_TRACED = ("tl_steering/backends/lifecycle.py", "transformer_lens/hook_points.py", "/contextlib.py",
+           "model_bridge/bridge_core.py", "hook_points.py")
+
+
+def _inject_at(fn, n):
+    """Run ``fn``, raising _Alarm at the ``n``-th line event of a traced frame (n=0: count only). Returns the
+    number of line events seen."""
+    count = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] == n:
+                raise _Alarm()
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename.endswith(_TRACED) else None
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    except _Alarm:
+        pass
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
+@pytest.mark.slow  # ~1000 injections: about 100 s on a loaded 2-core machine (run with -m slow)
+def test_interrupt_at_any_line_of_the_hook_lifecycle(model):
+    """Every 7th line event (and the first/last 20) of the hook lifecycle while a pure sublayer call, a guarded
+    run with factory hooks and a probe run: afterwards the hook state equals the clean baseline, no hook of ours
+    is left, the user's permanent hook fires."""
+    tokens = torch.randint(1, 257, (2, 10), generator=torch.Generator().manual_seed(2))
+    ad = adapt(model)
+    x = torch.randn(1, 10, ad.d_model, generator=torch.Generator().manual_seed(0))
+    fired = {"n": 0}
+
+    def user_hook(act, hook):
+        fired["n"] += 1
+
+    scenarios = {
+        "ffn (hooks_silenced)": lambda: ad.ffn(1)(x),
+        "attention (hooks_silenced)": lambda: ad.attention(1)(x),
+        "run_with_hooks": lambda: ad.run_with_hooks(
+            tokens, H.parallel_blocks(model, [0, 1]) + H.ffn_component(model, "tangential")),
+        "probe": lambda: _probe(model, tokens),
+    }
+    model.add_hook("blocks.1.hook_resid_post", user_hook, is_permanent=True)
+    try:
+        for fn in scenarios.values():
+            fn()
+        model(tokens)
+        baseline = hook_state(model)
+        for name, fn in scenarios.items():
+            total = _inject_at(fn, 0)
+            points = sorted(set(range(1, min(total, 20) + 1)) | set(range(max(1, total - 20), total + 1))
+                            | set(range(1, total + 1, 7)))
+            for n in points:
+                _inject_at(fn, n)
+                _check_clean(model, tokens, baseline, fired, name, n)
+    finally:
+        model.reset_hooks(including_permanent=True)

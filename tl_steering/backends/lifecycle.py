@@ -170,12 +170,24 @@ class HookGuard:
         return self
 
     def restore(self) -> None:
-        if self._snap is not None:
-            shielded(self._snap.restore)
+        snap = self._snap
+        if snap is not None:
+            shielded(snap.restore)
+            self._snap = None
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
         return None
+
+    def __del__(self) -> None:
+        # Safety net: an interrupt that lands in the few bytecodes between the end of the block and the start of
+        # the restore (e.g. on entering __exit__) skips it; the guard is then freed with the interrupt's
+        # traceback, and restores here.
+        if getattr(self, "_snap", None) is not None:
+            try:
+                self.restore()
+            except BaseException:  # noqa: BLE001 - never raise from a finalizer
+                pass
 
 
 def hook_guard(model: torch.nn.Module) -> HookGuard:
@@ -211,12 +223,26 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
     def _restore(self) -> None:
         for hp, dicts in self._saved:
             for attr, d in zip(_SILENCED, dicts):
-                if getattr(hp, attr) is not d:
+                cur = getattr(hp, attr)
+                if cur is not d:
+                    # put the original dict back; a hook added meanwhile is kept, after the original ones
+                    for k, v in list(cur.items()):
+                        if k not in d:
+                            d[k] = v
                     setattr(hp, attr, d)
+        self._saved = []
 
     def __exit__(self, *exc: Any) -> None:
         shielded(self._restore)
         return None
+
+    def __del__(self) -> None:
+        # safety net for an interrupt landing between the block's end and the restore (see HookGuard.__del__)
+        if getattr(self, "_saved", None):
+            try:
+                shielded(self._restore)
+            except BaseException:  # noqa: BLE001 - never raise from a finalizer
+                pass
 
 
 def _get_use_hook_mlp_in(model: Any) -> bool | None:
