@@ -75,7 +75,7 @@ def _setup(backend: str):
 
     import tl_steering as ts
     from tl_steering.backends import adapt
-    from tl_steering.probe import probe
+    from tl_steering.probing import probe
 
     model = ts.load_model("smollm2-135m", backend=backend)
     tokens = ts.text_tokens(model, n_windows=8, length=128)

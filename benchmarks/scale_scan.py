@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tl_steering.probe import ProbeResult  # noqa: E402
+from tl_steering.probing import ProbeResult  # noqa: E402
 
 
 def run(n: int, args: argparse.Namespace, out: Path) -> tuple[float, ProbeResult]:

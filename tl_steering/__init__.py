@@ -14,19 +14,64 @@ The data path reads one way: model -> hooks -> metrics -> results -> figures/rep
 
 __version__ = "0.1.0"
 
-from . import errors, geometry, hooks
-from .backends import ModelAdapter, adapt, tl_version
-from .critical import CriticalPointsResult, critical_points, critical_points_all_layers
-from .data import TokenWindows, corpus_label, text_tokens, text_windows
-from .critical import EquilibriaResult, classify_point, find_equilibria
-from .gates import calibrate_gates
-from .backends import load_model, tiny_model
-from .parallel import parallelize
-from .prefix import prefix_sensitivity, prefix_statistics
-from .probe import probe
-from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect
-from .planning import ParallelPlan, ParallelScoresResult, parallel_scores, plan_parallel
-from .results import Provenance, Result
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_attributes
+
+# Lazy attributes (PEP 562): ``import tl_steering`` imports neither torch's heavy parts nor TransformerLens, so
+# the CLI can refuse a bad argument in well under a second; a public name imports its module on first use.
+_LAZY: dict[str, str] = {
+    "errors": ".errors",
+    "geometry": ".geometry",
+    "hooks": ".hooks",
+    "ModelAdapter": ".backends",
+    "adapt": ".backends",
+    "tl_version": ".backends",
+    "load_model": ".backends",
+    "tiny_model": ".backends",
+    "CriticalPointsResult": ".critical",
+    "EquilibriaResult": ".critical",
+    "classify_point": ".critical",
+    "critical_points": ".critical",
+    "critical_points_all_layers": ".critical",
+    "find_equilibria": ".critical",
+    "TokenWindows": ".data",
+    "corpus_label": ".data",
+    "text_tokens": ".data",
+    "text_windows": ".data",
+    "calibrate_gates": ".gates",
+    "parallelize": ".parallel",
+    "ParallelPlan": ".planning",
+    "ParallelScoresResult": ".planning",
+    "parallel_scores": ".planning",
+    "plan_parallel": ".planning",
+    "prefix_sensitivity": ".prefix",
+    "prefix_statistics": ".prefix",
+    "probe": ".probing",
+    "angular_deficit": ".protocols",
+    "diversity": ".protocols",
+    "ffn_ablation": ".protocols",
+    "parallel_defect": ".protocols",
+    "Provenance": ".results",
+    "Result": ".results",
+}
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+if TYPE_CHECKING:  # static tools see the eager imports
+    from . import errors, geometry, hooks  # noqa: F401
+    from .backends import ModelAdapter, adapt, load_model, tiny_model, tl_version  # noqa: F401
+    from .critical import (CriticalPointsResult, EquilibriaResult, classify_point, critical_points,  # noqa: F401
+                           critical_points_all_layers, find_equilibria)
+    from .data import TokenWindows, corpus_label, text_tokens, text_windows  # noqa: F401
+    from .gates import calibrate_gates  # noqa: F401
+    from .parallel import parallelize  # noqa: F401
+    from .planning import ParallelPlan, ParallelScoresResult, parallel_scores, plan_parallel  # noqa: F401
+    from .prefix import prefix_sensitivity, prefix_statistics  # noqa: F401
+    from .probing import probe  # noqa: F401
+    from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect  # noqa: F401
+    from .results import Provenance, Result  # noqa: F401
 
 __all__ = [
     "CriticalPointsResult",

@@ -1,5 +1,5 @@
-"""The result of a streaming geometry probe (:func:`tl_steering.probe.probe`): per-layer running sums,
-counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probe.py`` for the
+"""The result of a streaming geometry probe (:func:`tl_steering.probe`, module ``tl_steering.probing``): per-layer running sums,
+counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probing.py`` for the
 metric definitions (docs/protocols.md)."""
 
 import dataclasses

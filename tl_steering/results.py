@@ -207,7 +207,24 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
         raise ResultFileError(f"{where or 'tensor'}: malformed tensor record ({type(e).__name__}: {e})") from None
 
 
+# Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
+# name a kind whose module has not been imported yet: it is imported on first need.
+RESULT_MODULES = ("tl_steering.protocols", "tl_steering.planning", "tl_steering.critical", "tl_steering.probing", "tl_steering.probe_result",
+                  "tl_steering.gates", "tl_steering.prefix", "tl_steering.suite")
+
+
+def _import_result_modules() -> None:
+    import importlib
+
+    for name in RESULT_MODULES:
+        importlib.import_module(name)
+
+
 def _decode_record(value: dict, where: str) -> Any:
+    if "__kind__" in value or "__dataclass__" in value:
+        key = value.get("__kind__", value.get("__dataclass__"))
+        if isinstance(key, str) and key not in _REGISTRY and key not in _BY_CLASS_NAME:
+            _import_result_modules()
     if "__kind__" in value:
         kind = value["__kind__"]
         cls = _REGISTRY.get(kind) if isinstance(kind, str) else None

@@ -35,7 +35,8 @@ import torch
 from .backends import adapt, weights_fingerprint
 from .corpus import CorpusSpec, iter_window_rows, parse_source
 from .errors import InputError
-from .probe import ProbeResult, probe
+from .probe_result import ProbeResult
+from .probing import probe
 
 FORMAT = 1
 

@@ -74,15 +74,31 @@ def _settings(protocol: str, n_layers: int):
     from tl_steering.suite import SuiteSettings
 
     n = n_layers
-    stages = {"deficit": ["deficit"], "ablation": ["ablation"], "diversity": ["diversity"],
-              "defect": ["defect"], "critical": ["critical"]}[protocol]
+    stages = {
+        "deficit": ["deficit"],
+        "ablation": ["ablation"],
+        "diversity": ["diversity"],
+        "defect": ["defect"],
+        "critical": ["critical"],
+    }[protocol]
     return SuiteSettings(
-        stages=stages, windows=WINDOWS, length=LENGTH, n_bootstrap=200,
-        ablation_variants=["tangential", "radial", "zero"], diversity_ablations=["tangential", "radial"],
-        diversity_gains=[], defect_evaluate=True, defect_k_values=[0, n // 2], defect_n_random=1,
-        defect_brackets=False, defect_timing=True, plan_k=n // 2,
-        critical_layers=sorted({n // 4, n // 2, (3 * n) // 4}), critical_n_starts=16,
-        critical_methods=["riemannian"], critical_max_windows=4,
+        stages=stages,
+        windows=WINDOWS,
+        length=LENGTH,
+        n_bootstrap=200,
+        ablation_variants=["tangential", "radial", "zero"],
+        diversity_ablations=["tangential", "radial"],
+        diversity_gains=[],
+        defect_evaluate=True,
+        defect_k_values=[0, n // 2],
+        defect_n_random=1,
+        defect_brackets=False,
+        defect_timing=True,
+        plan_k=n // 2,
+        critical_layers=sorted({n // 4, n // 2, (3 * n) // 4}),
+        critical_n_starts=16,
+        critical_methods=["riemannian"],
+        critical_max_windows=4,
     )
 
 
@@ -199,8 +215,10 @@ def test_parallel_gpt2_large_delta_ce(key):
 @pytest.mark.parametrize("key", models("gpt2-large"))
 def test_parallel_gpt2_large_high_defect_degrades(key):
     assert _run(key, "defect").plan.k == 18
-    _within(_value(key, "defect", "parallel_gpt2_large_high_defect_degrades"),
-            "parallel_gpt2_large_high_defect_degrades")
+    _within(
+        _value(key, "defect", "parallel_gpt2_large_high_defect_degrades"),
+        "parallel_gpt2_large_high_defect_degrades",
+    )
 
 
 @pytest.mark.parametrize(

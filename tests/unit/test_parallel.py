@@ -1,4 +1,4 @@
-"""The parallel executor: fused parallel blocks equal the hook-based surrogate (MATH_SPEC §7)."""
+"""The parallel executor: fused parallel blocks equal the hook-based surrogate (docs/defect.md)."""
 
 import warnings
 

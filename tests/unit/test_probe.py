@@ -1,4 +1,4 @@
-"""Streaming probes (tl_steering.probe) against the same metrics computed afterwards from a full cache.
+"""Streaming probes (tl_steering.probe, module tl_steering.probing) against the same metrics computed afterwards from a full cache.
 
 The reference (:func:`reference_metrics`) restates each metric with tl_steering.geometry on the cached
 float64 activations of a TransformerLens ``run_with_cache`` over all the batches at once; the probe sees the
@@ -18,7 +18,7 @@ from tl_steering import geometry as geo
 from tl_steering.backends import adapt
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
-from tl_steering.probe import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
+from tl_steering.probing import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
 
 F64 = torch.float64
 TOL = 1e-6

@@ -15,7 +15,7 @@ import torch
 import tl_steering as ts
 from tl_steering.corpus import stream_windows
 from tl_steering.errors import InputError
-from tl_steering.probe import ProbeResult
+from tl_steering.probing import ProbeResult
 from tl_steering.scale import check_agreement, scan
 
 LINE = "Residual streams move on a sphere while attention aggregates and the FFN steers.\n"

@@ -99,7 +99,9 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
 
     s = PINNED_SETTINGS
     if tokens is None:
-        tokens = text_windows(model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
+        tokens = text_windows(
+            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
+        )
     suite = run_suite(model, tokens, pinned_suite_settings(), progress=False, seed=s["seed"])
     return pinned_values(suite)
 

@@ -6,20 +6,37 @@
 * :data:`NUMBERS` — the one map from published-number ids and pinned names to SuiteResult fields.
 """
 
-from .numbers import NUMBERS, PINNED, PUBLISHED, comparison_rows, headline, pinned_values, published_value
-from .result import (
-    Checks,
-    Environment,
-    ExecutorTiming,
-    ModelSummary,
-    PlanLosses,
-    RunArguments,
-    SpeedupEstimate,
-    StageTiming,
-    SuiteResult,
-)
-from .run import Progress, TqdmProgress, run_suite
-from .settings import CRITICAL_METHODS, STAGES, SuiteSettings, check_windows_length, default_settings
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
+
+# lazy (PEP 562): the CLI reads .settings to check arguments without importing the protocols
+_LAZY = {
+    **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "comparison_rows", "headline", "pinned_values",
+                               "published_value")},
+    **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanLosses",
+                              "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
+    **{n: ".run" for n in ("Progress", "TqdmProgress", "run_suite")},
+    **{n: ".settings" for n in ("CRITICAL_METHODS", "STAGES", "SuiteSettings", "check_windows_length",
+                                "default_settings")},
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+if TYPE_CHECKING:
+    from .numbers import NUMBERS, PINNED, PUBLISHED, comparison_rows, headline, pinned_values, published_value
+    from .result import (
+        Checks,
+        Environment,
+        ExecutorTiming,
+        ModelSummary,
+        PlanLosses,
+        RunArguments,
+        SpeedupEstimate,
+        StageTiming,
+        SuiteResult,
+    )
+    from .run import Progress, TqdmProgress, run_suite
+    from .settings import CRITICAL_METHODS, STAGES, SuiteSettings, check_windows_length, default_settings
 
 __all__ = [
     "CRITICAL_METHODS",
