@@ -85,6 +85,16 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _autograd_left_on():
+    """Every test hands the process back with autograd on: an interrupted ``torch.no_grad()`` once left it off and
+    failed every gradient test that ran after it, far from the cause. Fail the test that leaks, at its source."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("this test left torch's autograd switched off for the process (torch.is_grad_enabled() is False)")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): its matrices are

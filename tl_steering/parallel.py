@@ -49,16 +49,15 @@ current stream (unfused: the whole MLP branch); ignored on CPU.
 """
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from . import validation
 from .backends import adapt
+from .backends.copying import deepcopy_module
 from .backends.executor import parallel_states, parallelize_blocks
 from .errors import ParallelBlockError
 
@@ -96,7 +95,7 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
-    new = _deepcopy_model(model)
+    new = deepcopy_module(model)
     if not todo:
         return new
     with torch.no_grad():
@@ -113,29 +112,6 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
 
 def _is_empty(layers: Any) -> bool:
     return isinstance(layers, (list, tuple, range)) and len(layers) == 0
-
-
-def _deepcopy_model(model: Any) -> Any:
-    """``copy.deepcopy`` that survives transient non-leaf tensors some bridge components keep from the last
-    forward run with autograd on (they are copied detached)."""
-    memo: dict[int, Any] = {}
-
-    def seed(v: Any, depth: int = 0) -> None:
-        if isinstance(v, Tensor):
-            if not v.is_leaf and id(v) not in memo:
-                memo[id(v)] = v.detach().clone()
-        elif depth < 2 and isinstance(v, (list, tuple)):
-            for x in v:
-                seed(x, depth + 1)
-        elif depth < 2 and isinstance(v, dict):
-            for x in v.values():
-                seed(x, depth + 1)
-
-    for m in model.modules():
-        for k, v in vars(m).items():
-            if k not in ("_parameters", "_buffers", "_modules"):
-                seed(v)
-    return copy.deepcopy(model, memo)
 
 
 def _lean_sequential_copy(model: Any, layers: Sequence[int]) -> Any:

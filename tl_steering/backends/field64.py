@@ -19,7 +19,7 @@ The sublayer structure comes from :func:`.sublayers.sublayer_norms`, the same de
 ``ffn``/``attention`` use, so a sandwich-norm block (Gemma 2/3: a post-FFN norm) is covered by the same code.
 """
 
-import copy
+from .copying import deepcopy_module
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +78,7 @@ def float64_compute() -> TorchFunctionMode:
 def _private_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A float64 deep copy of ``module`` that carries no hook (the user's module is unchanged)."""
     with hooks_silenced(module):
-        cp = copy.deepcopy(module)
+        cp = deepcopy_module(module)
     for hp in hook_points(cp):  # the copy is private: empty its hook dicts (cheaper than silencing per call)
         hp._forward_hooks.clear()
         hp._forward_pre_hooks.clear()

@@ -110,9 +110,13 @@ class _Snapshot:
         self.known = {id(m) for m, _, _ in self.modules}
         self.context_level = getattr(model, "context_level", None)
         self.mlp_in = _get_use_hook_mlp_in(model)
+        # torch's global autograd mode: an interrupt that lands inside a ``torch.no_grad()`` entry or exit (ours or
+        # TransformerLens's) would otherwise leave gradients off for the whole process
+        self.grad_enabled = torch.is_grad_enabled()
 
     def restore(self) -> None:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
+        torch.set_grad_enabled(self.grad_enabled)
         snap = {id(m): (dicts, lists) for m, dicts, lists in self.modules}
         for m in self.model.modules():
             dicts, lists = snap.get(id(m), ({}, None))
