@@ -10,7 +10,8 @@ from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 from tl_steering.errors import InputError, LayerIndexError
 from tl_steering.hooks import parallel_blocks
 from tl_steering.backends.executor import _raw
-from tl_steering.parallel import _deepcopy_model, parallel_layers, parallelize, unfused
+from tl_steering.backends.copying import deepcopy_module
+from tl_steering.parallel import parallel_layers, parallelize, unfused
 
 RTOL = 1e-4  # fp32, relative to the largest entry
 
@@ -144,7 +145,7 @@ def test_bad_layers(seq_tiny):
 
 
 def test_eps_mismatch_falls_back_unfused(seq_tiny, tiny_tokens):
-    m = _deepcopy_model(seq_tiny)
+    m = deepcopy_module(seq_tiny)
     blk = m.blocks[0]
     ln2 = blk.ln2 if adapt(m).backend == "hooked" else _raw(blk.ln2)
     if hasattr(ln2, "variance_epsilon"):
@@ -189,7 +190,7 @@ def test_hooked_padding_falls_back(tiny_tokens):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("streams", [False, True])
 def test_cuda_equivalence(seq_tiny, tiny_tokens, streams):
-    m = _deepcopy_model(seq_tiny).to("cuda")
+    m = deepcopy_module(seq_tiny).to("cuda")
     toks = tiny_tokens.to("cuda")
     p = parallelize(m, [0, 1], streams=streams)
     ref = m.run_with_hooks(toks, fwd_hooks=parallel_blocks(m, [0, 1]))
