@@ -18,25 +18,15 @@ import torch
 
 import tl_steering as ts
 from tl_steering import hooks as H
-from tl_steering.backends import adapt, weights_fingerprint
+from tl_steering.backends import weights_fingerprint
 from tl_steering.backends.lifecycle import hook_state, owned_hooks
+
+from tests.reliability._calls import _probe, _run_hooks
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer") or sys.platform == "win32",
                                 reason="needs POSIX interval timers (signal.setitimer)")
 
 N_INTERRUPTS = 8  # per call
-
-
-def _probe(m, t):
-    with ts.probe(m) as trace:
-        m(t)
-    return trace.result()
-
-
-def _run_hooks(factory):
-    def call(m, t):
-        return adapt(m).run_with_hooks(t, factory(m))
-    return call
 
 
 def _tl_run_with_hooks(m, t):
