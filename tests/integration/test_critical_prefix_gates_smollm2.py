@@ -16,7 +16,9 @@ from tl_steering.critical import critical_points_all_layers
 from tl_steering.gates import calibrate_gates
 from tl_steering.prefix import prefix_sensitivity
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
+# one torch thread for the critical-point tests only (small dense eigenproblems spin on a shared runner); the
+# prefix and gate tests run full SmolLM2 forwards/backwards, which use both cores
+pytestmark = pytest.mark.integration
 
 # critical-point budget: 8 starts (4 token directions + 4 random), 40 LM iterations, dense spectra
 CRIT = {"n_starts": 8, "max_iter": 40, "eigensolver": "dense"}
@@ -26,6 +28,7 @@ CRIT = {"n_starts": 8, "max_iter": 40, "eigensolver": "dense"}
 CRIT_FP = {**CRIT, "method": "fixed_point", "pre_iter": 100}
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_critical_points_first_layer(smollm2):
     """Default-suite check (about 20 s): layer 0's FFN field has converged equilibria (the every-layer scan,
     13+ minutes on 2 cores, is marked slow and run with ``pytest -m slow``)."""
@@ -43,6 +46,7 @@ def test_critical_points_first_layer(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
 def test_critical_points_every_layer(smollm2):
     ad = adapt(smollm2)
     fp = weights_fingerprint(smollm2)

@@ -15,9 +15,8 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 
 import contextlib
 import dataclasses
-import importlib.metadata
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -29,84 +28,25 @@ from ..errors import (
     DeviceMismatchError,
     HookNotFoundError,
     InputError,
-    ModelNotSupportedError,
     NonFiniteError,
     ParallelBlockError,
     ResidualIdentityError,
 )
 
-# ----------------------------------------------------------------------------------------------------------
-# TransformerLens feature detection (guarded imports: TL 4.x removed HookedTransformer and raises ImportError)
-
-try:  # TL 3.x
-    from transformer_lens import HookedTransformer as _HookedTransformer  # type: ignore[attr-defined]
-except ImportError:  # TL 4.x
-    _HookedTransformer = None
-
-try:
-    from transformer_lens.model_bridge import TransformerBridge as _TransformerBridge
-except ImportError:  # pragma: no cover - TL < 3
-    _TransformerBridge = None
-
-
-
-def tl_version() -> str:
-    """Installed TransformerLens version (from the package metadata)."""
-    for dist in ("transformer-lens", "transformer_lens"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def hooked_available() -> bool:
-    """Whether ``HookedTransformer`` exists in the installed TransformerLens (3.x yes, 4.x no)."""
-    return _HookedTransformer is not None
-
-
-Backend = Literal["hooked", "bridge"]
-Processing = Literal["raw", "tl"]
-Site = Literal[
-    "resid_pre",
-    "attn_out",
-    "resid_mid",
-    "mlp_in",
-    "mlp_out",
-    "resid_post",
-    "ln2_normalized",
-    "ffn_input",
-]
-SITES: tuple[str, ...] = get_args(Site)
-_SITE_HOOK = {
-    "resid_pre": "hook_resid_pre",
-    "attn_out": "hook_attn_out",
-    "resid_mid": "hook_resid_mid",
-    "mlp_in": "hook_mlp_in",
-    "mlp_out": "hook_mlp_out",
-    "resid_post": "hook_resid_post",
-    "ln2_normalized": "ln2.hook_normalized",
-}
-
-
-def backend_of(model: Any) -> Backend:
-    """``"hooked"`` or ``"bridge"``; raises :class:`ModelNotSupportedError` for anything else."""
-    if _TransformerBridge is not None and isinstance(model, _TransformerBridge):
-        return "bridge"
-    if _HookedTransformer is not None and isinstance(model, _HookedTransformer):
-        return "hooked"
-    raise ModelNotSupportedError(
-        f"expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}. "
-        "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...)."
-    )
-
-
-def first_output(out: Any) -> Tensor:
-    """Bridge components may return tuples: keep the hidden states."""
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
-
+from .detect import (  # noqa: F401  (re-exported: the adapter is where callers look for them)
+    SITES,
+    _HookedTransformer,
+    _SITE_HOOK,
+    _TransformerBridge,
+    Backend,
+    Processing,
+    Site,
+    backend_of,
+    first_output,
+    hooked_available,
+    tl_version,
+    weights_fingerprint,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # hook hygiene
@@ -119,18 +59,6 @@ from .lifecycle import (  # noqa: E402  (hook lifecycle lives in its own module)
     hooks_silenced,
 )
 from . import lifecycle as _lifecycle  # noqa: E402
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------

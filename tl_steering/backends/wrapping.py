@@ -16,7 +16,7 @@ import torch
 
 from .. import validation
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
-from .adapter import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
+from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
 
 
 def parameter_device(model: torch.nn.Module) -> torch.device:

@@ -1,0 +1,96 @@
+"""Which TransformerLens is installed and which model class a model is: the feature detection every backend
+module shares (TL 4.x removed ``HookedTransformer``; both lines have ``TransformerBridge``), the site vocabulary,
+and the bit-exact weight fingerprint used to prove a call left the weights alone. See docs/architecture.md.
+"""
+
+import importlib.metadata
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+from ..errors import ModelNotSupportedError
+
+# ----------------------------------------------------------------------------------------------------------
+# TransformerLens feature detection (guarded imports: TL 4.x removed HookedTransformer and raises ImportError)
+
+try:  # TL 3.x
+    from transformer_lens import HookedTransformer as _HookedTransformer  # type: ignore[attr-defined]
+except ImportError:  # TL 4.x
+    _HookedTransformer = None
+
+try:
+    from transformer_lens.model_bridge import TransformerBridge as _TransformerBridge
+except ImportError:  # pragma: no cover - TL < 3
+    _TransformerBridge = None
+
+
+
+def tl_version() -> str:
+    """Installed TransformerLens version (from the package metadata)."""
+    for dist in ("transformer-lens", "transformer_lens"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def hooked_available() -> bool:
+    """Whether ``HookedTransformer`` exists in the installed TransformerLens (3.x yes, 4.x no)."""
+    return _HookedTransformer is not None
+
+
+Backend = Literal["hooked", "bridge"]
+Processing = Literal["raw", "tl"]
+Site = Literal[
+    "resid_pre",
+    "attn_out",
+    "resid_mid",
+    "mlp_in",
+    "mlp_out",
+    "resid_post",
+    "ln2_normalized",
+    "ffn_input",
+]
+SITES: tuple[str, ...] = get_args(Site)
+_SITE_HOOK = {
+    "resid_pre": "hook_resid_pre",
+    "attn_out": "hook_attn_out",
+    "resid_mid": "hook_resid_mid",
+    "mlp_in": "hook_mlp_in",
+    "mlp_out": "hook_mlp_out",
+    "resid_post": "hook_resid_post",
+    "ln2_normalized": "ln2.hook_normalized",
+}
+
+
+def backend_of(model: Any) -> Backend:
+    """``"hooked"`` or ``"bridge"``; raises :class:`ModelNotSupportedError` for anything else."""
+    if _TransformerBridge is not None and isinstance(model, _TransformerBridge):
+        return "bridge"
+    if _HookedTransformer is not None and isinstance(model, _HookedTransformer):
+        return "hooked"
+    raise ModelNotSupportedError(
+        f"expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}. "
+        "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...)."
+    )
+
+
+def first_output(out: Any) -> Tensor:
+    """Bridge components may return tuples: keep the hidden states."""
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
