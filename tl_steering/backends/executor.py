@@ -262,16 +262,24 @@ def _rms_gain(norm: Any, dim: int) -> tuple[Tensor | None, float | None]:
     return None, None
 
 
+def _hf_linears(attn: Any, mlp: Any) -> list[tuple[Tensor, Tensor | None]] | str:
+    """``[(W^T, b or None)]`` of q, k, v, o, gate, up, down of a Llama/Gemma-style decoder layer (weights as
+    ``[in, out]``, detached; shared by both fused builders), or why the layer has another layout."""
+    if not all(n in mlp._modules for n in ("gate_proj", "up_proj", "down_proj")):
+        return f"MLP {type(mlp).__name__} is not gate/up/down"
+    mods = [_raw(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                              mlp.down_proj)]
+    return [(m.weight.detach().T, None if m.bias is None else m.bias.detach()) for m in mods]
+
+
 def _gemma_fused(layer: Any) -> tuple[FusedWeights | None, str, int]:
     """Gemma 2/3 decoder layer: fold the pre-norm gains into q|k|v and gate|up; keep QK-norms and the two
     post-norms as gains applied after the GEMMs (see FusedWeights.set_sandwich)."""
     attn, mlp = _raw(layer.self_attn), _raw(layer.mlp)
-    if not all(n in mlp._modules for n in ("gate_proj", "up_proj", "down_proj")):
-        return None, f"MLP {type(mlp).__name__} is not gate/up/down", -1
-    lin = lambda m: (_raw(m).weight.detach().T, None if _raw(m).bias is None else _raw(m).bias.detach())  # noqa: E731
-    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj),
-                                              lin(attn.o_proj))
-    (wg, bg), (wu, bu), (wd, bd) = lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)
+    w = _hf_linears(attn, mlp)
+    if isinstance(w, str):
+        return None, w, -1
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo), (wg, bg), (wu, bu), (wd, bd) = w
     if bo is not None or bd is not None:
         return None, "output biases under a post-norm", -1
     d = wq.shape[0]
@@ -347,12 +355,10 @@ def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, in
         return None, "QK-norm", -1
     if getattr(attn, "sliding_window", None):
         return None, "sliding-window attention", -1
-    if not all(n in mlp._modules for n in ("gate_proj", "up_proj", "down_proj")):
-        return None, f"MLP {type(mlp).__name__} is not gate/up/down", -1
-    lin = lambda m: (_raw(m).weight.detach().T, None if _raw(m).bias is None else _raw(m).bias.detach())  # noqa: E731
-    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj),
-                                              lin(attn.o_proj))
-    (wg, bg), (wu, bu), (wd, bd) = lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)
+    w = _hf_linears(attn, mlp)
+    if isinstance(w, str):
+        return None, w, -1
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo), (wg, bg), (wu, bu), (wd, bd) = w
     dh = int(attn.head_dim)
     nh, nkv = wq.shape[1] // dh, wk.shape[1] // dh
     fw = _build("rms", float(eps1), (ln1.weight.detach(), None), (ln2.weight.detach(), None), wq, bq, wk, bk, wv,
