@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--strategies", default=None, help="comma list (default: plan_parallel's comparison)")
     ap.add_argument("--no-gold", action="store_true", help="skip the measured single-layer dCE (2 x L forwards)")
+    ap.add_argument("--fisher-samples", type=int, default=8, help="sampled-label backwards of the 2nd-order scores")
+    ap.add_argument("--no-plan", action="store_true", help="scores and their Spearman rho only")
+    ap.add_argument("--gold-from", default=None,
+                    help="a --json of an earlier run on the same model and windows: reuse its measured single-layer "
+                         "dCE (deterministic) instead of 2 x L forwards")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -62,29 +67,50 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
 
     t1 = time.time()
-    sc = ts.parallel_scores(model, cal, gold=not args.no_gold, batch_size=args.batch_size)
+    reuse = json.loads(Path(args.gold_from).read_text()) if args.gold_from else None
+    sc = ts.parallel_scores(model, cal, gold=not args.no_gold and reuse is None, batch_size=args.batch_size,
+                            fisher_samples=args.fisher_samples)
     t_scores = time.time() - t1
     cidx = [i for i, par in enumerate(sc.already_parallel) if not par]
     gold_held, rho_held = torch.full((len(sc.layers),), float("nan")), {}
-    if not args.no_gold:
+    if reuse is not None:  # measured gold of an earlier run (same model, windows): deterministic
+        sc.delta_ce = torch.tensor(reuse["delta_ce_calibration"], dtype=torch.float64)
+        sc.evaluated = True
+        sc.spearman = {name: spearman(v[cidx], sc.delta_ce[cidx]) for name, v in sc.scores.items()}
+        gold_held = torch.tensor(reuse["delta_ce_held_out"], dtype=torch.float64)
+        rho_held = {name: spearman(v[cidx], gold_held[cidx]) for name, v in sc.scores.items()}
+        print(f"(single-layer dCE reused from {args.gold_from})")
+    elif not args.no_gold:
         held_loss = PlanLoss(model, held, args.batch_size)
         gold_held = single_layer_delta(held_loss, sc.layers, sc.already_parallel)
         rho_held = {name: spearman(v[cidx], gold_held[cidx]) for name, v in sc.scores.items()}
+    if sc.evaluated:
         print(f"\n## Scores vs measured single-layer dCE ({t_scores:.0f}s incl. {len(cidx)} gold forwards)")
         print("| score | Spearman vs dCE (calibration) | Spearman vs dCE (held-out) |\n|---|---|---|")
         for name in sc.scores:
             print(f"| {name} | {sc.spearman[name]:.3f} | {rho_held[name]:.3f} |")
         print("per-layer measured dCE (calibration):", [round(float(v), 4) for v in sc.delta_ce])
-    for name in ("C", "C1", "attribution_abs", "attribution_rms"):
-        print(f"per-layer {name} (calibration):", [round(float(v), 4) for v in sc.scores[name]])
-    print("per-layer attribution (calibration):", [round(float(v), 4) for v in sc.scores["attribution"]],
-          flush=True)
+        print("per-layer measured dCE (held-out):", [round(float(v), 4) for v in gold_held])
+    for name in sc.scores:
+        print(f"per-layer {name} (calibration):", [float(f"{float(v):.4g}") for v in sc.scores[name]])
+    print(f"score cost: {sc.cost}", flush=True)
+    out = {"model": args.model, "backend": args.backend, "k": k, "calibration_shape": list(cal.shape),
+           "held_out_shape": list(held.shape), "spearman_calibration": sc.spearman, "spearman_held_out": rho_held,
+           "delta_ce_calibration": sc.delta_ce.tolist(), "delta_ce_held_out": gold_held.tolist(),
+           "scores": {n: v.tolist() for n, v in sc.scores.items()}, "score_cost": sc.cost,
+           "fisher_samples": args.fisher_samples, "seconds_scores": t_scores}
+    if args.no_plan:
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"# total {time.time() - t0:.0f}s", flush=True)
+        return out
 
     ks = [int(v) for v in args.k_values.split(",")] if args.k_values else None
     t1 = time.time()
     strategies = args.strategies.split(",") if args.strategies else None
     plan = ts.plan_parallel(model, cal, k, held_out=held, k_values=ks, shortlist=args.shortlist,
-                            strategies=strategies, batch_size=args.batch_size, scores=sc)
+                            strategies=strategies, batch_size=args.batch_size, scores=sc,
+                            fisher_samples=args.fisher_samples)
     t_plan = time.time() - t1
     at_cal, at_held = plan.at_k("calibration"), plan.at_k("held_out")
     print(f"\n## Plans at k = {k} (chosen on calibration; {t_plan:.0f}s for the whole comparison)")
@@ -104,14 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
     print("|---|" + "---|" * len(plan.k_values))
     for s in plan.strategies:
         print(f"| {s} | " + " | ".join(f"{v:+.4f}" for v in plan.held_out_curves[s].tolist()) + " |")
-    out = {"model": args.model, "backend": args.backend, "k": k, "calibration_shape": list(cal.shape),
-           "held_out_shape": list(held.shape), "spearman_calibration": sc.spearman, "spearman_held_out": rho_held,
-           "delta_ce_calibration": sc.delta_ce.tolist(), "delta_ce_held_out": gold_held.tolist(),
-           "scores": {n: v.tolist() for n, v in sc.scores.items()}, "chosen": plan.strategy, "layers": plan.layers,
+    out.update({"chosen": plan.strategy, "layers": plan.layers,
            "held_out_at_k": at_held, "calibration_at_k": at_cal, "ratio_best_over_C": ratio,
            "strategy_costs": plan.strategy_costs, "total_cost": plan.total_cost, "k_values": plan.k_values,
            "held_out_curves": {s: v.tolist() for s, v in plan.held_out_curves.items()},
-           "plans": plan.plans, "seconds_scores": t_scores, "seconds_plan": t_plan}
+           "plans": plan.plans, "seconds_plan": t_plan})
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"# total {time.time() - t0:.0f}s", flush=True)

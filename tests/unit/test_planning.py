@@ -78,6 +78,39 @@ def test_attribution_is_the_small_defect_limit(tiny64, tiny_tokens):
     assert_no_hooks(tiny64)
 
 
+def test_fisher_term_is_the_gauss_newton_quadratic():
+    """The sampled-label estimate equals ``1/(2N) sum_t dz_t^T F_t dz_t`` computed from the measured change of the
+    logits dz (one layer parallel), F_t = diag(p_t) - p_t p_t^T, in the small-defect limit (gain 0.01: dz is
+    first order in the defect). 64 samples of 3 sequences: relative noise about sqrt(2 / 192) = 10%; seeded."""
+    model = ts.tiny_model("llama", backend="bridge", seed=0).to(torch.float64)
+    ad = adapt(model)
+    tokens = torch.randint(1, 257, (3, 16), generator=torch.Generator().manual_seed(0))
+    layers = ad.layers()
+    with model.hooks(fwd_hooks=attention_gain(model, 0.01)):
+        scores, _ = attribution_scores(model, tokens, layers, batch_size=3, fisher_samples=64, seed=0)
+        few = [attribution_scores(model, tokens, layers, batch_size=b, fisher_samples=3, seed=sd)[0]
+               for b, sd in ((1, 0), (2, 0), (2, 1))]
+        z0 = ad.run_with_hooks(tokens, [], return_type="logits")[:, :-1]
+        p = torch.softmax(z0, -1)
+        exact = []
+        for lay in layers:
+            dz = ad.run_with_hooks(tokens, parallel_blocks(model, [lay]), return_type="logits")[:, :-1] - z0
+            exact.append(float(((p * dz * dz).sum(-1) - (p * dz).sum(-1) ** 2).sum()) / (2 * z0.shape[0] * z0.shape[1]))
+    exact = torch.tensor(exact, dtype=torch.float64)
+    assert bool((exact > 0).all())
+    torch.testing.assert_close(scores["attribution_fisher"], exact, rtol=0.35, atol=0)
+    torch.testing.assert_close(scores["attribution_fisher_diag"], exact, rtol=0.5, atol=0)  # biased: looser
+    torch.testing.assert_close(scores["attribution_2nd"], scores["attribution"] + scores["attribution_fisher"],
+                               rtol=0, atol=0)
+    # the labels depend on the seed only (not on the batching); another seed gives another estimate
+    torch.testing.assert_close(few[0]["attribution_fisher"], few[1]["attribution_fisher"], rtol=1e-9, atol=0)
+    assert not torch.allclose(few[2]["attribution_fisher"], few[1]["attribution_fisher"], rtol=1e-3, atol=0)
+    assert_no_grads(model)
+    assert_no_hooks(model)
+    with pytest.raises(InputError, match="fisher_samples"):
+        attribution_scores(model, tokens, layers, fisher_samples=-1)
+
+
 def test_attribution_on_a_partly_parallel_model(planner_model, planner_tokens):
     """``base`` layers are parallel in the same forward: their score is NaN, the clean loss is theirs."""
     scores, loss = attribution_scores(planner_model, planner_tokens, [0, 1, 2, 3, 4], base=[2])
@@ -86,8 +119,8 @@ def test_attribution_on_a_partly_parallel_model(planner_model, planner_tokens):
 
 
 def test_parallel_scores(planner_model, planner_tokens, tmp_path):
-    res = ts.parallel_scores(planner_model, planner_tokens, gold=True, batch_size=2)
-    defect = ts.parallel_defect(planner_model, planner_tokens, batch_size=2)
+    res = ts.parallel_scores(planner_model, planner_tokens, gold=True, batch_size=4, fisher_samples=2)
+    defect = ts.parallel_defect(planner_model, planner_tokens, batch_size=4)
     for k in ("C", "C_phi", "C1", "C_tan"):
         torch.testing.assert_close(res.scores[k], defect.scores[k], rtol=0, atol=0)
     base = _mean_loss(planner_model, planner_tokens, [])
@@ -95,7 +128,8 @@ def test_parallel_scores(planner_model, planner_tokens, tmp_path):
                           dtype=torch.float64)
     torch.testing.assert_close(res.delta_ce, direct, rtol=1e-5, atol=1e-7)
     assert set(res.spearman) == set(res.scores) and -1 <= res.spearman["attribution"] <= 1
-    assert res.cost["forward"] == 2 + 6 and res.cost["backward"] == 1  # scores, clean + 5 single-layer runs
+    # C + attribution forwards, clean + 5 single-layer runs; 1 true-label + 2 sampled-label backwards
+    assert res.cost["forward"] == 2 + 6 and res.cost["backward"] == 1 + 2
     back = ts.ParallelScoresResult.load(res.save(tmp_path / "scores.safetensors"))
     torch.testing.assert_close(back.scores["attribution"], res.scores["attribution"], rtol=0, atol=0)
     assert len(res.plot().data) == len(res.scores) + 1 and "spearman_attribution" in res.summary()
@@ -133,19 +167,46 @@ def test_greedy_choices_rechecked(planner_model, planner_tokens, plan):
         assert rest[added] == min(rest.values())
         order.append(added)
     assert plan.strategy_costs["greedy"]["backward"] == 3 and plan.strategy_costs["greedy_measured"]["forward"] == (
-        3 + 5 + 4 + 3)
+        5 + 4 + 3)
+    # "measured": the k layers of lowest measured single-layer calibration loss
+    single = {lay: _mean_loss(planner_model, cal, [lay]) for lay in range(5)}
+    assert plan.plan_of("measured") == sorted(sorted(single, key=single.get)[:2])
+
+
+def test_greedy_measured_shortlist(planner_model, planner_tokens, plan):
+    """With a shortlist of 2, each step measures the 2 remaining layers ranked lowest by SHORTLIST_SCORE (the
+    one-shot score of the calibration windows) and adds the better one."""
+    from tl_steering.planning.plan import SHORTLIST_SCORE
+
+    cal = planner_tokens[:2]
+    p2 = ts.plan_parallel(planner_model, cal, 3, held_out=planner_tokens[2:], strategy="greedy_measured",
+                          k_values=[1, 2, 3], shortlist=2, batch_size=2)
+    scores = ts.parallel_scores(planner_model, cal, batch_size=2).score_of(SHORTLIST_SCORE)
+    ranked = st.rank(list(range(5)), scores)
+    order = []
+    for step in range(3):
+        short = [lay for lay in ranked if lay not in order][:2]
+        losses = {lay: _mean_loss(planner_model, cal, order + [lay]) for lay in short}
+        order.append(min(short, key=lambda lay: (losses[lay], lay)))
+        assert p2.plans["greedy_measured"][step] == sorted(order), (step, losses)
+    # 6 measured plans + the score's forward; its 1 true-label + 8 sampled-label backwards
+    assert p2.strategy_costs["greedy_measured"]["forward"] == 6 + 1
+    assert p2.strategy_costs["greedy_measured"]["backward"] == 1 + 8
 
 
 def test_reported_losses_and_best(planner_model, planner_tokens, plan):
     cal, held = planner_tokens[:2], planner_tokens[2:]
+    clean_cal, clean_held = _mean_loss(planner_model, cal, []), _mean_loss(planner_model, held, [])
+    direct: dict[tuple, tuple[float, float]] = {}  # one direct evaluation per distinct layer set
     for s in plan.strategies:
         for j, layers in enumerate(plan.plans[s]):
             assert len(layers) == plan.k_values[j] and layers == sorted(layers)
-        lay2 = plan.plan_of(s)
-        direct_cal = _mean_loss(planner_model, cal, lay2) - _mean_loss(planner_model, cal, [])
-        direct_held = _mean_loss(planner_model, held, lay2) - _mean_loss(planner_model, held, [])
-        assert plan.at_k("calibration")[s] == pytest.approx(direct_cal, abs=1e-6)
-        assert plan.at_k("held_out")[s] == pytest.approx(direct_held, abs=1e-6)
+        lay2 = tuple(plan.plan_of(s))
+        if lay2 not in direct:
+            direct[lay2] = (_mean_loss(planner_model, cal, lay2) - clean_cal,
+                            _mean_loss(planner_model, held, lay2) - clean_held)
+        assert plan.at_k("calibration")[s] == pytest.approx(direct[lay2][0], abs=1e-6)
+        assert plan.at_k("held_out")[s] == pytest.approx(direct[lay2][1], abs=1e-6)
     selectable = {s: v for s, v in plan.at_k("calibration").items() if s != "random"}
     assert plan.calibration_delta_ce == min(selectable.values())
     assert plan.layers == plan.plan_of(plan.strategy) and plan.k == 2 and plan.requested == "best"
@@ -155,10 +216,11 @@ def test_reported_losses_and_best(planner_model, planner_tokens, plan):
 
 
 def test_plans_deterministic_for_a_seed(planner_model, planner_tokens, plan, tmp_path):
+    redo = ("attribution_2nd", "attribution_fisher", "greedy", "greedy_measured", "random")  # the seeded / greedy ones
     again = ts.plan_parallel(planner_model, planner_tokens[:2], 2, held_out=planner_tokens[2:],
-                             k_values=[0, 1, 2, 3], shortlist=None, batch_size=2)
-    assert again.plans == plan.plans and again.layers == plan.layers and again.strategy == plan.strategy
-    for s in plan.strategies:
+                             k_values=[0, 1, 2, 3], shortlist=None, batch_size=2, strategies=redo)
+    for s in redo:
+        assert again.plans[s] == plan.plans[s], s
         torch.testing.assert_close(again.held_out_curves[s], plan.held_out_curves[s], rtol=0, atol=0)
     back = ts.ParallelPlan.load(plan.save(tmp_path / "plan.json"))
     assert back.plans == plan.plans and back.layers == plan.layers and back.cost == plan.cost
@@ -184,6 +246,8 @@ def test_bad_inputs(planner_model, planner_tokens):
         ts.plan_parallel(planner_model, planner_tokens[:1], 1)
     with pytest.raises(InputError, match="shortlist"):
         ts.plan_parallel(planner_model, planner_tokens, 1, shortlist=0)
+    with pytest.raises(InputError, match="fisher_samples"):
+        ts.plan_parallel(planner_model, planner_tokens, 1, strategy="attribution_2nd", fisher_samples=0)
 
 
 # ----------------------------------------------------------------------------------------------------------

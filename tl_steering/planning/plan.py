@@ -3,12 +3,15 @@
 Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a set of k sequential layers):
 
 * one-shot by a score (``"C"``, ``"C1"``, ``"C_phi"``, ``"C_tan"`` [paper]; ``"attribution"``,
-  ``"attribution_abs"``, ``"attribution_rms"`` [ours]): the k lowest-scored layers
-  (:func:`tl_steering.parallel_scores`);
+  ``"attribution_abs"``, ``"attribution_rms"``, ``"attribution_2nd"``, ``"attribution_fisher"``,
+  ``"attribution_fisher_diag"`` [ours]): the k lowest-scored layers (:func:`tl_steering.parallel_scores`);
+* ``"measured"`` [ours]: the k layers of lowest measured single-layer calibration dCE (L + 1 forwards; taken
+  from ``scores=`` when that result carries the gold, ``parallel_scores(..., gold=True)``);
 * ``"greedy"`` [ours]: add, one at a time, the layer with the lowest ``attribution_abs`` (:data:`GREEDY_SCORE`)
   re-computed on the partly parallel model (one forward + backward per step);
-* ``"greedy_measured"`` [ours, SLEB-style]: the same, but among the ``shortlist`` lowest-attribution layers
-  the one whose measured calibration loss is lowest is added (``shortlist=None``: every remaining layer);
+* ``"greedy_measured"`` [ours, SLEB-style]: add, one at a time, the layer whose addition gives the lowest
+  measured calibration loss, among the ``shortlist`` remaining layers ranked lowest by the one-shot
+  :data:`SHORTLIST_SCORE` (``shortlist=None``: every remaining layer, SLEB proper: sum_{j<k} (L - j) forwards);
 * ``"contiguous"`` [ours]: the window of k consecutive candidate layers with the lowest measured
   calibration loss;
 * ``"random"``: a seeded random k-set (a baseline, never chosen by ``"best"``).
@@ -32,23 +35,30 @@ from ..data import token_source
 from ..errors import InputError
 from ..results import Result, register
 from . import strategies as st
-from .attribution import attribution_scores
+from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .scores import ParallelScoresResult, parallel_scores
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
-                                     "attribution_rms")
+                                     "attribution_rms", "attribution_2nd", "attribution_fisher",
+                                     "attribution_fisher_diag")
 """One-shot strategies: the k layers with the lowest value of that score."""
-PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("greedy", "greedy_measured", "contiguous", "random")
+PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("measured", "greedy", "greedy_measured", "contiguous",
+                                                       "random")
 """Every strategy :func:`plan_parallel` knows."""
-DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "greedy", "greedy_measured",
+DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "attribution_2nd",
+                                       "attribution_fisher", "measured", "greedy", "greedy_measured",
                                        "contiguous", "random")
 """Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
 GREEDY_SCORE = "attribution_abs"
 """The score the greedy planners re-compute. Not the signed first-order ``attribution``: on a trained model
 the loss sits near a minimum, the first-order term of a large defect can even be negative (SmolLM2 layers 0
 and 1: -0.24 / -0.12 nats predicted, +1.68 / +0.61 measured), so a signed greedy would pick the worst layers
-first; the token-wise absolute value does not cancel and ranks damage far better (docs/defect.md)."""
+first; the token-wise absolute value does not cancel and ranks damage far better (docs/defect.md). The
+second-order scores are not re-computed per step (``fisher_samples`` more backwards each)."""
+SHORTLIST_SCORE = "attribution_2nd"
+"""The one-shot score whose ranking gives ``greedy_measured`` its shortlist of layers to measure at each step
+(the second-order loss change; docs/defect.md "Second order")."""
 
 
 @register
@@ -169,6 +179,7 @@ def plan_parallel(
     batch_size: int = 8,
     corpus: str | None = None,
     scores: ParallelScoresResult | None = None,
+    fisher_samples: int = 8,
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
 
@@ -184,11 +195,14 @@ def plan_parallel(
         k_values: k of the comparison curves (default: :func:`default_k_values` up to k, and k).
         strategies: strategies compared by ``"best"`` (default :data:`DEFAULT_COMPARISON`).
         shortlist: candidates measured per greedy_measured step (``None``: all remaining).
-        seed: seed of the ``random`` baseline (every other strategy is deterministic; ties go to the lower layer).
+        seed: seed of the ``random`` baseline and of the sampled labels of the second-order scores (every plan
+            is deterministic for a seed; ties go to the lower layer).
         batch_size: sequences per forward pass.
         corpus: provenance label.
         scores: a :func:`parallel_scores` result computed on the SAME calibration windows and layers (saves
             its passes; its cost is then not counted again).
+        fisher_samples: sampled-label backwards of the second-order scores (0: first-order scores only; the
+            ``attribution_2nd`` / ``_fisher`` strategies then refuse).
 
     Returns:
         A :class:`ParallelPlan`.
@@ -205,7 +219,8 @@ def plan_parallel(
     cand = [lay for lay in sel if not ad.is_parallel(lay)]
     k = st.check_k(k, len(cand))
     if strategy == "best":
-        names = list(strategies) if strategies is not None else list(DEFAULT_COMPARISON)
+        names = list(strategies) if strategies is not None else [
+            s for s in DEFAULT_COMPARISON if fisher_samples or s not in FISHER_VARIANTS]
     else:
         names = [strategy]
     unknown = [s for s in names if s not in PLAN_STRATEGIES]
@@ -226,18 +241,40 @@ def plan_parallel(
     given = scores is not None
     if given and (scores.layers != sel or scores.provenance.n_sequences != int(cal.shape[0])):
         raise InputError("scores= must come from parallel_scores on the same calibration windows and layers")
+    # the sampled-label backwards only when a strategy uses a second-order score
+    fisher_samples = fisher_samples if any(s in FISHER_VARIANTS or s == "greedy_measured" for s in names) else 0
     if need and not given:
-        scores = parallel_scores(model, cal, layers=sel, batch_size=batch_size)
+        scores = parallel_scores(model, cal, layers=sel, batch_size=batch_size, fisher_samples=fisher_samples,
+                                 seed=seed)
+    missing = [s for s in names if s in SCORE_STRATEGIES and s not in scores.scores] if need else []
+    if missing:
+        raise InputError(f"strategies {missing} need second-order scores: pass fisher_samples > 0 (to "
+                         f"parallel_scores when you give scores=)")
     for name in names:
         t1 = time.perf_counter()
         if name in SCORE_STRATEGIES:
             so = scores.score_of(name)
             sets[name] = [st.one_shot(cand, so, j) for j in ks]
-            cost = {"forward": 1.0, "backward": 0.0} if name.startswith("C") else {"forward": 1.0, "backward": 1.0}
-        elif name.startswith("greedy"):
-            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), cal_loss,
-                                  shortlist if name == "greedy_measured" else 0, batch_size, extra)
+            n_bwd = 0.0 if name.startswith("C") else 1.0 + (fisher_samples if name in FISHER_VARIANTS else 0.0)
+            cost = {"forward": 1.0, "backward": n_bwd}
+        elif name == "greedy":
+            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), batch_size, extra)
             sets[name] = [sorted(order[:j]) for j in ks]
+        elif name == "greedy_measured":
+            rank_by = SHORTLIST_SCORE if SHORTLIST_SCORE in scores.scores else GREEDY_SCORE
+            order, cost = _greedy_measured(cand, kmax, scores.score_of(rank_by), cal_loss, shortlist)
+            if shortlist is not None:  # the ranking's own passes (1 forward, 1 + S backwards)
+                cost = {"forward": cost["forward"] + 1.0,
+                        "backward": 1.0 + (fisher_samples if rank_by in FISHER_VARIANTS else 0.0)}
+            sets[name] = [sorted(order[:j]) for j in ks]
+        elif name == "measured":  # the gold of scores= (same windows, parallel_scores(gold=True)) when given
+            if scores is not None and scores.evaluated:
+                pos = {lay: i for i, lay in enumerate(scores.layers)}
+                single = {lay: float(scores.delta_ce[pos[lay]]) for lay in cand}
+            else:
+                single = {lay: cal_loss([lay]) for lay in cand}
+            sets[name] = [st.one_shot(cand, single, j) for j in ks]
+            cost = {"forward": float(len(cand) + 1), "backward": 0.0}
         elif name == "contiguous":
             n_eval = 0
             sets[name] = []
@@ -260,10 +297,10 @@ def plan_parallel(
     chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
     fresh = need and not given
     total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]),
-             "backward": float((1 if fresh else 0) + extra["passes"]),
+             "backward": float((1 + fisher_samples if fresh else 0) + extra["passes"]),
              "seconds": time.perf_counter() - t0}
     options = {"k": k, "strategy": strategy, "layers": sel, "k_values": ks, "strategies": names,
-               "shortlist": shortlist, "batch_size": batch_size,
+               "shortlist": shortlist, "batch_size": batch_size, "fisher_samples": fisher_samples,
                "held_out": "given" if held_out is not None else "second half of tokens"}
     return ParallelPlan(
         provenance=ad.provenance(cal, corpus=corpus, seed=seed, **options),
@@ -276,9 +313,8 @@ def plan_parallel(
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
-            cal_loss: PlanLoss, shortlist: int | None, batch_size: int,
-            extra: dict[str, int]) -> tuple[list[int], dict[str, float]]:
-    """Greedy order of ``kmax`` layers (see the module docstring); ``shortlist=0``: attribution only."""
+            batch_size: int, extra: dict[str, int]) -> tuple[list[int], dict[str, float]]:
+    """``"greedy"``: order of ``kmax`` layers by :data:`GREEDY_SCORE` re-computed on the partly parallel model."""
     order: list[int] = []
     fwd = bwd = 0.0
     for step in range(kmax):
@@ -289,16 +325,24 @@ def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int,
             so = {lay: float(attr[GREEDY_SCORE][sel.index(lay)]) for lay in cand}
             extra["passes"] += 1
         fwd, bwd = fwd + 1, bwd + 1
-        rest = st.rank([lay for lay in cand if lay not in order], so)
-        if shortlist == 0:
-            best = rest[0]
-        else:
-            short = rest if shortlist is None else rest[:shortlist]
-            vals = {lay: cal_loss(order + [lay]) for lay in short}
-            fwd += len(short)
-            best = min(short, key=lambda lay: (vals[lay], lay))
-        order.append(best)
+        order.append(st.rank([lay for lay in cand if lay not in order], so)[0])
     return order, {"forward": fwd, "backward": bwd}
+
+
+def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_loss: PlanLoss,
+                     shortlist: int | None) -> tuple[list[int], dict[str, float]]:
+    """``"greedy_measured"``: each step adds the layer of lowest measured calibration loss among the
+    ``shortlist`` remaining layers ranked lowest by ``ranking`` (all remaining with ``None``)."""
+    order: list[int] = []
+    ranked = st.rank(cand, ranking)
+    fwd = 0.0
+    for _ in range(kmax):
+        rest = [lay for lay in ranked if lay not in order]
+        short = rest if shortlist is None else rest[:shortlist]
+        vals = {lay: cal_loss(order + [lay]) for lay in short}
+        fwd += len(short)
+        order.append(min(short, key=lambda lay: (vals[lay], lay)))
+    return order, {"forward": fwd, "backward": 0.0}
 
 
 __all__ = ["DEFAULT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]

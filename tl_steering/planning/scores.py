@@ -2,7 +2,8 @@
 
 ``scores`` holds the paper's defect scores (``C`` and its variants ``C_phi``, ``C1``, ``C_tan`` from
 :func:`tl_steering.protocols.parallel_defect`) and the loss-aware attribution scores
-(:mod:`tl_steering.planning.attribution`). Every score is "lower = safer to make parallel". With
+(:mod:`tl_steering.planning.attribution`, with the sampled-label second-order scores when
+``fisher_samples > 0``). Every score is "lower = safer to make parallel". With
 ``gold=True`` the measured single-layer dCE of every layer and each score's Spearman rho with it are added.
 """
 
@@ -34,7 +35,9 @@ class ParallelScoresResult(Result):
         already_parallel: per layer, whether the block is parallel already (never a candidate; scores NaN
             for the attribution variants, 0 defect for the C variants).
         scores: ``C``, ``C_phi``, ``C1``, ``C_tan`` (relative defect) and ``attribution`` (first-order dCE,
-            nats), ``attribution_abs``, ``attribution_rms``; float64.
+            nats), ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0``
+            ``attribution_fisher``, ``attribution_2nd`` (second-order dCE, nats), ``attribution_fisher_diag``;
+            float64.
         clean_loss: mean next-token CE of the model on the tokens.
         evaluated: whether the measured gold (``delta_ce``) was computed.
         delta_ce: per layer, measured CE with that layer alone parallel minus clean CE (NaN unless evaluated).
@@ -105,6 +108,8 @@ def parallel_scores(
     gold: bool = False,
     batch_size: int = 8,
     corpus: str | None = None,
+    fisher_samples: int = 8,
+    seed: int = 0,
 ) -> ParallelScoresResult:
     """Every per-layer score of making a block parallel (module docstring; docs/defect.md "Scores").
 
@@ -117,10 +122,12 @@ def parallel_scores(
         gold: also measure the single-layer dCE of every candidate (one forward pass per layer).
         batch_size: sequences per forward pass.
         corpus: provenance label of the tokens.
+        fisher_samples: sampled-label backward passes of the second-order scores (0: first order only).
+        seed: seed of the sampled labels (the scores are deterministic for a seed).
 
     Returns:
-        A :class:`ParallelScoresResult`; cost in passes: 2 forwards (C) + 1 forward/backward (attribution),
-        plus 1 + L forwards with ``gold``.
+        A :class:`ParallelScoresResult`; cost in passes: 1 forward (C) + 1 forward and
+        ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
     """
     from ..protocols.defect import parallel_defect  # the paper's scores (imported late: defect uses planning)
 
@@ -130,9 +137,10 @@ def parallel_scores(
     defect = parallel_defect(model, tokens, layers=layers, exclude_positions=exclude_positions,
                              batch_size=batch_size, corpus=corpus)
     sel = defect.layers
-    attr, clean = attribution_scores(model, tokens, sel, batch_size=batch_size)
+    attr, clean = attribution_scores(model, tokens, sel, batch_size=batch_size, fisher_samples=fisher_samples,
+                                     seed=seed)
     scores = {**{k: v.clone() for k, v in defect.scores.items()}, **attr}
-    cost = {"forward": 2.0, "backward": 1.0}
+    cost = {"forward": 2.0, "backward": 1.0 + fisher_samples}
     delta = torch.full((len(sel),), math.nan, dtype=torch.float64)
     rho: dict[str, float] = {}
     if gold:
@@ -143,7 +151,7 @@ def parallel_scores(
         rho = {k: spearman(v[cidx], delta[cidx]) for k, v in scores.items()}
     cost["seconds"] = time.perf_counter() - t0
     options = {"layers": sel, "exclude_positions": list(exclude_positions), "gold": bool(gold),
-               "batch_size": batch_size}
+               "batch_size": batch_size, "fisher_samples": fisher_samples, "seed": seed}
     return ParallelScoresResult(
         provenance=adapt(model).provenance(tokens, corpus=defect.provenance.corpus, **options),
         layers=sel, already_parallel=list(defect.already_parallel), scores=scores, clean_loss=clean,
