@@ -5,6 +5,7 @@
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from jaxtyping import Int
 from torch import Tensor
 
@@ -20,36 +21,45 @@ def iter_batches(
     batch_size: int,
     fwd_hooks: HookList = (),
     first_names: Sequence[str] = (),
+    rows: Sequence[slice] | None = None,
 ) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
     """Forward ``tokens`` in batches of ``batch_size`` sequences with :meth:`ModelAdapter.run_with_cache`.
 
     Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
     collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names` for the residual check).
-    Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``).
+    Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
+    these batches (a rank's share, :func:`tl_steering.sharding.my_batches`); default every batch.
     """
     n = tokens.shape[0]
-    for start in range(0, n, batch_size):
-        rows = slice(start, min(start + batch_size, n))
-        wanted = list(dict.fromkeys(list(names) + (list(first_names) if start == 0 else [])))
-        logits, cache = ad.run_with_cache(tokens[rows], wanted, fwd_hooks=list(fwd_hooks))
-        yield rows, logits, cache
+    batches = [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)] if rows is None else rows
+    for sl in batches:
+        wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
+        logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))
+        yield sl, logits, cache
 
 
-def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = (), batch_size: int = 8) -> float:
+def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = (), batch_size: int = 8,
+              world: Any = None) -> float:
     """Mean next-token cross-entropy (nats) over every predicted token of ``tokens``, with ``hooks``.
 
-    ``sum over batches of sum_i loss_i / number of predicted tokens``: every token weighs the same, whatever
+    ``sum over windows of sum_i loss_i / number of predicted tokens``: every token weighs the same, whatever
     the batching; accumulated in float64 (:func:`tl_steering.metrics.next_token_loss`). Raises
     :class:`~tl_steering.errors.NonFiniteError` if a loss is NaN/Inf. ``model`` may be a model or its adapter.
+    ``world`` (a :class:`tl_steering.sharding.World`): each rank runs its batches, the per-window sums are
+    gathered and added in window order (the same number on one rank or many).
     """
+    from .sharding import gather_rows, my_batches
+
     ad = adapt(model)
-    total, count = 0.0, 0
-    for start in range(0, tokens.shape[0], batch_size):
-        lt = ad.loss_per_token(tokens[start:start + batch_size], list(hooks))
+    n = tokens.shape[0]
+    mine = my_batches(n, batch_size, world)
+    per_row = torch.zeros(n, dtype=torch.float64)
+    for rows in mine:
+        lt = ad.loss_per_token(tokens[rows], list(hooks))
         check_finite(lt, None, "next-token loss")
-        total += float(lt.sum())
-        count += lt.numel()
-    return total / count
+        per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
+    per_row = gather_rows({"s": per_row}, mine, world)["s"]
+    return float(per_row.sum()) / (n * (tokens.shape[1] - 1))
 
 
 __all__ = ["HookList", "iter_batches", "mean_loss"]

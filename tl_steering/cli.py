@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("report", help="run every protocol and write an HTML report")
     r.add_argument(
-        "--model", default="smollm2-135m", help="smollm2-135m (offline), gemma-3-270m, or a TL model name"
+        "--model", default="smollm2-135m",
+        help="smollm2-135m (offline), gemma-3-270m, a TL model name, or tiny-ARCH (a random test model)"
     )
     r.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
     r.add_argument(
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--windows", type=int, default=None, help="number of token windows (default 8, --quick 4)")
     r.add_argument("--length", type=int, default=None, help="tokens per window (default 128, --quick 64)")
+    r.add_argument("--batch-size", type=int, default=None,
+                   help="windows per forward (default 8); under torchrun each rank runs every world-size-th batch")
     r.add_argument("--out", default="report", help="output directory")
     r.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
     r.add_argument("--seed", type=int, default=0)
@@ -66,6 +69,8 @@ def check_report_args(args: argparse.Namespace) -> None:
     check_text_source(args.text)
     check_windows_length(args.windows, args.length)
     as_int(args.seed, "--seed", minimum=0)
+    if getattr(args, "batch_size", None) is not None:
+        as_int(args.batch_size, "--batch-size", minimum=1)
     as_device(args.device, "--device")
     check_out_dir(args.out)
 
@@ -136,6 +141,7 @@ def run_report(
     quick: bool = False,
     progress: bool = True,
     settings: Any = None,
+    batch_size: int | None = None,
 ) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
@@ -151,24 +157,30 @@ def run_report(
         quick: small settings (about 2 minutes on 2 CPU cores).
         progress: show a progress bar per stage on stderr.
         settings: explicit :class:`~tl_steering.suite.SuiteSettings` (overrides ``windows``, ``length``, ``quick``).
+        batch_size: windows per forward (default: the settings'); the unit of work a rank takes under torchrun.
 
     Returns:
         The path of ``index.html``.
     """
+    import dataclasses
     import time
 
     import torch
 
-    from .backends import adapt, load_model
+    from .backends import adapt
     from .data import text_windows
     from .report import render_report
+    from .scale import load_named
+    from .sharding import world
     from .suite import RunArguments, StageTiming, default_settings, run_suite
 
     t0, c0 = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
-    m = load_model(model, backend=backend, device=device) if isinstance(model, str) else model
+    m = load_named(model, backend, device) if isinstance(model, str) else model
     ad = adapt(m)
     s = settings or default_settings(ad.n_layers, quick=quick, windows=windows, length=length)
+    if batch_size is not None:
+        s = dataclasses.replace(s, batch_size=batch_size)
     tokens = text_windows(m, source=text, n_windows=s.windows, length=s.length, seed=seed)
     load = StageTiming(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
     suite = run_suite(m, tokens, s, progress=progress, seed=seed)
@@ -187,6 +199,8 @@ def run_report(
         command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None,
     )
     out_dir = Path(out)
+    if world().rank != 0:  # under torchrun: rank 0 alone writes (every rank holds the same result)
+        return out_dir / "index.html"
     suite.save(out_dir / "results.json")
     return render_report(suite, out_dir)
 
@@ -203,18 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             check_report_args(args)
-            path = run_report(
-                model=args.model,
-                backend=args.backend,
-                text=args.text,
-                windows=args.windows,
-                length=args.length,
-                out=args.out,
-                device=args.device,
-                seed=args.seed,
-                quick=args.quick,
-                progress=not args.no_progress,
-            )
+            path, rank = _distributed_report(args)
+            if rank != 0:
+                return 0
         else:
             from .report import render_report
 
@@ -228,6 +233,43 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     print(f"report written to {path}")
     return 0
+
+
+def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
+    """``report`` in this process, or as one rank of a ``torchrun`` job (docs/scale_out.md, "The sharded report").
+
+    Under torchrun (``WORLD_SIZE`` > 1) the process group is created here (gloo on CPU, NCCL with a CUDA
+    ``--device``, each rank on ``cuda:LOCAL_RANK``), every rank runs the suite on its shard of the windows,
+    rank 0 alone writes; the group is destroyed before returning.
+    """
+    import torch
+
+    from .scale import init_from_env
+    from .sharding import world
+
+    created = init_from_env(args.device)
+    try:
+        device = args.device
+        if device is not None and device.startswith("cuda") and world().active:
+            device = f"cuda:{torch.cuda.current_device()}"
+        rank = world().rank
+        path = run_report(
+            model=args.model,
+            backend=args.backend,
+            text=args.text,
+            windows=args.windows,
+            length=args.length,
+            out=args.out,
+            device=device,
+            seed=args.seed,
+            quick=args.quick,
+            progress=not args.no_progress and rank == 0,
+            batch_size=args.batch_size,
+        )
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    return path, rank
 
 
 def raise_input(msg: str) -> NoReturn:

@@ -37,31 +37,11 @@ from .corpus import CorpusSpec, iter_window_rows, parse_source
 from .errors import InputError
 from .probe_result import ProbeResult
 from .probing import probe
+from .sharding import World, check_agreement, gather_objects, world
 
 FORMAT = 1
 
 __all__ = ["World", "check_agreement", "init_from_env", "main", "scan", "world"]
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """This process's place in a ``torch.distributed`` job (rank 0 of 1 when there is no process group)."""
-
-    rank: int = 0
-    size: int = 1
-    backend: str = "none"
-
-    @property
-    def active(self) -> bool:
-        return self.size > 1
-
-
-def world() -> World:
-    """The current process group, if one is initialized (``torch.distributed``), else a single process."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
-    return World()
 
 
 def init_from_env(device: str | None = None) -> bool:
@@ -82,24 +62,7 @@ def init_from_env(device: str | None = None) -> bool:
     return True
 
 
-def _gather(obj: Any, w: World) -> list[Any]:
-    if not w.active:
-        return [obj]
-    out: list[Any] = [None] * w.size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def check_agreement(settings: dict[str, Any], w: World | None = None) -> None:
-    """Raise :class:`InputError` on every rank when the ranks were started with different settings/models."""
-    w = w or world()
-    everyone = _gather(settings, w)
-    bad = sorted({k for other in everyone for k in set(other) | set(settings) if other.get(k) != everyone[0].get(k)})
-    if bad:
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={everyone[r].get(k)!r}" for r in range(w.size))
-                           for k in bad)
-        raise InputError(f"the {w.size} ranks disagree on {', '.join(bad)} ({detail}); start every rank with the "
-                         "same model, weights, corpus and settings")
+_gather = gather_objects
 
 
 def _digest(settings: dict[str, Any]) -> str:
@@ -259,7 +222,8 @@ def scan(
     return total
 
 
-def _load(name: str, backend: str, device: str | None) -> Any:
+def load_named(name: str, backend: str, device: str | None) -> Any:
+    """A model by name for the command line: ``tiny-ARCH`` (a random test model) or :func:`load_model`'s names."""
     from . import backends
 
     if name.startswith("tiny-"):
@@ -291,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             device = args.device
             if device is not None and device.startswith("cuda") and world().active:
                 device = f"cuda:{torch.cuda.current_device()}"
-            model = _load(args.model, args.backend, device)
+            model = load_named(args.model, args.backend, device)
             metrics = args.metrics.split(",") if args.metrics else None
             res = scan(model, spec, n_windows=args.windows, length=args.length, metrics=metrics,
                        shard_windows=args.shard_windows, batch_size=args.batch_size, out_dir=args.out,

@@ -35,6 +35,7 @@ from .. import validation
 from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
+from ..sharding import World, gather_rows, my_batches
 from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
@@ -148,6 +149,7 @@ def ffn_ablation(
     corpus: str | None = None,
     batch_size: int = 8,
     n_bootstrap: int = 1000,
+    world: World | None = None,
 ) -> AblationResult:
     """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (docs/ablation.md).
 
@@ -164,6 +166,8 @@ def ffn_ablation(
         seed: seed of the random-tangent control and of the bootstrap.
         batch_size: sequences per forward pass.
         n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
+        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+            per-sequence values are gathered in window order; the same result on every rank.
     """
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
@@ -188,8 +192,9 @@ def ffn_ablation(
         jobs += [(v, lay) for v in variants for lay in layer_list]
     metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
     clean = torch.zeros(n_seq, dtype=torch.float64)
-    for start in range(0, n_seq, batch_size):
-        rows = slice(start, min(start + batch_size, n_seq))
+    mine = my_batches(n_seq, batch_size, world)  # this rank's batches (all of them without a process group)
+    for rows in mine:
+        start = rows.start
         tb = tokens[rows]
         clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
         clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
@@ -200,6 +205,14 @@ def ffn_ablation(
             logits = ad.run_with_hooks(tb, hooks, return_type="logits")
             metrics[(variant, lay)].add(rows, logits, tb, clean_logits)
             del logits
+    if world is not None and world.active:  # the other ranks' windows, in window order
+        arrays = {("clean",): clean}
+        for job, m in metrics.items():
+            arrays.update({(job, "loss"): m.loss, (job, "kl"): m.kl, (job, "agree"): m.agree})
+        arrays = gather_rows(arrays, mine, world)
+        clean = arrays[("clean",)]
+        for job, m in metrics.items():
+            m.loss, m.kl, m.agree = arrays[(job, "loss")], arrays[(job, "kl")], arrays[(job, "agree")]
 
     delta = {v: metrics[(v, None)].loss - clean for v in variants}
     d_mean = {v: float(delta[v].mean()) for v in variants}

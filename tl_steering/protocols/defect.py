@@ -68,6 +68,7 @@ from ..planning.gold import PlanLoss, single_layer_delta
 from ..planning.gold import spearman as _spearman
 from ..planning.speedup import SPEEDUP_LABEL, submodule_times
 from ..planning.strategies import default_k_values
+from ..sharding import World, broadcast_from_rank0, gather_rows, my_batches, split_map
 from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
@@ -85,17 +86,23 @@ _PHI_CHECK_FACTOR = 10.0  # Phi(ffn input) vs hook_mlp_out may differ by kernel 
 
 
 class _Sums:
-    """Float64 running sums of squared norms per layer, pooled over the valid tokens."""
+    """Float64 sums of squared norms per sequence and layer over the valid tokens (``[n_seq, n_layer]``).
 
-    def __init__(self, n: int) -> None:
-        self.v: dict[str, list[float]] = {}
-        self.n = n
+    Kept per sequence so that the ranks of a distributed run can gather them in window order
+    (:func:`tl_steering.sharding.gather_rows`); :meth:`get` pools them over the sequences.
+    """
 
-    def add(self, key: str, i: int, value: Tensor) -> None:
-        self.v.setdefault(key, [0.0] * self.n)[i] += float((value * value).sum())
+    def __init__(self, n_seq: int, n: int) -> None:
+        self.v: dict[str, Tensor] = {}
+        self.n_seq, self.n = n_seq, n
+
+    def add(self, key: str, rows: slice, i: int, value: Tensor) -> None:
+        if key not in self.v:
+            self.v[key] = torch.zeros(self.n_seq, self.n, dtype=torch.float64)
+        self.v[key][rows, i] = (value * value).flatten(1).sum(-1).cpu()
 
     def get(self, key: str) -> Tensor:
-        return torch.tensor(self.v.get(key, [math.nan] * self.n), dtype=torch.float64)
+        return self.v[key].sum(0) if key in self.v else torch.full((self.n,), math.nan, dtype=torch.float64)
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -116,6 +123,24 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
     return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
 
 
+def _plan_losses_split(loss: PlanLoss, sel: list[int], parallel: list[bool], candidates: list[int],
+                       score: Tensor, ks: list[int], n_random: int, seed: int,
+                       world: World) -> dict[tuple[int, ...], float]:
+    """The mean CE of every plan the gold standard asks for, one plan per rank in turn (``split_map``).
+
+    The same plans as below (clean, each single layer, the curves' sets), each evaluated on all windows by one
+    rank with :class:`~tl_steering.planning.gold.PlanLoss` (the same forwards as in one process).
+    """
+    score_of = {lay: float(score[i]) for i, lay in enumerate(sel)}
+    plans: list[list[int]] = [[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
+    plans += [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks]
+    plans += [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks]
+    plans += [_strategies.contiguous(candidates, score_of, k) for k in ks]
+    plans += [p for draw in _strategies.random_sets(candidates, ks, n_random, seed) for p in draw]
+    keys = list(dict.fromkeys(tuple(sorted(int(x) for x in p)) for p in plans))
+    return dict(zip(keys, split_map(lambda key: loss(list(key)), keys, world)))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the protocol
 
@@ -134,6 +159,7 @@ def parallel_defect(
     timing: bool = False,
     batch_size: int = 8,
     timing_repeats: int = 7,
+    world: World | None = None,
 ) -> DefectResult:
     """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); see the module docstring.
 
@@ -160,6 +186,9 @@ def parallel_defect(
             :func:`tl_steering.planning.speedup.submodule_times`).
         batch_size: sequences per forward pass (also the timed slice).
         timing_repeats: timed calls per sub-module (median reported, after 2 warm-up calls).
+        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches of the
+            scores (per-sequence sums gathered in window order), the gold-standard losses are split over the
+            ranks one plan each, the timing runs on rank 0; the same result on every rank.
 
     Returns:
         A :class:`DefectResult`.
@@ -188,8 +217,9 @@ def parallel_defect(
                              "layers analysed)")
     keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
     n = len(sel)
-    sums = _Sums(n)
-    phi_check = [0.0] * n
+    n_seq = tokens.shape[0]
+    sums = _Sums(n_seq, n)
+    phi_rows = torch.zeros(n_seq, n, dtype=torch.float64)  # per sequence: its batch's Phi check error
     t_attn = [math.nan] * n
     t_ffn = [math.nan] * n
     names = []
@@ -198,12 +228,12 @@ def parallel_defect(
         if not ad.is_parallel(lay):
             names.append(ad.hook_name(lay, "resid_mid"))
     tol = ad.identity_tolerance()
-    n_tokens = 0
+    n_tokens = int(n_seq * keep.sum())
+    mine = my_batches(n_seq, batch_size, world)
 
     with torch.no_grad():
-        for rows, _, cache in iter_batches(ad, tokens, names, batch_size):
+        for rows, _, cache in iter_batches(ad, tokens, names, batch_size, rows=mine):
             ad.check_residual_identity(cache, sel)
-            n_tokens += int(tokens[rows].shape[0] * keep.sum())
             for i, lay in enumerate(sel):
                 g = {s: cache[ad.hook_name(lay, s)]
                      for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")}
@@ -222,7 +252,7 @@ def parallel_defect(
                     y_cf, phi_cf = ffn_in, mlp_out
                 scale = max(float(mlp_out.abs().max()), 1e-30)
                 err = float((geo.to64(phi_in_ours) - geo.to64(mlp_out)).abs().max()) / scale
-                phi_check[i] = max(phi_check[i], err)
+                phi_rows[rows, i] = err
                 if not err <= _PHI_CHECK_FACTOR * tol:
                     raise ResidualIdentityError(
                         f"layer {lay}: MLP(LN2(ffn input)) recomputed by tl_steering differs from "
@@ -236,19 +266,25 @@ def parallel_defect(
                 cf = act if not parallel[i] else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
                 dx = geo.to64(g["resid_post"]) - geo.to64(x)
                 for prefix, terms in (("", act), ("cf_", cf)):
-                    sums.add(prefix + "d", i, terms["d"][:, keep])
-                    sums.add(prefix + "ja", i, terms["ja"][:, keep])
-                    sums.add(prefix + "tan", i, terms["tan"][:, keep])
-                    sums.add(prefix + "res", i, (terms["d"] - terms["ja"])[:, keep])
-                    sums.add(prefix + "phi", i, terms["phi"][:, keep])
-                sums.add("dx", i, dx[:, keep])
+                    sums.add(prefix + "d", rows, i, terms["d"][:, keep])
+                    sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
+                    sums.add(prefix + "tan", rows, i, terms["tan"][:, keep])
+                    sums.add(prefix + "res", rows, i, (terms["d"] - terms["ja"])[:, keep])
+                    sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
+                sums.add("dx", rows, i, dx[:, keep])
                 if brackets:
                     _, da_phi = torch.func.jvp(ad.attention(lay), (x,), (phi_x,))
                     da_phi = geo.to64(da_phi)
-                    sums.add("DPhi_A", i, cf["ja"][:, keep])
-                    sums.add("DA_Phi", i, da_phi[:, keep])
-                    sums.add("bracket", i, (cf["ja"] - da_phi)[:, keep])
+                    sums.add("DPhi_A", rows, i, cf["ja"][:, keep])
+                    sums.add("DA_Phi", rows, i, da_phi[:, keep])
+                    sums.add("bracket", rows, i, (cf["ja"] - da_phi)[:, keep])
             del cache
+    if world is not None and world.active:  # the other ranks' windows, in window order
+        keys = sorted(sums.v)
+        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows}, mine, world)
+        phi_rows = got.pop("__phi_check")
+        sums.v = got
+    phi_check = phi_rows.max(0).values.tolist() if n_seq else [0.0] * n
 
     dx2 = sums.get("dx")
 
@@ -273,8 +309,8 @@ def parallel_defect(
     # -- timing (opt-in): sub-module and whole-forward times on the first batch ------------------------------
     t_forward = t_other = math.nan
     timing_shape: list[int] = []
-    if timing:
-        tm = submodule_times(ad, tokens[:batch_size], sel, timing_repeats)
+    if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
+        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
         t_attn, t_ffn = tm["t_attn"].tolist(), tm["t_ffn"].tolist()
         t_forward, t_other, timing_shape = tm["t_forward"], tm["t_other"], tm["timing_shape"]
 
@@ -286,6 +322,9 @@ def parallel_defect(
     curve_layers: dict[str, list] = {}
     if evaluate:
         loss = PlanLoss(model, tokens, batch_size)
+        if world is not None and world.active:  # one pass over the windows per plan: the plans split over ranks
+            loss.memo.update(_plan_losses_split(loss, sel, parallel, candidates, scores["C"], ks, n_random, seed,
+                                                world))
         clean_loss = loss.clean
         delta_ce = single_layer_delta(loss, sel, parallel)
         cidx = [i for i, par in enumerate(parallel) if not par]

@@ -36,6 +36,7 @@ from .. import geometry as geo
 from ..backends import adapt
 from ..data import token_source
 from ..results import Result, register
+from ..sharding import World, gather_rows, my_batches
 from ._common import (
     activation64,
     bin_labels,
@@ -186,6 +187,7 @@ def angular_deficit(
     seed: int = 0,
     corpus: str | None = None,
     batch_size: int = 8,
+    world: World | None = None,
 ) -> DeficitResult:
     """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
 
@@ -197,6 +199,8 @@ def angular_deficit(
         n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
         seed: seed of the bootstrap generator.
         batch_size: sequences per forward pass.
+        world: a :class:`tl_steering.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
+            each rank runs its batches, the per-window values are gathered; the same result on every rank.
 
     Returns:
         :class:`DeficitResult`. The residual identity is checked on the first batch
@@ -220,20 +224,25 @@ def angular_deficit(
     onehot = torch.nn.functional.one_hot(bin_index.clamp_min(0), n_bins).to(torch.float64)
     onehot[bin_index < 0] = 0.0  # position 0 belongs to no bin
 
+    # collect: per-window values of this rank's batches (sharding.my_batches), gathered in window order, so that
+    # the reduction below is the same code on one rank or many (docs/scale_out.md)
     keys = ("align", "untangented", "angle", "e_a", "e_af")
     per_seq = {k: torch.full((n_seq, n_lay), math.nan, dtype=torch.float64) for k in keys}
-    r2 = torch.zeros(3, n_lay, dtype=torch.float64)  # residual A, residual AF, total
-    bin_sum = torch.zeros(n_lay, n_bins, dtype=torch.float64)
-    bin_count = torch.zeros(n_lay, n_bins, dtype=torch.float64)
-    used = torch.zeros(n_lay, dtype=torch.int64)
-    masked = torch.zeros(n_lay, dtype=torch.int64)
-    identity: dict[int, float] = {}
+    per_seq["r2"] = torch.zeros(n_seq, 3, n_lay, dtype=torch.float64)  # residual A, residual AF, total
+    per_seq["bin_sum"] = torch.zeros(n_seq, n_lay, n_bins, dtype=torch.float64)
+    per_seq["bin_count"] = torch.zeros(n_seq, n_lay, n_bins, dtype=torch.float64)
+    per_seq["used"] = torch.zeros(n_seq, n_lay, dtype=torch.int64)
+    per_seq["masked"] = torch.zeros(n_seq, n_lay, dtype=torch.int64)
+    per_seq["identity"] = torch.full((n_seq, n_lay), math.nan, dtype=torch.float64)  # first batch only
+    mine = my_batches(n_seq, batch_size, world)
 
     names = [ad.hook_name(lay, s) for lay in layer_list for s in ("resid_pre", "attn_out", "resid_post")]
-    for rows, logits, cache in iter_batches(ad, tokens, names, batch_size, first_names=ad.identity_names(layer_list)):
+    for rows, logits, cache in iter_batches(ad, tokens, names, batch_size, first_names=ad.identity_names(layer_list),
+                                            rows=mine):
         del logits
-        if not identity:
+        if rows.start == 0:
             identity = ad.check_residual_identity(cache, layer_list)
+            per_seq["identity"][0] = torch.tensor([identity[lay] for lay in layer_list], dtype=torch.float64)
         base = pmask.expand(rows.stop - rows.start, n_pos)
         for j, layer in enumerate(layer_list):
             x_model = cache[ad.hook_name(layer, "resid_pre")]
@@ -247,8 +256,8 @@ def angular_deficit(
             ta, tdx, taf = geo.tangential_part(a, x), geo.tangential_part(dx, x), geo.tangential_part(a + phi, x)
             valid = base & ~(geo.degenerate_mask(x, base) | geo.degenerate_mask(ta, base)
                              | geo.degenerate_mask(tdx, base))
-            masked[j] += int((base & ~valid).sum())
-            used[j] += int(valid.sum())
+            per_seq["masked"][rows, j] = (base & ~valid).sum(-1).cpu()
+            per_seq["used"][rows, j] = valid.sum(-1).cpu()
 
             align = geo.tangent_alignment(a, dx, x)  # cos(P_u a, P_u Dx)
             per_seq["align"][rows, j] = masked_mean(align, valid).cpu()
@@ -259,14 +268,21 @@ def angular_deficit(
 
             w = valid.to(torch.float64)
             inv_r2 = w / (r * r).clamp_min(geo.EPS_NORM**2)
-            r2[0, j] += float((((tdx - ta) ** 2).sum(-1) * inv_r2).sum())
-            r2[1, j] += float((((tdx - taf) ** 2).sum(-1) * inv_r2).sum())
-            r2[2, j] += float(((tdx**2).sum(-1) * inv_r2).sum())
+            per_seq["r2"][rows, 0, j] = (((tdx - ta) ** 2).sum(-1) * inv_r2).sum(-1).cpu()
+            per_seq["r2"][rows, 1, j] = (((tdx - taf) ** 2).sum(-1) * inv_r2).sum(-1).cpu()
+            per_seq["r2"][rows, 2, j] = ((tdx**2).sum(-1) * inv_r2).sum(-1).cpu()
 
             bw = onehot.unsqueeze(0) * w.unsqueeze(-1)  # [b, pos, bin]
-            bin_sum[j] += torch.einsum("bp,bpk->k", torch.where(valid, align, torch.zeros_like(align)), bw).cpu()
-            bin_count[j] += bw.sum((0, 1)).cpu()
+            per_seq["bin_sum"][rows, j] = torch.einsum(
+                "bp,bpk->bk", torch.where(valid, align, torch.zeros_like(align)), bw).cpu()
+            per_seq["bin_count"][rows, j] = bw.sum(1).cpu()
 
+    # reduce
+    per_seq = gather_rows(per_seq, mine, world)
+    r2 = per_seq.pop("r2").sum(0)
+    bin_sum, bin_count = per_seq.pop("bin_sum").sum(0), per_seq.pop("bin_count").sum(0)
+    used, masked = per_seq.pop("used").sum(0), per_seq.pop("masked").sum(0)
+    identity = dict(zip(layer_list, per_seq.pop("identity")[0].tolist()))
     means = {k: torch.nanmean(v, dim=0) for k, v in per_seq.items()}
     deficit = 1.0 - means["align"]
     not_first = torch.tensor([lay != 0 for lay in layer_list])

@@ -35,6 +35,7 @@ from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
 from ..results import Result, register
+from ..sharding import World, gather_rows, my_batches
 from ._common import (
     activation64,
     check_batch_size,
@@ -56,12 +57,12 @@ def _f64(*shape: int):
     return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
-def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], int]:
-    """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked."""
+def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked per sequence."""
     valid = base & ~geo.degenerate_mask(x, base)
     with single_threaded():  # batched svdvals: see single_threaded
         full = geo.diversity_stats(x, mask=valid)
-    return {k: full[k].cpu() for k in STATS}, int((base & ~valid).sum())
+    return {k: full[k].cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
 
 
 def _entropy(logits: Tensor) -> Tensor:
@@ -82,7 +83,23 @@ class _Run:
         self.final = {k: torch.full((self.n_seq,), math.nan, dtype=torch.float64) for k in STATS}
         self.entropy = torch.zeros(self.n_seq, dtype=torch.float64)
         self.loss = torch.zeros(self.n_seq, dtype=torch.float64)
-        self.masked = 0
+        self.masked_rows = torch.zeros(self.n_seq, dtype=torch.int64)  # degenerate tokens per sequence
+
+    @property
+    def masked(self) -> int:
+        return int(self.masked_rows.sum())
+
+    def arrays(self) -> dict[tuple[str, ...], Tensor]:
+        """Every per-sequence array (what :func:`tl_steering.sharding.gather_rows` completes)."""
+        out = {("site", k): v for k, v in self.site.items()}
+        out.update({("final", k): v for k, v in self.final.items()})
+        out.update({("entropy",): self.entropy, ("loss",): self.loss, ("masked",): self.masked_rows})
+        return out
+
+    def set_arrays(self, arrays: dict[tuple[str, ...], Tensor]) -> None:
+        self.site = {k: arrays[("site", k)] for k in self.site}
+        self.final = {k: arrays[("final", k)] for k in self.final}
+        self.entropy, self.loss, self.masked_rows = arrays[("entropy",)], arrays[("loss",)], arrays[("masked",)]
 
     def table(self, stat: str) -> Tensor:
         return torch.nanmean(self.site[stat][..., : len(SITES)], dim=0)
@@ -94,14 +111,16 @@ class _Run:
 
 
 def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Tensor, batch_size: int,
-             hooks: list, run: _Run) -> None:
+             hooks: list, run: _Run, world: World | None = None) -> None:
     last = ad.n_layers - 1
     names = []
     for lay in layer_list:
         names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, "resid_post")]
         names.append(ad.hook_name(lay, "attn_out" if ad.is_parallel(lay) else "resid_mid"))
     names.append(ad.hook_name(last, "resid_post"))
-    for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks):
+    mine = my_batches(tokens.shape[0], batch_size, world)
+    for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks,
+                                            rows=mine):
         run.entropy[rows] = _entropy(logits)
         run.loss[rows] = next_token_loss(logits, tokens[rows]).mean(-1).cpu()
         del logits
@@ -121,13 +140,15 @@ def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Ten
                 else:
                     st, n_bad = _stats(x, base)
                     if slot < len(SITES):
-                        run.masked += n_bad
+                        run.masked_rows[rows] += n_bad
                 for k in STATS:
                     run.site[k][rows, j, slot] = st[k]
         fin = activation64(cache, ad.hook_name(last, "resid_post"), last, "resid_post")
         st, _ = _stats(fin, base)
         for k in STATS:
             run.final[k][rows] = st[k]
+    if world is not None and world.active:  # the other ranks' windows, in window order
+        run.set_arrays(gather_rows(run.arrays(), mine, world))
 
 
 @register
@@ -235,6 +256,7 @@ def diversity(
     seed: int = 0,
     corpus: str | None = None,
     batch_size: int = 8,
+    world: World | None = None,
 ) -> DiversityResult:
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
     ablations, and under an attention-gain sweep (docs/diversity.md).
@@ -248,6 +270,8 @@ def diversity(
         gains: attention-output gains for the sweep (empty: no sweep).
         seed: seed of the random-tangent control.
         batch_size: sequences per forward pass.
+        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+            per-sequence values are gathered in window order; the same result on every rank.
     """
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
@@ -274,16 +298,17 @@ def diversity(
     n_lay = len(layer_list)
 
     clean = _Run(n_seq, n_lay)
-    _collect(ad, tokens, layer_list, pmask, batch_size, [], clean)
+    _collect(ad, tokens, layer_list, pmask, batch_size, [], clean, world)
     runs = {}
     for name in ablations:
         runs[name] = _Run(n_seq, n_lay)
-        _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed), runs[name])
+        _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed), runs[name],
+                 world)
 
     sweep = {k: [] for k in ("final_pairwise_cosine", "final_effective_rank", "entropy", "loss")}
     for g in gain_list:
         run = _Run(n_seq, 0)
-        _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run)
+        _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run, world)
         sweep["final_pairwise_cosine"].append(finite_mean(run.final["pairwise_cosine"]))
         sweep["final_effective_rank"].append(finite_mean(run.final["effective_rank"]))
         sweep["entropy"].append(float(run.entropy.mean()))

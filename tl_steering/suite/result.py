@@ -14,10 +14,7 @@ import torch
 
 from ..gates import GateResult
 
-try:  # the critical-points room's per-layer result (named CriticalSummary before critical/ became a package)
-    from ..critical import CriticalPointsResult as CriticalResult
-except ImportError:  # pragma: no cover - older tree
-    from ..critical import CriticalSummary as CriticalResult
+from ..critical import CriticalPointsResult as CriticalResult
 from ..prefix import PrefixSensitivityResult
 from ..protocols.ablation import AblationResult
 from ..protocols.defect import DefectResult
@@ -179,6 +176,26 @@ class StageTiming:
 
 @register
 @dataclasses.dataclass
+class DistributedRun:
+    """How the run was spread over processes (docs/scale_out.md, "The sharded report").
+
+    Attributes:
+        world_size: processes of the ``torch.distributed`` job (1: no process group).
+        backend: its backend (``"gloo"``, ``"nccl"``; ``"none"`` for one process).
+        sharded_stages: stages whose windows (or per-layer / per-plan forwards) were split over the ranks.
+        rank0_stages: stages run on rank 0 alone, their result handed to the other ranks.
+    """
+
+    kind: ClassVar[str] = "suite_distributed"
+
+    world_size: int = 1
+    backend: str = "none"
+    sharded_stages: list[str] = dataclasses.field(default_factory=list)
+    rank0_stages: list[str] = dataclasses.field(default_factory=list)
+
+
+@register
+@dataclasses.dataclass
 class RunArguments:
     """How the suite was asked for (the CLI's arguments; empty when run_suite was called from Python)."""
 
@@ -211,6 +228,7 @@ class SuiteResult(Result):
     model: ModelSummary = dataclasses.field(default_factory=ModelSummary)
     environment: Environment = dataclasses.field(default_factory=Environment)
     arguments: RunArguments = dataclasses.field(default_factory=RunArguments)
+    distributed: DistributedRun = dataclasses.field(default_factory=DistributedRun)
     started: str = ""
     total_wall_s: float = math.nan
     timings: dict[str, StageTiming] = dataclasses.field(default_factory=dict)
@@ -255,6 +273,7 @@ class SuiteResult(Result):
 
 __all__ = [
     "Checks",
+    "DistributedRun",
     "Environment",
     "ExecutorTiming",
     "ModelSummary",

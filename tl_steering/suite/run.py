@@ -6,7 +6,9 @@ each a plain function of (model, tokens, settings, the result so far) that fills
 plans shared forward passes, or shards windows across ranks, replaces one stage at a time.
 """
 
+import dataclasses
 import datetime as _dt
+import hashlib
 import math
 import sys
 import time
@@ -17,13 +19,15 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from .. import progress as _progress
-from ..backends import adapt, tl_version
+from ..backends import adapt, tl_version, weights_fingerprint
 from ..batching import mean_loss
 from ..data import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
+from ..sharding import World, broadcast_from_rank0, check_agreement, world
 from ..timing import median_seconds, timed
 from .result import (
     Checks,
+    DistributedRun,
     Environment,
     ExecutorTiming,
     ModelSummary,
@@ -94,16 +98,25 @@ class TqdmProgress:
 
 
 class _Ctx:
-    """What every stage reads: the model, the tokens and their corpus label, the settings and the seed."""
+    """What every stage reads: the model, the tokens and their corpus label, the settings, the seed and the
+    process group (:class:`~tl_steering.sharding.World`; one process when none is initialized)."""
 
-    def __init__(self, model: Any, tokens: Tensor, corpus: str | None, s: SuiteSettings, seed: int):
-        self.model, self.tokens, self.corpus, self.s, self.seed = model, tokens, corpus, s, seed
+    def __init__(self, model: Any, tokens: Tensor, corpus: str | None, s: SuiteSettings, seed: int, w: World):
+        self.model, self.tokens, self.corpus, self.s, self.seed, self.w = model, tokens, corpus, s, seed, w
         self.ad = adapt(model)
+
+    def common(self) -> dict[str, Any]:
+        """The keyword arguments every sharded protocol takes from the suite."""
+        return {"seed": self.seed, "batch_size": self.s.batch_size, "corpus": self.corpus, "world": self.w}
+
+    def mean_loss(self, hooks: Any = ()) -> float:
+        """Mean CE over the tokens with ``hooks``, the windows split over the ranks."""
+        return mean_loss(self.model, self.tokens, list(hooks), self.s.batch_size, world=self.w)
 
 
 def stage_checks(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Clean mean CE over the tokens and the residual identity on the first window."""
-    clean = mean_loss(c.model, c.tokens, [], c.s.batch_size)
+    clean = c.mean_loss()
     tick("clean loss")
     _, cache = c.ad.run_with_cache(c.tokens[:1], c.ad.identity_names())
     identity = c.ad.check_residual_identity(cache)
@@ -115,44 +128,21 @@ def stage_checks(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 def stage_deficit(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.deficit import angular_deficit
 
-    res.deficit = angular_deficit(
-        c.model,
-        c.tokens,
-        n_bootstrap=c.s.n_bootstrap,
-        seed=c.seed,
-        batch_size=c.s.batch_size,
-        corpus=c.corpus,
-    )
+    res.deficit = angular_deficit(c.model, c.tokens, n_bootstrap=c.s.n_bootstrap, **c.common())
 
 
 def stage_ablation(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.ablation import ffn_ablation
 
-    res.ablation = ffn_ablation(
-        c.model,
-        c.tokens,
-        keep=tuple(c.s.ablation_variants),
-        scope="all",
-        include_random_tangent=True,
-        seed=c.seed,
-        batch_size=c.s.batch_size,
-        n_bootstrap=c.s.n_bootstrap,
-        corpus=c.corpus,
-    )
+    res.ablation = ffn_ablation(c.model, c.tokens, keep=tuple(c.s.ablation_variants), scope="all",
+                                include_random_tangent=True, n_bootstrap=c.s.n_bootstrap, **c.common())
 
 
 def stage_diversity(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.diversity import diversity
 
-    res.diversity = diversity(
-        c.model,
-        c.tokens,
-        ablations=tuple(c.s.diversity_ablations),
-        gains=tuple(c.s.diversity_gains),
-        seed=c.seed,
-        batch_size=c.s.batch_size,
-        corpus=c.corpus,
-    )
+    res.diversity = diversity(c.model, c.tokens, ablations=tuple(c.s.diversity_ablations),
+                              gains=tuple(c.s.diversity_gains), **c.common())
 
 
 def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
@@ -167,11 +157,9 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         k_values=s.defect_k_values,
         n_random=s.defect_n_random,
         brackets=s.defect_brackets,
-        seed=c.seed,
         timing=s.defect_timing,
-        batch_size=s.batch_size,
         timing_repeats=s.timing_repeats,
-        corpus=c.corpus,
+        **c.common(),
     )
     res.defect = defect
     tick("scores")
@@ -184,9 +172,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             k_values=s.defect_gold_k_values,
             n_random=0,
             timing=False,
-            seed=c.seed,
-            batch_size=s.batch_size,
-            corpus=c.corpus,
+            **c.common(),
         )
     # ---- the plan: the k lowest-C sequential layers (the default, the report's numbers), or a planner strategy
     # of tl_steering.planning (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
@@ -197,14 +183,11 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     else:
         from ..planning import plan_parallel
 
-        res.planner = plan_parallel(
-            c.model,
-            c.tokens,
-            k,
-            strategy=s.plan_strategy,
-            seed=c.seed,
-            batch_size=s.batch_size,
-            corpus=c.corpus,
+        # the planners are not sharded: rank 0 plans, the other ranks receive its ParallelPlan
+        res.planner = broadcast_from_rank0(
+            lambda: plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
+                                  batch_size=s.batch_size, corpus=c.corpus),
+            c.w,
         )
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
@@ -215,9 +198,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
     """The clean mean CE: from the checks stage when it ran, else one clean pass over the tokens."""
-    return (
-        res.checks.clean_loss if res.checks is not None else mean_loss(c.model, c.tokens, [], c.s.batch_size)
-    )
+    return res.checks.clean_loss if res.checks is not None else c.mean_loss()
 
 
 def _plan_losses(
@@ -247,12 +228,8 @@ def _plan_losses(
         out.source = "defect curves (evaluate=True)"
         return out
     clean = clean_loss()
-    out.delta_ce_lowest = (
-        mean_loss(c.model, c.tokens, parallel_blocks(c.model, layers), c.s.batch_size) - clean
-    )
-    out.delta_ce_highest = (
-        mean_loss(c.model, c.tokens, parallel_blocks(c.model, high), c.s.batch_size) - clean
-    )
+    out.delta_ce_lowest = c.mean_loss(parallel_blocks(c.model, layers)) - clean
+    out.delta_ce_highest = c.mean_loss(parallel_blocks(c.model, high)) - clean
     out.source = "measured by the suite (parallel_blocks hooks)"
     return out
 
@@ -288,7 +265,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
     t_seq = median_time(c.model)
     t_par = median_time(par)
-    par_loss = mean_loss(par, c.tokens, [], s.batch_size)
+    par_loss = mean_loss(par, c.tokens, [], s.batch_size)  # rank 0 alone runs this stage
     del par
     clean = _clean_loss(c, res)
     info.t_forward_sequential_s, info.t_forward_parallel_s = t_seq, t_par
@@ -314,20 +291,14 @@ def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Critical points of the FFN field on ``critical_layers``, once per finder method."""
-    from .. import critical
+    from ..critical import critical_points
 
-    # critical_points(model, layers=...) once critical/ takes layers= itself; the old all-layers driver before
-    run = (
-        critical.critical_points
-        if hasattr(critical, "CriticalPointsResult")
-        else critical.critical_points_all_layers
-    )
     s = c.s
     if not s.critical_layers:
         return
     tokens = c.tokens if s.critical_max_windows is None else c.tokens[: s.critical_max_windows]
     for method in s.critical_methods:
-        summ = run(
+        summ = critical_points(
             c.model,
             layers=list(s.critical_layers),
             field="ffn",
@@ -374,6 +345,11 @@ STAGE_FUNCTIONS: dict[
 }
 
 
+#: stages whose work is split over the ranks of a process group (windows, or one forward per plan each);
+#: the others run on rank 0 alone and their result is handed to the other ranks (docs/scale_out.md)
+SHARDED_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
+
+
 def _model_summary(ad: Any) -> ModelSummary:
     return ModelSummary(
         name=ad.info.name,
@@ -416,6 +392,13 @@ def run_suite(
     tokens, corpus = token_source(tokens, corpus)
     ad = adapt(model)
     tokens = ad.validate_tokens(tokens)
+    w = world()
+    if w.active:  # every rank must run the same model, tokens and settings (else: an error on every rank)
+        check_agreement({"model": ad.info.name, "weights": weights_fingerprint(model), "settings": repr(settings), "seed": seed,
+                         "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16],
+                         "shape": list(tokens.shape)}, w)
+        if w.rank != 0 and isinstance(progress, bool):
+            progress = False  # progress on rank 0 only
     prog: Progress = TqdmProgress(progress) if isinstance(progress, bool) else progress
     t_start = time.perf_counter()
     res = SuiteResult(
@@ -428,16 +411,30 @@ def run_suite(
         environment=Environment.here(tl_version()),
         started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
-    ctx = _Ctx(model, tokens, corpus, settings, seed)
-    for name in STAGES:
-        if not settings.runs(name):
-            continue
+    res.provenance = dataclasses.replace(res.provenance, world_size=w.size)
+    ctx = _Ctx(model, tokens, corpus, settings, seed, w)
+    ran = [name for name in STAGES if settings.runs(name)]
+    res.distributed = DistributedRun(
+        world_size=w.size,
+        backend=w.backend,
+        sharded_stages=[n for n in ran if n in SHARDED_STAGES] if w.active else [],
+        rank0_stages=[n for n in ran if n not in SHARDED_STAGES] if w.active else [],
+    )
+    for name in ran:
         fn, total = STAGE_FUNCTIONS[name]
         with timed() as sw, prog.stage(name, total=total(settings)) as tick:
-            fn(ctx, res, tick)
+            if name in SHARDED_STAGES or not w.active:
+                fn(ctx, res, tick)
+            else:  # rank 0 runs the stage on all windows and hands the filled result to the others
+                res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
     res.total_wall_s = time.perf_counter() - t_start
     return res
 
 
-__all__ = ["STAGE_FUNCTIONS", "Progress", "TqdmProgress", "run_suite"]
+def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: SuiteResult, tick: Tick) -> SuiteResult:
+    fn(c, res, tick)
+    return res
+
+
+__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "Progress", "TqdmProgress", "run_suite"]
