@@ -133,7 +133,9 @@ def mean_loss(model, tokens) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m, or tiny-gpt2 / tiny-llama")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="smollm2-135m, gemma-3-270m (Gemma rows: add --strategy C --windows 2 --shapes 1x128 "
+                         "on 2 CPU cores; docs/gemma.md), or tiny-gpt2 / tiny-llama")
     ap.add_argument("--backend", default=None, help="hooked (TL 3.9 only) or bridge; default hooked if available")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=15)

@@ -4,8 +4,9 @@
   ``sources`` field says from where): model, metric, value or range, regression band, protocol, certainty
   tag [P]/[S]/[I], notes. Every id maps to a SuiteResult field in ``tl_steering.suite.numbers``. Rows with ``regress: false`` (the Eq. (19)
   definition and the low-trust auto-summary numbers of row 10) are recorded so nobody regresses against them.
-* ``smollm2_pinned.json``: values measured by this package on SmolLM2-135M (regenerate with
-  ``scripts/regenerate_pinned.py``); ``tests/published/test_smollm2_pinned.py`` asserts them.
+* ``smollm2_pinned.json`` and ``gemma3_pinned.json``: values measured by this package on SmolLM2-135M and
+  Gemma-3-270M (regenerate with ``scripts/regenerate_pinned.py [--model gemma-3-270m]``);
+  ``tests/published/test_smollm2_pinned.py`` and ``test_gemma_pinned.py`` assert them.
 """
 
 import copy
@@ -18,6 +19,8 @@ from ..errors import InputError
 
 PUBLISHED_FILE = "published.json"
 PINNED_FILE = "smollm2_pinned.json"
+#: model name -> its pinned-values file (settings: tl_steering.reference.pinned.PINNED_MODELS)
+PINNED_FILES = {"smollm2-135m": PINNED_FILE, "gemma-3-270m": "gemma3_pinned.json"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -53,13 +56,17 @@ def published_number(number_id: str) -> dict[str, Any]:
     raise InputError(f"no published number {number_id!r}; known ids: {ids}")
 
 
-def pinned_values() -> dict[str, Any]:
-    """The pinned SmolLM2-135M regression values (settings, tolerances, values, provenance)."""
-    return copy.deepcopy(_load(PINNED_FILE))
+def pinned_values(model: str = "smollm2-135m") -> dict[str, Any]:
+    """The pinned regression values of ``model`` (a key of :data:`PINNED_FILES`: SmolLM2-135M by default,
+    Gemma-3-270M): settings, tolerances, values, provenance."""
+    if model not in PINNED_FILES:
+        raise InputError(f"no pinned values for {model!r}; pinned models: {', '.join(PINNED_FILES)}")
+    return copy.deepcopy(_load(PINNED_FILES[model]))
 
 
 __all__ = [
     "PINNED_FILE",
+    "PINNED_FILES",
     "PUBLISHED_FILE",
     "pinned_values",
     "published_data",

@@ -1,16 +1,20 @@
-"""Pinned regression values measured by this package on SmolLM2-135M (and Gemma-3-270M when installed).
+"""Pinned regression values measured by this package on SmolLM2-135M and Gemma-3-270M.
 
 :func:`compute_pinned` runs the suite (:func:`tl_steering.suite.run_suite`) once on small settings and returns a flat
 ``{name: (value, tolerance group)}`` dict read through the suite's one map of named numbers;
-``scripts/regenerate_pinned.py`` writes it to ``smollm2_pinned.json`` and ``tests/published/test_smollm2_pinned.py``
-recomputes it and compares. Any change to a definition then shows up as a test failure. The tolerances survive
-the ~1e-5 relative activation differences between TransformerLens 4.x bridges and TL 3.9 HookedTransformer.
+``scripts/regenerate_pinned.py [--model M]`` writes it to the model's file (:data:`PINNED_MODELS`) and
+``tests/published/test_smollm2_pinned.py`` / ``test_gemma_pinned.py`` recompute it and compare. Any change to a
+definition then shows up as a test failure. The tolerances survive the ~1e-5 relative activation differences between
+TransformerLens 4.x bridges and TL 3.9 HookedTransformer; :data:`BACKEND_TOLERANCES` are the tighter bounds of the
+cross-backend acceptance (rtol 1e-4 on geometry, 1e-4 nats on losses; docs/gemma.md).
 """
 
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import PINNED_FILES
 
 if TYPE_CHECKING:
     from ..suite import SuiteSettings
@@ -28,6 +32,22 @@ PINNED_SETTINGS: dict[str, Any] = {
     "prefix_layer": 15,
     "prefix_positions": [16],
     "prefix_eps": 1e-2,
+}
+
+#: Gemma-3-270M (18 layers; forwards ~10x SmolLM2's, 262k vocabulary): 2 windows x 64 tokens, plan k = L/2 = 9,
+#: gold layers first / second / local / global / last, prefix perturbed at the middle layer
+GEMMA_PINNED_SETTINGS: dict[str, Any] = {
+    **PINNED_SETTINGS,
+    "windows": 2,
+    "defect_k": 9,
+    "defect_gold_layers": [0, 1, 5, 11, 17],
+    "prefix_layer": 9,
+}
+
+#: model name -> (file in tl_steering/reference/, settings)
+PINNED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m": (PINNED_FILES["smollm2-135m"], PINNED_SETTINGS),
+    "gemma-3-270m": (PINNED_FILES["gemma-3-270m"], GEMMA_PINNED_SETTINGS),
 }
 
 # tolerance groups: |ours - pinned| <= abs + rel * |pinned|
@@ -58,13 +78,36 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "exact": {"abs": 0.0, "rel": 0.0, "why": "structural: counts and layer lists"},
 }
 
+#: the cross-backend acceptance (the same weights on TL 3.9 HookedTransformer and a bridge): rtol 1e-4 on geometry
+#: (abs floor 1e-6 for values near 0), 1e-4 nats on losses; ratios, gates and diversity as geometry; the prefix
+#: numbers (KL / angle of a 1e-2 perturbation, ~1e-4) keep their own relative bound
+BACKEND_TOLERANCES: dict[str, dict[str, float]] = {
+    "loss": {"abs": 1e-4, "rel": 0.0, "why": "1e-4 nats"},
+    "delta_loss": {"abs": 1e-4, "rel": 0.0, "why": "1e-4 nats"},
+    "geometry": {"abs": 1e-6, "rel": 1e-4, "why": "rtol 1e-4"},
+    "ratio": {"abs": 1e-6, "rel": 1e-4, "why": "rtol 1e-4"},
+    "diversity": {"abs": 1e-6, "rel": 1e-4, "why": "rtol 1e-4"},
+    "gate": {"abs": 1e-6, "rel": 1e-4, "why": "rtol 1e-4"},
+    "prefix": {"abs": 1e-7, "rel": 1e-2, "why": "small numbers of a 1e-2 perturbation"},
+    "exact": {"abs": 0.0, "rel": 0.0, "why": "structural"},
+}
 
-def pinned_suite_settings() -> "SuiteSettings":
-    """:data:`PINNED_SETTINGS` as the suite's settings (no executor timing, no critical points, no defect timing:
-    nothing timing-dependent is pinned)."""
+
+def pinned_settings(model_name: str = "smollm2-135m") -> dict[str, Any]:
+    """The pinned settings of one model of :data:`PINNED_MODELS`."""
+    if model_name not in PINNED_MODELS:
+        from ..errors import InputError
+
+        raise InputError(f"no pinned values for {model_name!r}; pinned models: {', '.join(PINNED_MODELS)}")
+    return dict(PINNED_MODELS[model_name][1])
+
+
+def pinned_suite_settings(settings: dict[str, Any] | None = None) -> "SuiteSettings":
+    """Pinned settings (default :data:`PINNED_SETTINGS`) as the suite's settings (no executor timing, no critical
+    points, no defect timing: nothing timing-dependent is pinned)."""
     from ..suite import SuiteSettings
 
-    s = PINNED_SETTINGS
+    s = PINNED_SETTINGS if settings is None else settings
     return SuiteSettings(
         stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
         windows=s["windows"],
@@ -87,8 +130,11 @@ def pinned_suite_settings() -> "SuiteSettings":
     )
 
 
-def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, tuple[Any, str]]:
-    """Run the suite on ``model`` with :data:`PINNED_SETTINGS`; ``{name: (value, tolerance group)}``.
+def compute_pinned(
+    model: Any, tokens: torch.Tensor | None = None, settings: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Run the suite on ``model`` with ``settings`` (default :data:`PINNED_SETTINGS`, SmolLM2's; Gemma:
+    :data:`GEMMA_PINNED_SETTINGS`); ``{name: (value, tolerance group)}``.
 
     The names and the SuiteResult fields they read are :data:`tl_steering.suite.numbers.PINNED` (the one map
     of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
@@ -97,19 +143,24 @@ def compute_pinned(model: Any, tokens: torch.Tensor | None = None) -> dict[str, 
     from ..data import text_windows
     from ..suite import pinned_values, run_suite
 
-    s = PINNED_SETTINGS
+    s = PINNED_SETTINGS if settings is None else settings
     if tokens is None:
         tokens = text_windows(
             model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
         )
-    suite = run_suite(model, tokens, pinned_suite_settings(), progress=False, seed=s["seed"])
+    suite = run_suite(model, tokens, pinned_suite_settings(s), progress=False, seed=s["seed"])
     return pinned_values(suite)
 
 
-def compare(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]]) -> list[str]:
-    """Mismatches between a pinned file's ``values`` and :func:`compute_pinned` output (empty when all agree)."""
+def compare(
+    pinned: dict[str, Any], measured: dict[str, tuple[Any, str]], tolerances: dict[str, Any] | None = None
+) -> list[str]:
+    """Mismatches between a pinned file's ``values`` and :func:`compute_pinned` output (empty when all agree).
+
+    ``tolerances`` overrides the file's groups (e.g. :data:`BACKEND_TOLERANCES` to compare two backends' runs:
+    pass one run as ``{"values": {name: {"value": v, "tol": group}}}``, see :func:`as_pinned`)."""
     problems = []
-    tol = pinned.get("tolerances", TOLERANCES)
+    tol = tolerances or pinned.get("tolerances", TOLERANCES)
     for name, entry in pinned["values"].items():
         if name not in measured:
             problems.append(f"{name}: pinned but no longer computed")
@@ -141,4 +192,20 @@ def compare(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]]) -> lis
     return problems
 
 
-__all__ = ["PINNED_SETTINGS", "TOLERANCES", "compare", "compute_pinned", "pinned_suite_settings"]
+def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
+    """:func:`compute_pinned` output in the file's ``{"values": ...}`` form (to :func:`compare` two runs)."""
+    return {"values": {name: {"value": value, "tol": group} for name, (value, group) in measured.items()}}
+
+
+__all__ = [
+    "BACKEND_TOLERANCES",
+    "GEMMA_PINNED_SETTINGS",
+    "PINNED_MODELS",
+    "PINNED_SETTINGS",
+    "TOLERANCES",
+    "as_pinned",
+    "compare",
+    "compute_pinned",
+    "pinned_settings",
+    "pinned_suite_settings",
+]
