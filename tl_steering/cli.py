@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=None,
                    help="windows per forward (default 8); under torchrun each rank runs every world-size-th batch")
     r.add_argument("--out", default="report", help="output directory")
+    r.add_argument("--resume", action="store_true",
+                   help="continue a killed run in --out: its finished stages (out/checkpoint.json) are not run again")
     r.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ...")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
@@ -142,6 +144,7 @@ def run_report(
     progress: bool = True,
     settings: Any = None,
     batch_size: int | None = None,
+    resume: bool = False,
 ) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
@@ -158,6 +161,9 @@ def run_report(
         progress: show a progress bar per stage on stderr.
         settings: explicit :class:`~tl_steering.suite.SuiteSettings` (overrides ``windows``, ``length``, ``quick``).
         batch_size: windows per forward (default: the settings'); the unit of work a rank takes under torchrun.
+        resume: continue a run that was killed: the stages finished before (kept in ``out/checkpoint.json``,
+            written after every stage and removed once ``results.json`` is written) are not run again. Without
+            it an old checkpoint is discarded and the run starts over.
 
     Returns:
         The path of ``index.html``.
@@ -183,7 +189,13 @@ def run_report(
         s = dataclasses.replace(s, batch_size=batch_size)
     tokens = text_windows(m, source=text, n_windows=s.windows, length=s.length, seed=seed)
     load = StageTiming(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
-    suite = run_suite(m, tokens, s, progress=progress, seed=seed)
+    out_dir = Path(out)
+    checkpoint = out_dir / "checkpoint.json"
+    if not resume and world().rank == 0:
+        checkpoint.unlink(missing_ok=True)
+    if world().active:
+        torch.distributed.barrier()  # no rank reads a checkpoint rank 0 is about to discard
+    suite = run_suite(m, tokens, s, progress=progress, seed=seed, checkpoint=checkpoint)
     suite.timings = {"load": load, **suite.timings}
     suite.total_wall_s += load.wall_s
     suite.arguments = RunArguments(
@@ -198,10 +210,10 @@ def run_report(
         quick=quick,
         command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None,
     )
-    out_dir = Path(out)
     if world().rank != 0:  # under torchrun: rank 0 alone writes (every rank holds the same result)
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
+    checkpoint.unlink(missing_ok=True)
     return render_report(suite, out_dir)
 
 
@@ -265,6 +277,7 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
             quick=args.quick,
             progress=not args.no_progress and rank == 0,
             batch_size=args.batch_size,
+            resume=args.resume,
         )
     finally:
         if created:

@@ -261,3 +261,56 @@ def test_report_command_on_two_processes_equals_one_process(tmp_path):
     b = SuiteResult.load(tmp_path / "two" / "results.json")
     assert (b.distributed.world_size, b.distributed.backend) == (2, "gloo")
     assert _same(a.to_dict(), b.to_dict()) > 500
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a report killed mid-run resumes (docs/suite.md, "Resuming")
+
+_KILLED = """
+import os, signal, sys, json
+from tests.unit.test_scale import _suite_inputs
+from tl_steering.suite import run as suite_run
+fn, total = suite_run.STAGE_FUNCTIONS[sys.argv[3]]
+def kill(c, res, tick):
+    os.kill(os.getpid(), signal.SIGKILL)  # as the machine would: no cleanup, no exception handler runs
+suite_run.STAGE_FUNCTIONS[sys.argv[3]] = (kill, total)
+model, tokens, s = _suite_inputs(*json.loads(sys.argv[1]))
+suite_run.run_suite(model, tokens, s, progress=False, seed=0, checkpoint=sys.argv[2])
+"""
+
+_RESUME_INPUTS = ["tiny-gpt2", 6, 16, 2, ["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"]]
+
+
+def test_a_killed_suite_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch):
+    """SIGKILL at the start of the diversity stage: the checkpoint holds checks, deficit and ablation; the resumed
+    run runs only the other stages and every number equals an uninterrupted run's."""
+    from tl_steering.suite import SuiteResult, run as suite_run
+
+    cp = tmp_path / "checkpoint.json"
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    killed = _run([sys.executable, str(script), json.dumps(_RESUME_INPUTS), str(cp), "diversity"],
+                  env_extra={"PYTHONPATH": str(ROOT)}, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    partial = SuiteResult.load(cp)
+    assert list(partial.timings) == ["checks", "deficit", "ablation"] and partial.diversity is None
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp.json")]  # atomic writes: no leftovers
+
+    calls = []
+    for name, (fn, total) in list(suite_run.STAGE_FUNCTIONS.items()):
+        def counted(c, res, tick, fn=fn, name=name):
+            calls.append(name)
+            fn(c, res, tick)
+        monkeypatch.setitem(suite_run.STAGE_FUNCTIONS, name, (counted, total))
+    model, tokens, s = _suite_inputs(*_RESUME_INPUTS)
+    resumed = suite_run.run_suite(model, tokens, s, progress=False, seed=0, checkpoint=cp)
+    assert calls == ["diversity", "defect", "gates", "prefix"]
+    assert resumed.provenance.extra["resumed_stages"] == ["checks", "deficit", "ablation"]
+    monkeypatch.undo()
+    whole = suite_run.run_suite(model, tokens, s, progress=False, seed=0)
+    assert _same(whole.to_dict(), resumed.to_dict()) > 300
+    assert whole.summary()["deficit_mean_ci"] == resumed.summary()["deficit_mean_ci"]
+
+    # a checkpoint of another run is refused, naming what differs
+    with pytest.raises(InputError, match="differs in seed"):
+        suite_run.run_suite(model, tokens, s, progress=False, seed=1, checkpoint=cp)

@@ -10,10 +10,12 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -371,6 +373,7 @@ def run_suite(
     progress: bool | Progress = True,
     seed: int = 0,
     corpus: str | None = None,
+    checkpoint: str | Path | None = None,
 ) -> SuiteResult:
     """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``.
 
@@ -382,6 +385,11 @@ def run_suite(
         progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
         seed: seed of bootstraps, random controls, gate splits, critical-point starts and perturbations.
         corpus: the corpus label recorded in the provenance (e.g. ``corpus_label("pydoc", 8, 128, 0)``).
+        checkpoint: a ``.json`` path: the result so far is written there (atomically) after every finished
+            stage, and a run given a checkpoint that exists resumes from it: its finished stages are taken as
+            they are, the others run (docs/suite.md, "Resuming"). The checkpoint must come from the same model
+            weights, tokens, settings and seed (else :class:`~tl_steering.errors.InputError` naming what
+            differs); the number of processes may differ (the sharded stages give the same numbers).
 
     Returns:
         The :class:`SuiteResult`; the fields of stages not run are None.
@@ -393,10 +401,9 @@ def run_suite(
     ad = adapt(model)
     tokens = ad.validate_tokens(tokens)
     w = world()
+    key = _run_key(model, ad.info.name, tokens, settings, seed)
     if w.active:  # every rank must run the same model, tokens and settings (else: an error on every rank)
-        check_agreement({"model": ad.info.name, "weights": weights_fingerprint(model), "settings": repr(settings), "seed": seed,
-                         "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16],
-                         "shape": list(tokens.shape)}, w)
+        check_agreement(key, w)
         if w.rank != 0 and isinstance(progress, bool):
             progress = False  # progress on rank 0 only
     prog: Progress = TqdmProgress(progress) if isinstance(progress, bool) else progress
@@ -411,9 +418,13 @@ def run_suite(
         environment=Environment.here(tl_version()),
         started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
-    res.provenance = dataclasses.replace(res.provenance, world_size=w.size)
+    res.provenance = dataclasses.replace(res.provenance, world_size=w.size,
+                                         extra={**res.provenance.extra, "run_key": key})
     ctx = _Ctx(model, tokens, corpus, settings, seed, w)
     ran = [name for name in STAGES if settings.runs(name)]
+    done: set[str] = set()
+    if checkpoint is not None and Path(checkpoint).exists():
+        res, done = _resume(Path(checkpoint), key, res, ran)
     res.distributed = DistributedRun(
         world_size=w.size,
         backend=w.backend,
@@ -421,6 +432,8 @@ def run_suite(
         rank0_stages=[n for n in ran if n not in SHARDED_STAGES] if w.active else [],
     )
     for name in ran:
+        if name in done:
+            continue
         fn, total = STAGE_FUNCTIONS[name]
         with timed() as sw, prog.stage(name, total=total(settings)) as tick:
             if name in SHARDED_STAGES or not w.active:
@@ -428,8 +441,44 @@ def run_suite(
             else:  # rank 0 runs the stage on all windows and hands the filled result to the others
                 res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
+        if checkpoint is not None and w.rank == 0:
+            _write_checkpoint(res, Path(checkpoint))
     res.total_wall_s = time.perf_counter() - t_start
     return res
+
+
+def _run_key(model: Any, name: str, tokens: Tensor, settings: SuiteSettings, seed: int) -> dict[str, Any]:
+    """What a run's numbers depend on (ranks must agree on it; a checkpoint must match it)."""
+    return {"model": name, "weights": weights_fingerprint(model),
+            "settings": hashlib.sha256(repr(settings).encode()).hexdigest()[:16], "seed": seed,
+            "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16], "shape": list(tokens.shape)}
+
+
+def _write_checkpoint(res: SuiteResult, path: Path) -> None:
+    """Write ``res`` to ``path`` atomically (a temporary file renamed into place: a kill never leaves half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
+    res.save(tmp)
+    os.replace(tmp, path)
+
+
+def _resume(path: Path, key: dict[str, Any], fresh: SuiteResult, ran: list[str]) -> tuple[SuiteResult, set[str]]:
+    """The checkpointed result and its finished stages, after checking it belongs to this run."""
+    old = SuiteResult.load(path)
+    theirs = old.provenance.extra.get("run_key", {})
+    bad = sorted(k for k in key if theirs.get(k) != key[k])
+    if bad:
+        raise InputError(f"checkpoint {path} was written by another run: it differs in {', '.join(bad)} "
+                         f"({'; '.join(f'{k}: {theirs.get(k)!r} there, {key[k]!r} here' for k in bad)}); "
+                         "resume with the same model, tokens, settings and seed, or use a new checkpoint path")
+    done = {name for name in old.timings if name in ran}
+    # this run's identity (world size, environment, start) with the finished stages' fields and timings
+    for f in dataclasses.fields(SuiteResult):
+        if f.name in ("provenance", "environment", "distributed", "started", "arguments", "total_wall_s"):
+            continue
+        setattr(fresh, f.name, getattr(old, f.name))
+    fresh.provenance.extra["resumed_stages"] = sorted(done, key=ran.index)
+    return fresh, done
 
 
 def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: SuiteResult, tick: Tick) -> SuiteResult:
