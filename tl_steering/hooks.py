@@ -22,7 +22,7 @@ from torch import Tensor
 from . import geometry as geo
 from . import validation
 from .backends import ModelAdapter, adapt, check_finite
-from .backends.lifecycle import capture_site
+from .backends.lifecycle import capture_site, orphan_safe
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
 
 HookList = list[tuple[str, Callable[..., Any]]]
@@ -128,7 +128,7 @@ def ffn_component(
                 new = torch.where(mask, phi, new)
             return new.to(act.dtype)
 
-        hooks += [(arm_name, arm), (out_name, patch)]
+        hooks += [(arm_name, orphan_safe(arm)), (out_name, orphan_safe(patch))]
     return hooks
 
 
@@ -158,7 +158,7 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
         def scale(act: Tensor, hook: Any, g: Any = g) -> Tensor:
             return act * (g.to(act.dtype) if isinstance(g, Tensor) else g)
 
-        hooks.append((ad.hook_name(layer, "mlp_out"), scale))
+        hooks.append((ad.hook_name(layer, "mlp_out"), orphan_safe(scale)))
     return hooks
 
 
@@ -201,7 +201,8 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
                     "interrupted earlier may have left this hook attached: call model.reset_hooks())")
             return phi(x).to(act.dtype)
 
-        hooks += [(ad.hook_name(layer, "resid_pre"), stash), (ad.hook_name(layer, "mlp_out"), swap)]
+        hooks += [(ad.hook_name(layer, "resid_pre"), orphan_safe(stash)),
+                  (ad.hook_name(layer, "mlp_out"), orphan_safe(swap))]
     return hooks
 
 
@@ -213,7 +214,7 @@ def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None =
     def scale(act: Tensor, hook: Any) -> Tensor:
         return act * gain
 
-    return [(ad.hook_name(layer, "attn_out"), scale) for layer in ad.layers(layers)]
+    return [(ad.hook_name(layer, "attn_out"), orphan_safe(scale)) for layer in ad.layers(layers)]
 
 
 __all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "ModelAdapter"]

@@ -1,6 +1,6 @@
 """Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens.
 
-The guarantees (see docs/architecture.md, "hook lifecycle"):
+The guarantees (see docs/hooks.md, "Interrupts"; docs/architecture.md, the backends room):
 
 * :class:`HookGuard` (``hook_guard(model)``) snapshots, on entry, every forward / forward-pre / backward hook
   of every module of the model (torch's own dicts, not only TransformerLens's handle lists) and the
@@ -9,9 +9,17 @@ The guarantees (see docs/architecture.md, "hook lifecycle"):
   (tagged by :func:`owned`) on any module, are removed; the user's hooks present on entry are put back if they
   went missing. Hooks that TransformerLens or transformers wire on their own (the bridge's capture hooks,
   transformers' output recorders, attached lazily on a first forward) are left alone.
-* Interrupt safety: entering only reads state; every mutation happens inside ``try``/``finally``; restoring is
-  idempotent and is retried when a KeyboardInterrupt (or any exception a signal handler raises) lands inside
-  it, the interrupt then being re-raised. So a Ctrl-C at any moment leaves the model as it was.
+* Interrupt safety (docs/hooks.md, "Interrupts"): entering only reads state; the snapshot copies are never
+  mutated, so restoring is idempotent and re-entrant; a guard is registered with
+  :mod:`~tl_steering.backends.interrupts` while it is active, whose signal handler restores every active scope
+  before the KeyboardInterrupt (or any exception a Python signal handler raises) propagates -- so a Ctrl-C between
+  any two bytecodes, also between the end of the block and ``__exit__``, leaves the model as it was. An exception
+  raised inside a restore (e.g. by another signal's handler) makes :func:`shielded` retry it. No finalizer
+  restores anything: a stale snapshot restored later, inside another call, would remove that call's hooks. A
+  hook of ours that went missing (a one-shot capture that fired) is never put back.
+* The factories' hooks are wrapped by :func:`orphan_safe` (a copy that TransformerLens lost track of removes
+  itself); the one-shot captures remove themselves by identity, not through a handle that an interrupt could
+  keep from being recorded.
 * :class:`hooks_silenced` detaches a module's HookPoint hooks for a pure sublayer computation and puts them
   back, with the same discipline.
 * :func:`run_with_hooks` wraps TransformerLens's own ``hooks()`` context in an ExitStack inside a guard, so
@@ -31,6 +39,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import progress as _progress
+from . import interrupts as _interrupts
 from .. import validation
 from ..errors import HookNotFoundError
 
@@ -91,23 +100,27 @@ def shielded(restore: Callable[[], None]) -> None:
 
 
 class _Snapshot:
-    """Hook state of one model: per module, a copy of every non-empty hook dict; per HookPoint, copies of the
-    TransformerLens handle lists; model-level ``context_level`` and ``use_hook_mlp_in``."""
+    """Hook state of one model: per module, a copy of every non-empty hook dict (and, on HookPoints, the identity
+    of every hook dict object, which :class:`hooks_silenced` swaps); per HookPoint, copies of the TransformerLens
+    handle lists; model-level ``context_level``, ``use_hook_mlp_in`` and torch's autograd mode.
+
+    The copies are never mutated after construction, so :meth:`restore` can run any number of times, also inside
+    itself (a second interrupt landing in a restore that a first one started)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.modules: list[tuple[torch.nn.Module, dict[str, dict], tuple[list, list] | None]] = []
+        self.modules: dict[int, tuple[dict[str, tuple], tuple[list, list] | None]] = {}
         for m in model.modules():
+            hp = isinstance(m, HookPoint)
             dicts = {}
             for attr in _HOOK_DICTS:
                 d = getattr(m, attr, None)
-                if d:
-                    flags = {f: dict(getattr(m, f, {}) or {}) for f in _FLAG_DICTS[attr]}
-                    dicts[attr] = (dict(d), flags)
-            lists = (list(m.fwd_hooks), list(m.bwd_hooks)) if isinstance(m, HookPoint) else None
-            if dicts or (lists and (lists[0] or lists[1])) or isinstance(m, HookPoint):
-                self.modules.append((m, dicts, lists))
-        self.known = {id(m) for m, _, _ in self.modules}
+                if d or (hp and d is not None):
+                    flags = {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {})) for f in _FLAG_DICTS[attr]}
+                    dicts[attr] = (d, dict(d), flags)
+            lists = (list(m.fwd_hooks), list(m.bwd_hooks)) if hp else None
+            if dicts or hp:
+                self.modules[id(m)] = (dicts, lists)
         self.context_level = getattr(model, "context_level", None)
         self.mlp_in = _get_use_hook_mlp_in(model)
         # torch's global autograd mode: an interrupt that lands inside a ``torch.no_grad()`` entry or exit (ours or
@@ -117,19 +130,24 @@ class _Snapshot:
     def restore(self) -> None:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
         torch.set_grad_enabled(self.grad_enabled)
-        snap = {id(m): (dicts, lists) for m, dicts, lists in self.modules}
         for m in self.model.modules():
-            dicts, lists = snap.get(id(m), ({}, None))
+            dicts, lists = self.modules.get(id(m), ({}, None))
             hp = isinstance(m, HookPoint)
             for attr in _HOOK_DICTS:
+                orig, before, flags = dicts.get(attr, (None, {}, {}))
+                if orig is not None and getattr(m, attr, None) is not orig:
+                    # a dict swapped in (hooks_silenced): put the original object back, since torch's and
+                    # TransformerLens's handles remove hooks from the object they were registered in
+                    setattr(m, attr, orig)
                 d = getattr(m, attr, None)
                 if d is None:
                     continue
-                before, flags = dicts.get(attr, ({}, {}))
                 # drop what is new and ours: every new hook on a HookPoint (only TL's hook API and we add
                 # there), tagged hooks anywhere; keep the hooks TL/transformers wire on other modules
                 extra = [k for k, f in d.items() if k not in before and (hp or is_owned(f))]
-                missing = [k for k in before if k not in d]
+                # a hook of ours that went missing is not put back: a one-shot capture that fired and removed
+                # itself (also a stale one, left by an interrupted run of TransformerLens's own run_with_hooks)
+                missing = [k for k, f in before.items() if k not in d and not is_owned(f)]
                 if not extra and not missing:
                     continue
                 for k in extra:
@@ -140,13 +158,14 @@ class _Snapshot:
                             fd.pop(k, None)
                 if missing:  # a user's hook went missing: rebuild in the original order, kept extras last
                     rest = [(k, v) for k, v in d.items() if k not in before]
+                    keep = [(k, v) for k, v in before.items() if k in d or not is_owned(v)]
                     d.clear()
-                    d.update(before)
+                    d.update(keep)
                     d.update(rest)
-                    for f, saved in flags.items():
+                    for f, (_, saved) in flags.items():
                         fd = getattr(m, f, None)
                         if fd is not None:
-                            fd.update(saved)
+                            fd.update({k: v for k, v in saved.items() if k in d})
             if hp:
                 fwd, bwd = lists if lists is not None else ([], [])
                 if m.fwd_hooks != fwd:
@@ -162,36 +181,37 @@ class _Snapshot:
 class HookGuard:
     """``with HookGuard(model): ...`` -- every hook added to ``model`` inside is gone on exit (see module doc).
 
-    Entering only reads the model; a guard may be entered once.
+    Entering only reads the model, then registers the guard with :mod:`~tl_steering.backends.interrupts` (a Ctrl-C
+    inside restores it before the KeyboardInterrupt propagates, also between the block's end and ``__exit__``).
+    ``interrupted`` is True when a Ctrl-C restored the model while the block ran (code that catches the
+    KeyboardInterrupt inside the block then runs without the block's hooks).
     """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self._snap: _Snapshot | None = None
+        self.interrupted = False
 
     def __enter__(self) -> "HookGuard":
+        if self._snap is not None:
+            raise RuntimeError("this HookGuard is active already; use a new one")
         self._snap = _Snapshot(self.model)
+        _interrupts.register(self)
         return self
 
     def restore(self) -> None:
+        """Put the model's hook state back to the snapshot taken on entry (idempotent)."""
         snap = self._snap
         if snap is not None:
-            shielded(snap.restore)
-            self._snap = None
+            snap.restore()
 
     def __exit__(self, *exc: Any) -> None:
-        self.restore()
+        try:
+            shielded(self.restore)
+        finally:
+            _interrupts.unregister(self)
+            self._snap = None
         return None
-
-    def __del__(self) -> None:
-        # Safety net: an interrupt that lands in the few bytecodes between the end of the block and the start of
-        # the restore (e.g. on entering __exit__) skips it; the guard is then freed with the interrupt's
-        # traceback, and restores here.
-        if getattr(self, "_snap", None) is not None:
-            try:
-                self.restore()
-            except BaseException:  # noqa: BLE001 - never raise from a finalizer
-                pass
 
 
 def hook_guard(model: torch.nn.Module) -> HookGuard:
@@ -204,49 +224,46 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
     """Temporarily detach every forward/backward hook of the HookPoints inside ``module``.
 
     Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian. The
-    original hook dicts are saved before anything changes and put back idempotently (interrupt-safe).
+    original hook dicts are saved before anything changes and put back (the same objects: the handles of torch
+    and TransformerLens point at them) idempotently; a Ctrl-C inside puts them back before it propagates.
     """
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self._saved: list[tuple[HookPoint, tuple]] = []
+        self.interrupted = False
 
     def __enter__(self) -> "hooks_silenced":
-        saved = [(hp, tuple(getattr(hp, a) for a in _SILENCED)) for hp in hook_points(self.module)]
-        self._saved = saved
+        self._saved = [(hp, tuple(getattr(hp, a) for a in _SILENCED)) for hp in hook_points(self.module)]
+        _interrupts.register(self)
         try:
-            for hp, dicts in saved:
+            for hp, dicts in self._saved:
                 for attr, d in zip(_SILENCED, dicts):
                     if d:
                         setattr(hp, attr, type(d)())
             return self
         except BaseException:
-            shielded(self._restore)
+            self.__exit__()
             raise
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
+        """Put the original dicts back (idempotent); a hook added meanwhile is kept, after the original ones."""
         for hp, dicts in self._saved:
             for attr, d in zip(_SILENCED, dicts):
                 cur = getattr(hp, attr)
                 if cur is not d:
-                    # put the original dict back; a hook added meanwhile is kept, after the original ones
                     for k, v in list(cur.items()):
                         if k not in d:
                             d[k] = v
                     setattr(hp, attr, d)
-        self._saved = []
 
     def __exit__(self, *exc: Any) -> None:
-        shielded(self._restore)
+        try:
+            shielded(self.restore)
+        finally:
+            _interrupts.unregister(self)
+            self._saved = []
         return None
-
-    def __del__(self) -> None:
-        # safety net for an interrupt landing between the block's end and the restore (see HookGuard.__del__)
-        if getattr(self, "_saved", None):
-            try:
-                shielded(self._restore)
-            except BaseException:  # noqa: BLE001 - never raise from a finalizer
-                pass
 
 
 def _get_use_hook_mlp_in(model: Any) -> bool | None:
@@ -258,11 +275,12 @@ def _get_use_hook_mlp_in(model: Any) -> bool | None:
 # hooks of ours on torch modules
 
 
-def add_hook_last(model: Any, name: str, fn: Callable) -> list[Any]:
+def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
     """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook
     of that point, also hooks added later (e.g. by ``run_with_hooks`` inside a probe). Returns the torch handles
-    to remove (the TL handle is removed by a guard or ``reset_hooks``)."""
-    hp = model.hook_dict[name]
+    to remove (the TL handle is removed by a guard or ``reset_hooks``). ``hook_dict``: a snapshot of
+    ``model.hook_dict`` (a bridge rebuilds it on every access; a caller adding many hooks takes it once)."""
+    hp = (model.hook_dict if hook_dict is None else hook_dict)[name]
     before = {id(h) for h in hp.fwd_hooks}
     model.add_hook(name, fn)
     hook_ids = [h.hook.id for h in hp.fwd_hooks if id(h) not in before and hasattr(h, "hook")]
@@ -277,43 +295,110 @@ def add_hook_last(model: Any, name: str, fn: Callable) -> list[Any]:
     return [hp.register_forward_pre_hook(owned(last))]
 
 
+def _wraps(f: Any, fn: Callable) -> bool:
+    """Whether torch hook ``f`` is ``fn`` or TransformerLens's wrapper of it (``HookPoint.add_hook``'s
+    ``full_hook`` closes over the user's function)."""
+    if f is fn:
+        return True
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            if cell.cell_contents is fn:
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False
+
+
+def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
+    """Remove from ``hp``'s torch forward hooks every wrapper of ``fn`` that TransformerLens does not list in
+    ``hp.fwd_hooks``; True when there was one."""
+    d = hp._forward_hooks
+    listed = {getattr(getattr(h, "hook", None), "id", None) for h in hp.fwd_hooks}
+    orphans = [k for k, f in list(d.items()) if k not in listed and _wraps(f, fn)]
+    for k in orphans:
+        d.pop(k, None)
+        for attr in _FLAG_DICTS["_forward_hooks"]:
+            fd = getattr(hp, attr, None)
+            if fd is not None:
+                fd.pop(k, None)
+    return bool(orphans)
+
+
+def orphan_safe(fn: Callable) -> Callable:
+    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of removes
+    itself at its first firing and leaves the activation unchanged (docs/hooks.md, "Interrupts").
+
+    ``HookPoint.add_hook`` registers the torch hook, then appends its handle to ``hp.fwd_hooks``; a Ctrl-C
+    between the two, inside TransformerLens's own ``run_with_hooks`` / ``hooks()`` (no guard of ours runs
+    there), leaves a torch hook that ``reset_hooks()`` cannot see and that would run the factory on every later
+    forward (``parallel_blocks`` then raised "did not fire" on every plain forward: issue 16). When the wrapped
+    function fires and finds such unlisted copies of itself on its hook point, it removes them and returns
+    ``None`` for this firing: torch runs the hooks of a forward from a snapshot of the dict, so every listed copy
+    still runs in this forward, and the first copy to fire is the oldest (an orphan is registered before any
+    copy added since). Cost: one scan of the point's few hooks per firing."""
+
+    def hook_fn(act: Any, hook: Any) -> Any:
+        hp = getattr(hook, "_target", hook)  # TransformerLens's _AliasedHookPoint delegates to the point
+        if isinstance(hp, HookPoint) and _drop_orphans(hp, hook_fn):
+            return None
+        return fn(act, hook)
+
+    hook_fn.__name__ = getattr(fn, "__name__", "hook")
+    hook_fn.__qualname__ = getattr(fn, "__qualname__", hook_fn.__name__)
+    hook_fn.__wrapped__ = fn  # type: ignore[attr-defined]
+    return hook_fn
+
+
+def _detach(module: torch.nn.Module, attr: str, fn: Callable) -> None:
+    """Remove every entry of ``fn`` from ``module``'s torch hook dict ``attr`` (and its flag dicts)."""
+    d = getattr(module, attr, None) or {}
+    for k in [k for k, f in list(d.items()) if f is fn]:
+        d.pop(k, None)
+        for f in _FLAG_DICTS[attr]:
+            fd = getattr(module, f, None)
+            if fd is not None:
+                fd.pop(k, None)
+
+
 def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None]) -> Any:
     """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store``
     and removes itself. Used by hook factories to read the value a sublayer really receives (after every
-    user hook upstream). Tagged as ours: a guard removes it if the forward never reaches ``module``."""
-    handle: list[Any] = []
+    user hook upstream). Tagged as ours: a guard removes it if the forward never reaches ``module``.
+
+    It removes itself by identity, not through the handle returned by the registration: a Ctrl-C right after the
+    registration (inside TransformerLens's own ``run_with_hooks``, where no guard of ours runs) must not leave a
+    capture that can never remove itself (docs/hooks.md, "Interrupts")."""
 
     def grab(mod: Any, args: tuple, kwargs: dict) -> None:
-        for h in handle:
-            h.remove()
+        _detach(mod, "_forward_pre_hooks", tagged)
         x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x", kwargs.get("input")))
         if isinstance(x, Tensor):
             store(x)
 
-    handle.append(module.register_forward_pre_hook(owned(grab), with_kwargs=True))
-    return handle[0]
+    tagged = owned(grab)
+    return module.register_forward_pre_hook(tagged, with_kwargs=True)
 
 
 def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) -> list[Any]:
     """Register a one-shot forward hook on hook point ``hp`` that always runs after every other hook of that
-    point and hands ``store`` the point's final output (the value the model goes on with). Tagged as ours."""
-    handles: list[Any] = []
+    point and hands ``store`` the point's final output (the value the model goes on with). Tagged as ours; it
+    removes itself (and its ordering pre-hook) by identity, as :func:`capture_input_once`."""
 
     def grab(mod: Any, args: Any, out: Any) -> None:
-        for h in handles:
-            h.remove()
+        _detach(mod, "_forward_hooks", tagged)
+        _detach(mod, "_forward_pre_hooks", tagged_last)
         if isinstance(out, Tensor):
             store(out)
 
-    fwd = hp.register_forward_hook(owned(grab))
-
     def last(mod: Any, args: Any) -> None:
         hooks = mod._forward_hooks
-        if fwd.id in hooks and hasattr(hooks, "move_to_end"):
-            hooks.move_to_end(fwd.id)
+        if hasattr(hooks, "move_to_end"):
+            for k in [k for k, f in hooks.items() if f is tagged]:
+                hooks.move_to_end(k)
 
-    handles += [fwd, hp.register_forward_pre_hook(owned(last))]
-    return handles
+    tagged, tagged_last = owned(grab), owned(last)
+    fwd = hp.register_forward_hook(tagged)
+    return [fwd, hp.register_forward_pre_hook(tagged_last)]
 
 
 def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]) -> list[Any]:
@@ -396,6 +481,7 @@ __all__ = [
     "hook_state",
     "hooks_silenced",
     "is_owned",
+    "orphan_safe",
     "owned",
     "owned_hooks",
     "remove_handles",

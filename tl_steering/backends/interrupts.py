@@ -1,0 +1,181 @@
+"""Signal safety for a model's hook state: restore before a signal's exception propagates (Ctrl-C above all).
+
+A signal's Python handler runs between any two bytecodes of the main thread, including the few between the end of a
+``with`` body and the first bytecode of its ``__exit__`` (or of a ``finally``): no ``try``/``finally`` written in
+Python can then guarantee that a restore runs. So every scope that changes a model's hooks (a
+:class:`~tl_steering.backends.lifecycle.HookGuard`, :class:`~tl_steering.backends.lifecycle.hooks_silenced`)
+registers an idempotent restorer here for its duration, and while one is registered on the main thread every signal
+whose handler is a Python callable (SIGINT's default handler, which raises KeyboardInterrupt; a user's timeout
+handler on SIGALRM that raises) is handled by :func:`_on_signal`: it calls the handler that was installed before it
+and, when that one raises, first restores every registered scope, innermost first, then lets the exception
+propagate. The scopes' own ``__exit__`` restore again as the exception unwinds (idempotent), so whatever the
+unwinding code did in between (TransformerLens's ``hooks()`` exit, a handle's ``remove``) is undone as well.
+
+Rules that keep this safe (see docs/hooks.md, "Interrupts"):
+
+* the handlers are installed before a scope is registered and removed when the last scope leaves, only on the main
+  thread (signals are delivered there only) and only over a Python callable (``SIG_IGN``: the signal does nothing;
+  ``SIG_DFL``: it ends the process or is ignored; a handler set in C: left alone; nothing to restore in any case);
+* when the previous handler does not raise (a handler that only sets a flag), nothing is restored: the call goes on
+  with its hooks in place;
+* after restoring, the handler empties the registry and puts the previous handlers back: a scope whose ``__exit__``
+  was skipped by the exception can never be restored again later (a stale snapshot would drop hooks the user added
+  since); a scope leaving the registry also drops every scope registered after it and still listed (an inner
+  scope whose exit an exception injected by other means, ``PyThreadState_SetAsyncExc``, skipped);
+* a handler that the user installs during a call is kept (ours is put back only where it is still installed);
+* nothing here relies on finalizers (``__del__``): a finalizer runs at an arbitrary later moment, inside another
+  call, and restoring a stale snapshot then removes that call's hooks.
+"""
+
+import signal
+import threading
+from typing import Any, Protocol
+
+try:  # the C function under signal.getsignal: 15x faster (no enum conversion), same handler objects
+    from _signal import getsignal as _getsignal
+except ImportError:  # pragma: no cover - every CPython has it
+    _getsignal = signal.getsignal
+
+_MAX_TRIES = 20
+
+
+class Restorer(Protocol):
+    """A scope that can put a model's hook state back; ``restore`` is idempotent and may run re-entrantly (inside
+    itself, when a second signal lands while it runs)."""
+
+    interrupted: bool
+
+    def restore(self) -> None: ...
+
+
+def _catchable() -> tuple[int, ...]:
+    try:
+        sigs = set(signal.valid_signals())
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - every supported Python has it
+        sigs = {signal.SIGINT}
+    for name in ("SIGKILL", "SIGSTOP"):
+        sigs.discard(getattr(signal, name, None))
+    return tuple(sorted(int(s) for s in sigs))
+
+
+_SIGNALS = _catchable()
+_local = threading.local()
+_previous: dict[int, Any] = {}  # signal number -> the Python handler ours replaced (main thread only)
+_installed = [False]
+
+
+def _registry() -> list[Restorer]:
+    reg = getattr(_local, "registry", None)
+    if reg is None:
+        reg = _local.registry = []
+    return reg
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _restore_quietly(r: Restorer) -> None:
+    """Run ``r.restore()`` to completion; an exception inside it (a nested handler call, which restored everything
+    itself) is dropped: the handler raises the first one."""
+    for _ in range(_MAX_TRIES):
+        try:
+            r.restore()
+            return
+        except BaseException:  # noqa: BLE001 - the handler re-raises its own exception
+            continue
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    prev = _previous.get(signum)
+    try:
+        if callable(prev):
+            prev(signum, frame)
+        elif signum == signal.SIGINT:  # pragma: no cover - installed only over a callable
+            signal.default_int_handler(signum, frame)
+    except BaseException:
+        reg = _registry()
+        for r in reversed(list(reg)):
+            _restore_quietly(r)
+            r.interrupted = True
+        reg.clear()
+        _uninstall()
+        raise
+
+
+def _unsupported(e: BaseException) -> bool:
+    """Whether ``e`` says that signal handlers cannot be set here (not the main thread of the main interpreter),
+    rather than being a signal handler's own exception (which ``signal.signal`` can raise too: it runs pending
+    handlers first) -- a handler's ``TimeoutError`` is an ``OSError``, so the type alone cannot tell."""
+    return isinstance(e, ValueError) and "main" in str(e)
+
+
+def _install() -> None:
+    if _installed[0] or not _main_thread():
+        return
+    try:
+        for sig in _SIGNALS:
+            cur = _getsignal(sig)
+            if cur is _on_signal or not callable(cur):
+                continue
+            _previous[sig] = cur  # set before the swap: a signal right after it finds the handler to call
+            signal.signal(sig, _on_signal)
+        _installed[0] = True
+    except BaseException as e:  # noqa: BLE001 - a signal handler's exception: undo the swaps, then re-raise
+        _uninstall()
+        if not _unsupported(e):
+            raise
+
+
+def _uninstall() -> None:
+    """Put every replaced handler back (where ours is still installed); a signal handler's exception raised
+    meanwhile is re-raised once all are back."""
+    if not _main_thread():
+        return
+    _installed[0] = False
+    pending: BaseException | None = None
+    for _ in range(_MAX_TRIES):
+        try:
+            for sig, prev in list(_previous.items()):
+                if signal.getsignal(sig) is _on_signal:
+                    signal.signal(sig, prev)
+                _previous.pop(sig, None)
+            break
+        except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
+            if _unsupported(e):  # pragma: no cover - installed only where it could be set
+                break
+            if pending is None:
+                pending = e
+    if pending is not None:
+        raise pending
+
+
+def register(r: Restorer) -> None:
+    """Register ``r`` until :func:`unregister`: a signal whose handler raises meanwhile restores it before the
+    exception propagates. Call it after taking the snapshot and before the first change to the model."""
+    _install()  # first: a signal between the two finds r registered or not yet changed anything
+    _registry().append(r)
+
+
+def unregister(r: Restorer) -> None:
+    """Remove ``r`` (and any scope registered after it that is still listed) after its final restore."""
+    reg = _registry()
+    for i in range(len(reg) - 1, -1, -1):
+        if reg[i] is r:
+            del reg[i:]
+            break
+    if not reg:
+        _uninstall()
+
+
+def registered() -> int:
+    """How many scopes are registered on this thread (0 outside every tl_steering call; tests check it)."""
+    return len(_registry())
+
+
+def handler_installed() -> bool:
+    """Whether tl_steering's handler is installed for any signal (False outside every tl_steering call)."""
+    return any(signal.getsignal(s) is _on_signal for s in _SIGNALS)
+
+
+__all__ = ["Restorer", "handler_installed", "register", "registered", "unregister"]
