@@ -54,14 +54,12 @@ from . import validation
 from .backends import adapt
 from .backends.lifecycle import add_hook_last
 from .errors import InputError, NonFiniteError
-from .geometry import EPS_NORM, SINGULAR_REL
+from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_quantities
 from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, TOKEN_METRICS, ProbeResult
 from .stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _F64 = torch.float64
-_SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-_EPS64 = torch.finfo(torch.float64).eps
 
 
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
@@ -83,44 +81,6 @@ def bin_edges_for(n_ctx: int) -> Tensor:
 
 
 _position_bins = position_bin_index  # 0 for position 0, floor(log2 p) + 1 otherwise (tl_steering.stats)
-
-
-def _erank_from_gram(gram: Tensor) -> Tensor:
-    """Effective rank of unit-row matrices U from their Gram matrix ``U U^T`` (or ``U^T U``), batched.
-
-    sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
-    Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
-    (geometry.SINGULAR_REL). For well-conditioned sets this equals ``geometry.effective_rank`` (an SVD) to
-    ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
-    almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
-    """
-    size = gram.shape[-1]
-    ev = torch.linalg.eigvalsh(gram).clamp_min(0.0)
-    ev_max = ev.amax(-1, keepdim=True)
-    floor = ev_max * max(size * _EPS64, SINGULAR_REL**2)
-    sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
-    total = sigma.sum(-1, keepdim=True)
-    p = sigma / total.clamp_min(torch.finfo(_F64).tiny)
-    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
-
-
-class _Accumulator:
-    """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
-    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of forwards."""
-
-    def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int, device: torch.device):
-        self.token_q, self.seq_q = token_q, seq_q
-        self.tq = {q: i for i, q in enumerate(token_q)}
-        self.sq = {q: i for i, q in enumerate(seq_q)}
-        self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=_F64, device=device)
-        self.t_cnt = torch.zeros(len(token_q), n_layers, n_bins, dtype=torch.int64, device=device)
-        self.t_msk = torch.zeros_like(self.t_cnt)
-        self.s_sum = torch.zeros(len(seq_q), n_layers, dtype=_F64, device=device)
-        self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
-        self.s_msk = torch.zeros_like(self.s_cnt)
-
-    def tensors(self) -> list[Tensor]:
-        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
 
 
 class ProbeTrace:
@@ -154,7 +114,7 @@ class ProbeTrace:
         n_bins = len(self.bin_edges) - 1
         token_q = [q for m in self.metrics if m in TOKEN_METRICS for q in QUANTITIES[m]]
         seq_q = list(QUANTITIES["diversity"]) if "diversity" in self.metrics else []
-        self._acc = _Accumulator(token_q, seq_q, len(self.layers), n_bins, self.ad.device)
+        self._acc = Accumulator(token_q, seq_q, len(self.layers), n_bins, self.ad.device)
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._sites = _sites_needed(self.metrics)
         self.n_tokens = 0
@@ -166,8 +126,12 @@ class ProbeTrace:
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
         self._n_diversity_sets = 0
+        self._div_names = {mid: [f"{stat}_{w}" for w in SITES3 if w != "mid" or mid
+                                 for stat in DIVERSITY_STATS] for mid in (False, True)}
+        hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
+        self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
-        self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in _SLOT_ORDER if s_ in slot_sites)}
+        self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
@@ -210,6 +174,9 @@ class ProbeTrace:
 
     def _layer_sites(self, layer: int) -> list[tuple[str, str]]:
         """(site, hook name) pairs this probe reads at ``layer``, in forward order."""
+        return self._sites_of[layer]
+
+    def _find_sites(self, layer: int, hook_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
         ad = self.ad
         sites = set(self._sites)
         if ad.is_parallel(layer):
@@ -217,7 +184,7 @@ class ProbeTrace:
         if "ffn_input" in sites:
             sites.discard("ffn_input")
             sites.add(ad.ffn_input_site(layer))
-        return [(site, ad.hook_name(layer, site))
+        return [(site, ad.hook_name(layer, site, hook_dict))
                 for site in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post") if site in sites]
 
     def _count_forward(self, act: Tensor) -> None:
@@ -272,9 +239,10 @@ class ProbeTrace:
         try:
             stack.enter_context(self.ad.hook_guard())
             self._stack = stack
+            hook_dict = self.model.hook_dict
             for layer in self.layers:
                 for name, fn in self._make_hooks(layer):
-                    add_hook_last(self.model, name, fn)
+                    add_hook_last(self.model, name, fn, hook_dict)
             self._entered = True
             return self
         except BaseException:
@@ -294,14 +262,8 @@ class ProbeTrace:
         self._detach(*exc)
         return None
 
-    def __del__(self) -> None:
-        # safety net: an interrupt landing on entry to __exit__ skips the detach; the probe's hooks then go when
-        # the probe object is freed (with the interrupt's traceback, in a script or a function)
-        if getattr(self, "_stack", None) is not None:
-            try:
-                self._detach(None, None, None)
-            except BaseException:  # noqa: BLE001 - never raise from a finalizer
-                pass
+    # No __del__ safety net: a Ctrl-C landing anywhere, also on entry to __exit__, is handled by the guard's
+    # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
         """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.
@@ -330,98 +292,39 @@ class ProbeTrace:
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
-        """All metrics of one layer from the float64 buffer (filled by this layer's hooks)."""
+        """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
+        ``probe_kernels``, batched over sequences and positions."""
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
         V = self._buf  # [batch, n, slots, d]
-        bins = st["bins"]
         if V is None or V.shape[1] == 0:  # every position excluded
             return
         k = self._slots
         has_mid = not parallel and "resid_mid" in st
-        G = None
-        if acc.token_q:
-            # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
-            G = V @ V.mT  # [batch, n, slots, slots]
+        # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
+        G = V @ V.mT if acc.token_q else None  # [batch, n, slots, slots]
         # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
         sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (V * V).sum(-1)
         if not bool(torch.isfinite(sq).all()):
             self._raise_non_finite(layer, sq)
-        if acc.token_q:
-            values: list[Tensor] = []
-            valid: list[Tensor] = []
-            qidx: list[int] = []
-
-            def put(q: str, v: Tensor, ok: Tensor | None) -> None:
-                if q in acc.tq:
-                    values.append(v)
-                    valid.append(torch.ones_like(v, dtype=torch.bool) if ok is None else ok)
-                    qidx.append(acc.tq[q])
-
-            def dot(s1: str, s2: str) -> Tensor:
-                return G[..., k[s1], k[s2]]
-
-            xx = dot("resid_pre", "resid_pre")
-            nx = xx.sqrt()
-            ok_x = nx > EPS_NORM
-            nxc = nx.clamp_min(EPS_NORM)
-            if "resid_norm" in self.metrics:
-                put("resid_norm_pre", nx, None)
-                if has_mid:
-                    put("resid_norm_mid", dot("resid_mid", "resid_mid").sqrt(), None)
-                put("resid_norm_post", dot("resid_post", "resid_post").sqrt(), None)
-            if "attn_out" in st:
-                xa, aa = dot("resid_pre", "attn_out"), dot("attn_out", "attn_out")
-                ua = xa / nxc  # <u, a>
-                npa = (aa - ua * ua).clamp_min(0.0).sqrt()  # ||P_u a||
-                if "radial_coef" in self.metrics:
-                    na = aa.sqrt()
-                    put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
-                if "tangential_speed" in self.metrics:
-                    put("tangential_speed_attn", npa / nxc, ok_x)
-                if "tangent_alignment" in self.metrics:
-                    # Dx = z - x: <u, Dx>, ||Dx||^2 and <a, Dx> from the Gram entries
-                    xz, az, zz = dot("resid_pre", "resid_post"), dot("attn_out", "resid_post"), \
-                        dot("resid_post", "resid_post")
-                    udx = (xz - xx) / nxc
-                    npdx = (zz - 2 * xz + xx - udx * udx).clamp_min(0.0).sqrt()
-                    cos = (az - xa - ua * udx) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
-                    put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
-            if "mlp_out" in st:
-                f = "resid_pre" if parallel else "resid_mid"
-                ff, fphi, pp = dot(f, f), dot(f, "mlp_out"), dot("mlp_out", "mlp_out")
-                nf = ff.sqrt()
-                nfc = nf.clamp_min(EPS_NORM)
-                ok_f = nf > EPS_NORM
-                if "radial_coef" in self.metrics:
-                    nphi = pp.sqrt()
-                    put("radial_coef_ffn", fphi / (nfc * nphi.clamp_min(EPS_NORM)), ok_f & (nphi > EPS_NORM))
-                if "tangential_speed" in self.metrics:
-                    wphi = fphi / nfc
-                    put("tangential_speed_ffn", (pp - wphi * wphi).clamp_min(0.0).sqrt() / nfc, ok_f)
-            if values:
-                v = torch.stack(values)  # [q, batch, pos]
-                ok = torch.stack(valid)
-                s = torch.where(ok, v, torch.zeros_like(v)).sum(1)  # [q, pos]
-                c = ok.sum(1)
-                m = (~ok).sum(1)
-                q = torch.tensor(qidx, device=v.device)
-                for tgt, src in ((acc.t_sum, s), (acc.t_cnt, c), (acc.t_msk, m)):
-                    binned = torch.zeros(len(qidx), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
-                    tgt[q, row] += binned.index_add_(1, bins, src.to(tgt.dtype))
+        if G is not None:
+            names, values, valid = token_quantities(G, k, self.metrics, parallel, has_mid, "attn_out" in st,
+                                                    "mlp_out" in st)
+            if names:
+                acc.add_tokens(row, names, values, valid, st["bins"])
         if "diversity" in self.metrics:
             which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
-            todo = [w for w in which if not (w == "pre" and st.get("_div_pre") is not None)]
-            stats = dict(zip(todo, self._diversity([V[:, :, k[_SITE_OF[w]], :] for w in todo])))
-            if "pre" not in stats:
-                stats["pre"] = st["_div_pre"]
-            st["_div_post"] = stats["post"]
-            for w in which:
-                for name, (v, good) in zip(("pairwise_cosine", "resultant_length", "effective_rank"), stats[w]):
-                    i = acc.sq[f"{name}_{w}"]
-                    acc.s_sum[i, row] += torch.where(good, v, torch.zeros_like(v)).sum()
-                    acc.s_cnt[i, row] += good.sum()
-                    acc.s_msk[i, row] += (~good).sum()
+            reuse = st.get("_div_pre") is not None
+            todo = [w for w in which if not (w == "pre" and reuse)]
+            self._n_diversity_sets += len(todo)
+            values, valid = diversity([V[:, :, k[_SITE_OF[w]], :] for w in todo])  # [sets, 3, batch]
+            if reuse:
+                values = torch.cat([st["_div_pre"][0], values])
+                valid = torch.cat([st["_div_pre"][1], valid])
+            post = which.index("post")
+            st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
+            names = self._div_names[has_mid]
+            acc.add_sequences(row, names, values.flatten(0, 1), valid.flatten(0, 1))
 
     def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
         bad = [site for site, k in self._slots.items() if not bool(torch.isfinite(sq[..., k]).all())]
@@ -429,38 +332,6 @@ class ProbeTrace:
             f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
             "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
             "hooks of yours on that point; in float16 try float32 or bfloat16.")
-
-    def _diversity(self, sets: list[Tensor]) -> list[list[tuple[Tensor, Tensor]]]:
-        """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set, each
-        with its validity mask; all sets in one batched Gram product and one batched eigendecomposition."""
-        if not sets:
-            return []
-        self._n_diversity_sets += len(sets)
-        B, n, d = sets[0].shape
-        if n <= d:
-            H = torch.cat([t @ t.mT for t in sets])  # [sets*batch, n, n]: raw Gram
-            nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
-            ok = nt > EPS_NORM
-            inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
-            Gu = H * inv[:, :, None] * inv[:, None, :]  # Gram of the unit rows (zero rows for masked ones)
-            ss = Gu.sum((-1, -2))  # ||sum_j u_j||^2
-        else:  # long sequences: the d x d Gram is the smaller one
-            T = torch.cat(sets)
-            nt = torch.linalg.vector_norm(T, dim=-1)
-            ok = nt > EPS_NORM
-            U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
-            Gu = U.mT @ U
-            total = U.sum(-2)
-            ss = (total * total).sum(-1)
-        cnt = ok.sum(-1).to(_F64)
-        pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
-        res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
-        erank = _erank_from_gram(Gu)
-        out = []
-        for i in range(len(sets)):
-            sl = slice(i * B, (i + 1) * B)
-            out.append([(pair[sl], cnt[sl] >= 2), (res[sl], cnt[sl] >= 1), (erank[sl], cnt[sl] >= 1)])
-        return out
 
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:

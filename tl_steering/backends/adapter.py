@@ -15,7 +15,7 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -152,10 +152,12 @@ class ModelAdapter:
         """Where the FFN reads its input: resid_mid for sequential blocks, resid_pre for parallel ones."""
         return "resid_pre" if self.is_parallel(layer) else "resid_mid"
 
-    def hook_name(self, layer: int, site: str) -> str:
+    def hook_name(self, layer: int, site: str, hook_dict: Mapping[str, Any] | None = None) -> str:
         """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them).
 
-        ``site="ffn_input"`` resolves to the FFN-input site of that block.
+        ``site="ffn_input"`` resolves to the FFN-input site of that block. ``hook_dict``: a snapshot of
+        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access, ~2 ms; a
+        caller naming many points, like the probe, takes it once).
         """
         layer = self.check_layer(layer)
         if site == "ffn_input":
@@ -168,7 +170,7 @@ class ModelAdapter:
                 "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'."
             )
         name = f"blocks.{layer}.{_SITE_HOOK[site]}"
-        if name not in self.model.hook_dict:
+        if name not in (self.model.hook_dict if hook_dict is None else hook_dict):
             raise HookNotFoundError(
                 f"hook {name!r} does not exist on this {type(self.model).__name__}"
                 + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else "")

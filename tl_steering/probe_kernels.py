@@ -1,0 +1,199 @@
+"""Float64 kernels of the streaming probe (:func:`tl_steering.probe`, ``tl_steering/probing.py``;
+docs/probe.md).
+
+One layer's work, all batched over sequences and positions, with no loop over tokens, sites or sequences:
+
+* :func:`token_quantities`: every token metric from the per-token Gram matrix of the layer's site vectors
+  (one batched product ``V V^T`` over ``[batch, pos, sites, d_model]``), returned stacked ``[q, batch, pos]``
+  with their validity masks;
+* :func:`diversity`: the per-sequence pairwise cosine, resultant length and effective rank of every direction
+  set of the layer from one batched Gram product and one batched eigendecomposition;
+* :class:`Accumulator`: fixed-size running sums, counts and masked counts, updated by one ``index_add_`` per
+  tensor and layer.
+
+The effective rank is a per-sequence statistic (the mean over sequences of each sequence's effective rank), so
+its decomposition is per sequence: a running Gram matrix pooled over sequences would measure the pooled token
+cloud, another number. It is taken on the smaller of the two Gram matrices (``pos x pos`` or ``d x d``).
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .geometry import EPS_NORM, SINGULAR_REL
+
+F64 = torch.float64
+EPS64 = torch.finfo(torch.float64).eps
+SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank")
+
+
+def erank_from_gram(gram: Tensor) -> Tensor:
+    """Effective rank of unit-row matrices U from their Gram matrix ``U U^T`` (or ``U^T U``), batched.
+
+    sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
+    Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
+    (geometry.SINGULAR_REL). For well-conditioned sets this equals ``geometry.effective_rank`` (an SVD) to
+    ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
+    almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
+    """
+    size = gram.shape[-1]
+    ev = torch.linalg.eigvalsh(gram).clamp_min(0.0)
+    ev_max = ev.amax(-1, keepdim=True)
+    floor = ev_max * max(size * EPS64, SINGULAR_REL**2)
+    sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
+    total = sigma.sum(-1, keepdim=True)
+    p = sigma / total.clamp_min(torch.finfo(F64).tiny)
+    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
+
+
+def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], parallel: bool, has_mid: bool,
+                     has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
+    """Every token quantity of one layer from the per-token Gram matrix ``G`` ``[batch, pos, slots, slots]``
+    of the slot vectors (slot index of each site in ``k``): (names, values ``[q, batch, pos]``, valid mask).
+
+    Formulas of docs/probe.md, in dot products: with u = u(x), <u, a> = <x, a> / ||x||,
+    ||P_u a||^2 = ||a||^2 - <u, a>^2, Dx = z - x so <u, Dx> = (<x, z> - ||x||^2) / ||x|| and
+    ||P_u Dx||^2 = ||z||^2 - 2 <x, z> + ||x||^2 - <u, Dx>^2; a row is valid where every norm it divides by
+    exceeds ``EPS_NORM``."""
+    names: list[str] = []
+    values: list[Tensor] = []
+    valid: list[Tensor] = []
+    everywhere = None
+
+    def put(q: str, v: Tensor, ok: Tensor | None) -> None:
+        nonlocal everywhere
+        if ok is None:
+            if everywhere is None:
+                everywhere = torch.ones_like(v, dtype=torch.bool)
+            ok = everywhere
+        names.append(q)
+        values.append(v)
+        valid.append(ok)
+
+    def dot(s1: str, s2: str) -> Tensor:
+        return G[..., k[s1], k[s2]]
+
+    xx = dot("resid_pre", "resid_pre")
+    nx = xx.sqrt()
+    ok_x = nx > EPS_NORM
+    nxc = nx.clamp_min(EPS_NORM)
+    if "resid_norm" in metrics:
+        put("resid_norm_pre", nx, None)
+        if has_mid:
+            put("resid_norm_mid", dot("resid_mid", "resid_mid").sqrt(), None)
+        put("resid_norm_post", dot("resid_post", "resid_post").sqrt(), None)
+    if has_attn:
+        xa, aa = dot("resid_pre", "attn_out"), dot("attn_out", "attn_out")
+        ua = xa / nxc  # <u, a>
+        npa = (aa - ua * ua).clamp_min(0.0).sqrt()  # ||P_u a||
+        if "radial_coef" in metrics:
+            na = aa.sqrt()
+            put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
+        if "tangential_speed" in metrics:
+            put("tangential_speed_attn", npa / nxc, ok_x)
+        if "tangent_alignment" in metrics:
+            xz, az, zz = dot("resid_pre", "resid_post"), dot("attn_out", "resid_post"), \
+                dot("resid_post", "resid_post")
+            udx = (xz - xx) / nxc
+            npdx = (zz - 2 * xz + xx - udx * udx).clamp_min(0.0).sqrt()
+            cos = (az - xa - ua * udx) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
+            put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
+    if has_mlp:
+        f = "resid_pre" if parallel else "resid_mid"
+        ff, fphi, pp = dot(f, f), dot(f, "mlp_out"), dot("mlp_out", "mlp_out")
+        nf = ff.sqrt()
+        nfc = nf.clamp_min(EPS_NORM)
+        ok_f = nf > EPS_NORM
+        if "radial_coef" in metrics:
+            nphi = pp.sqrt()
+            put("radial_coef_ffn", fphi / (nfc * nphi.clamp_min(EPS_NORM)), ok_f & (nphi > EPS_NORM))
+        if "tangential_speed" in metrics:
+            wphi = fphi / nfc
+            put("tangential_speed_ffn", (pp - wphi * wphi).clamp_min(0.0).sqrt() / nfc, ok_f)
+    if not values:
+        return names, G.new_zeros((0, *G.shape[:2])), torch.zeros((0, *G.shape[:2]), dtype=torch.bool)
+    return names, torch.stack(values), torch.stack(valid)
+
+
+def diversity(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set:
+    values and validity masks, each ``[len(sets), 3, batch]``; all sets in one batched Gram product and one
+    batched eigendecomposition."""
+    B, n, d = sets[0].shape
+    if n <= d:
+        H = torch.cat([t @ t.mT for t in sets])  # [sets*batch, n, n]: raw Gram
+        nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
+        ok = nt > EPS_NORM
+        inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
+        Gu = H * inv[:, :, None] * inv[:, None, :]  # Gram of the unit rows (zero rows for masked ones)
+        ss = Gu.sum((-1, -2))  # ||sum_j u_j||^2
+    else:  # long sequences: the d x d Gram is the smaller one
+        T = torch.cat(sets)
+        nt = torch.linalg.vector_norm(T, dim=-1)
+        ok = nt > EPS_NORM
+        U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
+        Gu = U.mT @ U
+        total = U.sum(-2)
+        ss = (total * total).sum(-1)
+    cnt = ok.sum(-1).to(F64)
+    pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
+    res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
+    erank = erank_from_gram(Gu)
+    n_sets = len(sets)
+    values = torch.stack([pair, res, erank]).view(3, n_sets, B).transpose(0, 1)
+    valid = torch.stack([cnt >= 2, cnt >= 1, cnt >= 1]).view(3, n_sets, B).transpose(0, 1)
+    return values, valid
+
+
+
+class Accumulator:
+    """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
+    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of
+    forwards."""
+
+    def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
+                 device: torch.device):
+        self.token_q, self.seq_q = token_q, seq_q
+        self.tq = {q: i for i, q in enumerate(token_q)}
+        self.sq = {q: i for i, q in enumerate(seq_q)}
+        self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=F64, device=device)
+        self.t_cnt = torch.zeros(len(token_q), n_layers, n_bins, dtype=torch.int64, device=device)
+        self.t_msk = torch.zeros_like(self.t_cnt)
+        self.s_sum = torch.zeros(len(seq_q), n_layers, dtype=F64, device=device)
+        self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
+        self.s_msk = torch.zeros_like(self.s_cnt)
+        self._index: dict[tuple[bool, tuple[str, ...]], Tensor] = {}
+
+    def tensors(self) -> list[Tensor]:
+        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
+
+    def _rows(self, names: list[str], token: bool) -> Tensor:
+        """Accumulator rows of ``names`` (an index tensor, built once per distinct list)."""
+        key = (token, tuple(names))
+        idx = self._index.get(key)
+        if idx is None:
+            table = self.tq if token else self.sq
+            idx = self._index[key] = torch.tensor([table[q] for q in names], device=self.t_sum.device)
+        return idx
+
+    def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
+                   bins: Tensor) -> None:
+        """Add ``values`` ``[q, batch, pos]`` (where ``valid``) to the sums of ``names`` at ``layer_row``,
+        binned by the position bins ``bins`` ``[pos]``; invalid rows are counted as masked."""
+        q = self._rows(names, True)
+        s = torch.where(valid, values, torch.zeros_like(values)).sum(1)  # [q, pos]
+        c = valid.sum(1)
+        m = valid.shape[1] - c
+        for tgt, src in ((self.t_sum, s), (self.t_cnt, c), (self.t_msk, m)):
+            binned = torch.zeros(len(names), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
+            tgt[q, layer_row] += binned.index_add_(1, bins, src.to(tgt.dtype))
+
+    def add_sequences(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor) -> None:
+        """Add per-sequence ``values`` ``[q, batch]`` (where ``valid``) to the sums of ``names``."""
+        q = self._rows(names, False)
+        self.s_sum[q, layer_row] += torch.where(valid, values, torch.zeros_like(values)).sum(-1)
+        c = valid.sum(-1)
+        self.s_cnt[q, layer_row] += c
+        self.s_msk[q, layer_row] += valid.shape[-1] - c
