@@ -289,18 +289,14 @@ def test_stale_capture_is_removed_not_put_back(model, site):
     model.check_clean(f"stale {site} capture, after a guarded call")
 
 
-@pytest.mark.xfail(strict=True, reason="known leak outside the hook lifecycle (issue 16 follow-up): a Ctrl-C in "
-                   "torch's handle_torch_function while backends/field64.float64_compute's TorchFunctionMode is "
-                   "active is swallowed or replaced, and the mode stays pushed for the thread")
 def test_ctrl_c_inside_torch_function_mode_dispatch(model):
     """A SIGINT at the exit of torch's ``_pop_mode_temporarily`` (``handle_torch_function`` pops the active mode
-    around every torch call and pushes it back on exit) inside ``critical_points``' float64 field computation:
-    the mode is not pushed back, ``float64_compute``'s ``__exit__`` then raises "trying to pop from empty mode
-    stack" in place of the KeyboardInterrupt (which the solver's ``except Exception`` fallback may swallow: the
-    call returns normally), and when the abandoned generator is finalized it pushes the ``_KeepFloat64`` mode back
-    for good: float64 tensors are never downcast again in this thread (``parallelize``'s check then fails with
-    "mat1 and mat2 must have the same dtype"). Not hook state: the stress test does not deliver signals there
-    (``_inject._TORCH_MODE_GENS``). Measured: one mode left on both TL lines, the Ctrl-C lost or a RuntimeError."""
+    around every torch call and pushes it back on exit) inside ``critical_points``' float64 field computation.
+    Before ``float64_compute`` held signals (backends/interrupts.deferred_signals) the mode was not pushed back,
+    its ``__exit__`` raised "trying to pop from empty mode stack" in place of the KeyboardInterrupt (which the
+    solver's ``except Exception`` fallback could swallow), and the abandoned generator later pushed the float64 mode
+    back for good (float64 tensors never downcast again in the thread). Now the Ctrl-C is delivered right after
+    the float64 section: a KeyboardInterrupt comes out and no mode is left pushed."""
     fn = model.fn("critical_points")
     fn()
     try:

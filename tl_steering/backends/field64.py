@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
 from .adapter import ModelAdapter, hook_points, hooks_silenced
+from .interrupts import deferred_signals
 from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 
 _LOW = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,11 +69,35 @@ class _KeepFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def float64_compute() -> TorchFunctionMode:
+class float64_compute:  # noqa: N801 - used like a function: ``with float64_compute(): ...``
     """Context manager: inside it, float64 tensors are not downcast by ``.to(float32)``, ``.float()``, ``.half()``,
     ``.type(float32)``, ``.type_as(float32 tensor)`` or ``softmax(..., dtype=float32)``. Thread-local; nothing is
-    patched; tensors of other dtypes are untouched."""
-    return _KeepFloat64()
+    patched; tensors of other dtypes are untouched.
+
+    Signals (Ctrl-C) are held while the mode is active and delivered right after it is popped
+    (:class:`~tl_steering.backends.interrupts.deferred_signals`): torch pops and re-pushes the mode around every
+    call it dispatches, and a KeyboardInterrupt between the two would leave the thread's mode stack broken (the
+    mode pushed for good, or "pop from empty mode stack" in place of the interrupt)."""
+
+    def __init__(self) -> None:
+        self._hold = deferred_signals()
+        self._mode = _KeepFloat64()
+
+    def __enter__(self) -> "float64_compute":
+        self._hold.__enter__()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._hold.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._hold.__exit__()
+        return None
 
 
 def _private_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -168,6 +168,53 @@ def unregister(r: Restorer) -> None:
         _uninstall()
 
 
+class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_signals(): ...``
+    """Hold every signal that has a Python handler while the block runs; deliver each held one on exit, by calling
+    the handler that was installed on entry (so a Ctrl-C raises KeyboardInterrupt right after the block).
+
+    For short sections that must not be interrupted half-way, where no Python-level cleanup can be made safe:
+    torch's ``TorchFunctionMode`` dispatch pops the active mode around every torch call and pushes it back, and a
+    KeyboardInterrupt between the two leaves the mode stack broken (``float64_compute`` in
+    :mod:`~tl_steering.backends.field64`). Main thread only (elsewhere a no-op: signals are delivered there only).
+    Nested sections hold for the outermost one. A signal arriving while the handlers are swapped on entry or exit
+    runs its handler at once, outside the protected section.
+    """
+
+    def __init__(self) -> None:
+        self._saved: dict[int, Any] = {}
+        self._pending: list[tuple[int, Any]] = []
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self._pending.append((signum, frame))
+
+    def __enter__(self) -> "deferred_signals":
+        if not _main_thread():
+            return self
+        try:
+            for sig in _SIGNALS:
+                cur = _getsignal(sig)
+                if callable(cur):
+                    self._saved[sig] = cur  # before the swap: __exit__ puts back exactly what it replaced
+                    signal.signal(sig, self._hold)
+        except BaseException as e:  # noqa: BLE001 - a handler's exception while swapping: undo, re-raise
+            self.__exit__()
+            if not _unsupported(e):
+                raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self._saved = self._saved, {}
+        for sig, handler in saved.items():
+            if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
+                signal.signal(sig, handler)
+        pending, self._pending = self._pending, []
+        for signum, frame in pending:  # delivered now, outside the section; the first raising one propagates
+            handler = saved.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+        return None
+
+
 def registered() -> int:
     """How many scopes are registered on this thread (0 outside every tl_steering call; tests check it)."""
     return len(_registry())
@@ -178,4 +225,4 @@ def handler_installed() -> bool:
     return any(signal.getsignal(s) is _on_signal for s in _SIGNALS)
 
 
-__all__ = ["Restorer", "handler_installed", "register", "registered", "unregister"]
+__all__ = ["Restorer", "deferred_signals", "handler_installed", "register", "registered", "unregister"]
