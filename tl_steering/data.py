@@ -157,4 +157,16 @@ def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | Non
     return tokens, corpus
 
 
-__all__ = ["TokenWindows", "corpus_label", "pydoc_text", "text_tokens", "text_windows", "token_source"]
+def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[Any, Tensor, str | None]:
+    """What every public call does first: ``(adapter, validated token tensor, corpus label or None)``.
+
+    ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
+    checks dtype, shape, range and length with errors that name the problem.
+    """
+    ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
+    return ad, ad.validate_tokens(tokens), corpus
+
+
+__all__ = ["TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
+           "token_source"]

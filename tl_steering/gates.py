@@ -26,9 +26,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .backends import ModelAdapter, adapt
+from .backends import ModelAdapter
 from .batching import mean_loss
-from .data import token_source
+from .data import model_tokens
 from .errors import InputError
 from .hooks import HookList, ffn_gate, parallel_blocks
 from .metrics import next_token_loss
@@ -217,9 +217,7 @@ def calibrate_gates(
         plan: the parallelized layers (closed form; default base hooks).
         batch_size: sequences per forward.
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     method = as_choice(method, "method", ("loss", "closed_form"))
     seed = as_int(seed, "seed")
     batch_size = as_int(batch_size, "batch_size", minimum=1)

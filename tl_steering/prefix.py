@@ -24,8 +24,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from . import geometry as geo
-from .backends import adapt, check_finite
-from .data import token_source
+from .backends import check_finite
+from .data import model_tokens
 from .errors import InputError
 from .metrics import kl_divergence
 from .results import Result, register
@@ -158,9 +158,7 @@ def prefix_sensitivity(
     Returns:
         :class:`PrefixSensitivityResult`.
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     mode = as_choice(mode, "mode", ("noise", "token"))
     seed = as_int(seed, "seed")
     n_seq, n_pos = tokens.shape
@@ -325,9 +323,7 @@ def prefix_statistics(
             slowest), "participation_ratio".
         exclude_positions: positions masked out of every prefix (BOS / attention sink; default (0,)).
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
     stats = list(stats)
     bad = [s for s in stats if s not in STATS]

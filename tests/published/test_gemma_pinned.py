@@ -12,7 +12,13 @@ when the Gemma part packages are not installed. Regenerate: scripts/regenerate_p
 import pytest
 
 from tl_steering.reference import pinned_values
-from tl_steering.reference.pinned import BACKEND_TOLERANCES, GEMMA_PINNED_SETTINGS, compare, compute_pinned
+from tl_steering.reference.pinned import (
+    BACKEND_TOLERANCES,
+    GEMMA_PINNED_SETTINGS,
+    compare,
+    compute_pinned,
+    group_problems,
+)
 
 pytestmark = [pytest.mark.published, pytest.mark.integration]
 
@@ -41,11 +47,7 @@ GROUPS = sorted({e["tol"] for e in PINNED["values"].values()})
 @pytest.mark.parametrize("group", GROUPS)
 def test_pinned_values(measured, group):
     """Every value of one tolerance group within |diff| <= abs + rel * |pinned|."""
-    sub = {
-        "tolerances": PINNED["tolerances"],
-        "values": {k: v for k, v in PINNED["values"].items() if v["tol"] == group},
-    }
-    problems = compare(sub, measured)
+    problems = group_problems(PINNED, measured, group)
     assert not problems, "\n".join(problems)
 
 

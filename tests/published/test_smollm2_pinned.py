@@ -9,7 +9,7 @@ if that was intended, run scripts/regenerate_pinned.py and commit the new JSON w
 import pytest
 
 from tl_steering.reference import pinned_values
-from tl_steering.reference.pinned import PINNED_SETTINGS, compare, compute_pinned
+from tl_steering.reference.pinned import PINNED_SETTINGS, compute_pinned, group_problems
 
 pytestmark = [pytest.mark.published, pytest.mark.integration]
 
@@ -36,11 +36,7 @@ GROUPS = sorted({e["tol"] for e in PINNED["values"].values()})
 @pytest.mark.parametrize("group", GROUPS)
 def test_pinned_values(measured, group):
     """Every value of one tolerance group within |diff| <= abs + rel * |pinned|."""
-    sub = {
-        "tolerances": PINNED["tolerances"],
-        "values": {k: v for k, v in PINNED["values"].items() if v["tol"] == group},
-    }
-    problems = compare(sub, measured)
+    problems = group_problems(PINNED, measured, group)
     if problems and group == "exact":
         problems = [p for p in problems if not _plan_near_tie(p, measured)]
     assert not problems, "\n".join(problems)

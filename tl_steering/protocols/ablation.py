@@ -28,8 +28,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backends import adapt
-from ..data import token_source
+from ..data import model_tokens
 from ..errors import InputError
 from .. import validation
 from ..hooks import ffn_component
@@ -169,9 +168,7 @@ def ffn_ablation(
         world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     seed = check_seed(seed)
     batch_size = check_batch_size(batch_size)

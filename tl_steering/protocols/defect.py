@@ -60,8 +60,8 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..backends import adapt, check_finite
-from ..data import token_source
+from ..backends import check_finite
+from ..data import model_tokens
 from ..errors import InputError, ResidualIdentityError
 from ..planning import strategies as _strategies
 from ..planning.gold import PlanLoss, single_layer_delta
@@ -194,9 +194,7 @@ def parallel_defect(
         A :class:`DefectResult`.
     """
     t_start = time.perf_counter()
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
     exclude = check_exclude_positions(exclude_positions)
     batch_size = check_batch_size(batch_size)

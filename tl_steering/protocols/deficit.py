@@ -33,8 +33,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..backends import adapt
-from ..data import token_source
+from ..data import model_tokens
 from ..results import Result, register
 from ..sharding import World, gather_rows, my_batches
 from ._common import (
@@ -206,9 +205,7 @@ def angular_deficit(
         :class:`DeficitResult`. The residual identity is checked on the first batch
         (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
     n_bootstrap = check_n_bootstrap(n_bootstrap)

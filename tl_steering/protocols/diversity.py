@@ -29,8 +29,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import geometry as geo
-from ..backends import ModelAdapter, adapt
-from ..data import token_source
+from ..backends import ModelAdapter
+from ..data import model_tokens
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
@@ -273,9 +273,7 @@ def diversity(
         world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
-    ad = adapt(model)
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
     seed = check_seed(seed)

@@ -192,6 +192,13 @@ def compare(
     return problems
 
 
+def group_problems(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]], group: str) -> list[str]:
+    """:func:`compare` restricted to the values of one tolerance group of a pinned file (one test per group)."""
+    sub = {"tolerances": pinned["tolerances"],
+           "values": {k: v for k, v in pinned["values"].items() if v["tol"] == group}}
+    return compare(sub, measured)
+
+
 def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     """:func:`compute_pinned` output in the file's ``{"values": ...}`` form (to :func:`compare` two runs)."""
     return {"values": {name: {"value": value, "tol": group} for name, (value, group) in measured.items()}}
@@ -199,6 +206,7 @@ def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 
 __all__ = [
     "BACKEND_TOLERANCES",
+    "group_problems",
     "GEMMA_PINNED_SETTINGS",
     "PINNED_MODELS",
     "PINNED_SETTINGS",
