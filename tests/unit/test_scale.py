@@ -208,10 +208,11 @@ def _two_ranks_vs_one(tmp_path, inputs, model=None):
 
 def test_suite_on_two_processes_equals_one_process(tmp_path):
     """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2: rank 0 runs batches 0 and 2, rank 1
-    batch 1) gives the same numbers as one process: every field of every protocol (sharded or run on rank 0),
+    batch 1; plan_strategy="best": every planner, its measured plans split over the ranks) gives the same
+    numbers as one process: every field of every protocol (sharded or run on rank 0),
     the bootstrap intervals, the plan. Cost: ~25 s on 2 loaded cores (mostly the two ranks' start-up)."""
     stages = ["checks", "deficit", "ablation", "diversity", "defect", "parallel", "gates", "critical", "prefix"]
-    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "greedy"])
+    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best"])
     assert (one.distributed.world_size, one.distributed.backend) == (1, "none")
     assert (two.distributed.world_size, two.distributed.backend) == (2, "gloo") and two.provenance.world_size == 2
     assert two.distributed.sharded_stages == ["checks", "deficit", "ablation", "diversity", "defect"]

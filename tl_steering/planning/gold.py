@@ -6,7 +6,7 @@ position of the token windows, the parallel blocks applied exactly with :func:`t
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,24 +21,45 @@ class PlanLoss:
     """Memoised mean CE of plans (sets of parallel layers) on one set of token windows.
 
     ``loss(layers)`` runs ``ceil(batch / batch_size)`` hooked forwards the first time a set is asked for;
-    :attr:`passes` counts the passes over the windows actually run (the cost).
+    :attr:`passes` counts the passes over the windows actually run (the cost, over all ranks).
+    ``world`` (a :class:`tl_steering.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
+    per rank in turn and hands every value to every rank; the values are those of one process.
     """
 
-    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8):
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None):
         self.model = model
         self.ad = adapt(model)
         self.tokens = tokens
         self.batch_size = batch_size
+        self.world = world
         self.memo: dict[tuple[int, ...], float] = {}
         self.passes = 0
 
+    @staticmethod
+    def _key(layers: Sequence[int]) -> tuple[int, ...]:
+        return tuple(sorted(int(x) for x in layers))
+
+    def _measure(self, key: tuple[int, ...]) -> float:
+        return mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key)), self.batch_size)
+
     def __call__(self, layers: Sequence[int]) -> float:
-        key = tuple(sorted(int(x) for x in layers))
+        key = self._key(layers)
         if key not in self.memo:
-            self.memo[key] = mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key)),
-                                       self.batch_size)
+            self.memo[key] = self._measure(key)
             self.passes += 1
         return self.memo[key]
+
+    def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
+        """Measure every plan of ``plans`` not known yet: split over the ranks of :attr:`world` (one pass over all
+        windows per plan, :func:`tl_steering.sharding.split_map`), in this process without one. Every rank must
+        call it with the same plans (the planners derive them from numbers every rank holds)."""
+        from ..sharding import split_map
+
+        keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
+        if not keys:
+            return
+        self.memo.update(zip(keys, split_map(self._measure, keys, self.world)))
+        self.passes += len(keys)
 
     @property
     def clean(self) -> float:

@@ -34,6 +34,7 @@ from ..backends import adapt
 from ..data import token_source
 from ..errors import InputError
 from ..results import Result, register
+from ..sharding import broadcast_from_rank0
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
@@ -180,6 +181,7 @@ def plan_parallel(
     corpus: str | None = None,
     scores: ParallelScoresResult | None = None,
     fisher_samples: int = 8,
+    world: Any = None,
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
 
@@ -203,6 +205,10 @@ def plan_parallel(
             its passes; its cost is then not counted again).
         fisher_samples: sampled-label backwards of the second-order scores (0: first-order scores only; the
             ``attribution_2nd`` / ``_fisher`` strategies then refuse).
+        world: a :class:`tl_steering.sharding.World` (every rank calls, docs/scale_out.md): the measured plans
+            (single layers, greedy_measured candidates, contiguous windows, every curve point) are split over the
+            ranks, one pass per plan; the scores and the greedy re-scoring (forward + backward) run on rank 0 and
+            are handed to the others, so every rank takes the same decisions; the same plan on every rank.
 
     Returns:
         A :class:`ParallelPlan`.
@@ -232,7 +238,7 @@ def plan_parallel(
                                                          else [j for j in st.default_k_values(len(cand)) if j <= k])}
                 | {k})
     kmax = max(ks)
-    cal_loss, held_loss = PlanLoss(model, cal, batch_size), PlanLoss(model, held, batch_size)
+    cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
 
     costs: dict[str, dict[str, float]] = {}
     extra = {"passes": 0}  # attribution passes of the greedy steps after the first
@@ -244,8 +250,8 @@ def plan_parallel(
     # the sampled-label backwards only when a strategy uses a second-order score
     fisher_samples = fisher_samples if any(s in FISHER_VARIANTS or s == "greedy_measured" for s in names) else 0
     if need and not given:
-        scores = parallel_scores(model, cal, layers=sel, batch_size=batch_size, fisher_samples=fisher_samples,
-                                 seed=seed)
+        scores = broadcast_from_rank0(lambda: parallel_scores(model, cal, layers=sel, batch_size=batch_size,
+                                                              fisher_samples=fisher_samples, seed=seed), world)
     missing = [s for s in names if s in SCORE_STRATEGIES and s not in scores.scores] if need else []
     if missing:
         raise InputError(f"strategies {missing} need second-order scores: pass fisher_samples > 0 (to "
@@ -258,7 +264,8 @@ def plan_parallel(
             n_bwd = 0.0 if name.startswith("C") else 1.0 + (fisher_samples if name in FISHER_VARIANTS else 0.0)
             cost = {"forward": 1.0, "backward": n_bwd}
         elif name == "greedy":
-            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), batch_size, extra)
+            order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), batch_size, extra,
+                                  world)
             sets[name] = [sorted(order[:j]) for j in ks]
         elif name == "greedy_measured":
             rank_by = SHORTLIST_SCORE if SHORTLIST_SCORE in scores.scores else GREEDY_SCORE
@@ -272,12 +279,14 @@ def plan_parallel(
                 pos = {lay: i for i, lay in enumerate(scores.layers)}
                 single = {lay: float(scores.delta_ce[pos[lay]]) for lay in cand}
             else:
+                cal_loss.prefetch([[]] + [[lay] for lay in cand])
                 single = {lay: cal_loss([lay]) for lay in cand}
             sets[name] = [st.one_shot(cand, single, j) for j in ks]
             cost = {"forward": float(len(cand) + 1), "backward": 0.0}
         elif name == "contiguous":
             n_eval = 0
             sets[name] = []
+            cal_loss.prefetch([[]] + [w for j in ks for w in st.windows(cand, j)])
             for j in ks:
                 wins = st.windows(cand, j)
                 vals = {i: cal_loss(w) for i, w in enumerate(wins)}
@@ -290,6 +299,9 @@ def plan_parallel(
         cost["seconds"] = time.perf_counter() - t1
         costs[name] = cost
 
+    every_set = [[]] + [p for s in names for p in sets[s]]
+    cal_loss.prefetch(every_set)
+    held_loss.prefetch(every_set)
     cal_curves = {s: torch.tensor([cal_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     held_curves = {s: torch.tensor([held_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     j = ks.index(k)
@@ -313,7 +325,7 @@ def plan_parallel(
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
-            batch_size: int, extra: dict[str, int]) -> tuple[list[int], dict[str, float]]:
+            batch_size: int, extra: dict[str, int], world: Any = None) -> tuple[list[int], dict[str, float]]:
     """``"greedy"``: order of ``kmax`` layers by :data:`GREEDY_SCORE` re-computed on the partly parallel model."""
     order: list[int] = []
     fwd = bwd = 0.0
@@ -321,7 +333,8 @@ def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int,
         if step == 0:
             so = first
         else:
-            attr, _ = attribution_scores(model, cal, sel, base=order, batch_size=batch_size)
+            attr, _ = broadcast_from_rank0(  # rank 0 re-scores; every rank takes the same step
+                lambda: attribution_scores(model, cal, sel, base=order, batch_size=batch_size), world)
             so = {lay: float(attr[GREEDY_SCORE][sel.index(lay)]) for lay in cand}
             extra["passes"] += 1
         fwd, bwd = fwd + 1, bwd + 1
@@ -339,6 +352,7 @@ def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_
     for _ in range(kmax):
         rest = [lay for lay in ranked if lay not in order]
         short = rest if shortlist is None else rest[:shortlist]
+        cal_loss.prefetch([order + [lay] for lay in short])  # split over the ranks of a process group
         vals = {lay: cal_loss(order + [lay]) for lay in short}
         fwd += len(short)
         order.append(min(short, key=lambda lay: (vals[lay], lay)))

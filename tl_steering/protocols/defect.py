@@ -68,7 +68,7 @@ from ..planning.gold import PlanLoss, single_layer_delta
 from ..planning.gold import spearman as _spearman
 from ..planning.speedup import SPEEDUP_LABEL, submodule_times
 from ..planning.strategies import default_k_values
-from ..sharding import World, broadcast_from_rank0, gather_rows, my_batches, split_map
+from ..sharding import World, broadcast_from_rank0, gather_rows, my_batches
 from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
@@ -123,22 +123,17 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
     return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
 
 
-def _plan_losses_split(loss: PlanLoss, sel: list[int], parallel: list[bool], candidates: list[int],
-                       score: Tensor, ks: list[int], n_random: int, seed: int,
-                       world: World) -> dict[tuple[int, ...], float]:
-    """The mean CE of every plan the gold standard asks for, one plan per rank in turn (``split_map``).
-
-    The same plans as below (clean, each single layer, the curves' sets), each evaluated on all windows by one
-    rank with :class:`~tl_steering.planning.gold.PlanLoss` (the same forwards as in one process).
-    """
+def _gold_plans(sel: list[int], parallel: list[bool], candidates: list[int], score: Tensor, ks: list[int],
+                n_random: int, seed: int) -> list[list[int]]:
+    """Every plan the gold standard below measures (clean, each single layer, the curves' sets), so that a
+    distributed run can split them over the ranks beforehand (:meth:`PlanLoss.prefetch`)."""
     score_of = {lay: float(score[i]) for i, lay in enumerate(sel)}
     plans: list[list[int]] = [[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
     plans += [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks]
     plans += [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks]
     plans += [_strategies.contiguous(candidates, score_of, k) for k in ks]
     plans += [p for draw in _strategies.random_sets(candidates, ks, n_random, seed) for p in draw]
-    keys = list(dict.fromkeys(tuple(sorted(int(x) for x in p)) for p in plans))
-    return dict(zip(keys, split_map(lambda key: loss(list(key)), keys, world)))
+    return plans
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -319,10 +314,9 @@ def parallel_defect(
     curves: dict[str, Tensor] = {}
     curve_layers: dict[str, list] = {}
     if evaluate:
-        loss = PlanLoss(model, tokens, batch_size)
+        loss = PlanLoss(model, tokens, batch_size, world=world)
         if world is not None and world.active:  # one pass over the windows per plan: the plans split over ranks
-            loss.memo.update(_plan_losses_split(loss, sel, parallel, candidates, scores["C"], ks, n_random, seed,
-                                                world))
+            loss.prefetch(_gold_plans(sel, parallel, candidates, scores["C"], ks, n_random, seed))
         clean_loss = loss.clean
         delta_ce = single_layer_delta(loss, sel, parallel)
         cidx = [i for i, par in enumerate(parallel) if not par]

@@ -185,12 +185,9 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     else:
         from ..planning import plan_parallel
 
-        # the planners are not sharded: rank 0 plans, the other ranks receive its ParallelPlan
-        res.planner = broadcast_from_rank0(
-            lambda: plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
-                                  batch_size=s.batch_size, corpus=c.corpus),
-            c.w,
-        )
+        # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
+        res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
+                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w)
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
     if s.defect_timing:
