@@ -14,7 +14,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering.corpus import stream_windows
-from tl_steering.errors import InputError
+from tl_steering.errors import InputError, ModelNotSupportedError
 from tl_steering.probing import ProbeResult
 from tl_steering.scale import check_agreement, scan
 
@@ -315,3 +315,49 @@ def test_a_killed_suite_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypat
     # a checkpoint of another run is refused, naming what differs
     with pytest.raises(InputError, match="differs in seed"):
         suite_run.run_suite(model, tokens, s, progress=False, seed=1, checkpoint=cp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a model bigger than one device: accelerate's dispatch / offload (docs/scale_out.md, "Models bigger than one device")
+
+
+def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
+    """A tiny Llama whose odd layers accelerate offloads to disk (weights on the meta device, loaded by its hooks
+    at each forward) wraps into a bridge with its placement kept; the probe scan, the deficit and the loss equal
+    those of the same weights in memory (TL 4.x; TL 3.9's bridge refuses disk offload, with a clear error). Moving
+    such a model is refused."""
+    import warnings
+
+    from accelerate import dispatch_model
+
+    from tl_steering.backends import adapt, tl_version, weights_fingerprint
+    from tl_steering.backends.loading import tiny_hf_model
+    from tl_steering.backends.wrapping import wrap_hf
+
+    hf, tok = tiny_hf_model("llama")
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    ref = wrap_hf(hf, tok, "bridge", "raw", None, label="inmemory")
+    hf2, _ = tiny_hf_model("llama")
+    hf2.load_state_dict(state)
+    placement = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu", "model.rotary_emb": "cpu"}
+    placement.update({f"model.layers.{i}": "disk" if i % 2 else "cpu" for i in range(hf2.config.num_hidden_layers)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf2 = dispatch_model(hf2, device_map=placement, offload_dir=str(tmp_path / "offload"))
+    with pytest.raises(InputError, match="dispatched over devices by accelerate"):
+        wrap_hf(hf2, tok, "bridge", "raw", "cpu", label="offloaded")
+    if tl_version().startswith("3."):  # TL 3.9's bridge refuses disk offload: a clear error
+        with pytest.raises(ModelNotSupportedError, match="offloaded to disk"):
+            wrap_hf(hf2, tok, "bridge", "raw", None, label="offloaded")
+        return
+    off = wrap_hf(hf2, tok, "bridge", "raw", None, label="offloaded")
+    assert any(p.device.type == "meta" for p in off.parameters())  # really offloaded
+    fp = weights_fingerprint(off)
+
+    a = scan(ref, str(corpus), n_windows=6, length=16, shard_windows=3, batch_size=3, out_dir=tmp_path / "a")
+    b = scan(off, str(corpus), n_windows=6, length=16, shard_windows=3, batch_size=3, out_dir=tmp_path / "b")
+    _close(a, b, rtol=1e-12)
+    t = torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ts.angular_deficit(ref, t, n_bootstrap=0).deficit, ts.angular_deficit(off, t, n_bootstrap=0).deficit)
+    assert float(adapt(ref).loss_per_token(t).mean()) == float(adapt(off).loss_per_token(t).mean())
+    assert weights_fingerprint(off) == fp

@@ -85,12 +85,18 @@ def first_output(out: Any) -> Tensor:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone."""
+    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone.
+
+    A tensor offloaded by accelerate (on the ``meta`` device: its data lives on disk or in CPU memory and is loaded
+    by accelerate's hooks at forward time) contributes its name, dtype and shape only."""
     import hashlib
 
     h = hashlib.sha256()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(name.encode())
         h.update(str(t.dtype).encode())
+        if t.device.type == "meta":
+            h.update(f"offloaded{tuple(t.shape)}".encode())
+            continue
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

@@ -65,6 +65,13 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
     if backend not in ("bridge", "hooked"):
         raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    # a model dispatched by accelerate (from_pretrained(device_map=...), dispatch_model): layers on several devices,
+    # or offloaded to CPU / disk and loaded by accelerate's hooks at forward time; it cannot be moved as a whole
+    dispatched = bool(getattr(hf_model, "hf_device_map", None))
+    if dispatched and (device is not None or backend != "bridge"):
+        raise InputError("this Hugging Face model was dispatched over devices by accelerate (hf_device_map): wrap it "
+                         "with backend='bridge' and device=None (its placement is kept), or load it without "
+                         "device_map")
     dev = validation.as_device(device)
     hf_model.eval()
     # TL 3.9 reads config.architectures and fails on None
@@ -84,10 +91,19 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         if _TransformerBridge is None:  # pragma: no cover
             raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
         # boot_transformers(hf_model=...) records the device without moving the weights: move_to_device does
-        model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
-                                                     device=str(dev))
+        try:
+            model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
+                                                         device=str(dev))
+        except ValueError as e:
+            if dispatched and "offload" in str(e):  # TL 3.9's bridge refuses layers offloaded to disk
+                raise ModelNotSupportedError(
+                    f"TransformerLens {tl_version()} cannot wrap a model with layers offloaded to disk/meta ({e}); "
+                    "use TransformerLens 4.x, or keep every layer in memory") from e
+            raise
         if processing == "tl":
             model.enable_compatibility_mode()
+        if dispatched:  # accelerate placed (and maybe offloaded) the layers: keep that placement
+            return model
         return move_to_device(model, dev)
     if _HookedTransformer is None:
         raise ModelNotSupportedError(
