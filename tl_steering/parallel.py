@@ -89,6 +89,7 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
     chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
+    ad.require_resident(range(ad.n_layers), "parallelize (a copy of the model)")
     already = [lay for lay in chosen if ad.is_parallel(lay)]
     if already:
         warnings.warn(f"blocks {already} are parallel attention/MLP blocks already; parallelize leaves them as "

@@ -237,6 +237,8 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
     idx = range(len(blocks)) if layers is None else layers
     for layer in idx:
         for pname, p in blocks[layer].named_parameters():
+            if p.device.type == "meta":  # offloaded by accelerate: loaded (and used) only inside the forward
+                continue
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
                 n_nan = int(torch.isnan(p).sum())
                 n_inf = int(torch.isinf(p).sum())

@@ -323,8 +323,9 @@ def test_a_killed_suite_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypat
 
 def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
     """A tiny Llama whose odd layers accelerate offloads to disk (weights on the meta device, loaded by its hooks
-    at each forward) wraps into a bridge with its placement kept; the probe scan, the deficit and the loss equal
-    those of the same weights in memory (TL 4.x; TL 3.9's bridge refuses disk offload, with a clear error). Moving
+    at each forward) wraps into a bridge with its placement kept; the probe scan, the deficit, the loss and the FFN
+    ablation equal those of the same weights in memory, and a call that recomputes a sublayer outside the forward
+    refuses the offloaded layer by name (TL 4.x; TL 3.9's bridge refuses disk offload, with a clear error). Moving
     such a model is refused."""
     import warnings
 
@@ -360,4 +361,10 @@ def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
     t = torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(ts.angular_deficit(ref, t, n_bootstrap=0).deficit, ts.angular_deficit(off, t, n_bootstrap=0).deficit)
     assert float(adapt(ref).loss_per_token(t).mean()) == float(adapt(off).loss_per_token(t).mean())
+    ab_ref = ts.ffn_ablation(ref, t, n_bootstrap=0, include_random_tangent=False).delta_loss
+    ab_off = ts.ffn_ablation(off, t, n_bootstrap=0, include_random_tangent=False).delta_loss
+    assert ab_ref == ab_off  # the ablation hooks act inside the forward, where accelerate loads the weights
+    # a sublayer recomputed from the weights outside the forward: a clear refusal naming the offloaded layer
+    with pytest.raises(ModelNotSupportedError, match="layer 1: its weights are offloaded by accelerate.*parallel_defect"):
+        ts.parallel_defect(off, t)
     assert weights_fingerprint(off) == fp

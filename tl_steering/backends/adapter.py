@@ -28,6 +28,7 @@ from ..errors import (
     DeviceMismatchError,
     HookNotFoundError,
     InputError,
+    ModelNotSupportedError,
     NonFiniteError,
     ParallelBlockError,
     ResidualIdentityError,
@@ -195,6 +196,19 @@ class ModelAdapter:
         """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi);
         None for a post-norm-only block (OLMo 2). The post-FFN norm is :meth:`sublayer_norms` ``.post_ffn``."""
         return sublayer_norms(blk).pre_ffn
+
+    def require_resident(self, layers: Sequence[int], what: str) -> None:
+        """Refuse blocks whose weights accelerate offloaded (``meta`` device) for ``what``: calls that take
+        Jacobian-vector products or copies of a block (torch.func transforms, the float64 field, the executor)
+        cannot go through accelerate's weight-loading hooks; plain forwards and the adapter's ``ffn`` /
+        ``attention`` calls can."""
+        for layer in layers:
+            blk = self.model.blocks[self.check_layer(layer)]
+            if any(p.device.type == "meta" for p in blk.parameters()):
+                raise ModelNotSupportedError(
+                    f"layer {layer}: its weights are offloaded by accelerate (meta device) and {what} needs them in "
+                    "memory (Jacobian-vector products or a copy of the block). Load the model without offload "
+                    "(forward-only measurements -- probe, scan, deficit, diversity, ablation, losses -- do run on it)")
 
     def ffn(self, layer: int) -> Callable[[Tensor], Tensor]:
         """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]``

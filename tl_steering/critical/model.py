@@ -259,6 +259,7 @@ def critical_points(
     kind = _check_field(field)
     scales = _check_scales(radius_scales)
     sel = ad.layers(layers)
+    ad.require_resident(sel, "critical_points (a float64 copy of the block)")
     if isinstance(n_starts, bool) or not isinstance(n_starts, int) or n_starts < 1:
         raise InputError(f"n_starts must be an int >= 1, got {n_starts!r}")
     if "starts" in finder_kwargs or "dim" in finder_kwargs:

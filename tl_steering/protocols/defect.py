@@ -191,6 +191,7 @@ def parallel_defect(
     t_start = time.perf_counter()
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
+    ad.require_resident(sel, "parallel_defect")
     exclude = check_exclude_positions(exclude_positions)
     batch_size = check_batch_size(batch_size)
     seed = check_seed(seed)
