@@ -83,6 +83,9 @@ def test_every_stage_fills_its_fields(suite):
     assert suite.defect_gold is None  # only when settings.defect_gold_layers is set
     assert suite.deficit.provenance.corpus == "file:corpus.txt:4x16:seed0"
     assert suite.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    # every stage's results carry the corpus label, the critical points' per-layer results too
+    assert suite.critical.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    assert all(r.provenance.corpus == "file:corpus.txt:4x16:seed0" for r in suite.critical.results)
     assert suite.plan.k == 1 and len(suite.plan.layers) == 1
     assert suite.plan.source.startswith("measured by the suite")  # quick settings: no gold-standard curves
     assert suite.executor.status == "ok"

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
+from ..data import token_source
 from ..errors import InputError
 from .finder import find_equilibria
 from .results import CriticalPointsResult, EquilibriaResult
@@ -184,7 +185,7 @@ def _check_scales(radius_scales: Any) -> tuple[float, ...]:
 
 def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, acts: Tensor, n_starts: int,
          token_index: int | None, sequence: int, seed: int, eigensolver: str, scales: tuple[float, ...],
-         finder_kwargs: dict[str, Any]) -> EquilibriaResult:
+         finder_kwargs: dict[str, Any], corpus: str | None = None) -> EquilibriaResult:
     t0 = time.perf_counter()
     fld, mode = _build_field(ad, layer, kind, radius, acts, token_index, sequence)
     starts = _token_starts(acts, n_starts // 2, seed)
@@ -209,7 +210,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
         "radius_sensitivity": sensitivity,
     }
     res.options = {**res.options, **options}
-    res.provenance = ad.provenance(tokens, seed=seed, **{k: v for k, v in res.options.items()
+    res.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, **{k: v for k, v in res.options.items()
                                                           if k not in ("seed", "iterations", "start_residuals")})
     res.seconds = time.perf_counter() - t0
     return res
@@ -227,6 +228,7 @@ def critical_points(
     eigensolver: str = "auto",
     radius_scales: Sequence[float] | None = None,
     sequence: int = 0,
+    corpus: str | None = None,
     **finder_kwargs: Any,
 ) -> CriticalPointsResult:
     """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
@@ -243,13 +245,15 @@ def critical_points(
             resid_pre for "attention"/"block") or a positive float ρ.
         n_starts: starts per layer; ``n_starts // 2`` are token directions of that site (seeded choice), the rest
             random.
-        tokens: calibration tokens (default ``text_tokens(model, n_windows=4, length=64)``).
+        tokens: calibration tokens (default ``text_tokens(model, n_windows=4, length=64)``), a tensor or a
+            :class:`~tl_steering.data.TokenWindows` (its corpus label goes into the provenance).
         token_index: token i of the attention/block field (default: the last position).
         seed: seed of the token-start choice and of the random starts.
         eigensolver: "auto" | "dense" | "arpack" (see :func:`find_equilibria`).
         radius_scales: e.g. ``(0.5, 1, 2)``: re-solve from the found points at ρ·scale and record the label counts
             per scale in each layer's ``options["radius_sensitivity"]``.
         sequence: which sequence supplies the frozen prefix (attention/block).
+        corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
         **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size, ...).
 
     Returns:
@@ -265,14 +269,16 @@ def critical_points(
     if "starts" in finder_kwargs or "dim" in finder_kwargs:
         raise InputError("critical_points chooses the starts (half token directions, half random) and dim itself;"
                          " call tl_steering.find_equilibria with critical_field(...) for your own")
-    tokens = ad.validate_tokens(_default_tokens(model) if tokens is None else tokens)
+    tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
+    tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)
     results = [_run(ad, tokens, layer, kind, radius, acts[layer], n_starts, token_index, sequence, seed,
-                    eigensolver, scales, dict(finder_kwargs)) for layer in sel]
+                    eigensolver, scales, dict(finder_kwargs), corpus) for layer in sel]
     counts = torch.tensor([[r.labels.count(lab) for lab in LABELS] for r in results], dtype=torch.int64)
     i64 = torch.int64
     return CriticalPointsResult(
-        provenance=ad.provenance(tokens, seed=seed, protocol="critical_points", layers=sel, field=kind,
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="critical_points", layers=sel,
+                                 field=kind,
                                  radius=radius if isinstance(radius, str) else float(radius), n_starts=n_starts,
                                  eigensolver=eigensolver, radius_scales=list(scales),
                                  finder_kwargs={k: v if isinstance(v, (int, float, str, bool)) else str(v)

@@ -305,6 +305,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             n_starts=s.critical_n_starts,
             seed=c.seed,
             method=method,
+            corpus=c.corpus,
         )
         if method == "riemannian":
             res.critical = summ
