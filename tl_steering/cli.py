@@ -257,13 +257,11 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
     import torch
 
     from .scale import init_from_env
-    from .sharding import world
+    from .sharding import rank_device, world
 
     created = init_from_env(args.device)
     try:
-        device = args.device
-        if device is not None and device.startswith("cuda") and world().active:
-            device = f"cuda:{torch.cuda.current_device()}"
+        device = rank_device(args.device)
         rank = world().rank
         path = run_report(
             model=args.model,

@@ -37,7 +37,7 @@ from .corpus import CorpusSpec, iter_window_rows, parse_source
 from .errors import InputError
 from .probe_result import ProbeResult
 from .probing import probe
-from .sharding import World, check_agreement, gather_objects, world
+from .sharding import World, check_agreement, gather_objects, rank_device, world
 
 FORMAT = 1
 
@@ -252,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         created = init_from_env(args.device)
         rank = world().rank
         try:
-            device = args.device
-            if device is not None and device.startswith("cuda") and world().active:
-                device = f"cuda:{torch.cuda.current_device()}"
+            device = rank_device(args.device)
             model = load_named(args.model, args.backend, device)
             metrics = args.metrics.split(",") if args.metrics else None
             res = scan(model, spec, n_windows=args.windows, length=args.length, metrics=metrics,

@@ -26,7 +26,7 @@ from .errors import InputError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "split_map", "world"]
+__all__ = ["World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "rank_device", "split_map", "world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,15 @@ def world() -> World:
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
     return World()
+
+
+def rank_device(device: str | None, w: World | None = None) -> str | None:
+    """The device this rank runs on: under a process group a CUDA request becomes the rank's own GPU (the one
+    :func:`tl_steering.scale.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
+    w = world() if w is None else w
+    if device is not None and str(device).startswith("cuda") and w.active:
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
 
 
 def _w(w: World | None) -> World:

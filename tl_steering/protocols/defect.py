@@ -123,19 +123,6 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
     return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
 
 
-def _gold_plans(sel: list[int], parallel: list[bool], candidates: list[int], score: Tensor, ks: list[int],
-                n_random: int, seed: int) -> list[list[int]]:
-    """Every plan the gold standard below measures (clean, each single layer, the curves' sets), so that a
-    distributed run can split them over the ranks beforehand (:meth:`PlanLoss.prefetch`)."""
-    score_of = {lay: float(score[i]) for i, lay in enumerate(sel)}
-    plans: list[list[int]] = [[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
-    plans += [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks]
-    plans += [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks]
-    plans += [_strategies.contiguous(candidates, score_of, k) for k in ks]
-    plans += [p for draw in _strategies.random_sets(candidates, ks, n_random, seed) for p in draw]
-    return plans
-
-
 # ----------------------------------------------------------------------------------------------------------
 # the protocol
 
@@ -316,12 +303,6 @@ def parallel_defect(
     curve_layers: dict[str, list] = {}
     if evaluate:
         loss = PlanLoss(model, tokens, batch_size, world=world)
-        if world is not None and world.active:  # one pass over the windows per plan: the plans split over ranks
-            loss.prefetch(_gold_plans(sel, parallel, candidates, scores["C"], ks, n_random, seed))
-        clean_loss = loss.clean
-        delta_ce = single_layer_delta(loss, sel, parallel)
-        cidx = [i for i, par in enumerate(parallel) if not par]
-        spearman = {v: _spearman(s[cidx], delta_ce[cidx]) for v, s in scores.items()}
         score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
         sets: dict[str, list] = {
             "lowest": [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks],
@@ -329,6 +310,14 @@ def parallel_defect(
             "contiguous": [_strategies.contiguous(candidates, score_of, k) for k in ks],
             "random": _strategies.random_sets(candidates, ks, n_random, seed),
         }
+        # every plan measured once (one pass over the windows each), split over the ranks of a process group
+        loss.prefetch([[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
+                      + [p for name in ("lowest", "highest", "contiguous") for p in sets[name]]
+                      + [p for draw in sets["random"] for p in draw])
+        clean_loss = loss.clean
+        delta_ce = single_layer_delta(loss, sel, parallel)
+        cidx = [i for i, par in enumerate(parallel) if not par]
+        spearman = {v: _spearman(s[cidx], delta_ce[cidx]) for v, s in scores.items()}
         curves["k"] = torch.tensor(ks, dtype=torch.int64)
         for name in ("lowest", "highest", "contiguous"):
             curves[name] = torch.tensor([loss.delta(s) for s in sets[name]], dtype=torch.float64)
