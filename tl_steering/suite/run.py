@@ -399,7 +399,8 @@ def run_suite(
     ad = adapt(model)
     tokens = ad.validate_tokens(tokens)
     w = world()
-    key = _run_key(model, ad.info.name, tokens, settings, seed)
+    # what the numbers depend on; hashing every weight costs a pass over them, so only when it is compared
+    key = _run_key(model, ad.info.name, tokens, settings, seed) if w.active or checkpoint is not None else None
     if w.active:  # every rank must run the same model, tokens and settings (else: an error on every rank)
         check_agreement(key, w)
         if w.rank != 0 and isinstance(progress, bool):
@@ -416,8 +417,8 @@ def run_suite(
         environment=Environment.here(tl_version()),
         started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
-    res.provenance = dataclasses.replace(res.provenance, world_size=w.size,
-                                         extra={**res.provenance.extra, "run_key": key})
+    extra = res.provenance.extra if key is None else {**res.provenance.extra, "run_key": key}
+    res.provenance = dataclasses.replace(res.provenance, world_size=w.size, extra=extra)
     ctx = _Ctx(model, tokens, corpus, settings, seed, w)
     ran = [name for name in STAGES if settings.runs(name)]
     done: set[str] = set()
