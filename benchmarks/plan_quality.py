@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gold-from", default=None,
                     help="a --json of an earlier run on the same model and windows: reuse its measured single-layer "
                          "dCE (deterministic) instead of 2 x L forwards")
+    ap.add_argument("--refit", default="none", choices=("none", "gate", "affine"),
+                    help="plan with the closed-form FFN correction re-fitted on the calibration windows for every "
+                         "plan measured (tl_steering.planning.refit; docs/parallel.md 'Refit')")
+    ap.add_argument("--refit-order", default="sequential", choices=("sequential", "joint"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     strategies = args.strategies.split(",") if args.strategies else None
     plan = ts.plan_parallel(model, cal, k, held_out=held, k_values=ks, shortlist=args.shortlist,
                             strategies=strategies, batch_size=args.batch_size, scores=sc,
-                            fisher_samples=args.fisher_samples)
+                            fisher_samples=args.fisher_samples, refit=args.refit, refit_order=args.refit_order)
     t_plan = time.time() - t1
     at_cal, at_held = plan.at_k("calibration"), plan.at_k("held_out")
     print(f"\n## Plans at k = {k} (chosen on calibration; {t_plan:.0f}s for the whole comparison)")
@@ -124,13 +128,26 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = plan.held_out_delta_ce / at_held["C"] if at_held.get("C") else float("nan")
     print(f"\nchosen: {plan.strategy} {plan.layers}; held-out ΔCE {plan.held_out_delta_ce:+.4f} vs C plan "
           f"{at_held.get('C', float('nan')):+.4f}: ratio {ratio:.3f} (target <= 0.5)")
+    ratio_plain = float("nan")
+    if args.refit != "none" and "C" in plan.plans:  # against the paper's plan WITHOUT the correction too
+        c_plain = PlanLoss(model, held, args.batch_size)
+        c_plain.memo[()] = plan.clean_loss_held_out
+        c_unc = c_plain.delta(plan.plan_of("C"))
+        ratio_plain = plan.held_out_delta_ce / c_unc
+        print(f"refit={args.refit} ({args.refit_order}); chosen plan uncorrected: calibration "
+              f"{plan.calibration_delta_ce_uncorrected:+.4f}, held-out {plan.held_out_delta_ce_uncorrected:+.4f}; "
+              f"C plan uncorrected held-out {c_unc:+.4f}: ratio (corrected best / uncorrected C) {ratio_plain:.3f}")
+        print("fitted gates of the chosen plan:", [round(g, 4) for g in plan.gates.tolist()],
+              "bias norms:", [round(float(b.norm()), 3) for b in plan.biases])
     print(f"total planner cost: {plan.total_cost['forward']:.0f} forward + {plan.total_cost['backward']:.0f} "
           f"backward passes (calibration + held-out curve points), {plan.total_cost['seconds']:.0f}s")
     print("\n## Held-out ΔCE vs k\n| strategy | " + " | ".join(f"k={j}" for j in plan.k_values) + " |")
     print("|---|" + "---|" * len(plan.k_values))
     for s in plan.strategies:
         print(f"| {s} | " + " | ".join(f"{v:+.4f}" for v in plan.held_out_curves[s].tolist()) + " |")
-    out.update({"chosen": plan.strategy, "layers": plan.layers,
+    out.update({"refit": args.refit, "refit_order": args.refit_order, "ratio_best_over_C_uncorrected": ratio_plain,
+                "held_out_uncorrected": plan.held_out_delta_ce_uncorrected,
+                "gates": plan.gates.tolist(), "chosen": plan.strategy, "layers": plan.layers,
            "held_out_at_k": at_held, "calibration_at_k": at_cal, "ratio_best_over_C": ratio,
            "strategy_costs": plan.strategy_costs, "total_cost": plan.total_cost, "k_values": plan.k_values,
            "held_out_curves": {s: v.tolist() for s, v in plan.held_out_curves.items()},

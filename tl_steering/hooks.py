@@ -162,7 +162,12 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
     return hooks
 
 
-def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
+def parallel_blocks(
+    model: Any,
+    layers: Sequence[int] | int,
+    gates: Mapping[int, float] | None = None,
+    biases: Mapping[int, Tensor] | None = None,
+) -> HookList:
     """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly.
 
     Implementation: capture x = the resid_pre the block really uses in the same (possibly perturbed) forward,
@@ -173,7 +178,42 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
     the sequential computation; hook_mlp_out, resid_post and everything downstream see the parallel one.
     Blocks that are parallel already (NeoX/Pythia) are left as they are; an empty ``layers`` (a plan with k = 0)
     gives no hooks.
+
+    ``gates`` / ``biases`` (``{layer: g}``, ``{layer: b}`` with ``b`` a ``[d_model]`` tensor): the corrected
+    parallel write ``g_l Phi(x) + b_l`` (a layer missing from a dict: g = 1, b = 0), still parallel (no
+    dependence on the attention write), computed in float64 and cast to the activation dtype;
+    :func:`tl_steering.planning.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
     """
+    ad = adapt(model)
+    chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
+    g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
+            for k, v in (gates or {}).items()}
+    b_of: dict[int, Tensor] = {}
+    for k, v in (biases or {}).items():
+        if not isinstance(v, Tensor) or v.dim() != 1 or v.shape[0] != ad.d_model:
+            raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
+                             f"{getattr(v, 'shape', type(v).__name__)}")
+        b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
+    stray = sorted((set(g_of) | set(b_of)) - set(chosen))
+    if stray:
+        raise InputError(f"parallel_blocks: corrections given for layers {stray} that are not in layers={chosen}")
+
+    def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
+        if layer not in g_of and layer not in b_of:
+            return par.to(act.dtype)
+        out = par.to(torch.float64) * g_of.get(layer, 1.0)
+        if layer in b_of:
+            out = out + b_of[layer].to(out.device)
+        return out.to(act.dtype)
+
+    return parallel_hooks(model, chosen, write)
+
+
+def parallel_hooks(model: Any, layers: Sequence[int], write: Callable[[int, Tensor, Tensor], Tensor]) -> HookList:
+    """The hooks of :func:`parallel_blocks` with the FFN write of each chosen sequential layer replaced by
+    ``write(layer, sequential_write, parallel_write)``: ``sequential_write`` is the block's own ``hook_mlp_out``
+    (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype). The building block of the fitted
+    corrections (:mod:`tl_steering.planning.refit`); most callers want :func:`parallel_blocks`."""
     ad = adapt(model)
     hooks: HookList = []
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
@@ -199,7 +239,7 @@ def parallel_blocks(model: Any, layers: Sequence[int] | int) -> HookList:
                 raise HookNotFoundError(
                     f"parallel_blocks: resid_pre of layer {layer} did not fire before hook_mlp_out (a run "
                     "interrupted earlier may have left this hook attached: call model.reset_hooks())")
-            return phi(x).to(act.dtype)
+            return write(layer, act, phi(x))
 
         hooks += [(ad.hook_name(layer, "resid_pre"), orphan_safe(stash)),
                   (ad.hook_name(layer, "mlp_out"), orphan_safe(swap))]
@@ -217,4 +257,4 @@ def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None =
     return [(ad.hook_name(layer, "attn_out"), orphan_safe(scale)) for layer in ad.layers(layers)]
 
 
-__all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "ModelAdapter"]
+__all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "parallel_hooks", "ModelAdapter"]

@@ -50,23 +50,25 @@ current stream (unfused: the whole MLP branch); ignored on CPU.
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import validation
 from .backends import adapt
 from .backends.copying import deepcopy_module
 from .backends.executor import parallel_states, parallelize_blocks
-from .errors import ParallelBlockError
+from .errors import InputError, ParallelBlockError
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
 
 
 def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, streams: bool = False,
-                verify: bool = True) -> Any:
+                verify: bool = True, gates: Mapping[int, float] | None = None,
+                biases: Mapping[int, Tensor] | None = None) -> Any:
     """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
 
     Args:
@@ -81,6 +83,12 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
         verify: run the new model once on 8 random tokens fused and unfused and raise
             :class:`ParallelBlockError` if they disagree (guards against weight layouts this fold does not
             understand). Cheap; turn off only when timing the call itself.
+        gates / biases: ``{layer: g}`` / ``{layer: b}`` (``b`` a ``[d_model]`` tensor): the parallel block's FFN
+            write becomes g Phi(x) + b, the fitted corrections of ``plan_parallel(..., refit=...)``
+            (``parallelize(model, plan.layers, gates=g, biases=b)`` with ``g, b = plan.corrections()``; the same
+            as ``hooks.parallel_blocks(model, layers, g, b)``). Folded into the fused weights (no run-time cost);
+            on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
+            shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
 
     Returns:
         The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
@@ -96,19 +104,39 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
+    corrections = _corrections(ad, todo, gates, biases)
     new = deepcopy_module(model)
     if not todo:
         return new
     with torch.no_grad():
-        notes = parallelize_blocks(new, ad.backend, todo, fuse, streams)
+        notes = parallelize_blocks(new, ad.backend, todo, fuse, streams, corrections)
     for n in notes:
         warnings.warn(n, stacklevel=2)
     # parallelize(parallelize(m, [1, 2]), [0]) reports [0, 1, 2]: the copy keeps the earlier surgery
     done = sorted(set(parallel_layers(model)) | set(todo))
-    new._tl_steering_parallel = {"layers": done, "fuse": fuse, "streams": streams, "notes": notes}
+    new._tl_steering_parallel = {"layers": done, "fuse": fuse, "streams": streams, "notes": notes,
+                                 "corrected": sorted(corrections)}
     if verify and fuse and len(notes) < len(todo):
         _verify(new)
     return new
+
+
+def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None,
+                 biases: Mapping[int, Tensor] | None) -> dict[int, tuple[float, Tensor | None]]:
+    """``{layer: (g, b)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
+    g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
+            for k, v in (gates or {}).items()}
+    b_of: dict[int, Tensor] = {}
+    for k, v in (biases or {}).items():
+        if not isinstance(v, Tensor) or v.dim() != 1 or v.shape[0] != ad.d_model:
+            raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
+                             f"{getattr(v, 'shape', type(v).__name__)}")
+        b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
+    stray = sorted((set(g_of) | set(b_of)) - set(todo))
+    if stray:
+        raise InputError(f"parallelize: corrections given for layers {stray} that are not made parallel here "
+                         f"({todo})")
+    return {lay: (g_of.get(lay, 1.0), b_of.get(lay)) for lay in sorted(set(g_of) | set(b_of))}
 
 
 def _is_empty(layers: Any) -> bool:

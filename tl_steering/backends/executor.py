@@ -54,6 +54,34 @@ class _ParallelState(torch.nn.Module):
         self.force_unfused = False
         self.lean_sequential = False  # benchmark control: same kernels, SEQUENTIAL block (not parallel!)
         self._streams = _Streams()
+        # fitted correction of the FFN write, g Phi(x) + b (tl_steering.planning.refit); folded into the fused
+        # weights, applied by correct() on the unfused paths
+        self.ffn_gate = 1.0
+        self.register_buffer("ffn_bias", None, persistent=False)
+
+    @property
+    def corrected(self) -> bool:
+        return self.ffn_gate != 1.0 or self.ffn_bias is not None
+
+    def correct(self, m: Tensor) -> Tensor:
+        """The corrected FFN write g m + b (unfused paths; float64 arithmetic, cast back)."""
+        if not self.corrected:
+            return m
+        out = m.to(torch.float64) * self.ffn_gate
+        if self.ffn_bias is not None:
+            out = out + self.ffn_bias.to(device=m.device, dtype=torch.float64)
+        return out.to(m.dtype)
+
+    def set_correction(self, gate: float, bias: Tensor | None) -> None:
+        """Set g, b and fold them into the fused weights (if any): zero run-time cost on the fused path."""
+        self.ffn_gate = float(gate)
+        self.ffn_bias = None if bias is None else bias.detach().to(torch.float64).clone()
+        if self.fused is not None and self.corrected:
+            self.fused.fold_ffn_correction(self.ffn_gate, self.ffn_bias)
+
+    def _hooked_correction(self, module: Any, args: Any, out: Tensor) -> Tensor:
+        """Torch forward hook on a HookedTransformer block's FFN module (unfused path: before hook_mlp_out)."""
+        return self.correct(out)
 
     def inner_hooked(self) -> bool:
         return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self._inner)
@@ -66,6 +94,8 @@ class _ParallelState(torch.nn.Module):
         object.__setattr__(new, "_inner", [copy.deepcopy(hp, memo) for hp in self._inner])
         new.use_streams, new.force_unfused, new._streams = self.use_streams, self.force_unfused, _Streams()
         new.lean_sequential = self.lean_sequential
+        new.ffn_gate = self.ffn_gate
+        new.ffn_bias = None if self.ffn_bias is None else self.ffn_bias.clone()
         return new
 
 
@@ -201,7 +231,8 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
     return fw, ""
 
 
-def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool,
+                        corrections: dict[int, tuple[float, Tensor | None]]) -> list[str]:
     notes = []
     for layer in layers:
         blk = model.blocks[layer]
@@ -214,6 +245,12 @@ def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool
             del blk._modules["hook_resid_mid"]
         inner = _inner_hook_points(blk, [blk.hook_resid_pre, blk.hook_resid_post])
         blk._tl_parallel = _ParallelState(fw, inner, streams)
+        if layer in corrections:
+            blk._tl_parallel.set_correction(*corrections[layer])
+            # the unfused path (HookedTransformer's own parallel code): correct the FFN module's output before
+            # hook_mlp_out sees it (ln2_post on sandwich-norm blocks); a bound method, so a deepcopy follows
+            ffn_mod = blk.ln2_post if getattr(model.cfg, "use_normalization_before_and_after", False) else blk.mlp
+            ffn_mod.register_forward_hook(blk._tl_parallel._hooked_correction)
     model.setup()  # rebuild hook_dict / mod_dict (hook_resid_mid gone from these blocks)
     return notes
 
@@ -408,7 +445,7 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     a = _first(a_call(ln1(x)))
     ctx, join = _on_side(st.use_streams, x, st._streams)
     with ctx:
-        m = _first(mlp(ln2(x)))
+        m = st.correct(_first(mlp(ln2(x))))  # the fitted correction (if any) of the FFN write
     join(m)
     return x + a + m
 
@@ -448,7 +485,8 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
     return _fused_step(st, x, core)
 
 
-def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool,
+                        corrections: dict[int, tuple[float, Tensor | None]]) -> list[str]:
     notes = []
     for layer_i in layers:
         blk = model.blocks[layer_i]
@@ -465,6 +503,8 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
             notes.append(f"block {layer_i}: not fused ({why}); runs the unfused parallel path")
         inner = _inner_hook_points(blk, [blk.hook_in, blk.hook_out])
         layer._tl_parallel = _ParallelState(fw, inner, streams)
+        if layer_i in corrections:
+            layer._tl_parallel.set_correction(*corrections[layer_i])
         layer._tl_parallel_family = family
         layer._tl_parallel_layer_idx = layer_idx if layer_idx >= 0 else layer_i
         layer.forward = types.MethodType(_hf_parallel_forward, layer)
@@ -478,14 +518,17 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
 
 
 
-def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, streams: bool) -> list[str]:
+def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, streams: bool,
+                       corrections: dict[int, tuple[float, Tensor | None]] | None = None) -> list[str]:
     """Turn ``layers`` of ``model`` (a copy the caller owns) into parallel blocks, in place; returns notes on
-    blocks that could not be fused."""
+    blocks that could not be fused. ``corrections``: ``{layer: (g, b)}``, the FFN write of that parallel block
+    becomes g Phi(x) + b (``b`` a ``[d_model]`` tensor or None)."""
+    corrections = corrections or {}
     if backend == "hooked":
         if HookedParallelBlock is None:  # pragma: no cover
             raise ModelNotSupportedError("HookedTransformer blocks need TransformerLens 3.x")
-        return _parallelize_hooked(model, layers, fuse, streams)
-    return _parallelize_bridge(model, layers, fuse, streams)
+        return _parallelize_hooked(model, layers, fuse, streams, corrections)
+    return _parallelize_bridge(model, layers, fuse, streams, corrections)
 
 
 def parallel_states(model: Any) -> list[_ParallelState]:

@@ -42,7 +42,7 @@ class FusedWeights(torch.nn.Module):
         self.qk_eps = self.post_eps = 0.0
         self.softcap: float | None = None
         self.window: int | None = None
-        for name in ("q_norm_g", "k_norm_g", "post_attn_g", "post_ffn_g"):
+        for name in ("q_norm_g", "k_norm_g", "post_attn_g", "post_ffn_g", "b_ffn"):
             self.register_buffer(name, None, persistent=False)
 
     def set_sandwich(self, *, q_norm_g: Tensor | None = None, k_norm_g: Tensor | None = None, qk_eps: float = 0.0,
@@ -76,6 +76,33 @@ class FusedWeights(torch.nn.Module):
     # -- lean SEQUENTIAL control (the same kernels, sequential order): benchmarks only -------------------------
     def set_branch_biases(self, b_o: Tensor | None, b_down: Tensor | None) -> None:
         self._branch_biases = (b_o, b_down)
+
+    def fold_ffn_correction(self, gate: float, bias: Tensor | None) -> None:
+        """Make the FFN branch write g Phi(x) + b (float64 fold, cast back): pre-norm blocks scale the W_out rows
+        by g and fold g b_out + b into the output bias; sandwich-norm blocks scale the post-FFN norm's gain by g
+        and add b after it (:attr:`b_ffn`)."""
+        nq = self.n_heads * self.d_head
+        dt = self.w_out.dtype
+        bias64 = None if bias is None else bias.detach().to(self.w_out.device, torch.float64)
+        if self.sandwich:
+            if self.post_ffn_g is None:
+                raise ValueError("a sandwich-norm block without a post-FFN gain")
+            self.post_ffn_g = (self.post_ffn_g.double() * gate).to(dt)
+            self.b_ffn = None if bias64 is None else bias64.to(dt)
+            return
+        w = self.w_out.double()
+        w[nq:] *= gate
+        self.w_out = w.to(dt).contiguous()
+        b_o, b_down = getattr(self, "_branch_biases", (None, None))
+        b = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
+        if b_o is not None:
+            b = b + b_o.double().to(w.device)
+        if b_down is not None:
+            b = b + gate * b_down.double().to(w.device)
+        if bias64 is not None:
+            b = b + bias64
+        self.b_out = b.to(dt)
+        self._lean = None
 
     def _lean_weights(self) -> dict[str, Any]:
         if self._lean is None or self._lean["w_a"].device != self.w_in.device:
@@ -193,6 +220,8 @@ class FusedWeights(torch.nn.Module):
                 a = self._rms(a, self.post_attn_g, self.post_eps)
             if self.post_ffn_g is not None:
                 m = self._rms(m, self.post_ffn_g, self.post_eps)
+            if self.b_ffn is not None:
+                m = m + self.b_ffn
             return (x.reshape(b * s, d) + a + m).view(b, s, d)
         zh = torch.cat([z, h], dim=-1).reshape(b * s, -1)
         out = torch.addmm(x.reshape(b * s, d), zh, self.w_out)

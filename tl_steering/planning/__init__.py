@@ -5,17 +5,19 @@
 * :mod:`.speedup` - opt-in sub-module timing and the speedup estimate;
 * :mod:`.attribution` - the first-order loss-change score of every layer from one forward + one backward;
 * :mod:`.scores` - :func:`parallel_scores`, every per-layer score in one typed result;
-* :mod:`.plan` - :func:`plan_parallel`, planners chosen on calibration windows, reported on held-out ones.
+* :mod:`.plan` - :func:`plan_parallel`, planners chosen on calibration windows, reported on held-out ones;
+* :mod:`.refit` - closed-form corrections g_l Phi(x) (+ b_l) of the parallel FFN writes (``refit=``).
 """
 
-from . import gold, speedup, strategies
+from . import gold, refit, speedup, strategies
 from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .plan import PLAN_STRATEGIES, ParallelPlan, plan_parallel
+from .refit import REFITS, fit_corrections
 from .scores import ParallelScoresResult, parallel_scores
 from .speedup import SPEEDUP_LABEL, estimate_speedup
 from .strategies import default_k_values
 
-__all__ = ["ATTRIBUTION_VARIANTS", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss",
-           "SPEEDUP_LABEL", "attribution_scores", "default_k_values", "estimate_speedup", "gold", "parallel_scores",
-           "plan_parallel", "speedup", "strategies"]
+__all__ = ["ATTRIBUTION_VARIANTS", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss", "REFITS",
+           "SPEEDUP_LABEL", "attribution_scores", "default_k_values", "estimate_speedup", "fit_corrections", "gold",
+           "parallel_scores", "plan_parallel", "refit", "speedup", "strategies"]

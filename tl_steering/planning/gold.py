@@ -42,11 +42,15 @@ class PlanLoss:
     def _measure(self, key: tuple[int, ...]) -> float:
         return mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key)), self.batch_size)
 
+    def _cost(self, key: tuple[int, ...]) -> int:
+        """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
+        return 1
+
     def __call__(self, layers: Sequence[int]) -> float:
         key = self._key(layers)
         if key not in self.memo:
             self.memo[key] = self._measure(key)
-            self.passes += 1
+            self.passes += self._cost(key)
         return self.memo[key]
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
@@ -59,7 +63,7 @@ class PlanLoss:
         if not keys:
             return
         self.memo.update(zip(keys, split_map(self._measure, keys, self.world)))
-        self.passes += len(keys)
+        self.passes += sum(self._cost(k) for k in keys)
 
     @property
     def clean(self) -> float:

@@ -38,6 +38,7 @@ from ..sharding import broadcast_from_rank0
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
+from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
@@ -83,6 +84,14 @@ class ParallelPlan(Result):
         strategy_costs: per strategy, its own cost (as :attr:`cost`).
         n_calibration / n_held_out: token windows in each set.
         options: the call's options.
+        refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``;
+            :mod:`tl_steering.planning.refit`), fitted on the calibration windows for EVERY plan measured (so
+            every dCE above, and the choice, is of the corrected plans); refit_order: ``"sequential"`` or
+            ``"joint"``.
+        gates: ``[k]`` float64, the fitted g_l of :attr:`layers` (in that order; ones for ``"none"``).
+        biases: ``[k, d_model]`` float64, the fitted b_l (zeros unless ``"affine"``).
+        calibration_delta_ce_uncorrected / held_out_delta_ce_uncorrected: the chosen layers' dCE without the
+            correction (equal to the corrected ones for ``"none"``).
     """
 
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -105,8 +114,31 @@ class ParallelPlan(Result):
     n_calibration: int = 0
     n_held_out: int = 0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    refit: str = "none"
+    refit_order: str = "sequential"
+    gates: Float[Tensor, " k"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    biases: Float[Tensor, "k d_model"] = dataclasses.field(
+        default_factory=lambda: torch.zeros(0, 0, dtype=torch.float64))
+    calibration_delta_ce_uncorrected: float = math.nan
+    held_out_delta_ce_uncorrected: float = math.nan
 
     kind = "parallel_plan"
+
+    def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
+        """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`
+        and :func:`tl_steering.parallel.parallelize` (empty dicts for ``refit="none"``)."""
+        if self.refit == "none":
+            return {}, {}
+        gates = {lay: float(g) for lay, g in zip(self.layers, self.gates.tolist())}
+        biases = {lay: self.biases[i].clone() for i, lay in enumerate(self.layers)} if self.refit == "affine" else {}
+        return gates, biases
+
+    def hooks(self, model: Any) -> list:
+        """``fwd_hooks`` that run the chosen plan with its corrections (the exact surrogate)."""
+        from ..hooks import parallel_blocks
+
+        gates, biases = self.corrections()
+        return parallel_blocks(model, self.layers, gates, biases)
 
     def plan_of(self, strategy: str, k: int | None = None) -> list[int]:
         """The layer set ``strategy`` chose at ``k`` (default :attr:`k`)."""
@@ -124,11 +156,13 @@ class ParallelPlan(Result):
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
+                               "refit": self.refit,
                                "calibration_delta_ce": self.calibration_delta_ce,
                                "held_out_delta_ce": self.held_out_delta_ce,
                                "cost_forward": self.cost.get("forward"), "cost_backward": self.cost.get("backward"),
                                "total_forward": self.total_cost.get("forward"),
-                               "total_backward": self.total_cost.get("backward")}
+                               "total_backward": self.total_cost.get("backward"),
+                               "held_out_delta_ce_uncorrected": self.held_out_delta_ce_uncorrected}
         if self.k in self.k_values:
             out.update({f"held_out_delta_ce_{s}": v for s, v in self.at_k().items()})
         return out
@@ -182,6 +216,8 @@ def plan_parallel(
     scores: ParallelScoresResult | None = None,
     fisher_samples: int = 8,
     world: Any = None,
+    refit: str = "none",
+    refit_order: str = "sequential",
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
 
@@ -209,6 +245,15 @@ def plan_parallel(
             (single layers, greedy_measured candidates, contiguous windows, every curve point) are split over the
             ranks, one pass per plan; the scores and the greedy re-scoring (forward + backward) run on rank 0 and
             are handed to the others, so every rank takes the same decisions; the same plan on every rank.
+        refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)) or ``"affine"``
+            (g_l Phi(x) + b_l): closed-form corrections of the parallel FFN writes (:mod:`tl_steering.planning.refit`)
+            fitted on the calibration windows for every plan measured, so the measured strategies choose WITH the
+            correction (greedy_measured re-fits at every candidate) and ``"best"`` compares corrected calibration
+            dCE; the held-out dCE applies the calibration fit. The one-shot scores are those of the uncorrected
+            surrogate. Costs nothing more with ``refit_order="sequential"`` and the calibration windows in one
+            batch (the fit runs inside the measuring forward).
+        refit_order: ``"sequential"`` (each layer fitted on the forward that runs the corrected layers before it)
+            or ``"joint"`` (every layer from the uncorrected plan's forward; one more pass per plan).
 
     Returns:
         A :class:`ParallelPlan`.
@@ -232,13 +277,20 @@ def plan_parallel(
     unknown = [s for s in names if s not in PLAN_STRATEGIES]
     if unknown or not names:
         raise InputError(f"unknown strategy {unknown or names!r}; choose 'best' or one of {list(PLAN_STRATEGIES)}")
+    if refit not in REFITS or refit_order not in FITS:
+        raise InputError(f"refit must be one of {list(REFITS)} and refit_order one of {list(FITS)}; got "
+                         f"{refit!r}, {refit_order!r}")
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
     ks = sorted({st.check_k(int(j), len(cand)) for j in (k_values if k_values is not None
                                                          else [j for j in st.default_k_values(len(cand)) if j <= k])}
                 | {k})
     kmax = max(ks)
-    cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
+    if refit == "none":
+        cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
+    else:
+        cal_loss = RefitLoss(model, cal, batch_size, world, refit=refit, fit=refit_order)
+        held_loss = FittedLoss(model, held, batch_size, world, source=cal_loss)
 
     costs: dict[str, dict[str, float]] = {}
     extra = {"passes": 0}  # attribution passes of the greedy steps after the first
@@ -275,14 +327,14 @@ def plan_parallel(
                         "backward": 1.0 + (fisher_samples if rank_by in FISHER_VARIANTS else 0.0)}
             sets[name] = [sorted(order[:j]) for j in ks]
         elif name == "measured":  # the gold of scores= (same windows, parallel_scores(gold=True)) when given
-            if scores is not None and scores.evaluated:
+            if scores is not None and scores.evaluated and refit == "none":
                 pos = {lay: i for i, lay in enumerate(scores.layers)}
                 single = {lay: float(scores.delta_ce[pos[lay]]) for lay in cand}
             else:
                 cal_loss.prefetch([[]] + [[lay] for lay in cand])
                 single = {lay: cal_loss([lay]) for lay in cand}
             sets[name] = [st.one_shot(cand, single, j) for j in ks]
-            cost = {"forward": float(len(cand) + 1), "backward": 0.0}
+            cost = {"forward": float(sum(cal_loss._cost((lay,)) for lay in cand) + 1), "backward": 0.0}
         elif name == "contiguous":
             n_eval = 0
             sets[name] = []
@@ -290,7 +342,7 @@ def plan_parallel(
             for j in ks:
                 wins = st.windows(cand, j)
                 vals = {i: cal_loss(w) for i, w in enumerate(wins)}
-                n_eval += len(wins)
+                n_eval += sum(cal_loss._cost(tuple(w)) for w in wins)
                 sets[name].append(wins[min(vals, key=lambda i: (vals[i], i))])
             cost = {"forward": float(n_eval), "backward": 0.0}
         else:  # random
@@ -308,20 +360,40 @@ def plan_parallel(
     selectable = [s for s in names if s != "random"] or names
     chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
     fresh = need and not given
-    total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]),
+    chosen_layers = list(sets[chosen][j])
+    if refit == "none":
+        gates = torch.ones(len(chosen_layers), dtype=torch.float64)
+        biases = torch.zeros(len(chosen_layers), ad.d_model, dtype=torch.float64)
+        unc_cal, unc_held = float(cal_curves[chosen][j]), float(held_curves[chosen][j])
+    else:
+        g_of, b_of = cal_loss.corrections(chosen_layers)
+        gates = torch.tensor([g_of.get(lay, 1.0) for lay in chosen_layers], dtype=torch.float64)
+        biases = torch.stack([b_of[lay].to(torch.float64).cpu() if lay in b_of else
+                              torch.zeros(ad.d_model, dtype=torch.float64) for lay in chosen_layers]) \
+            if chosen_layers else torch.zeros(0, ad.d_model, dtype=torch.float64)
+        plain_cal, plain_held = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
+        plain_cal.memo[()], plain_held.memo[()] = cal_loss.clean, held_loss.clean  # the same clean forwards
+        plain_cal.prefetch([chosen_layers])
+        plain_held.prefetch([chosen_layers])
+        unc_cal, unc_held = plain_cal.delta(chosen_layers), plain_held.delta(chosen_layers)
+        extra["plain"] = plain_cal.passes + plain_held.passes
+    total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]
+                              + extra.get("plain", 0)),
              "backward": float((1 + fisher_samples if fresh else 0) + extra["passes"]),
              "seconds": time.perf_counter() - t0}
     options = {"k": k, "strategy": strategy, "layers": sel, "k_values": ks, "strategies": names,
                "shortlist": shortlist, "batch_size": batch_size, "fisher_samples": fisher_samples,
-               "held_out": "given" if held_out is not None else "second half of tokens"}
+               "held_out": "given" if held_out is not None else "second half of tokens", "refit": refit,
+               "refit_order": refit_order}
     return ParallelPlan(
         provenance=ad.provenance(cal, corpus=corpus, seed=seed, **options),
-        layers=list(sets[chosen][j]), k=k, strategy=chosen, requested=strategy, candidates=cand,
+        layers=chosen_layers, k=k, strategy=chosen, requested=strategy, candidates=cand,
         calibration_delta_ce=float(cal_curves[chosen][j]), held_out_delta_ce=float(held_curves[chosen][j]),
         clean_loss_calibration=cal_loss.clean, clean_loss_held_out=held_loss.clean,
         cost=costs[chosen], total_cost=total, k_values=ks, strategies=names, calibration_curves=cal_curves,
         held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
-        n_held_out=int(held.shape[0]), options=options)
+        n_held_out=int(held.shape[0]), options=options, refit=refit, refit_order=refit_order, gates=gates,
+        biases=biases, calibration_delta_ce_uncorrected=unc_cal, held_out_delta_ce_uncorrected=unc_held)
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
@@ -354,7 +426,7 @@ def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_
         short = rest if shortlist is None else rest[:shortlist]
         cal_loss.prefetch([order + [lay] for lay in short])  # split over the ranks of a process group
         vals = {lay: cal_loss(order + [lay]) for lay in short}
-        fwd += len(short)
+        fwd += sum(cal_loss._cost(cal_loss._key(order + [lay])) for lay in short)
         order.append(min(short, key=lambda lay: (vals[lay], lay)))
     return order, {"forward": fwd, "backward": 0.0}
 

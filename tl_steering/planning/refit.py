@@ -1,0 +1,276 @@
+"""Closed-form corrections of the parallel surrogate, fitted on calibration windows (docs/parallel.md, "Refit").
+
+A parallel block writes Phi(x) where the sequential block wrote Phi(x + a) (x = resid_pre, a = attn_out). Per
+parallel layer l a correction that still depends on x only, so the block stays parallel and costs nothing at
+run time, is fitted by least squares over the calibration tokens (position 0 excluded, float64 moments):
+
+* ``refit="gate"``: g_l Phi(x), g_l = Σ<Y, P> / Σ||P||²  (P = Phi(x), Y = Phi(x + a); the closed form of
+  :func:`tl_steering.calibrate_gates`);
+* ``refit="affine"``: g_l Phi(x) + b_l, b_l a ``[d_model]`` vector: with n tokens, s_P = ΣP, s_Y = ΣY,
+  g_l = (Σ<Y, P> - <s_Y, s_P>/n) / (Σ||P||² - ||s_P||²/n), b_l = (s_Y - g_l s_P) / n;
+* ``refit="none"``: g = 1, b = 0 (the plain surrogate).
+
+``fit="sequential"`` (default): layer l is fitted on the forward that already runs the corrected parallel layers
+before it (the state the corrected model really sees); when the windows are one batch this is ONE forward
+(each hook fits its layer from the whole batch and applies the fit at once, so the same forward gives the
+corrected loss), else one forward per plan layer (stopped after that layer) plus one for the loss.
+``fit="joint"``: every layer is fitted on one forward of the uncorrected plan (then one more for the loss).
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..backends import adapt
+from ..batching import mean_loss
+from ..errors import InputError
+from ..hooks import parallel_blocks, parallel_hooks
+from ..stats import check_exclude_positions, position_mask
+from .gold import PlanLoss
+
+Refit = Literal["none", "gate", "affine"]
+Fit = Literal["sequential", "joint"]
+REFITS: tuple[str, ...] = ("none", "gate", "affine")
+FITS: tuple[str, ...] = ("sequential", "joint")
+
+
+class Moments:
+    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n."""
+
+    def __init__(self, d_model: int, device: Any = "cpu"):
+        self.yp = torch.zeros((), dtype=torch.float64, device=device)
+        self.pp = torch.zeros((), dtype=torch.float64, device=device)
+        self.sp = torch.zeros(d_model, dtype=torch.float64, device=device)
+        self.sy = torch.zeros(d_model, dtype=torch.float64, device=device)
+        self.n = 0
+
+    def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,)) -> None:
+        """Add the tokens of ``y`` (sequential write) and ``p`` (parallel write), ``[batch, pos, d]``."""
+        mask = position_mask(y.shape[-2], exclude_positions, y.device)
+        y64 = y.detach()[:, mask].to(torch.float64).reshape(-1, y.shape[-1])
+        p64 = p.detach()[:, mask].to(torch.float64).reshape(-1, p.shape[-1])
+        self.yp += (y64 * p64).sum()
+        self.pp += (p64 * p64).sum()
+        self.sp += p64.sum(0)
+        self.sy += y64.sum(0)
+        self.n += y64.shape[0]
+
+    def solve(self, refit: str) -> tuple[float, Tensor]:
+        """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit="affine"``)."""
+        return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
+
+
+def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
+                     ) -> tuple[float, Tensor]:
+    """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
+    the identity (``"none"``), from the moments (see the module docstring). A degenerate design (no token,
+    Phi(x) zero or constant) keeps g = 1 and fits b alone."""
+    sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
+    zero = torch.zeros_like(sp64)
+    if refit == "none" or n == 0:
+        return 1.0, zero
+    yp, pp = float(yp), float(pp)
+    if refit == "gate":
+        return (yp / pp if pp > 0 else 1.0), zero
+    if refit != "affine":
+        raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
+    den = pp - float(sp64 @ sp64) / n
+    num = yp - float(sy64 @ sp64) / n
+    g = num / den if den > 1e-12 * max(pp, 1e-300) else 1.0
+    return g, (sy64 - g * sp64) / n
+
+
+def _check(refit: str, fit: str) -> None:
+    if refit not in REFITS:
+        raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
+    if fit not in FITS:
+        raise InputError(f"fit must be one of {list(FITS)}, got {fit!r}")
+
+
+class _Stop(Exception):
+    """Ends a fitting forward after the last layer it needs (hooks are removed by ``run_with_hooks``)."""
+
+
+def _batches(n: int, batch_size: int) -> list[slice]:
+    return [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+
+
+def fit_corrections(
+    model: Any,
+    tokens: Tensor,
+    layers: Sequence[int],
+    refit: Refit = "affine",
+    fit: Fit = "sequential",
+    batch_size: int = 8,
+    exclude_positions: Sequence[int] = (0,),
+) -> tuple[dict[int, float], dict[int, Tensor], int]:
+    """Fit the corrections of the parallel plan ``layers`` on ``tokens`` (see the module docstring).
+
+    Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
+    ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
+    one counts as one).
+    """
+    _, g, b, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=False)
+    return g, b, passes
+
+
+def corrected_loss(
+    model: Any,
+    tokens: Tensor,
+    layers: Sequence[int],
+    refit: Refit = "affine",
+    fit: Fit = "sequential",
+    batch_size: int = 8,
+    exclude_positions: Sequence[int] = (0,),
+) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
+    """Fit on ``tokens`` and return ``(mean CE of the corrected plan on the same tokens, gates, biases, passes)``
+    (one pass in all for ``fit="sequential"`` on one batch)."""
+    return _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True)
+
+
+def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str, batch_size: int,
+         exclude_positions: Sequence[int], want_loss: bool
+         ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
+    _check(refit, fit)
+    ad = adapt(model)
+    excl = check_exclude_positions(exclude_positions)
+    plan = [lay for lay in sorted(set(int(x) for x in layers)) if not ad.is_parallel(lay)]
+    gates: dict[int, float] = {}
+    biases: dict[int, Tensor] = {}
+    if refit == "none" or not plan:
+        loss = mean_loss(ad, tokens, parallel_blocks(model, plan), batch_size) if want_loss else math.nan
+        return loss, gates, biases, int(want_loss)
+    keep_bias = refit == "affine"
+
+    def store(layer: int, m: Moments) -> None:
+        g, b = m.solve(refit)
+        gates[layer] = g
+        if keep_bias:
+            biases[layer] = b.cpu()
+
+    def corrected(layer: int, par: Tensor, act: Tensor) -> Tensor:
+        out = par.to(torch.float64) * gates[layer]
+        if keep_bias:
+            out = out + biases[layer].to(out.device)
+        return out.to(act.dtype)
+
+    rows = _batches(tokens.shape[0], batch_size)
+    passes = 0
+    if fit == "sequential" and len(rows) == 1:  # one forward: each hook fits its layer on the batch, applies it
+        def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
+            m = Moments(ad.d_model, act.device)
+            m.add(act, par, excl)
+            store(layer, m)
+            return corrected(layer, par, act)
+
+        hooks = parallel_hooks(model, plan, write)
+        if want_loss:
+            loss = mean_loss(ad, tokens, hooks, batch_size)
+        else:
+            loss = math.nan
+            last = plan[-1]
+
+            def stop(act: Tensor, hook: Any) -> None:
+                raise _Stop
+
+            try:
+                ad.run_with_hooks(tokens, hooks + [(ad.hook_name(last, "resid_post"), stop)], return_type=None)
+            except _Stop:
+                pass
+        return loss, gates, biases, 1
+    if fit == "sequential":
+        for j, layer in enumerate(plan):
+            m = Moments(ad.d_model, ad.device)
+
+            def write(lay: int, act: Tensor, par: Tensor, m: Moments = m, target: int = layer) -> Tensor:
+                if lay == target:
+                    m.add(act, par, excl)
+                    raise _Stop
+                return corrected(lay, par, act)
+
+            hooks = parallel_hooks(model, plan[:j + 1], write)
+            for sl in rows:
+                try:
+                    ad.run_with_hooks(tokens[sl], hooks, return_type=None)
+                except _Stop:
+                    pass
+            passes += 1
+            store(layer, m)
+    else:  # joint: every layer from one forward of the uncorrected plan
+        ms = {lay: Moments(ad.d_model, ad.device) for lay in plan}
+
+        def write(lay: int, act: Tensor, par: Tensor) -> Tensor:
+            ms[lay].add(act, par, excl)
+            if lay == plan[-1]:
+                raise _Stop
+            return par.to(act.dtype)
+
+        hooks = parallel_hooks(model, plan, write)
+        for sl in rows:
+            try:
+                ad.run_with_hooks(tokens[sl], hooks, return_type=None)
+            except _Stop:
+                pass
+        passes += 1
+        for lay in plan:
+            store(lay, ms[lay])
+    loss = math.nan
+    if want_loss:
+        loss = mean_loss(ad, tokens, parallel_blocks(model, plan, gates, biases), batch_size)
+        passes += 1
+    return loss, gates, biases, passes
+
+
+class RefitLoss(PlanLoss):
+    """:class:`~tl_steering.planning.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits the
+    corrections of that plan on these windows and returns the corrected mean CE (memoised; :attr:`passes`
+    counts every forward, fitting included). :meth:`corrections` gives the fitted ``(gates, biases)``."""
+
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
+                 fit: str = "sequential"):
+        super().__init__(model, tokens, batch_size, world)
+        _check(refit, fit)
+        self.refit, self.fit = refit, fit
+        self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor]]] = {}
+
+    def _measure(self, key: tuple[int, ...]) -> float:
+        loss, g, b, passes = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
+                                            self.batch_size)
+        self.fitted[key] = (g, b)
+        return loss
+
+    def _cost(self, key: tuple[int, ...]) -> int:
+        plan = [lay for lay in key if not self.ad.is_parallel(lay)]
+        if self.refit == "none" or not plan:
+            return 1
+        if self.fit == "joint":
+            return 2
+        return 1 if self.tokens.shape[0] <= self.batch_size else len(plan) + 1
+
+    def corrections(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor]]:
+        key = self._key(layers)
+        if key not in self.fitted:  # measured on another rank: refit here (deterministic)
+            g, b, _ = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit, self.batch_size)
+            self.fitted[key] = (g, b)
+        return self.fitted[key]
+
+
+class FittedLoss(PlanLoss):
+    """Mean CE of the corrected plans on other (held-out) windows, with the corrections ``source`` (a
+    :class:`RefitLoss` on the calibration windows) fitted for each plan: nothing is fitted on these windows."""
+
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, *, source: RefitLoss):
+        super().__init__(model, tokens, batch_size, world)
+        self.source = source
+
+    def _measure(self, key: tuple[int, ...]) -> float:
+        gates, biases = self.source.corrections(key)
+        return mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key), gates, biases),
+                         self.batch_size)
+
+
+__all__ = ["FITS", "FittedLoss", "Fit", "Moments", "REFITS", "Refit", "RefitLoss", "corrected_loss", "fit_corrections",
+           "solve_correction"]
