@@ -45,6 +45,31 @@ def test_critical_points_first_layer(smollm2):
     assert weights_fingerprint(smollm2) == fp
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_flow_finder_first_and_middle_layer(smollm2):
+    """The default finder (method="flow") on SmolLM2. Layer 0: every power row converges, to the same two points
+    (1 attractor, 1 repeller of index d - 2 = 575): the evidence that this layer has fewer than 3 points the
+    dynamics reach. Layer 5 (8 starts: 16 power rows + edge rows): several attractors and repellers and at least
+    one boundary saddle of index 1 or d - 3 = 574 (measured on the TL 4.3 bridge, docs/critical_points.md)."""
+    from tl_steering import critical_points
+
+    fp = weights_fingerprint(smollm2)
+    s = critical_points(smollm2, [0, 5], n_starts=8)
+    r0, r5 = s.result(0), s.result(5)
+    assert r0.method == "flow" and r0.options["power_rows"] == 16
+    assert r0.options["power_converged"] == 16 and r0.n_points == 2
+    assert r0.counts()["attractor"] == 1 and r0.counts()["repeller"] == 1 and sorted(r0.index) == [0, 575]
+    assert r5.n_converged >= r5.n_starts // 2  # at least half of the rows reach relative residual <= 1e-10
+    assert r5.n_points >= 3 and float(r5.residuals.max()) <= 1e-10
+    c5 = r5.counts()
+    assert c5["attractor"] >= 2 and c5["repeller"] >= 1 and c5["saddle"] >= 1, c5
+    for lab, idx in zip(r5.labels, r5.index):
+        assert (lab, idx) in {("attractor", 0), ("repeller", 575), ("saddle", 1), ("saddle", 574)}, (lab, idx)
+    v = s.claim()["per_layer"][5]
+    assert v["fraction"] < 0.5  # a sample of what the dynamics reach: not "mostly saddles" (see the docs)
+    assert weights_fingerprint(smollm2) == fp
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_critical_points_every_layer(smollm2):

@@ -184,3 +184,39 @@ def test_critical_points_result_claim_and_round_trip(tmp_path):
     back = CriticalPointsResult.load(out.save(tmp_path / "cp.json"))
     assert torch.equal(back.counts, out.counts) and back.results[0].labels == res.labels
     assert back.result(0).morse_histogram() == res.morse_histogram()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# method="flow" on F(u) = q (x³) with x = qᵀu (the gradient of Σ x_i⁴ / 4, rotated): its attractors are the 2d axes
+# ±q_i (λ = 1, tangent spectrum -1), the saddles of index 1 are the 2d(d-1) points (±q_i ± q_j)/√2 (λ = 1/2,
+# tangent spectrum +1 once and -1/2 otherwise) on the boundaries between two axes' basins; all other equilibria
+# (three or more equal coordinates) have index >= 2 and cannot be reached by the flow finder.
+
+
+def test_flow_finder_reaches_attractors_and_boundary_saddles():
+    d = 8
+    q = _orthogonal(d, 3)
+    field = lambda u: ((u @ q) ** 3) @ q.T  # noqa: E731
+    res = find_equilibria(field, d, n_starts=16, seed=0, method="flow", edge_pairs=6)
+    n_rows = res.n_starts
+    assert n_rows == 2 * 16 + res.options["edge_rows"] and res.options["edge_rows"] == 6
+    assert res.n_converged >= n_rows // 2
+    assert float(res.residuals.max()) <= 1e-10
+    coords = res.points @ q  # coordinates of each point in the q basis
+    n_attr = n_saddle = 0
+    for k in range(res.n_points):
+        big = coords[k].abs() > 1e-6
+        if int(big.sum()) == 1:  # an axis
+            assert res.labels[k] == "attractor" and res.index[k] == 0
+            assert abs(float(res.lambdas[k]) - 1.0) < 1e-10
+            n_attr += 1
+        else:  # edge tracking between two axes' basins lands on (±q_i ± q_j)/√2
+            assert int(big.sum()) == 2, coords[k]
+            assert torch.allclose(coords[k][big].abs(), torch.full((2,), 2 ** -0.5, dtype=F64), atol=1e-9)
+            assert res.labels[k] == "saddle" and res.index[k] == 1
+            assert abs(float(res.lambdas[k]) - 0.5) < 1e-10
+            n_saddle += 1
+    assert n_attr >= 6 and n_saddle >= 3, (n_attr, n_saddle)
+    assert res.options["power_rows"] == 32 and res.options["fixed_points_of_map"] == n_attr
+    again = find_equilibria(field, d, n_starts=16, seed=0, method="flow", edge_pairs=6)
+    assert torch.equal(again.points, res.points)  # deterministic for a seed

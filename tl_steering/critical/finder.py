@@ -17,14 +17,15 @@ from ..errors import InputError
 from ..geometry import angle
 from ..results import Provenance
 from .fields import Field, _FieldAdapter, _normalize, relative_residual
+from .dynamics import edge_track, power_iterate
 from .firstorder import _fixed_point, _newton, _riemannian_descent
 from .results import EquilibriaResult, PointClassification
 from .solver import GAUSS_NEWTON_BELOW, lm_solve
 from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 
-Method = Literal["lm", "riemannian", "fixed_point"]
+Method = Literal["lm", "riemannian", "fixed_point", "flow"]
 Eigensolver = Literal["auto", "dense", "arpack"]
-METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point")
+METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow")
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -58,6 +59,94 @@ def _prepare_starts(starts: Tensor | None, dim: int, n_starts: int, seed: int, d
     return torch.cat([given, rand]), ["given"] * given.shape[0] + ["random"] * n_random
 
 
+def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
+    """Up to ``n_pairs`` pairs of rows whose fixed points differ: ``ends`` holds each row's fixed-point id (-1:
+    none). The first row reaching each point represents it; pairs of points are taken by increasing distance in
+    order of discovery ((1,2), (2,3), ..., then (1,3), ...), so that every point takes part before any repeats."""
+    first: dict[int, int] = {}
+    for row, e in enumerate(ends):
+        if e >= 0 and e not in first:
+            first[e] = row
+    ids = list(first)
+    out: list[tuple[int, int]] = []
+    for gap in range(1, len(ids)):
+        for i in range(len(ids) - gap):
+            if len(out) >= n_pairs:
+                return out
+            out.append((first[ids[i]], first[ids[i + gap]]))
+    return out
+
+
+def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter: int, patience: int,
+          pre_iter: int, edge_pairs: int, dedup_angle: float) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
+    """method="flow": power phase (both signs) and edge phase (:mod:`tl_steering.critical.dynamics`), each
+    finished by LM without deflation. Rows: 2n power rows, then one row per edge pair; where the power phase
+    reaches no point at all, n more rows: LM from the starts (the map has no fixed point there)."""
+    n, dim = u0.shape
+    dev, dt = u0.device, u0.dtype
+    sign = torch.cat([torch.ones(n, dtype=dt, device=dev), -torch.ones(n, dtype=dt, device=dev)])
+    starts = torch.cat([u0, u0])
+    clock = time.perf_counter()
+    up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
+    seconds = {"power": time.perf_counter() - clock}
+
+    def finish(u: Tensor, rel: Tensor, near: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        status = torch.where(rel <= tol, 0, 1).cpu()
+        iters = torch.zeros(u.shape[0], dtype=torch.long)
+        todo = ((rel > tol) & (rel < near)).nonzero().flatten()
+        if todo.numel():
+            ub, rb, ib, sb = lm_solve(fld, u[todo], u[:0], tol, max_iter, patience=patience)
+            u, rel = u.clone(), rel.clone()
+            u[todo], rel[todo] = ub.detach(), rb
+            status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
+        return u, rel, iters, status
+
+    clock = time.perf_counter()
+    u, rel, iters, status = finish(up, relp, 1e-2)
+    seconds["power_finish"] = time.perf_counter() - clock
+    # fixed-point ids per sign (angle <= 1e-6 is one point)
+    ends = [-1] * (2 * n)
+    points: list[Tensor] = []
+    for i in (status == 0).nonzero().flatten().tolist():
+        hit = next((k for k, x in enumerate(points) if float(angle(x[None], u[i][None])) <= max(dedup_angle, 1e-6)),
+                   None)
+        if hit is None:
+            points.append(u[i])
+            hit = len(points) - 1
+        ends[i] = hit
+    plus = _edge_pairs(ends[:n], edge_pairs - edge_pairs // 2)
+    minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], edge_pairs - len(plus))]
+    if len(plus) < edge_pairs - edge_pairs // 2:
+        plus = _edge_pairs(ends[:n], edge_pairs - len(minus))
+    pairs = plus + minus
+    row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
+    info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
+            "fixed_points_of_map": len(points)}
+    if pairs:
+        ia = torch.tensor([a for a, _ in pairs], device=dev)
+        ib_ = torch.tensor([b for _, b in pairs], device=dev)
+        clock = time.perf_counter()
+        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia])
+        seconds["edge"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        ue, rele, ie, se = finish(ue, rele, 5e-2)
+        seconds["edge_finish"] = time.perf_counter() - clock
+        u, rel = torch.cat([u, ue]), torch.cat([rel, rele])
+        iters, status = torch.cat([iters, ie]), torch.cat([status, se])
+        row_kinds += [f"edge{'+' if a < n else '-'}" for a, _ in pairs]
+        info["edge_converged"] = int((se == 0).sum())
+    if not points:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
+        clock = time.perf_counter()
+        ul, rl, il, sl = lm_solve(fld, u0, u0[:0], tol, max_iter, patience=patience)
+        seconds["lm_fallback"] = time.perf_counter() - clock
+        u, rel = torch.cat([u, ul.detach()]), torch.cat([rel, rl])
+        iters, status = torch.cat([iters, il.cpu()]), torch.cat([status, sl.cpu()])
+        row_kinds += [f"{k}/lm" for k in kinds]
+        info["lm_rows"] = n
+    info["phase_seconds"] = seconds
+    return u, rel, iters, status, row_kinds, info
+
+
 def find_equilibria(
     field: Field,
     dim: int,
@@ -81,6 +170,7 @@ def find_equilibria(
     device: torch.device | str | None = None,
     label_tol: float = 1e-6,
     rot_ratio: float = 0.1,
+    edge_pairs: int = 8,
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
@@ -140,7 +230,7 @@ def find_equilibria(
     if not (isinstance(rot_ratio, (int, float)) and rot_ratio >= 0):
         raise InputError(f"rot_ratio must be a float >= 0; got {rot_ratio!r}")
     for name, value, low in (("max_iter", max_iter, 0), ("batch_size", batch_size, 1), ("patience", patience, 1),
-                             ("pre_iter", pre_iter, 0)):
+                             ("pre_iter", pre_iter, 0), ("edge_pairs", edge_pairs, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise InputError(f"{name} must be an int >= {low}; got {value!r}")
     if not (deflation_power > 0 and deflation_shift >= 0):
@@ -173,7 +263,15 @@ def find_equilibria(
     status = torch.full((n_run,), 3, dtype=torch.long)
     iters = torch.zeros(n_run, dtype=torch.long)
     known = torch.zeros(0, dim, dtype=dtype, device=device)
-    for lo in range(0, n_run, int(batch_size)):
+    flow_info: dict[str, Any] = {}
+    if method == "flow":
+        if solver != "dense":
+            raise InputError(f"method='flow' needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
+                             "with eigensolver='arpack' above that")
+        u, rel, iters, status, kinds, flow_info = _flow(fld, u0, kinds, tol, int(max_iter), int(patience),
+                                                        int(pre_iter), int(edge_pairs), dedup_angle)
+        n_run = u.shape[0]
+    for lo in range(0, n_run if method != "flow" else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
         if solver == "dense":
             ub, rb, ib, sb = lm_solve(fld, u0[sl], known if deflation else known[:0], tol, int(max_iter),
@@ -192,7 +290,7 @@ def find_equilibria(
                 known = torch.cat([known, x[None]])
     n_deflated = int((status == 0).sum())
     failed = (status != 0).nonzero().flatten()
-    if deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
+    if method != "flow" and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
         # a deflated start that stalls has usually only known roots nearby: solve it again without deflation, so
         # that the converged count measures the solver, not how many roots were left to find
         ub, rb, ib, sb = lm_solve(fld, u0[failed.to(device)], known[:0], tol, int(max_iter),
@@ -216,6 +314,7 @@ def find_equilibria(
         reps.append(i)
         hits.append(1)
 
+    clock = time.perf_counter()
     spectra: list[_Spectrum] = []
     lams: list[float] = []
     ress: list[float] = []
@@ -225,6 +324,8 @@ def find_equilibria(
         lams.append(lam)
         ress.append(rr)
     order = sorted(range(len(reps)), key=lambda k: -lams[k])  # stable: ties keep start order
+    if "phase_seconds" in flow_info:
+        flow_info["phase_seconds"]["classify"] = time.perf_counter() - clock
 
     k_eigs = dim - 1 if solver == "dense" else 2 * n_eigs
     n = len(reps)
@@ -240,7 +341,8 @@ def find_equilibria(
                "n_eigs": int(n_eigs), "dtype": str(dtype), "device": str(device), "label_tol": label_tol,
                "rot_ratio": rot_ratio, "field_mode": fld.mode, "dense_max_dim": DENSE_MAX_DIM,
                "start_status": outcome, "converged_deflated": n_deflated, "resolve": bool(resolve), "iterations": iters.tolist(),
-               "start_residuals": [float(x) for x in rel.cpu()]}
+               "start_residuals": [float(x) for x in rel.cpu()],
+               "edge_pairs": int(edge_pairs), **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()

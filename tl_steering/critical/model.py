@@ -31,7 +31,7 @@ from ..data import token_source
 from ..errors import InputError
 from .finder import find_equilibria
 from .results import CriticalPointsResult, EquilibriaResult
-from .spectrum import LABELS
+from .spectrum import DENSE_MAX_DIM, LABELS
 
 FieldKind = Literal["ffn", "attention", "block"]
 FIELDS: tuple[str, ...] = ("ffn", "attention", "block")
@@ -199,7 +199,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
             continue
         again = find_equilibria(fld.with_radius(s * fld.radius), fld.dim, n_starts=res.n_points,
                                 starts=res.points.to(acts.device), seed=seed, eigensolver=eigensolver,
-                                **{**finder_kwargs, "deflation": False})
+                                **{**finder_kwargs, "deflation": False, "method": "lm"})
         sensitivity[f"{s:g}"] = {"scale": s, "radius": s * fld.radius, "n_points": again.n_points,
                                  "n_converged": again.n_converged, "counts": again.counts()}
     options = {
@@ -254,7 +254,10 @@ def critical_points(
             per scale in each layer's ``options["radius_sensitivity"]``.
         sequence: which sequence supplies the frozen prefix (attention/block).
         corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
-        **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size, ...).
+        **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size,
+            edge_pairs, ...). ``method`` defaults to ``"flow"`` (power iteration of both signs, then edge tracking
+            between basins: attractors, repellers and boundary saddles, see docs/critical_points.md), or ``"lm"``
+            where the dense end game is not available (d_model above the dense limit or ``eigensolver="arpack"``).
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
@@ -269,6 +272,9 @@ def critical_points(
     if "starts" in finder_kwargs or "dim" in finder_kwargs:
         raise InputError("critical_points chooses the starts (half token directions, half random) and dim itself;"
                          " call tl_steering.find_equilibria with critical_field(...) for your own")
+    if "method" not in finder_kwargs:  # the flow finder needs the dense end game
+        dense = eigensolver == "dense" or (eigensolver == "auto" and ad.d_model <= DENSE_MAX_DIM)
+        finder_kwargs["method"] = "flow" if dense else "lm"
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)

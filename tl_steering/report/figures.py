@@ -44,10 +44,11 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
         figs["prefix"] = p.plot(title=f"Prefix sensitivity (noise at layer {p.perturb_layer}; {mn})")
     if c is not None and c.evaluated:
         figs["defect_curves"] = c.plot_curves(title=f"Loss increase vs layers made parallel ({mn})")
-    for key, label in (("critical", "Riemannian finder"), ("critical_fixed_point", "fixed-point finder")):
+    for key in ("critical", "critical_fixed_point"):
         summ = getattr(suite, key)
         if summ is None:
             continue
+        label = f"{summ.results[0].method} finder" if summ.results else "finder"
         if key != "critical":
             figs[f"{key}_counts"] = summ.plot(
                 title=f"Critical points of the FFN field, {label} (biased to stable points; {mn})"

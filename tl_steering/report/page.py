@@ -98,10 +98,11 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "critical",
         "Critical points of the FFN field",
         "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
-        "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. First the Riemannian finder "
-        "(minimises ½||P<sub>u</sub>F||²/||F||²: saddles are found as readily as attractors; the comparison with the "
-        "paper uses it), then the cheap fixed-point iteration u ← sign(λ) normalize(F(u)), which only converges to "
-        "points stable for that map (biased toward attractors: shown for orientation, never compared).",
+        "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. The default flow finder: the power "
+        "iteration u ← ±normalize(F(u)) from every start reaches attractors (+) and repellers (−); edge tracking "
+        "between two of its basins reaches the saddle on their boundary (index 1, or one stable direction); "
+        "Levenberg-Marquardt finishes every point to a relative residual of 1e-10. The points are a sample of what "
+        "the dynamics reach, not of all equilibria: the label counts say which kinds exist, not their share.",
         [
             "critical_counts",
             "critical_spectra",
@@ -155,7 +156,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         if key == "critical" and suite.critical_fixed_point is not None:
             fp = suite.critical_fixed_point.summary()
             summ = {
-                **{f"Riemannian: {k}": v for k, v in summ.items()},
+                **{f"{result.results[0].method if result.results else 'finder'}: {k}": v for k, v in summ.items()},
                 **{f"fixed point: {k}": v for k, v in fp.items()},
             }
         if key == "defect" and suite.plan is not None:

@@ -307,7 +307,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             method=method,
             corpus=c.corpus,
         )
-        if method == "riemannian":
+        if method in ("flow", "riemannian"):
             res.critical = summ
         else:
             res.critical_fixed_point = summ

@@ -25,7 +25,7 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-CRITICAL_METHODS: tuple[str, ...] = ("riemannian", "fixed_point")
+CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point")
 
 
 @register
@@ -55,7 +55,8 @@ class SuiteSettings:
         parallel_repeats: timed whole forwards per model in the executor stage.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
-            (``critical_methods`` among ``"riemannian"`` and ``"fixed_point"``).
+            (``critical_methods`` among ``"flow"`` (the default), ``"riemannian"`` and ``"fixed_point"``;
+            the first of "flow"/"riemannian" fills ``critical``, "fixed_point" fills ``critical_fixed_point``).
         critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
         prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
         batch_size: windows per forward.
@@ -86,7 +87,7 @@ class SuiteSettings:
     gate_steps: int = 0
     critical_layers: list[int] = dataclasses.field(default_factory=list)
     critical_n_starts: int = 8
-    critical_methods: list[str] = dataclasses.field(default_factory=lambda: list(CRITICAL_METHODS))
+    critical_methods: list[str] = dataclasses.field(default_factory=lambda: ["flow"])
     critical_max_windows: int | None = None
     prefix_layer: int = 0
     prefix_positions: list[int] = dataclasses.field(default_factory=list)
@@ -169,7 +170,7 @@ def default_settings(
         gate_steps=0,
         critical_layers=crit,
         critical_n_starts=4 if quick else 8,
-        critical_methods=list(CRITICAL_METHODS),
+        critical_methods=["flow"],
         prefix_layer=L // 2,
         prefix_positions=[p for p in positions if 0 < p < length],
         prefix_eps=1e-2,

@@ -1,0 +1,117 @@
+"""The flow finder (``method="flow"``): equilibria reached by the dynamics themselves (docs/critical_points.md).
+
+Two cheap phases, both built from field evaluations only (no Jacobian), then the Levenberg-Marquardt end game of
+:mod:`tl_steering.critical.solver` and the usual classification:
+
+* **Power phase.** From every start, the projected power iteration u <- normalize(s·F(u)) for s = +1 and s = -1.
+  A fixed point with s = +1 is an equilibrium F(u*) = λu*, λ > 0, whose tangent spectrum lies in the disc
+  |μ| < λ: an attractor of the flow u' = P_u F(u). With s = -1 the disc is |μ| < |λ|, λ < 0: a repeller. The
+  iteration cannot converge to a saddle (its linearization at one has an eigenvalue outside the disc).
+* **Edge phase** (edge tracking, Skufca, Yorke & Eckhardt 2006). Two starts whose power iterations reached two
+  different fixed points A and B bracket the boundary between the two basins of the map. Bisection along the
+  great circle between them finds a start on the boundary (the side is the nearer of A and B after ``horizon``
+  iterations); iterating the pair for ``horizon`` steps moves it along the boundary toward the boundary's own
+  attracting set, where the bisection is repeated. When that set is a fixed point it is an equilibrium with one
+  unstable direction for the map: for s = +1 mostly an index-1 saddle of the flow (or a flow attractor the map
+  cannot hold, |μ| > λ with Re μ < λ), for s = -1 a saddle with one stable direction. The bracket stops when its
+  relative residual is below ``switch``; LM then converges it to ``tol``.
+
+The points are a sample of what the dynamics reach, not of all equilibria: attractors and repellers from the power
+phase, saddles of index 1 (and d - 2) from the edge phase. A label count of this sample says which kinds exist and
+how many were found; it is not an unbiased fraction of all equilibria (see "The claim" in the docs).
+"""
+
+import torch
+from torch import Tensor
+
+from .fields import _FieldAdapter, _normalize, relative_residual
+
+
+def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, switch: float) -> tuple[Tensor, Tensor]:
+    """Rows of ``u`` iterated by u <- normalize(sign·F(u)) until the relative residual is < ``switch``.
+
+    Returns ``(u, rel)``: final rows and their relative residuals (inf where F is not finite).
+    """
+    u = u.clone()
+    s = sign.to(u.dtype)[:, None]
+    with torch.no_grad():
+        f = fld.many(u)
+        rel = relative_residual(u, f)
+        active = torch.isfinite(rel) & (rel >= switch)
+        for _ in range(int(n_iter)):
+            idx = active.nonzero().flatten()
+            if idx.numel() == 0:
+                break
+            u[idx] = _normalize(s[idx] * f[idx])
+            f[idx] = fld.many(u[idx])
+            rel[idx] = relative_residual(u[idx], f[idx])
+            active[idx[~torch.isfinite(rel[idx]) | (rel[idx] < switch)]] = False
+    return u, rel
+
+
+def _iterate(fld: _FieldAdapter, u: Tensor, s: Tensor, n: int) -> Tensor:
+    for _ in range(n):
+        u = _normalize(s * fld.many(u))
+    return u
+
+
+def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, horizon: int) -> Tensor:
+    """True where the iteration from ``m`` ends nearer ``ea`` than ``eb`` (rows leave once within 0.05 of one)."""
+    x = m.clone()
+    decided = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    for _ in range(int(horizon)):
+        idx = (~decided).nonzero().flatten()
+        if idx.numel() == 0:
+            break
+        x[idx] = _normalize(s[idx] * fld.many(x[idx]))
+        near = torch.minimum((x[idx] - ea[idx]).norm(dim=-1), (x[idx] - eb[idx]).norm(dim=-1)) < 0.05
+        decided[idx[near]] = True
+    return (x - ea).norm(dim=-1) <= (x - eb).norm(dim=-1)
+
+
+def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: Tensor, sign: Tensor,
+               bisections: int = 24, horizon: int = 40, rounds: int = 3, switch: float = 5e-2,
+               separation: float = 1e-2) -> tuple[Tensor, Tensor]:
+    """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs.
+
+    ``a`` / ``b``: starts whose iterations reached ``end_a`` / ``end_b``; ``sign``: the map's s per pair. Each
+    round bisects the bracket ``bisections`` times (the side of a point: the nearer end after ``horizon``
+    iterations), then iterates both ends while they stay within ``separation`` of each other, keeping the
+    midpoint of lowest relative residual. Returns ``(u, rel)``: that point per pair and its relative residual.
+    """
+    s = sign.to(a.dtype)[:, None]
+    a, b = a.clone(), b.clone()
+    best = a.clone()
+    rel = torch.full((a.shape[0],), float("inf"), dtype=a.dtype, device=a.device)
+    active = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+    with torch.no_grad():
+        for _ in range(int(rounds)):
+            idx = active.nonzero().flatten()
+            if idx.numel() == 0:
+                break
+            aa, bb, ea, eb, ss = a[idx], b[idx], end_a[idx], end_b[idx], s[idx]
+            for _ in range(int(bisections)):
+                m = _normalize(aa + bb)
+                to_a = _side(fld, m, ss, ea, eb, int(horizon))
+                aa = torch.where(to_a[:, None], m, aa)
+                bb = torch.where(to_a[:, None], bb, m)
+            together = torch.ones(idx.numel(), dtype=torch.bool, device=a.device)
+            bst, rl = best[idx], rel[idx]
+            for _ in range(int(horizon)):
+                m = _normalize(aa + bb)
+                rm = relative_residual(m, fld.many(m))
+                better = together & (rm < rl)
+                bst = torch.where(better[:, None], m, bst)
+                rl = torch.where(better, rm, rl)
+                step_a, step_b = _iterate(fld, aa, ss, 1), _iterate(fld, bb, ss, 1)
+                aa = torch.where(together[:, None], step_a, aa)
+                bb = torch.where(together[:, None], step_b, bb)
+                together = together & ((aa - bb).norm(dim=-1) < separation)
+                if not bool(together.any()):
+                    break
+            a[idx], b[idx], best[idx], rel[idx] = aa, bb, bst, rl
+            active[idx[rl < switch]] = False
+    return best, rel
+
+
+__all__ = ["edge_track", "power_iterate"]
