@@ -144,6 +144,7 @@ class Float64Block:
             norms = SublayerNorms(norms.pre_attn, norms.post_attn, norms.pre_ffn, post)
         self.norms = norms
         self.d_model = ad.d_model
+        self._traced: Any = None  # None: not built yet; False: tracing failed its check (use ffn)
 
     @property
     def has_post_ffn_norm(self) -> bool:
@@ -158,6 +159,49 @@ class Float64Block:
         with float64_compute():
             out = ffn_apply(self.blk, self.norms, x3)
         return out.reshape(shape)
+
+    def ffn_no_grad(self, x: Tensor) -> Tensor:
+        """Phi(x) like :meth:`ffn`, without autograd and without the per-call module overhead.
+
+        On first use the float64 computation is recorded once with ``torch.jit.trace`` (the same aten ops, in
+        float64) and checked against :meth:`ffn` on batches of two other sizes (relative difference <= 1e-12);
+        when the recording fails or differs, every call uses :meth:`ffn`. The first-order phases of the
+        critical-point finder call this thousands of times on small batches, where the TransformerLens module
+        calls cost as much as the arithmetic (measured 1.4x faster on the TL 4.3 bridge, 3x on HookedTransformer).
+        Not differentiable by torch.func: use :meth:`ffn` for Jacobians.
+        """
+        if x.shape[-1] != self.d_model:
+            raise InputError(f"ffn expects [..., {self.d_model}], got shape {tuple(x.shape)}")
+        if self._traced is None:
+            self._traced = self._trace_ffn(x.dtype, x.device)
+        if self._traced is False:
+            with torch.no_grad():
+                return self.ffn(x)
+        shape = x.shape
+        with torch.no_grad():
+            return self._traced(x.to(torch.float64).reshape(1, -1, shape[-1])).reshape(shape)
+
+    def _trace_ffn(self, dtype: torch.dtype, device: torch.device) -> Any:
+        import warnings
+
+        def run(x3: Tensor) -> Tensor:
+            with float64_compute():
+                return ffn_apply(self.blk, self.norms, x3)
+
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        probe = [torch.randn(1, n, self.d_model, generator=gen, dtype=torch.float64).to(device) for n in (5, 3, 9)]
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                traced = torch.jit.trace(run, (probe[0],), check_trace=False)
+                for x3 in probe[1:]:
+                    want = run(x3)
+                    got = traced(x3)
+                    if got.shape != want.shape or float((got - want).abs().max()) > 1e-12 * float(want.abs().max()):
+                        return False
+        except Exception:  # noqa: BLE001 - a block the tracer cannot record: the eager path stays correct
+            return False
+        return traced
 
     def attention(self, x: Tensor) -> Tensor:
         """A(X) for ``[batch, pos, d]`` input (cast to float64)."""

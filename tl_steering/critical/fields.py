@@ -173,6 +173,15 @@ class _FieldAdapter:
             return torch.func.vmap(self.field)(u).to(self.dtype)
         return torch.stack([self.field(x) for x in u]).to(self.dtype)
 
+    def many_no_grad(self, u: Tensor) -> Tensor:
+        """F at rows without autograd: the field's own ``evaluate_no_grad`` where it has one (e.g. the model
+        fields of :func:`tl_steering.critical_field`), else :meth:`many` under ``torch.no_grad``."""
+        fast = getattr(self.field, "evaluate_no_grad", None)
+        if self.mode == "batched" and callable(fast) and u.shape[0]:
+            return fast(u).to(self.dtype)
+        with torch.no_grad():
+            return self.many(u)
+
     def jacobian(self, u: Tensor) -> Tensor:
         """DF(u), d × d (row i = output i)."""
         if self._jac_mode in (None, "forward"):

@@ -81,6 +81,14 @@ class CriticalField:
             out = out + self.attention_rows(u2)
         return out[0] if single else out
 
+    def evaluate_no_grad(self, u: Float[Tensor, "n d"]) -> Float[Tensor, "n d"]:
+        """F at the rows of ``u`` without autograd (the FFN field through the block's recorded float64 FFN: same
+        values, less call overhead); used by the first-order phases of the finder."""
+        if self.kind != "ffn":
+            with torch.no_grad():
+                return self(u)
+        return self.block.ffn_no_grad(self.radius * u)
+
 
 def _check_field(field: Any) -> str:
     if field not in FIELDS:

@@ -230,6 +230,22 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+SAMPLE_NOTES = {
+    "flow": "what the dynamics reach: attractors and repellers (power iteration) and boundary saddles of index 1 or "
+            "d-2 (edge tracking); saddles of middle index are out of its reach, so the fraction describes this "
+            "sample, not all equilibria of the field",
+    "fixed_point": "points stable for the power iteration (attractors, repellers): saddles are out of its reach",
+    "lm": "the roots Levenberg-Marquardt reaches from the starts (few on real models: docs/critical_points.md)",
+    "riemannian": "the roots gradient descent then LM reach from the starts (few on real models)",
+}
+
+
+def sample_note(methods: Any) -> str:
+    """What the label counts of results found by ``methods`` are a sample of (for the claim's reading)."""
+    names = sorted(set(methods))
+    return "; ".join(f"{m}: {SAMPLE_NOTES.get(m, 'custom finder')}" for m in names) or "no finder run"
+
+
 def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     """The claim "most equilibria are saddles" for k saddles among n distinct equilibria.
 
@@ -329,7 +345,7 @@ class CriticalPointsResult(Result):
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
         pooled = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
-        return {"per_layer": per_layer, "pooled": pooled}
+        return {"per_layer": per_layer, "pooled": pooled, "sample": sample_note(r.method for r in self.results)}
 
     def summary(self) -> dict[str, Any]:
         frac = self.saddle_fraction()

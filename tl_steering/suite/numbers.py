@@ -73,7 +73,7 @@ def _saddle_note(r: SuiteResult) -> str:
         return (
             f"{cr.results[0].method} finder, layers {cr.layers}: {t.get('saddle', 0)} saddles, {t.get('attractor', 0)} "
             f"attractors, {t.get('repeller', 0)} repellers of {n_eq} points ({n_conv} of {n_starts} starts "
-            "converged)"
+            f"converged); the sample: {cr.claim()['sample']}"
         )
     method = cr.results[0].method if cr.results else "the"
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the {method} finder converged on layers {cr.layers}"
