@@ -7,7 +7,7 @@ One layer's work, all batched over sequences and positions, with no loop over to
   (one batched product ``V V^T`` over ``[batch, pos, sites, d_model]``), returned stacked ``[q, batch, pos]``
   with their validity masks;
 * :func:`diversity`: the per-sequence pairwise cosine, resultant length and effective rank of every direction
-  set of the layer from one batched Gram product and one batched eigendecomposition;
+  set of the layer from one batched Gram product (lower triangle only) and one batched ``eigvalsh``;
 * :class:`Accumulator`: fixed-size running sums, counts and masked counts, updated by one ``index_add_`` per
   tensor and layer.
 
@@ -29,8 +29,9 @@ SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank")
 
 
-def erank_from_gram(gram: Tensor) -> Tensor:
-    """Effective rank of unit-row matrices U from their Gram matrix ``U U^T`` (or ``U^T U``), batched.
+def erank_from_eigvalsh(ev: Tensor) -> Tensor:
+    """Effective rank of unit-row matrices U from the eigenvalues ``[..., size]`` of their Gram matrix
+    ``U U^T`` (or ``U^T U``; ``torch.linalg.eigvalsh``), batched.
 
     sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
     Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
@@ -38,8 +39,8 @@ def erank_from_gram(gram: Tensor) -> Tensor:
     ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
     almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
     """
-    size = gram.shape[-1]
-    ev = torch.linalg.eigvalsh(gram).clamp_min(0.0)
+    size = ev.shape[-1]
+    ev = ev.clamp_min(0.0)
     ev_max = ev.amax(-1, keepdim=True)
     floor = ev_max * max(size * EPS64, SINGULAR_REL**2)
     sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
@@ -117,35 +118,57 @@ def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], paral
     return names, torch.stack(values), torch.stack(valid)
 
 
+GRAM_STRIPS = 4  # row strips of the lower-triangular pos x pos Gram (5/8 of the flops of the full product)
+
+
+def gram_lower(T: Tensor, strips: int = GRAM_STRIPS) -> Tensor:
+    """Lower triangle (diagonal included) of the Gram matrices ``T T^T`` of a batch ``[m, n, d]``; the strict
+    upper triangle is 0 (read it with ``eigvalsh(..., UPLO="L")``).
+
+    Row strip i holds rows ``[e_i, e_{i+1})`` against columns ``[0, e_{i+1})``: ``(strips + 1) / (2 strips)`` of
+    the flops of ``T @ T.mT`` in ``strips`` batched products (torch has no symmetric rank-k kernel). Each entry
+    is the same float64 dot product as in the full product (up to the BLAS's summation order, ~1e-16)."""
+    m, n, _ = T.shape
+    H = T.new_zeros(m, n, n)
+    edges = [round(i * n / strips) for i in range(strips + 1)]
+    for a, b in zip(edges[:-1], edges[1:]):
+        if b > a:
+            H[:, a:b, :b] = T[:, a:b] @ T[:, :b].mT
+    return H.tril_()  # the diagonal blocks came out full
+
+
 def diversity(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set:
-    values and validity masks, each ``[len(sets), 3, batch]``; all sets in one batched Gram product and one
-    batched eigendecomposition."""
+    values and validity masks, each ``[len(sets), 3, batch]``; all sets in one batched Gram product (lower
+    triangle, :func:`gram_lower`) and one batched ``eigvalsh``.
+
+    The Gram matrix is needed for the effective rank (each sequence's spectrum); the pairwise cosine and the
+    resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost."""
     B, n, d = sets[0].shape
     if n <= d:
-        H = torch.cat([t @ t.mT for t in sets])  # [sets*batch, n, n]: raw Gram
+        H = torch.cat([gram_lower(t) for t in sets])  # [sets*batch, n, n]: raw Gram, lower triangle
         nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
         ok = nt > EPS_NORM
         inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
         Gu = H * inv[:, :, None] * inv[:, None, :]  # Gram of the unit rows (zero rows for masked ones)
-        ss = Gu.sum((-1, -2))  # ||sum_j u_j||^2
+        ss = 2.0 * Gu.sum((-1, -2)) - torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)  # ||sum_j u_j||^2
+        ev = torch.linalg.eigvalsh(Gu, UPLO="L")
     else:  # long sequences: the d x d Gram is the smaller one
         T = torch.cat(sets)
         nt = torch.linalg.vector_norm(T, dim=-1)
         ok = nt > EPS_NORM
         U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
-        Gu = U.mT @ U
         total = U.sum(-2)
         ss = (total * total).sum(-1)
+        ev = torch.linalg.eigvalsh(U.mT @ U)
     cnt = ok.sum(-1).to(F64)
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
-    erank = erank_from_gram(Gu)
+    erank = erank_from_eigvalsh(ev)
     n_sets = len(sets)
     values = torch.stack([pair, res, erank]).view(3, n_sets, B).transpose(0, 1)
     valid = torch.stack([cnt >= 2, cnt >= 1, cnt >= 1]).view(3, n_sets, B).transpose(0, 1)
     return values, valid
-
 
 
 class Accumulator:

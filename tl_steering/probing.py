@@ -56,6 +56,7 @@ from .backends.lifecycle import add_hook_last
 from .errors import InputError, NonFiniteError
 from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_quantities
 from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, TOKEN_METRICS, ProbeResult
+from .protocols._common import single_threaded
 from .stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
@@ -145,11 +146,12 @@ class ProbeTrace:
         elif idx is not None:
             src = src.index_select(-2, idx)
         shape = (src.shape[0], src.shape[1], len(self._slots), src.shape[2])
-        buf = self._buf
-        if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
-        out = buf[:, :, self._slots[site], :]
-        out.copy_(src)
+        with single_threaded():  # see _update
+            buf = self._buf
+            if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
+                buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
+            out = buf[:, :, self._slots[site], :]
+            out.copy_(src)
         return out
 
     def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor]:
@@ -293,7 +295,12 @@ class ProbeTrace:
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
         """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
-        ``probe_kernels``, batched over sequences and positions."""
+        ``probe_kernels``, batched over sequences and positions, on one torch thread (MKL's threads on these
+        small products and decompositions cost 2-10x more than one thread on a shared 2-core machine)."""
+        with single_threaded():
+            self._update_layer(layer, st)
+
+    def _update_layer(self, layer: int, st: dict[str, Any]) -> None:
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
         V = self._buf  # [batch, n, slots, d]
@@ -317,7 +324,8 @@ class ProbeTrace:
             reuse = st.get("_div_pre") is not None
             todo = [w for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
-            values, valid = diversity([V[:, :, k[_SITE_OF[w]], :] for w in todo])  # [sets, 3, batch]
+            sets = [V[:, :, k[_SITE_OF[w]], :] for w in todo]
+            values, valid = diversity(sets)  # [sets, 3, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
                 valid = torch.cat([st["_div_pre"][1], valid])

@@ -312,3 +312,34 @@ def test_single_metric(tiny, tiny_tokens, metric):
     else:
         assert res.quantities == list(QUANTITIES[metric])
     assert_matches(res, reference_metrics(tiny, cache_for(tiny, tiny_tokens)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 33])
+def test_diversity_kernel_equals_full_gram_formula(n):
+    """probe_kernels.diversity (lower-triangle Gram in row strips, ||sum u||^2 from it) against the plain
+    formula on the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length and
+    effective rank to 1e-12 relative; zero rows masked; n > d takes the d x d branch."""
+    from tl_steering.probe_kernels import diversity, erank_from_eigvalsh, gram_lower
+
+    gen = torch.Generator().manual_seed(n)
+    d = 16
+    sets = [torch.randn(3, n, d, generator=gen, dtype=F64) + torch.randn(d, generator=gen, dtype=F64)
+            for _ in range(2)]
+    sets[1][1, 0] = 0.0  # a zero row: left out of its sequence's statistics
+    T = torch.randn(4, n, d, generator=gen, dtype=F64)
+    assert torch.allclose(gram_lower(T), torch.tril(T @ T.mT), rtol=0, atol=1e-12)
+    values, valid = diversity(sets)
+    for s, X in enumerate(sets):
+        for b in range(3):
+            U = X[b][torch.linalg.vector_norm(X[b], dim=-1) > geo.EPS_NORM]
+            c = U.shape[0]
+            assert valid[s, :, b].tolist() == [c >= 2, c >= 1, c >= 1]
+            if c == 0:
+                continue
+            U = U / geo.norm(U)[:, None]
+            G = U @ U.T
+            expect = [(G.sum() - c) / max(c * (c - 1), 1), G.sum().sqrt() / c,
+                      erank_from_eigvalsh(torch.linalg.eigvalsh(G if c <= d else U.T @ U))]
+            for k in range(3):
+                if valid[s, k, b]:
+                    assert float(values[s, k, b]) == pytest.approx(float(expect[k]), rel=1e-12, abs=1e-14)
