@@ -76,30 +76,35 @@ def test_flow_finder_first_and_middle_layer(smollm2):
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_critical_points_every_layer(smollm2):
+    """Issue 13's every-layer acceptance with the default flow finder (16 starts per layer, ~7 minutes on one
+    thread; run with ``pytest -m slow``). Measured on the TL 4.3 bridge (docs/critical_points.md, section 6.2):
+    30/30 layers with at least half of the rows converged to 1e-10, 28/30 with >= 3 distinct points (layers 0 and
+    29: 2 points, every power row converging to them), 407 points: 172 attractors, 149 repellers, 86 saddles."""
     ad = adapt(smollm2)
     fp = weights_fingerprint(smollm2)
     t0 = time.perf_counter()
-    s = critical_points_all_layers(smollm2, **CRIT)  # tokens: text_tokens(model, n_windows=4, length=64)
+    s = critical_points_all_layers(smollm2)  # tokens: text_tokens(model, n_windows=4, length=64); 16 starts
     elapsed = time.perf_counter() - t0
     summ = s.summary()
     print("\ncritical points per layer [attractor, repeller, saddle, degenerate]:", s.counts.tolist())
     print("seconds per layer:", [round(x, 1) for x in s.seconds.tolist()], "total", round(elapsed, 1))
     print("summary:", summ)
     assert s.layers == list(range(ad.n_layers))
+    conv = s.converged_fraction()
+    assert int((conv >= 0.5).sum()) >= 29  # measured 30/30
+    assert int((s.n_points >= 3).sum()) >= 26  # measured 28/30
     for r in s.results:
         if r.n_points:
-            assert float(r.residuals.max()) < 1e-8
+            assert float(r.residuals.max()) <= 1e-10
+    assert int(s.n_points[0]) == 2 and s.result(0).options["power_converged"] == 32
     # ρ = median ||resid_mid||: grows with depth in SmolLM2 (pinned loosely)
     assert float(s.radius[0]) == pytest.approx(3.55, rel=0.1)
     assert float(s.radius[5]) == pytest.approx(90.8, rel=0.1)
-    # label counts (measured on the TL 4.3 bridge; see the docs): pinned as totals with a tolerance
-    # TL 4.3 bridge: 10 points in 30 layers (11 of 480 starts converged): 5 saddles, 4 repellers, 1 attractor,
-    # 9 with rotational modes; saddle fraction 0.50: the paper's "mostly saddles" is NOT confirmed (nor refuted:
-    # half of the few points found are saddles). The finder converges for few starts in this budget.
-    assert summ["n_points"] == pytest.approx(10, abs=5)
-    assert summ["saddle_fraction"] == pytest.approx(0.5, abs=0.15)
-    assert summ["rotational"] >= summ["n_points"] // 2
-    print("mostly saddles (fraction > 0.5):", summ["mostly_saddles"])
+    t = s.totals()
+    assert summ["n_points"] == pytest.approx(407, rel=0.15)
+    assert t["attractor"] >= 120 and t["repeller"] >= 100 and t["saddle"] >= 50, t
+    # the flow sample is not "mostly saddles": 0.21 [0.17, 0.25] measured (a statement about this sample only)
+    assert summ["saddle_fraction"] == pytest.approx(0.21, abs=0.08)
     assert weights_fingerprint(smollm2) == fp
 
 
