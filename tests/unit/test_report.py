@@ -4,6 +4,7 @@ figure, escaped, offline), the one map of published numbers, and the CLI's argum
 exit code 2, nothing written)."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tl_steering.backends import ModelInfo
 from tl_steering.cli import build_parser, check_report_args
 from tl_steering.data import text_windows
 from tl_steering.reference import published_numbers
+from tests.helpers import assert_no_hooks
 from tl_steering.report import SECTIONS, figures, render_report
 from tl_steering.suite import (
     PINNED,
@@ -36,8 +38,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(suite_inputs):
     """One run of every stage on a tiny model (a few seconds)."""
+    model, tokens, s = suite_inputs
+    return run_suite(model, tokens, s, progress=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def suite_inputs(tmp_path_factory):
+    """The tiny model, its 4 token windows and the quick settings of :func:`suite`."""
     out = tmp_path_factory.mktemp("suite")
     model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
     model._tl_steering_info = ModelInfo(name=f"tiny {EVIL}", revision="random-init seed=0", processing="raw")
@@ -50,8 +59,7 @@ def suite(tmp_path_factory):
     s.parallel_repeats = 1
     s.timing_repeats = 1
     tokens = text_windows(model, source=str(text), n_windows=4, length=16, seed=0)
-    res = run_suite(model, tokens, s, progress=False, seed=0)
-    return res
+    return model, tokens, s
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +83,8 @@ def test_every_stage_fills_its_fields(suite):
         "plan",
         "speedup",
         "executor",
+        "plan_choice",
+        "executor_choice",
         "gates",
         "critical",
         "critical_fixed_point",
@@ -93,6 +103,66 @@ def test_every_stage_fills_its_fields(suite):
     # the executor and the surrogate hooks agree on the plan's loss
     assert suite.executor.delta_ce == pytest.approx(suite.plan.delta_ce_lowest, abs=1e-4)
     assert suite.checks.clean_loss == pytest.approx(suite.ablation.clean_loss, abs=1e-5)
+
+
+def test_plan_choice_is_re_measurable(suite, suite_inputs):
+    """The chosen plan (plan_choice stage): the cheap strategies compared with the affine refit, chosen by
+    calibration dCE on windows 0-1; its held-out dCE on windows 2-3 is exactly ParallelPlan.hooks(model) on them,
+    the lowest-C comparison is the uncorrected lowest-C plan there, and the executor runs the corrected plan."""
+    from tl_steering.batching import mean_loss
+    from tl_steering.data import token_source
+    from tl_steering.hooks import parallel_blocks
+    from tl_steering.suite import PLAN_CHOICE_STRATEGIES
+
+    model, tokens, s = suite_inputs
+    tokens = token_source(tokens, None)[0]
+    cal, held = tokens[:2], tokens[2:]
+    pc = suite.plan_choice
+    p = pc.plan
+    assert p.strategies == list(PLAN_CHOICE_STRATEGIES) == s.plan_choice_strategies
+    assert p.requested == "best" and p.strategy in p.strategies and p.refit == "affine"
+    assert p.k == suite.plan.k == 1 and (p.n_calibration, p.n_held_out) == (2, 2) and p.k_values == [0, 1]
+    assert p.options["fisher_samples"] == pc.fisher_samples == s.plan_choice_fisher_samples > 0
+    # chosen by calibration dCE among the compared strategies
+    cal_at_k = p.at_k("calibration")
+    assert p.calibration_delta_ce == min(cal_at_k.values()) == cal_at_k[p.strategy]
+    # the held-out dCE re-measured by running the plan's hooks (with its fitted gates and biases) on held-out windows
+    clean_held = mean_loss(model, held, [], s.batch_size)
+    direct = mean_loss(model, held, p.hooks(model), s.batch_size) - clean_held
+    assert math.isfinite(p.held_out_delta_ce)
+    assert direct == pytest.approx(p.held_out_delta_ce, abs=1e-9, rel=0)
+    direct_cal = mean_loss(model, cal, p.hooks(model), s.batch_size) - mean_loss(model, cal, [], s.batch_size)
+    assert direct_cal == pytest.approx(p.calibration_delta_ce, abs=1e-9, rel=0)
+    # the lowest-C plan, uncorrected, on the same held-out windows, and the ratio
+    assert pc.lowest_c_layers == suite.plan.layers
+    low = mean_loss(model, held, parallel_blocks(model, suite.plan.layers), s.batch_size) - clean_held
+    assert pc.lowest_c_held_out_delta_ce == pytest.approx(low, abs=1e-9, rel=0)
+    assert pc.ratio_to_lowest_c == pytest.approx(p.held_out_delta_ce / low, rel=1e-12)
+    # the executor ran the chosen plan with its corrections folded in: its loss over all windows is the hooks'
+    ex = suite.executor_choice
+    assert ex.status == "ok" and ex.layers == p.layers and ex.strategy == p.strategy and ex.correction == "affine"
+    assert math.isfinite(ex.measured_speedup) and ex.t_forward_sequential_s == suite.executor.t_forward_sequential_s
+    assert ex.delta_ce == pytest.approx(mean_loss(model, tokens, p.hooks(model), s.batch_size)
+                                        - suite.checks.clean_loss, abs=1e-4)
+    assert_no_hooks(model)
+
+
+def test_plan_choice_off_and_bad_settings():
+    """An empty strategy list turns the stage off (no plan_choice, no executor_choice); unknown names raise."""
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
+    tokens = torch.randint(0, 100, (2, 8))
+    s = SuiteSettings(stages=["checks", "defect", "plan_choice", "parallel"], plan_k=1, defect_evaluate=False,
+                      defect_brackets=False, defect_timing=False, defect_n_random=0, parallel_repeats=1,
+                      plan_choice_strategies=[])
+    res = run_suite(model, tokens, s, progress=False)
+    assert res.plan_choice is None and res.executor_choice is None and res.executor.status == "ok"
+    s.plan_choice_strategies, s.plan_choice_fisher_samples = ["C", "attribution_2nd"], 0  # 2nd order dropped
+    res = run_suite(model, tokens, s, progress=False)
+    assert res.plan_choice.plan.strategies == ["C"] and res.executor_choice is not None
+    for bad in (dict(plan_choice_strategies=["nope"]), dict(plan_choice_refit="quadratic"),
+                dict(plan_choice_fisher_samples=-1)):
+        with pytest.raises(ts.errors.InputError, match="plan_choice"):
+            run_suite(model, tokens, SuiteSettings(stages=["plan_choice"], **bad), progress=False)
 
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
@@ -116,6 +186,15 @@ def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
         assert "This stage was not run" not in text
     for name in ("summary", "parallel", "provenance"):
         assert f"id='{name}'" in text, name
+    # the chosen plan: its figure (every strategy's curve), its rows in the summary table and its executor run
+    assert "plan_choice" in figs and "id='figure-plan_choice'" in text
+    assert len(figs["plan_choice"].data) == 2 * len(suite.plan_choice.plan.strategies)
+    for row in ("chosen plan: strategy, correction", "chosen / lowest-C held-out ΔCE",
+                "parallel executor, chosen plan: measured forward speedup"):
+        assert row in text, row
+    assert f"{suite.plan_choice.plan.strategy}, affine (sequential)" in text
+    assert f"chosen plan: 1 layers</th><td class='num'>{suite.plan_choice.plan.layers[0]}</td>" in text
+    assert f"{suite.plan_choice.ratio_to_lowest_c:.4g}" in text
     # every figure embedded once and written as JSON + standalone HTML
     assert text.count('class="plotly-graph-div"') == len(figs) >= 9
     for name in figs:

@@ -42,6 +42,13 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
         )
     if p is not None:
         figs["prefix"] = p.plot(title=f"Prefix sensitivity (noise at layer {p.perturb_layer}; {mn})")
+    pc = suite.plan_choice
+    if pc is not None and pc.plan is not None:
+        pl = pc.plan
+        figs["plan_choice"] = pl.plot(
+            title=f"Loss increase vs parallel layers, every strategy with the {pl.refit} correction; chosen: "
+            f"{pl.strategy} at k={pl.k} ({mn})"
+        )
     if c is not None and c.evaluated:
         figs["defect_curves"] = c.plot_curves(title=f"Loss increase vs layers made parallel ({mn})")
     for key in ("critical", "critical_fixed_point"):

@@ -88,6 +88,17 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         ["defect_scores", "defect_curves"],
     ),
     (
+        "plan_choice",
+        "The chosen plan: planner strategies compared",
+        "Cheap planner strategies (one-shot scores: the paper's C and C1, our first- and second-order loss "
+        "attributions) each choose k layers on the first half of the windows (calibration), every plan with the "
+        "closed-form correction g<sub>l</sub>Φ(x) + b<sub>l</sub> of its parallel FFN writes fitted there; the plan "
+        "of lowest calibration ΔCE is chosen and reported on the second half (held out), beside the paper's "
+        "lowest-C plan (uncorrected) on the same held-out windows. Curves: held-out (solid) and calibration (dotted) "
+        "ΔCE vs k for every strategy; the chosen one is drawn thick.",
+        ["plan_choice"],
+    ),
+    (
         "gates",
         "FFN gates on the low-C plan",
         "One scalar gate per FFN on top of the parallelized plan, fitted on a calibration split and evaluated on "
@@ -169,6 +180,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                         for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")
                     }
                 )
+        if key == "plan_choice":
+            summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_kv_table(summ))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
@@ -210,6 +223,7 @@ def summary_section(suite: SuiteResult) -> str:
         f"plan: {h.get('plan_k', '?')} lowest-C layers, ΔCE": h.get("plan_delta_ce"),
         "speedup estimate (sub-module times)": h.get("speedup_estimate"),
         "parallel executor: measured forward speedup": h.get("parallel_measured_speedup"),
+        **_choice_rows(suite),
         "critical points: saddle fraction": h.get("critical_saddle_fraction"),
         "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal"),
     }
@@ -229,13 +243,56 @@ def summary_section(suite: SuiteResult) -> str:
     )
 
 
+def _layers_text(layers: list[int]) -> str:
+    """A layer list in full, runs of consecutive layers as ranges: ``3, 6-10, 20-27``."""
+    runs: list[list[int]] = []
+    for lay in sorted(layers):
+        if runs and lay == runs[-1][1] + 1:
+            runs[-1][1] = lay
+        else:
+            runs.append([lay, lay])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def _choice_rows(suite: SuiteResult) -> dict[str, Any]:
+    """The summary table's rows of the chosen plan (none when the plan_choice stage did not run)."""
+    pc = suite.plan_choice
+    if pc is None or pc.plan is None:
+        return {}
+    p = pc.plan
+    rows: dict[str, Any] = {
+        f"chosen plan: {p.k} layers": _layers_text(list(p.layers)),
+        "chosen plan: strategy, correction": f"{p.strategy}, {p.refit}"
+        + (f" ({p.refit_order})" if p.refit != "none" else ""),
+        f"chosen plan: calibration ΔCE ({p.n_calibration} windows)": p.calibration_delta_ce,
+        f"chosen plan: held-out ΔCE ({p.n_held_out} windows)": p.held_out_delta_ce,
+        f"lowest-C plan ({_layers_text(pc.lowest_c_layers)}), uncorrected: held-out ΔCE":
+            pc.lowest_c_held_out_delta_ce,
+        "chosen / lowest-C held-out ΔCE": pc.ratio_to_lowest_c,
+    }
+    ex = suite.executor_choice
+    if ex is not None:
+        rows["parallel executor, chosen plan: measured forward speedup"] = (
+            ex.measured_speedup if ex.status == "ok" else f"{ex.status}: {ex.reason}"
+        )
+    return rows
+
+
 def parallel_section(suite: SuiteResult) -> str:
-    return (
-        "<h3 id='parallel'>The plan run by the parallel executor</h3><p>The low-C plan made parallel for real "
+    out = (
+        "<h3 id='parallel'>The plans run by the parallel executor</h3><p>The low-C plan made parallel for real "
         "(<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole forward on this "
         "machine; the estimate above is the critical-path model of the paper.</p>"
         + _kv_table(_asdict(suite.executor))
     )
+    if suite.executor_choice is not None:
+        out += (
+            "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, its fitted "
+            "corrections g<sub>l</sub>Φ(x) + b<sub>l</sub> folded into the fused weights "
+            "(<code>parallelize(model, layers, gates=, biases=)</code>); the sequential time is the same "
+            "measurement as above.</p>" + _kv_table(_asdict(suite.executor_choice))
+        )
+    return out
 
 
 def provenance_section(suite: SuiteResult) -> str:

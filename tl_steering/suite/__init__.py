@@ -14,10 +14,10 @@ from .._lazy import lazy_attributes
 _LAZY = {
     **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "comparison_rows", "headline", "pinned_values",
                                "published_value")},
-    **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanLosses",
-                              "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
+    **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanChoice",
+                              "PlanLosses", "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
     **{n: ".run" for n in ("Progress", "TqdmProgress", "run_suite")},
-    **{n: ".settings" for n in ("CRITICAL_METHODS", "STAGES", "SuiteSettings", "check_windows_length",
+    **{n: ".settings" for n in ("CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length",
                                 "default_settings")},
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         Environment,
         ExecutorTiming,
         ModelSummary,
+        PlanChoice,
         PlanLosses,
         RunArguments,
         SpeedupEstimate,
@@ -36,18 +37,27 @@ if TYPE_CHECKING:
         SuiteResult,
     )
     from .run import Progress, TqdmProgress, run_suite
-    from .settings import CRITICAL_METHODS, STAGES, SuiteSettings, check_windows_length, default_settings
+    from .settings import (
+        CRITICAL_METHODS,
+        PLAN_CHOICE_STRATEGIES,
+        STAGES,
+        SuiteSettings,
+        check_windows_length,
+        default_settings,
+    )
 
 __all__ = [
     "CRITICAL_METHODS",
     "NUMBERS",
     "PINNED",
+    "PLAN_CHOICE_STRATEGIES",
     "PUBLISHED",
     "STAGES",
     "Checks",
     "Environment",
     "ExecutorTiming",
     "ModelSummary",
+    "PlanChoice",
     "PlanLosses",
     "Progress",
     "RunArguments",

@@ -145,7 +145,9 @@ class SpeedupEstimate:
 class ExecutorTiming:
     """The plan run by the real parallel executor: its loss and the median whole-forward time vs the original.
 
-    ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why).
+    ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why). ``strategy``
+    and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
+    ``g_l Phi(x) + b_l`` folded into the fused weights).
     """
 
     kind: ClassVar[str] = "suite_executor"
@@ -153,6 +155,8 @@ class ExecutorTiming:
     status: str = "ok"
     reason: str = ""
     label: str = ""
+    strategy: str = "lowest_C"
+    correction: str = "none"
     layers: list[int] = dataclasses.field(default_factory=list)
     timing_shape: list[int] = dataclasses.field(default_factory=list)
     device: str = ""
@@ -161,6 +165,58 @@ class ExecutorTiming:
     measured_speedup: float = math.nan
     loss: float = math.nan
     delta_ce: float = math.nan
+
+
+@register
+@dataclasses.dataclass
+class PlanChoice:
+    """The ``plan_choice`` stage: a cheap comparison of planner strategies (``plan_parallel(..., strategy="best",
+    strategies=settings.plan_choice_strategies, refit=settings.plan_choice_refit)``), chosen by calibration dCE on
+    the first half of the windows, reported on the second half (held out), beside the paper's lowest-C plan.
+
+    Attributes:
+        plan: the ``tl_steering.planning.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
+            ``biases``, ``calibration_delta_ce``, ``held_out_delta_ce``, every strategy's curves, ``plot()``;
+            ``plan.hooks(model)`` runs it exactly).
+        lowest_c_layers: the k lowest-C layers of the defect scores (``SuiteResult.plan.layers`` with the default
+            ``plan_strategy``; empty when ``defect`` did not run).
+        lowest_c_held_out_delta_ce: that plan, uncorrected (the paper's surrogate), on the same held-out windows.
+        ratio_to_lowest_c: ``plan.held_out_delta_ce / lowest_c_held_out_delta_ce``.
+        fisher_samples: sampled-label backwards of the second-order scores.
+    """
+
+    kind: ClassVar[str] = "suite_plan_choice"
+
+    plan: Result | None = None
+    lowest_c_layers: list[int] = dataclasses.field(default_factory=list)
+    lowest_c_held_out_delta_ce: float = math.nan
+    ratio_to_lowest_c: float = math.nan
+    fisher_samples: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The chosen plan's headline numbers, every compared strategy's held-out dCE at k, and the ratio."""
+        p = self.plan
+        if p is None:
+            return {}
+        out: dict[str, Any] = {
+            "chosen layers": list(p.layers),
+            "chosen strategy": p.strategy,
+            "correction": f"{p.refit} ({p.refit_order})" if p.refit != "none" else "none",
+            "k": p.k,
+            "calibration / held-out windows": f"{p.n_calibration} / {p.n_held_out}",
+            "calibration dCE": p.calibration_delta_ce,
+            "held-out dCE": p.held_out_delta_ce,
+            "held-out dCE without the correction": p.held_out_delta_ce_uncorrected,
+            "lowest-C plan": list(self.lowest_c_layers),
+            "lowest-C plan held-out dCE (uncorrected)": self.lowest_c_held_out_delta_ce,
+            "ratio to the lowest-C plan (held out)": self.ratio_to_lowest_c,
+            "fisher samples": self.fisher_samples,
+            "planner passes (forward / backward)": f"{p.total_cost.get('forward', math.nan):.0f} / "
+                                                    f"{p.total_cost.get('backward', math.nan):.0f}",
+        }
+        if p.k in p.k_values:
+            out.update({f"held-out dCE, {s}": v for s, v in p.at_k().items()})
+        return out
 
 
 @register
@@ -219,7 +275,9 @@ class SuiteResult(Result):
     """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
 
     A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
-    ``tl_steering.planning.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy. Timings are the only numbers that
+    ``tl_steering.planning.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
+    the cheap strategy comparison of the ``plan_choice`` stage and ``executor_choice`` its chosen plan run by the
+    parallel executor (``executor``: the lowest-C plan). Timings are the only numbers that
     change between identical runs.
     """
 
@@ -240,8 +298,10 @@ class SuiteResult(Result):
     defect_gold: DefectResult | None = None
     plan: PlanLosses | None = None
     planner: Result | None = None
+    plan_choice: PlanChoice | None = None
     speedup: SpeedupEstimate | None = None
     executor: ExecutorTiming | None = None
+    executor_choice: ExecutorTiming | None = None
     gates: GateResult | None = None
     critical: CriticalResult | None = None
     critical_fixed_point: CriticalResult | None = None
@@ -263,7 +323,10 @@ class SuiteResult(Result):
             "critical_fixed_point",
             "prefix",
         )
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        if self.plan_choice is not None and self.plan_choice.plan is not None:
+            out["plan_choice"] = self.plan_choice.plan
+        return out
 
     def summary(self) -> dict[str, Any]:
         from .numbers import headline
@@ -277,6 +340,7 @@ __all__ = [
     "Environment",
     "ExecutorTiming",
     "ModelSummary",
+    "PlanChoice",
     "PlanLosses",
     "RunArguments",
     "SpeedupEstimate",

@@ -33,6 +33,7 @@ from .result import (
     Environment,
     ExecutorTiming,
     ModelSummary,
+    PlanChoice,
     PlanLosses,
     SpeedupEstimate,
     StageTiming,
@@ -233,36 +234,98 @@ def _plan_losses(
     return out
 
 
+def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
+    """A cheap comparison of planner strategies (``settings.plan_choice_strategies``, one-shot scores by default)
+    with the closed-form correction ``settings.plan_choice_refit``, chosen by calibration dCE on the first half of
+    the windows, reported on the second half, beside the lowest-C plan (uncorrected) on the same held-out windows."""
+    from ..batching import mean_loss as _mean_loss
+    from ..hooks import parallel_blocks
+    from ..planning import plan_parallel
+    from ..planning.attribution import FISHER_VARIANTS
+
+    s = c.s
+    fisher = s.plan_choice_fisher_samples
+    names = [n for n in s.plan_choice_strategies if fisher or n not in FISHER_VARIANTS]
+    if not names:
+        return
+    n = int(c.tokens.shape[0])
+    if n < 2:
+        tick("skipped: one window, none to hold out")
+        return
+    cut = n - n // 2  # plan_parallel's own split: the first ceil(n/2) windows calibrate, the rest are held out
+    cal, held = c.tokens[:cut], c.tokens[cut:]
+    ad = c.ad
+    n_cand = sum(1 for lay in range(ad.n_layers) if not ad.is_parallel(lay))
+    k = min(s.plan_k, n_cand)
+    ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k // 3, (2 * k) // 3, k})
+    plan = plan_parallel(c.model, cal, k, strategy="best", held_out=held, strategies=names, seed=c.seed,
+                         batch_size=s.batch_size, corpus=c.corpus, fisher_samples=fisher, refit=s.plan_choice_refit,
+                         k_values=ks)
+    tick(f"chosen: {plan.strategy}")
+    out = PlanChoice(plan=plan, fisher_samples=plan.options.get("fisher_samples", fisher))
+    if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)
+        low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == "lowest_C" else \
+            list(res.defect.plan(min(k, len(res.defect.candidates))))
+        loss = _mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
+        out.lowest_c_layers = low
+        out.lowest_c_held_out_delta_ce = loss - plan.clean_loss_held_out
+        d = out.lowest_c_held_out_delta_ce
+        out.ratio_to_lowest_c = plan.held_out_delta_ce / d if d != 0 else math.nan
+    res.plan_choice = out
+    tick("lowest-C on held-out")
+
+
 def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    """The plan run by the real parallel executor: loss and median whole-forward time against the original."""
+    """The plans run by the real parallel executor: loss and median whole-forward time against the original.
+
+    ``executor``: the lowest-C plan (uncorrected); ``executor_choice``: the ``plan_choice`` stage's chosen plan
+    with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=)``)."""
+    plan = res.plan.layers if res.plan is not None else []
+    strategy = res.plan.strategy if res.plan is not None else "lowest_C"
+    res.executor, t_seq = _run_executor(c, res, list(plan), strategy, {}, {}, None)
+    tick("the suite's plan")
+    pc = res.plan_choice
+    if pc is not None and pc.plan is not None:
+        gates, biases = pc.plan.corrections()
+        res.executor_choice, _ = _run_executor(c, res, list(pc.plan.layers), pc.plan.strategy, gates, biases, t_seq,
+                                               correction=pc.plan.refit)
+    tick("chosen plan")
+
+
+def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gates: dict, biases: dict,
+                  t_seq: float | None, correction: str = "none") -> tuple[ExecutorTiming, float | None]:
+    """One plan made parallel by :func:`tl_steering.parallel.parallelize` and timed; ``t_seq``: the original
+    model's median forward time when already measured (else measured here). Returns the timing and ``t_seq``."""
     from ..parallel import parallelize
 
     ad, s = c.ad, c.s
-    plan = res.plan.layers if res.plan is not None else []
     sl = c.tokens[: s.batch_size]
+    what = f"the {strategy} plan" + (f" with the {correction} correction" if correction != "none" else "")
     info = ExecutorTiming(
-        label="measured on this machine: whole forward, fused parallel blocks "
+        label=f"measured on this machine: {what}, whole forward, fused parallel blocks "
         "(tl_steering.parallel.parallelize), median wall time",
+        strategy=strategy,
+        correction=correction,
         layers=list(plan),
         timing_shape=list(sl.shape),
         device=str(ad.device),
     )
-    res.executor = info
     if not plan:
         info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
-        return
+        return info, t_seq
     try:
-        par = parallelize(c.model, plan)
+        par = parallelize(c.model, plan, gates=gates or None, biases=biases or None)
     except (ModelNotSupportedError, ParallelBlockError) as e:
         info.status, info.reason = "not supported", f"{type(e).__name__}: {e}"
-        return
+        return info, t_seq
 
     def median_time(mdl: Any) -> float:
         return median_seconds(
             lambda: mdl(sl, return_type="logits"), ad.device, warmup=1, repeats=s.parallel_repeats
         )
 
-    t_seq = median_time(c.model)
+    if t_seq is None:
+        t_seq = median_time(c.model)
     t_par = median_time(par)
     par_loss = mean_loss(par, c.tokens, [], s.batch_size)  # rank 0 alone runs this stage
     del par
@@ -270,6 +333,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     info.t_forward_sequential_s, info.t_forward_parallel_s = t_seq, t_par
     info.measured_speedup = t_seq / t_par if t_par > 0 else math.nan
     info.loss, info.delta_ce = par_loss, par_loss - clean
+    return info, t_seq
 
 
 def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
@@ -338,7 +402,8 @@ STAGE_FUNCTIONS: dict[
     "ablation": (stage_ablation, lambda s: 1),
     "diversity": (stage_diversity, lambda s: 1),
     "defect": (stage_defect, lambda s: 2),
-    "parallel": (stage_parallel, lambda s: 1),
+    "plan_choice": (stage_plan_choice, lambda s: 2),
+    "parallel": (stage_parallel, lambda s: 2),
     "gates": (stage_gates, lambda s: 1),
     "critical": (stage_critical, lambda s: max(1, len(s.critical_methods))),
     "prefix": (stage_prefix, lambda s: 1),

@@ -12,18 +12,25 @@ from ..results import register
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
 #: the data it reads from earlier stages (``checks`` -> clean loss; ``defect`` -> the plan that ``parallel`` and
-#: ``gates`` use), so a later scheduler can plan shared passes or shard windows stage by stage.
+#: ``gates`` use; ``plan_choice`` -> the chosen plan that ``parallel`` also runs), so a later scheduler can plan shared passes or shard windows stage by stage.
 STAGES: tuple[str, ...] = (
     "checks",
     "deficit",
     "ablation",
     "diversity",
     "defect",
+    "plan_choice",
     "parallel",
     "gates",
     "critical",
     "prefix",
 )
+
+#: The strategies the ``plan_choice`` stage compares by default: the one-shot scores of
+#: ``tl_steering.planning.plan_parallel`` that cost one forward + one backward (+ ``plan_choice_fisher_samples``
+#: sampled-label backwards for ``attribution_2nd``) over the calibration windows, plus one forward per curve point;
+#: the measured / greedy / contiguous planners (tens to hundreds of forwards) are left to ``strategy="best"``.
+PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
 
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point")
 
@@ -52,6 +59,17 @@ class SuiteSettings:
         plan_k: layers made parallel by the plan (capped at the sequential candidates).
         plan_strategy: ``"lowest_C"`` (the k lowest-C layers of the defect scores) or a strategy of
             ``tl_steering.planning.plan_parallel`` (``"best"`` or one name), kept as ``SuiteResult.planner``.
+        plan_choice_strategies: the ``plan_choice`` stage: ``plan_parallel(..., strategy="best", strategies=these,
+            refit=plan_choice_refit)`` at k = ``plan_k`` on the first half of the windows (calibration; the
+            choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
+            held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
+            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` (cheap one-shot scores);
+            an empty list turns the stage off.
+        plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"gate"``, ``"none"``).
+        plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
+            0 drops the second-order strategies from the comparison.
+        plan_choice_k_values: the k of the compared curves (None: 0, k/3, 2k/3 and k; every point costs one
+            forward over the calibration and one over the held-out windows per distinct layer set).
         parallel_repeats: timed whole forwards per model in the executor stage.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
@@ -82,6 +100,10 @@ class SuiteSettings:
     defect_gold_k_values: list[int] | None = None
     plan_k: int = 0
     plan_strategy: str = "lowest_C"
+    plan_choice_strategies: list[str] = dataclasses.field(default_factory=lambda: list(PLAN_CHOICE_STRATEGIES))
+    plan_choice_refit: str = "affine"
+    plan_choice_fisher_samples: int = 4
+    plan_choice_k_values: list[int] | None = None
     parallel_repeats: int = 5
     gate_method: str = "closed_form"
     gate_steps: int = 0
@@ -104,6 +126,16 @@ class SuiteSettings:
                 raise InputError(f"SuiteSettings.stages: {need!r} runs on the defect plan: add 'defect'")
         if not isinstance(self.plan_strategy, str) or not self.plan_strategy:
             raise InputError(f"SuiteSettings.plan_strategy must be a strategy name, got {self.plan_strategy!r}")
+        from ..planning.plan import PLAN_STRATEGIES
+        from ..planning.refit import REFITS
+
+        if not isinstance(self.plan_choice_strategies, list) or any(
+                s not in PLAN_STRATEGIES for s in self.plan_choice_strategies):
+            raise InputError(f"SuiteSettings.plan_choice_strategies must be a list of strategies of "
+                             f"{list(PLAN_STRATEGIES)} (empty: no plan_choice stage), got {self.plan_choice_strategies!r}")
+        if self.plan_choice_refit not in REFITS:
+            raise InputError(f"SuiteSettings.plan_choice_refit must be one of {list(REFITS)}, got "
+                             f"{self.plan_choice_refit!r}")
         bad = [m for m in self.critical_methods if m not in CRITICAL_METHODS]
         if bad:
             raise InputError(
@@ -113,7 +145,7 @@ class SuiteSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"SuiteSettings.{name} must be an int >= 1, got {v!r}")
-        for name in ("n_bootstrap", "plan_k", "gate_steps"):
+        for name in ("n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InputError(f"SuiteSettings.{name} must be an int >= 0, got {v!r}")
@@ -178,4 +210,4 @@ def default_settings(
     )
 
 
-__all__ = ["CRITICAL_METHODS", "STAGES", "SuiteSettings", "check_windows_length", "default_settings"]
+__all__ = ["CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length", "default_settings"]
