@@ -220,3 +220,29 @@ def test_flow_finder_reaches_attractors_and_boundary_saddles():
     assert res.options["power_rows"] == 32 and res.options["fixed_points_of_map"] == n_attr
     again = find_equilibria(field, d, n_starts=16, seed=0, method="flow", edge_pairs=6)
     assert torch.equal(again.points, res.points)  # deterministic for a seed
+
+
+def test_d576_planted_quartic_field_every_equilibrium_found_by_flow():
+    """d = 576 with two planted directions: F(u) = Q (c ⊙ (Qᵀu)³), Q = [q_1 q_2] orthonormal, c = (1, 1.5). Its
+    equilibria (F ≠ 0 forces u into span Q) are exactly 8: the attractors ±q_i (λ = c_i) and the index-1 saddles
+    (±√(λ/c_1) q_1 ± √(λ/c_2) q_2) with λ = 1/(1/c_1 + 1/c_2) = 0.6. The flow finder finds all 8 from 32 random
+    starts, every row converged, each labelled right (measured 1.2 s)."""
+    d = 576
+    q = torch.linalg.qr(torch.randn(d, 2, generator=torch.Generator().manual_seed(7), dtype=F64))[0]
+    c = torch.tensor([1.0, 1.5], dtype=F64)
+    field = lambda u: ((u @ q) ** 3 * c) @ q.T  # noqa: E731
+    known, lams, labels = [], [], []
+    for s1, s2 in ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (1, -1), (-1, 1), (-1, -1)):
+        s = torch.tensor([s1, s2], dtype=F64)
+        lam = 1.0 / float((1 / c[s != 0]).sum())
+        known.append(q @ (s * torch.sqrt(lam / c)))
+        lams.append(lam)
+        labels.append(("attractor", 0) if 0 in (s1, s2) else ("saddle", 1))
+    res = find_equilibria(field, d, n_starts=32, seed=0, method="flow", edge_pairs=12)
+    assert res.n_points == 8 and res.n_converged == res.n_starts
+    for k, p in enumerate(known):
+        dist = (res.points - p).norm(dim=-1)
+        j = int(dist.argmin())
+        assert float(dist[j]) < 1e-8, k
+        assert abs(float(res.lambdas[j]) - lams[k]) < 1e-10
+        assert (res.labels[j], res.index[j]) == labels[k]
