@@ -23,9 +23,9 @@ from .results import EquilibriaResult, PointClassification
 from .solver import GAUSS_NEWTON_BELOW, lm_solve
 from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 
-Method = Literal["lm", "riemannian", "fixed_point", "flow"]
+Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm"]
 Eigensolver = Literal["auto", "dense", "arpack"]
-METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow")
+METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm")
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -194,7 +194,9 @@ def find_equilibria(
         tol: convergence threshold on the relative residual.
         dedup_angle: two converged points closer than this angle (radians) are one.
         max_iter: LM iterations per start.
-        method: "lm", "riemannian" or "fixed_point" (see above).
+        method: "lm", "riemannian", "fixed_point", "flow" (power iteration of both signs + edge tracking between
+            basins, :mod:`tl_steering.critical.dynamics`; 2 rows per start + ``edge_pairs`` rows) or "flow+lm"
+            (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields).
         deflation: deflate the points found by earlier rounds.
         resolve: solve the starts that failed under deflation once more without it (they then converge to an
             already known point or to a new one; ``options["converged_deflated"]`` counts the first kind of success).
@@ -208,6 +210,7 @@ def find_equilibria(
         device: device (default: that of ``starts``, else CPU).
         label_tol: labels use tol = label_tol · max|eig|.
         rot_ratio: an eigenvalue is rotational when |Im| > rot_ratio · |Re|.
+        edge_pairs: "flow" / "flow+lm": pairs of basins whose boundary saddle is tracked (half per sign).
 
     Returns:
         An :class:`EquilibriaResult` (empty tensors when no start converged); ``options["start_status"]`` holds the
@@ -264,13 +267,22 @@ def find_equilibria(
     iters = torch.zeros(n_run, dtype=torch.long)
     known = torch.zeros(0, dim, dtype=dtype, device=device)
     flow_info: dict[str, Any] = {}
-    if method == "flow":
+    flow_rows: tuple | None = None
+    if method in ("flow", "flow+lm"):
         if solver != "dense":
-            raise InputError(f"method='flow' needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
+            raise InputError(f"method={method!r} needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
                              "with eigensolver='arpack' above that")
-        u, rel, iters, status, kinds, flow_info = _flow(fld, u0, kinds, tol, int(max_iter), int(patience),
-                                                        int(pre_iter), int(edge_pairs), dedup_angle)
-        n_run = u.shape[0]
+        uf, relf, itf, stf, kindf, flow_info = _flow(fld, u0, kinds, tol, int(max_iter), int(patience),
+                                                     int(pre_iter), int(edge_pairs), dedup_angle)
+        if method == "flow":
+            u, rel, iters, status, kinds = uf, relf, itf, stf, kindf
+            n_run = u.shape[0]
+        else:  # then LM from the same starts with every point of the flow deflated: it looks for other points
+            flow_rows = (uf, relf, itf, stf, kindf)
+            for x in uf[stf.to(uf.device) == 0]:
+                if known.shape[0] == 0 or float(angle(known, x[None].expand_as(known)).min()) > dedup_angle:
+                    known = torch.cat([known, x[None]])
+            kinds = [f"{k}/lm" for k in kinds]
     for lo in range(0, n_run if method != "flow" else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
         if solver == "dense":
@@ -299,6 +311,11 @@ def find_equilibria(
         hit = failed[ok]
         u[hit.to(device)], rel[hit.to(device)], status[hit] = ub[ok.to(device)].detach(), rb[ok.to(device)], 0
         iters[failed] += ib.cpu()
+    if flow_rows is not None:  # flow rows first, then the LM rows
+        uf, relf, itf, stf, kindf = flow_rows
+        u, rel = torch.cat([uf.to(u.dtype), u]), torch.cat([relf, rel])
+        iters, status, kinds = torch.cat([itf, iters]), torch.cat([stf, status]), kindf + kinds
+        n_run = u.shape[0]
     converged = (status == 0).nonzero().flatten().tolist()
 
     # deduplicate in start order; the representative is the first start that reached the point

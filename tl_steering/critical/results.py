@@ -234,6 +234,8 @@ SAMPLE_NOTES = {
     "flow": "what the dynamics reach: attractors and repellers (power iteration) and boundary saddles of index 1 or "
             "d-2 (edge tracking); saddles of middle index are out of its reach, so the fraction describes this "
             "sample, not all equilibria of the field",
+    "flow+lm": "the flow finder's sample plus the roots LM reaches from the same starts with those deflated (on "
+               "small fields every kind; on real models LM adds few)",
     "fixed_point": "points stable for the power iteration (attractors, repellers): saddles are out of its reach",
     "lm": "the roots Levenberg-Marquardt reaches from the starts (few on real models: docs/critical_points.md)",
     "riemannian": "the roots gradient descent then LM reach from the starts (few on real models)",
