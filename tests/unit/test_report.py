@@ -186,6 +186,11 @@ def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
         assert "This stage was not run" not in text
     for name in ("summary", "parallel", "provenance"):
         assert f"id='{name}'" in text, name
+    # the critical section's per-layer table: one row per layer covered, then the pooled reading and its sample
+    table = text.split("<table class='critical-layers'>")[1].split("</table>")[0]
+    assert table.count("<tr>") == 1 + len(loaded.critical.layers)
+    assert f"<td>{loaded.critical.results[0].n_starts}</td>" in table
+    assert "The counts are a sample of flow: what the dynamics reach" in text
     # the chosen plan: its figure (every strategy's curve), its rows in the summary table and its executor run
     assert "plan_choice" in figs and "id='figure-plan_choice'" in text
     assert len(figs["plan_choice"].data) == 2 * len(suite.plan_choice.plan.strategies)

@@ -182,6 +182,19 @@ class _FieldAdapter:
         with torch.no_grad():
             return self.many(u)
 
+    def jacobians(self, u: Tensor, chunk: int = 8) -> list[Tensor | None]:
+        """DF at each row of ``u`` by one vmapped reverse-mode call per ``chunk`` rows; None for the rows of a
+        chunk the field cannot be vmapped on (the caller then uses :meth:`jacobian`)."""
+        out: list[Tensor | None] = []
+        for lo in range(0, u.shape[0], chunk):
+            part = u[lo:lo + chunk]
+            try:
+                jac = torch.func.vmap(torch.func.jacrev(self.one))(part).to(self.dtype).detach()
+                out.extend(jac[i] for i in range(part.shape[0]))
+            except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
+                out.extend([None] * part.shape[0])
+        return out
+
     def jacobian(self, u: Tensor) -> Tensor:
         """DF(u), d × d (row i = output i)."""
         if self._jac_mode in (None, "forward"):

@@ -335,8 +335,9 @@ def find_equilibria(
     spectra: list[_Spectrum] = []
     lams: list[float] = []
     ress: list[float] = []
-    for r in reps:
-        spec, lam, rr = _classify(fld, u[r].detach(), solver, n_eigs, label_tol, rot_ratio)
+    jacs = fld.jacobians(u[reps].detach()) if solver == "dense" and reps else [None] * len(reps)
+    for r, jac in zip(reps, jacs):
+        spec, lam, rr = _classify(fld, u[r].detach(), solver, n_eigs, label_tol, rot_ratio, jac)
         spectra.append(spec)
         lams.append(lam)
         ress.append(rr)

@@ -74,10 +74,10 @@ def _label_spectrum(eigs: Tensor, label_tol: float, rot_ratio: float) -> _Spectr
     )
 
 
-def _tangent_matrix(fld: _FieldAdapter, u: Tensor, lam: float) -> Tensor:
-    """M = Qᵀ DF(u) Q - λ I (dense, (d-1) × (d-1))."""
+def _tangent_matrix(fld: _FieldAdapter, u: Tensor, lam: float, jac: Tensor | None = None) -> Tensor:
+    """M = Qᵀ DF(u) Q - λ I (dense, (d-1) × (d-1)); ``jac``: DF(u) when already computed."""
     h = _Householder(u)
-    m = h.conjugate(fld.jacobian(u))[1:, 1:]
+    m = h.conjugate(fld.jacobian(u) if jac is None else jac)[1:, 1:]
     return m - lam * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
 
 
@@ -141,13 +141,13 @@ def _resolve_eigensolver(eigensolver: str, dim: int, n_eigs: int) -> Literal["de
 
 
 def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int, label_tol: float,
-              rot_ratio: float) -> tuple[_Spectrum, float, float]:
+              rot_ratio: float, jac: Tensor | None = None) -> tuple[_Spectrum, float, float]:
     with torch.no_grad():
         f = fld.one(u)
     lam = float(u @ f)
     res = float(relative_residual(u, f))
     if solver == "dense":
-        m = _tangent_matrix(fld, u, lam).detach()
+        m = _tangent_matrix(fld, u, lam, jac).detach()
         eigs = torch.linalg.eigvals(m.cpu().to(torch.float64))
     else:
         eigs = _arpack_extremes(_tangent_operator(fld, u, lam), n_eigs)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..results import _encode
 from ..suite import SuiteResult, comparison_rows, headline
+from .critical_table import critical_layer_table
 from .figures import figure_html
 
 
@@ -183,6 +184,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_kv_table(summ))
+        if key == "critical" and getattr(result, "results", None):
+            parts.append(critical_layer_table(result))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
             parts.append(parallel_section(suite))
