@@ -162,6 +162,26 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
     return hooks
 
 
+def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, float] | None,
+                        biases: Mapping[int, Tensor] | None, caller: str
+                        ) -> tuple[dict[int, float], dict[int, Tensor]]:
+    """``(gates, biases)`` of a corrected parallel plan, checked (float gates, ``[d_model]`` float64 biases, keys
+    valid layers among ``layers``); shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`."""
+    g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
+            for k, v in (gates or {}).items()}
+    b_of: dict[int, Tensor] = {}
+    for k, v in (biases or {}).items():
+        if not isinstance(v, Tensor) or v.dim() != 1 or v.shape[0] != ad.d_model:
+            raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
+                             f"{getattr(v, 'shape', type(v).__name__)}")
+        b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
+    stray = sorted((set(g_of) | set(b_of)) - set(layers))
+    if stray:
+        raise InputError(f"{caller}: corrections given for layers {stray} that are not made parallel here "
+                         f"(not in layers={list(layers)})")
+    return g_of, b_of
+
+
 def parallel_blocks(
     model: Any,
     layers: Sequence[int] | int,
@@ -186,17 +206,7 @@ def parallel_blocks(
     """
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
-    g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
-            for k, v in (gates or {}).items()}
-    b_of: dict[int, Tensor] = {}
-    for k, v in (biases or {}).items():
-        if not isinstance(v, Tensor) or v.dim() != 1 or v.shape[0] != ad.d_model:
-            raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
-                             f"{getattr(v, 'shape', type(v).__name__)}")
-        b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
-    stray = sorted((set(g_of) | set(b_of)) - set(chosen))
-    if stray:
-        raise InputError(f"parallel_blocks: corrections given for layers {stray} that are not in layers={chosen}")
+    g_of, b_of = checked_corrections(ad, chosen, gates, biases, "parallel_blocks")
 
     def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
         if layer not in g_of and layer not in b_of:

@@ -124,18 +124,9 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
 def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None,
                  biases: Mapping[int, Tensor] | None) -> dict[int, tuple[float, Tensor | None]]:
     """``{layer: (g, b)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
-            for k, v in (gates or {}).items()}
-    b_of: dict[int, Tensor] = {}
-    for k, v in (biases or {}).items():
-        if not isinstance(v, Tensor) or v.dim() != 1 or v.shape[0] != ad.d_model:
-            raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
-                             f"{getattr(v, 'shape', type(v).__name__)}")
-        b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
-    stray = sorted((set(g_of) | set(b_of)) - set(todo))
-    if stray:
-        raise InputError(f"parallelize: corrections given for layers {stray} that are not made parallel here "
-                         f"({todo})")
+    from .hooks import checked_corrections
+
+    g_of, b_of = checked_corrections(ad, todo, gates, biases, "parallelize")
     return {lay: (g_of.get(lay, 1.0), b_of.get(lay)) for lay in sorted(set(g_of) | set(b_of))}
 
 
