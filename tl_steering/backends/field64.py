@@ -173,7 +173,7 @@ class Float64Block:
         if x.shape[-1] != self.d_model:
             raise InputError(f"ffn expects [..., {self.d_model}], got shape {tuple(x.shape)}")
         if self._traced is None:
-            self._traced = self._trace_ffn(x.dtype, x.device)
+            self._traced = self._trace_ffn(x.device)
         if self._traced is False:
             with torch.no_grad():
                 return self.ffn(x)
@@ -181,7 +181,7 @@ class Float64Block:
         with torch.no_grad():
             return self._traced(x.to(torch.float64).reshape(1, -1, shape[-1])).reshape(shape)
 
-    def _trace_ffn(self, dtype: torch.dtype, device: torch.device) -> Any:
+    def _trace_ffn(self, device: torch.device) -> Any:
         import warnings
 
         def run(x3: Tensor) -> Tensor:

@@ -59,6 +59,23 @@ def _prepare_starts(starts: Tensor | None, dim: int, n_starts: int, seed: int, d
     return torch.cat([given, rand]), ["given"] * given.shape[0] + ["random"] * n_random
 
 
+def _match_point(known: Tensor, x: Tensor, dedup_angle: float) -> int:
+    """Row of ``known`` nearest to ``x`` when it lies within ``dedup_angle`` radians (the same point), else -1."""
+    if known.shape[0] == 0:
+        return -1
+    ang = angle(known, x[None].expand_as(known))
+    j = int(ang.argmin())
+    return j if float(ang[j]) <= dedup_angle else -1
+
+
+def _add_distinct(known: Tensor, xs: Tensor, dedup_angle: float) -> Tensor:
+    """``known`` with every row of ``xs`` that is not already one of its points appended (in order)."""
+    for x in xs:
+        if _match_point(known, x, dedup_angle) < 0:
+            known = torch.cat([known, x[None]])
+    return known
+
+
 def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
     """Up to ``n_pairs`` pairs of rows whose fixed points differ: ``ends`` holds each row's fixed-point id (-1:
     none). The first row reaching each point represents it; pairs of points are taken by increasing distance in
@@ -106,13 +123,12 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     seconds["power_finish"] = time.perf_counter() - clock
     # fixed-point ids per sign (angle <= 1e-6 is one point)
     ends = [-1] * (2 * n)
-    points: list[Tensor] = []
+    points = u[:0]
     for i in (status == 0).nonzero().flatten().tolist():
-        hit = next((k for k, x in enumerate(points) if float(angle(x[None], u[i][None])) <= max(dedup_angle, 1e-6)),
-                   None)
-        if hit is None:
-            points.append(u[i])
-            hit = len(points) - 1
+        hit = _match_point(points, u[i], max(dedup_angle, 1e-6))
+        if hit < 0:
+            points = torch.cat([points, u[i][None]])
+            hit = points.shape[0] - 1
         ends[i] = hit
     plus = _edge_pairs(ends[:n], edge_pairs - edge_pairs // 2)
     minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], edge_pairs - len(plus))]
@@ -121,7 +137,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     pairs = plus + minus
     row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
     info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
-            "fixed_points_of_map": len(points)}
+            "fixed_points_of_map": points.shape[0]}
     if pairs:
         ia = torch.tensor([a for a, _ in pairs], device=dev)
         ib_ = torch.tensor([b for _, b in pairs], device=dev)
@@ -135,7 +151,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
         iters, status = torch.cat([iters, ie]), torch.cat([status, se])
         row_kinds += [f"edge{'+' if a < n else '-'}" for a, _ in pairs]
         info["edge_converged"] = int((se == 0).sum())
-    if not points:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
+    if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
         clock = time.perf_counter()
         ul, rl, il, sl = lm_solve(fld, u0, u0[:0], tol, max_iter, patience=patience)
         seconds["lm_fallback"] = time.perf_counter() - clock
@@ -279,9 +295,7 @@ def find_equilibria(
             n_run = u.shape[0]
         else:  # then LM from the same starts with every point of the flow deflated: it looks for other points
             flow_rows = (uf, relf, itf, stf, kindf)
-            for x in uf[stf.to(uf.device) == 0]:
-                if known.shape[0] == 0 or float(angle(known, x[None].expand_as(known)).min()) > dedup_angle:
-                    known = torch.cat([known, x[None]])
+            known = _add_distinct(known, uf[stf.to(uf.device) == 0], dedup_angle)
             kinds = [f"{k}/lm" for k in kinds]
     for lo in range(0, n_run if method != "flow" else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
@@ -296,10 +310,7 @@ def find_equilibria(
             ib = torch.full((ub.shape[0],), int(max_iter), dtype=torch.long)
             sb = torch.where(rb <= tol, 0, 3)
         u[sl], rel[sl], iters[sl], status[sl] = ub.detach(), rb, ib.cpu(), sb.cpu()
-        new = ub[sb.to(ub.device) == 0].detach()
-        for x in new:
-            if known.shape[0] == 0 or float(angle(known, x[None].expand_as(known)).min()) > dedup_angle:
-                known = torch.cat([known, x[None]])
+        known = _add_distinct(known, ub[sb.to(ub.device) == 0].detach(), dedup_angle)
     n_deflated = int((status == 0).sum())
     failed = (status != 0).nonzero().flatten()
     if method != "flow" and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
@@ -322,12 +333,10 @@ def find_equilibria(
     reps: list[int] = []
     hits: list[int] = []
     for i in converged:
-        if reps:
-            ang = angle(u[reps], u[i][None].expand(len(reps), -1))
-            j = int(ang.argmin())
-            if float(ang[j]) <= dedup_angle:
-                hits[j] += 1
-                continue
+        j = _match_point(u[reps], u[i], dedup_angle)
+        if j >= 0:
+            hits[j] += 1
+            continue
         reps.append(i)
         hits.append(1)
 
