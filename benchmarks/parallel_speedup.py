@@ -131,6 +131,24 @@ def mean_loss(model, tokens) -> float:
         return float(next_token_loss(model(tokens, return_type="logits"), tokens).mean())
 
 
+def random_init_model(config_dir: str, backend: str, device: str, dtype: torch.dtype):
+    """A random-init (seed 0) model of the architecture in ``config_dir`` (config.json + tokenizer files),
+    wrapped like :func:`tl_steering.load_model` wraps an offline model (raw processing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tl_steering.backends.loading import ModelInfo
+    from tl_steering.backends.wrapping import wrap_hf
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval().to(dtype)
+    tok = AutoTokenizer.from_pretrained(config_dir)
+    model = wrap_hf(hf, tok, backend, "raw", device, label="randinit", hf_config_dir=config_dir)
+    model._tl_steering_info = ModelInfo(name=f"random-init:{Path(config_dir).name}", revision="random-init seed=0",
+                                        processing="raw", prepend_bos=False)
+    return model
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
@@ -149,6 +167,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ks", default=None, help="comma list of k to time (default: 0, L/4, L/2)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="parameter dtype of all three models")
+    ap.add_argument("--hf-config", default=None, metavar="DIR",
+                    help="time a RANDOM-INIT model built from the Hugging Face config and tokenizer in DIR (e.g. the "
+                         "weight cache's directory of an offline model, without model.safetensors) instead of "
+                         "--model: for a machine the weights cannot reach. Timings only (they do not depend on the "
+                         "weights); the plan comes from --layers and the dCE column is not meaningful")
+    ap.add_argument("--layers", default=None,
+                    help="comma list: time this plan (k = its length, plus the k = 0 control) instead of planning")
     args = ap.parse_args(argv)
     backend = args.backend or ("hooked" if hooked_available() else "bridge")
     device = args.device
@@ -158,11 +185,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    if args.model.startswith("tiny-"):
+    dtype = getattr(torch, args.dtype)
+    if args.hf_config:
+        if not args.layers:
+            sys.exit("--hf-config builds random weights: planning on them means nothing; give the plan with --layers")
+        model = random_init_model(args.hf_config, backend, device, dtype)
+        args.model = f"random-init {Path(args.hf_config).name}"
+    elif args.model.startswith("tiny-"):
         model = ts.tiny_model(args.model.removeprefix("tiny-"), backend=backend, n_layers=8, d_model=256,
-                              n_heads=8, n_ctx=256).to(device)
+                              n_heads=8, n_ctx=256).to(device=device, dtype=dtype)
     else:
-        model = ts.load_model(args.model, backend=backend, device=device)
+        model = ts.load_model(args.model, backend=backend, device=device, dtype=dtype)
     model.eval()
     ad = adapt(model)
     L = ad.n_layers
@@ -170,9 +203,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"torch threads {torch.get_num_threads()}); loaded in {time.time() - t0:.0f}s")
     calib = ts.text_tokens(model, n_windows=args.windows, length=128, seed=0)
     held = ts.text_tokens(model, n_windows=args.windows, length=128, seed=1)
-    ks = sorted({int(k) for k in args.ks.split(",")}) if args.ks else sorted({0, L // 4, L // 2})
     t1 = time.time()
-    plans, plan_info = layer_plans(model, calib, held, ks, args.strategy)
+    if args.layers:
+        given = sorted({int(v) for v in args.layers.split(",")})
+        ks = [0, len(given)]
+        plans = {0: [], len(given): given}
+        plan_info = {"strategy": "given", "requested": "--layers", "held_out_delta_ce": None, "cost": None,
+                     "total_cost": None}
+    else:
+        ks = sorted({int(k) for k in args.ks.split(",")}) if args.ks else sorted({0, L // 4, L // 2})
+        plans, plan_info = layer_plans(model, calib, held, ks, args.strategy)
     print(f"# plans ({plan_info['strategy']}, requested {args.strategy}; chosen on calibration windows, "
           f"{time.time() - t1:.0f}s): {plans}; planner cost {plan_info['cost']}")
     base_loss = mean_loss(model, held)
@@ -182,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         seqs[k] = _lean_sequential_copy(model, plans[k])
     controls = [c for c in args.controls.split(",") if c]
     if "unfused" in controls:
-        pars[("unfused", L // 2)] = parallelize(model, plans[L // 2], fuse=False)
+        pars[("unfused", max(ks))] = parallelize(model, plans[max(ks)], fuse=False)
     losses = {key: mean_loss(p, held) for key, p in pars.items()}
 
     rows = []
