@@ -40,9 +40,13 @@ padding) sends the block to the unfused path (HookedTransformer's own masking, c
 4-D mask Hugging Face builds is passed to the attention kernel as is.
 
 KV cache. HookedTransformer: ``model(tokens, past_kv_cache=cache)`` works for fused blocks (keys cached
-before rotary, as HookedTransformer does), so ``generate(use_past_kv_cache=True)`` works. Bridge: not
-supported; the bridge's own attention ignores the Hugging Face cache its parent model passes down (an
-unparallelized bridge's cached decode disagrees with its full forward too), and so do the fused blocks.
+before rotary, as HookedTransformer does), so ``generate(use_past_kv_cache=True)`` works. Bridge: the fused
+blocks extend the Hugging Face cache (``DynamicCache``, keys after rotary, as Hugging Face stores them) that the
+decoder layer passes as ``cache=``. The bridge's OWN attention (unparallelized blocks, unfused parallel blocks)
+reads it only under the name ``past_key_values``, which transformers 5.x no longer uses, so decode through
+``tl_steering.backends.decode_step(model, tokens, cache)`` (with ``kv_cache(model)``; ``freeze_kv_cache`` for a
+fixed prefix), or wrap TL's ``generate(use_past_kv_cache=True)`` in ``cache_routing(model)``: both route the cache
+to every attention bridge, and the cached logits equal the full forward's (tests/unit/test_decode.py).
 
 CUDA streams (``streams=True``): the attention core runs on a side stream while the MLP branch runs on the
 current stream (unfused: the whole MLP branch); ignored on CPU.

@@ -5,7 +5,8 @@ Everything model-specific lives here (see ``docs/architecture.md``):
 
 * :mod:`.adapter`: model detection, (layer, site) -> hook name, hook lifecycle, pure sublayer callables,
   the residual-identity check, provenance of a model;
-* :mod:`.loading`: offline and hub loading, Hugging Face wrapping, tiny random models for tests.
+* :mod:`.loading`: offline and hub loading, Hugging Face wrapping, tiny random models for tests;
+* :mod:`.decoding`: KV-cache decode on both model classes (``kv_cache``, ``decode_step``, ``freeze_kv_cache``).
 
 The rest of the package talks to a model only through the names re-exported here.
 """
@@ -28,6 +29,7 @@ from .adapter import (
     weights_fingerprint,
     wrap_hf,
 )
+from .decoding import cache_routing, decode_step, freeze_kv_cache, kv_cache, kv_cache_length
 from .loading import gemma_gguf_path, load_model, smollm2_gguf_path, tiny_hf_model, tiny_model
 
 __all__ = [
@@ -37,13 +39,18 @@ __all__ = [
     "Processing",
     "adapt",
     "backend_of",
+    "cache_routing",
     "check_finite",
+    "decode_step",
     "first_output",
+    "freeze_kv_cache",
     "gemma_gguf_path",
     "hook_guard",
     "hook_points",
     "hooked_available",
     "hooks_silenced",
+    "kv_cache",
+    "kv_cache_length",
     "load_model",
     "next_token_loss",
     "smollm2_gguf_path",

@@ -472,14 +472,16 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
         raise InputError("parallelized Llama-style block needs position_embeddings (cos, sin); the bridge "
                          "passes them in a normal forward")
 
+    cache = kwargs.get("cache")  # the Hugging Face cache (DynamicCache) of a cached decode, or None
+
     def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if family in ("llama", "gemma"):  # Gemma: q/k were QK-normed in project(), then rotary (HF order)
             cos, sin = pe[0].unsqueeze(1), pe[1].unsqueeze(1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        # The bridge's own attention components do not read or write the Hugging Face cache the parent
-        # model passes down (checked on TL 3.9 and 4.3: the cache stays empty), so neither do we.
+        if cache is not None:  # Hugging Face layout [b, kv, s, dh], keys after rotary (as HF and TL's bridge store)
+            k, v = cache.update(k, v, layer._tl_parallel_layer_idx)
         return fw.attend(q, k, v, mask)
 
     return _fused_step(st, x, core)
