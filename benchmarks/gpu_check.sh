@@ -55,7 +55,7 @@ set -x
 # 1) equivalence on CUDA: the gpu-marked unit tests (tiny models, streams on/off)
 timeout 240 "$py" -m pytest tests/unit/test_parallel.py -q -p no:cacheprovider -m gpu -x 2>&1 | tail -5
 # 2) protocols on the device equal the CPU, parallelize equals the hook surrogate, forward times (no weights needed)
-timeout 200 "$py" benchmarks/gpu_shape_check.py --device cuda --repeats 20 --json "$out/gpu_shape_check.json" 2>&1 | tail -30
+PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout 200 "$py" benchmarks/gpu_shape_check.py --device cuda --repeats 20 --json "$out/gpu_shape_check.json" 2>&1 | tail -30
 # 3) the speedup benchmark on CUDA: TL model vs the executor's sequential model vs the parallel model
 for dt in float32 bfloat16; do
   reps=30; [ "$mode" = quick ] && reps=10

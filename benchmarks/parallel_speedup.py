@@ -5,8 +5,10 @@
 
 The plan: ``tl_steering.plan_parallel(model, calibration, k=max(ks), strategy=--strategy, held_out=held,
 k_values=ks)`` (calibration: 8 pydoc windows x 128, seed 0; held-out: 8 windows, seed 1); for every k of
-0, L/4, L/2 the chosen strategy's k-set. For each shape batch x seq = 1x1 decode step (HookedTransformer only:
-frozen 127-token KV cache), 1x128 and 8x128, THREE models are timed round-robin after warm-up:
+0, L/4, L/2 the chosen strategy's k-set. For each shape batch x seq = 1x1 decode step (a frozen 127-token KV
+cache: TL's on HookedTransformer, Hugging Face's DynamicCache on the bridge, through
+``tl_steering.backends.decode_step``; the bridge row also prints the cache-less cost, its full 128-token forward),
+1x128 and 8x128, THREE models are timed round-robin after warm-up:
 
 * ``TL``: the user's model (TransformerLens, every block sequential, hook points on the path);
 * ``seq``: the executor's SEQUENTIAL control (``_lean_sequential_copy``): the chosen blocks stay sequential
@@ -21,6 +23,7 @@ k = 0 is an A/A control (deep copies): its "speedup" shows the timing noise.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from tl_steering.backends import adapt, hooked_available, hooks_silenced, next_token_loss  # noqa: E402
+from tl_steering.backends import (adapt, cache_routing, decode_step, freeze_kv_cache, hooked_available,  # noqa: E402
+                                  hooks_silenced, kv_cache, next_token_loss)
 from tl_steering.parallel import _lean_sequential_copy, parallelize  # noqa: E402
 
 
@@ -129,6 +133,10 @@ def paper_estimate(ta: list[float], tf: list[float], chosen: list[int]) -> float
 def mean_loss(model, tokens) -> float:
     with torch.no_grad():
         return float(next_token_loss(model(tokens, return_type="logits"), tokens).mean())
+
+
+def _dce(d: float | None) -> str:
+    return "n/a (random weights)" if d is None else f"{d:+.4f}"
 
 
 def random_init_model(config_dir: str, backend: str, device: str, dtype: torch.dtype):
@@ -230,30 +238,37 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in shapes:
         b, s = shape
         decode = shape == (1, 1)
-        if decode and backend != "hooked":
-            print(f"# 1x1 decode: skipped on the {backend} backend (the bridge's attention ignores the Hugging Face "
-                  "KV cache, so neither the original nor the parallel bridge can decode with a cache)")
-            continue
         toks = held[:b, :s] if not decode else held[:1]
+        t_prefix = None
+        if decode and backend == "bridge":
+            # what the TL bridge computes per new token WITHOUT a working cache (its attention reads the cache only
+            # as past_key_values, transformers 5.x passes cache=): the whole 128-token forward
+            with torch.no_grad():
+                t_prefix = median_time(lambda: model(toks), device, args.repeats)
+            print(f"# 1x1 decode on the bridge: TL / exec-seq / exec-par = one cached step each (Hugging Face "
+                  f"DynamicCache, frozen at {toks.shape[1] - 1} tokens; tl_steering.backends.decode_step routes the "
+                  f"cache to TL's attention bridges, which ignore it otherwise). Without the routing the bridge has "
+                  f"no usable cache: its full {toks.shape[1]}-token forward per new token takes {t_prefix * 1e3:.2f} "
+                  f"ms = {1 / t_prefix:.1f} tokens/s", flush=True)
         sub_shape = (1, 1) if decode else shape
         ta, tf = submodule_times(model, sub_shape, device, args.sub_repeats)
         for (mode, k), p in pars.items():
             seq = seqs[k]
-            if decode:
-                from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache as KV
-
+            routed = contextlib.ExitStack()
+            if decode:  # one step after a frozen 127-token KV cache (TL's cache on HookedTransformer, HF's on the bridge)
                 fns = []
                 for mdl in (model, seq, p):
-                    c = KV.init_cache(mdl.cfg, device, 1)
+                    c = kv_cache(mdl, 1)
                     with torch.no_grad():
-                        mdl(toks[:, :-1], past_kv_cache=c)
-                    c.freeze()
-                    fns.append(lambda c=c, mdl=mdl: mdl(toks[:, -1:], past_kv_cache=c))
+                        decode_step(mdl, toks[:, :-1], c)
+                    freeze_kv_cache(c)
+                    routed.enter_context(cache_routing(mdl))  # held while timing: decode_step does not re-route
+                    fns.append(lambda c=c, mdl=mdl: decode_step(mdl, toks[:, -1:], c))
                 n_tok = 1
             else:
                 fns = [lambda mdl=mdl: mdl(toks) for mdl in (model, seq, p)]
                 n_tok = b * s
-            with torch.no_grad():
+            with torch.no_grad(), routed:
                 t_tl, t_seq, t_par = rr_medians(fns, device, args.repeats)
             chosen = plans[k]
             est = paper_estimate(ta, tf, chosen)
@@ -261,13 +276,16 @@ def main(argv: list[str] | None = None) -> dict:
                        strategy=plan_info["strategy"], t_tl_ms=t_tl * 1e3, t_seq_ms=t_seq * 1e3,
                        t_par_ms=t_par * 1e3, tok_s_tl=n_tok / t_tl, tok_s_seq=n_tok / t_seq,
                        tok_s_par=n_tok / t_par, speedup_vs_tl=t_tl / t_par, speedup_vs_seq=t_seq / t_par,
-                       estimate=est, dloss=losses[(mode, k)] - base_loss,
+                       estimate=est, dloss=None if args.hf_config else losses[(mode, k)] - base_loss,
                        attn_ffn_ms=(sum(ta) * 1e3, sum(tf) * 1e3))
+            if t_prefix is not None:  # bridge decode: the TL bridge's cache-less cost per new token (full forward)
+                row.update(t_tl_prefix_ms=t_prefix * 1e3, tok_s_tl_prefix=1 / t_prefix,
+                           speedup_vs_tl_prefix=t_prefix / t_par)
             rows.append(row)
             print(f"  {row['shape']:>11} {mode:>7} k={k:>2}: TL {row['t_tl_ms']:8.2f} ms  exec-seq "
                   f"{row['t_seq_ms']:8.2f} ms  exec-par {row['t_par_ms']:8.2f} ms  speedup vs TL "
                   f"{row['speedup_vs_tl']:.3f}  vs exec-seq {row['speedup_vs_seq']:.3f}  estimate {est:.3f}  "
-                  f"dCE {row['dloss']:+.4f}", flush=True)
+                  f"dCE {_dce(row['dloss'])}", flush=True)
 
     print()
     print("| shape | mode | k | t TL ms | t exec-seq ms | t exec-par ms | tok/s TL | tok/s exec-seq | tok/s exec-par | "
@@ -277,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"| {r['shape']} | {r['mode']} | {r['k']} | {r['t_tl_ms']:.2f} | {r['t_seq_ms']:.2f} | "
               f"{r['t_par_ms']:.2f} | {r['tok_s_tl']:.0f} | {r['tok_s_seq']:.0f} | {r['tok_s_par']:.0f} | "
-              f"{r['speedup_vs_tl']:.3f}x | {r['speedup_vs_seq']:.3f}x | {r['estimate']:.3f}x | {r['dloss']:+.4f} |")
+              f"{r['speedup_vs_tl']:.3f}x | {r['speedup_vs_seq']:.3f}x | {r['estimate']:.3f}x | {_dce(r['dloss'])} |")
     for shape in shapes:
         rr = [r for r in rows if r["shape"].startswith(f"{shape[0]}x{shape[1]}")]
         if rr:
