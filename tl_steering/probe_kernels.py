@@ -16,7 +16,10 @@ its decomposition is per sequence: a running Gram matrix pooled over sequences w
 cloud, another number. It is taken on the smaller of the two Gram matrices (``pos x pos`` or ``d x d``).
 """
 
-from collections.abc import Sequence
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -121,15 +124,16 @@ def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], paral
 GRAM_STRIPS = 4  # row strips of the lower-triangular pos x pos Gram (5/8 of the flops of the full product)
 
 
-def gram_lower(T: Tensor, strips: int = GRAM_STRIPS) -> Tensor:
+def gram_lower(T: Tensor, strips: int = GRAM_STRIPS, out: Tensor | None = None) -> Tensor:
     """Lower triangle (diagonal included) of the Gram matrices ``T T^T`` of a batch ``[m, n, d]``; the strict
     upper triangle is 0 (read it with ``eigvalsh(..., UPLO="L")``).
 
     Row strip i holds rows ``[e_i, e_{i+1})`` against columns ``[0, e_{i+1})``: ``(strips + 1) / (2 strips)`` of
     the flops of ``T @ T.mT`` in ``strips`` batched products (torch has no symmetric rank-k kernel). Each entry
-    is the same float64 dot product as in the full product (up to the BLAS's summation order, ~1e-16)."""
+    is the same float64 dot product as in the full product (up to the BLAS's summation order, ~1e-16).
+    ``out``: a zero-filled ``[m, n, n]`` tensor to write into (returned)."""
     m, n, _ = T.shape
-    H = T.new_zeros(m, n, n)
+    H = T.new_zeros(m, n, n) if out is None else out
     edges = [round(i * n / strips) for i in range(strips + 1)]
     for a, b in zip(edges[:-1], edges[1:]):
         if b > a:
@@ -137,20 +141,68 @@ def gram_lower(T: Tensor, strips: int = GRAM_STRIPS) -> Tensor:
     return H.tril_()  # the diagonal blocks came out full
 
 
-def diversity(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set:
-    values and validity masks, each ``[len(sets), 3, batch]``; all sets in one batched Gram product (lower
-    triangle, :func:`gram_lower`) and one batched ``eigvalsh``.
+_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
 
-    The Gram matrix is needed for the effective rank (each sequence's spectrum); the pairwise cosine and the
-    resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost."""
-    B, n, d = sets[0].shape
+
+def _helper() -> concurrent.futures.ThreadPoolExecutor:
+    """One helper thread per process (created on first use), for :func:`in_halves`."""
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
+        return _HELPER
+
+
+def _no_grad_call(fn: Callable[..., Any], *args: Any) -> Any:
+    with torch.no_grad():  # grad mode is per thread; the helper's default is on
+        return fn(*args)
+
+
+def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
+    """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
+    helper thread while this thread runs the first (torch releases the GIL inside its kernels, so the halves
+    use two cores with torch itself on one thread each: no OpenMP team to spin against other processes).
+    Both halves are finished when this returns, also when one raises."""
+    if not split or n < 2:
+        return [fn(0, n)]
+    h = (n + 1) // 2
+    fut = _helper().submit(_no_grad_call, fn, h, n)
+    try:
+        first = fn(0, h)
+    except BaseException:
+        concurrent.futures.wait([fut])
+        raise
+    return [first, fut.result()]
+
+
+def token_gram(V: Tensor, split: bool = False) -> Tensor:
+    """Per-token Gram matrices ``V V^T`` of ``[batch, pos, slots, d]``: ``[batch, pos, slots, slots]`` (with
+    ``split``, the two halves of the batch on two threads, :func:`in_halves`; the same products)."""
+    if not split or V.shape[0] < 2:
+        return V @ V.mT
+    G = V.new_empty((*V.shape[:-1], V.shape[-2]))
+
+    def part(a: int, b: int) -> None:
+        torch.matmul(V[a:b], V[a:b].mT, out=G[a:b])
+
+    in_halves(part, V.shape[0], True)
+    return G
+
+
+def _diversity_stats(sets: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count, effective rank) of each sequence of each ``[batch, n, d]`` set,
+    stacked set-major ``[len(sets) * batch]``."""
+    n, d = sets[0].shape[-2:]
     if n <= d:
-        H = torch.cat([gram_lower(t) for t in sets])  # [sets*batch, n, n]: raw Gram, lower triangle
+        b = sets[0].shape[0]
+        H = sets[0].new_zeros(len(sets) * b, n, n)  # [sets*batch, n, n]: raw Gram, lower triangle
+        for i, t in enumerate(sets):
+            gram_lower(t, out=H[i * b:(i + 1) * b])
         nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
         ok = nt > EPS_NORM
         inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
-        Gu = H * inv[:, :, None] * inv[:, None, :]  # Gram of the unit rows (zero rows for masked ones)
+        Gu = H.mul_(inv[:, :, None]).mul_(inv[:, None, :])  # Gram of the unit rows (zero rows for masked ones)
         ss = 2.0 * Gu.sum((-1, -2)) - torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)  # ||sum_j u_j||^2
         ev = torch.linalg.eigvalsh(Gu, UPLO="L")
     else:  # long sequences: the d x d Gram is the smaller one
@@ -161,11 +213,24 @@ def diversity(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
         total = U.sum(-2)
         ss = (total * total).sum(-1)
         ev = torch.linalg.eigvalsh(U.mT @ U)
-    cnt = ok.sum(-1).to(F64)
+    return ss, ok.sum(-1).to(F64), erank_from_eigvalsh(ev)
+
+
+def diversity(sets: list[Tensor], split: bool = False) -> tuple[Tensor, Tensor]:
+    """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set:
+    values and validity masks, each ``[len(sets), 3, batch]``; all sets in one batched Gram product (lower
+    triangle, :func:`gram_lower`) and one batched ``eigvalsh``; with ``split``, the two halves of the batch on
+    two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix either way).
+
+    The Gram matrix is needed for the effective rank (each sequence's spectrum); the pairwise cosine and the
+    resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost."""
+    B = sets[0].shape[0]
+    n_sets = len(sets)
+    parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets]), B, split)
+    # each part is set-major [n_sets * b]: put the halves side by side per set
+    ss, cnt, erank = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(3))
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
-    erank = erank_from_eigvalsh(ev)
-    n_sets = len(sets)
     values = torch.stack([pair, res, erank]).view(3, n_sets, B).transpose(0, 1)
     valid = torch.stack([cnt >= 2, cnt >= 1, cnt >= 1]).view(3, n_sets, B).transpose(0, 1)
     return values, valid

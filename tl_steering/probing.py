@@ -54,7 +54,7 @@ from . import validation
 from .backends import adapt
 from .backends.lifecycle import add_hook_last
 from .errors import InputError, NonFiniteError
-from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_quantities
+from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_gram, token_quantities
 from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, TOKEN_METRICS, ProbeResult
 from .protocols._common import single_threaded
 from .stats import position_bin_edges, position_bin_index
@@ -297,10 +297,11 @@ class ProbeTrace:
         """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
         ``probe_kernels``, batched over sequences and positions, on one torch thread (MKL's threads on these
         small products and decompositions cost 2-10x more than one thread on a shared 2-core machine)."""
+        split = torch.get_num_threads() >= 2 and self.ad.device.type == "cpu"
         with single_threaded():
-            self._update_layer(layer, st)
+            self._update_layer(layer, st, split)
 
-    def _update_layer(self, layer: int, st: dict[str, Any]) -> None:
+    def _update_layer(self, layer: int, st: dict[str, Any], split: bool = False) -> None:
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
         V = self._buf  # [batch, n, slots, d]
@@ -309,7 +310,7 @@ class ProbeTrace:
         k = self._slots
         has_mid = not parallel and "resid_mid" in st
         # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
-        G = V @ V.mT if acc.token_q else None  # [batch, n, slots, slots]
+        G = token_gram(V, split) if acc.token_q else None  # [batch, n, slots, slots]
         # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
         sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (V * V).sum(-1)
         if not bool(torch.isfinite(sq).all()):
@@ -325,7 +326,7 @@ class ProbeTrace:
             todo = [w for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
             sets = [V[:, :, k[_SITE_OF[w]], :] for w in todo]
-            values, valid = diversity(sets)  # [sets, 3, batch]
+            values, valid = diversity(sets, split)  # [sets, 3, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
                 valid = torch.cat([st["_div_pre"][1], valid])

@@ -343,3 +343,21 @@ def test_diversity_kernel_equals_full_gram_formula(n):
             for k in range(3):
                 if valid[s, k, b]:
                     assert float(values[s, k, b]) == pytest.approx(float(expect[k]), rel=1e-12, abs=1e-14)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_kernels_split_over_two_threads_equal_one_thread(batch):
+    """diversity / token_gram with split=True (the halves of the batch on two threads, the probe's path when
+    torch has >= 2 threads) give the numbers of the unsplit kernels, per sequence and per token."""
+    from tl_steering.probe_kernels import diversity, token_gram
+
+    gen = torch.Generator().manual_seed(batch)
+    for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
+        sets = [torch.randn(batch, n, d, generator=gen, dtype=F64) for _ in range(3)]
+        sets[0][0, 1] = 0.0
+        v1, ok1 = diversity(sets)
+        v2, ok2 = diversity(sets, split=True)
+        assert torch.equal(ok1, ok2)
+        assert torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
+        V = torch.randn(batch, n, 5, d, generator=gen, dtype=F64)
+        assert torch.allclose(token_gram(V, split=True), V @ V.mT, rtol=1e-13, atol=1e-13)
