@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the parallel executor (< 8 min on one GPU): equivalence on CUDA + the speedup benchmark.
-#   usage: benchmarks/gpu_check.sh [quick]      (from the repository root, on a machine with a CUDA GPU)
+#   usage: benchmarks/gpu_check.sh [quick|noscan]   (from the repository root, on a machine with a CUDA GPU)
 #
 # Python: an existing venv (.venv-tl4, else .venv-tl3) whose torch sees CUDA; otherwise the system python3 if its
 # torch sees CUDA, with TransformerLens either installed or carried as wheels in .whl/ (installed with --no-deps into
@@ -18,7 +18,7 @@ cd "$root"
 mode="${1:-full}"
 out="${OUT:-$root/benchmarks/out}"
 mkdir -p "$out"
-# the report's chosen plan on SmolLM2 at k = 15 (attribution_abs with the affine refit; docs/planning.md)
+# the report's chosen plan on SmolLM2 at k = 15 (attribution_abs with the affine refit; docs/parallel.md)
 PLAN_LAYERS="${PLAN_LAYERS:-6,7,8,9,14,15,18,20,21,22,23,24,25,26,27}"
 has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 py=""
@@ -62,7 +62,8 @@ for dt in float32 bfloat16; do
   timeout 300 "$py" benchmarks/parallel_speedup.py --device cuda --dtype "$dt" --repeats "$reps" --sub-repeats 10 \
     --controls unfused "${model_args[@]}" --json "$out/parallel_speedup_cuda_$dt.json" 2>&1 | tail -14
 done
-[ "$mode" = quick ] && exit 0
+# mode "noscan": stop here (the scan's one-GPU row needs no new run)
+if [ "$mode" = quick ] || [ "$mode" = noscan ]; then exit 0; fi
 # 4) scale-out probe scan on NCCL: 1..N processes, one GPU each (N = number of GPUs; one GPU: the 1-process row)
 ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 nprocs=$(seq -s, 1 "$ngpu")

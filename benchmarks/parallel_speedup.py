@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.model = f"random-init {Path(args.hf_config).name}"
     elif args.model.startswith("tiny-"):
         model = ts.tiny_model(args.model.removeprefix("tiny-"), backend=backend, n_layers=8, d_model=256,
-                              n_heads=8, n_ctx=256).to(device=device, dtype=dtype)
+                              n_heads=8, n_ctx=256).to(device).to(dtype)
     else:
         model = ts.load_model(args.model, backend=backend, device=device, dtype=dtype)
     model.eval()
