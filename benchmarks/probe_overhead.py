@@ -17,7 +17,8 @@ through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler
 at 128 KiB in those subprocesses so that freed buffers leave RSS (otherwise the warm-up run's pages stay resident
 and every variant reads the same peak).
 
-Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge]``.
+Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]``
+(``--threads``: torch intra-op threads in every subprocess; default: torch's own default).
 """
 
 import argparse
@@ -70,8 +71,11 @@ class _Sampler:
         self.peak = max(self.peak, _rss_kib())
 
 
-def _setup(backend: str):
+def _setup(backend: str, threads: int | None = None):
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     import tl_steering as ts
     from tl_steering.backends import adapt
@@ -99,11 +103,11 @@ def _setup(backend: str):
     return run, info
 
 
-def child_memory(variant: str, backend: str) -> dict:
+def child_memory(variant: str, backend: str, threads: int | None = None) -> dict:
     """One variant in this process: warm-up, reset the RSS high-water mark, one more run."""
     import gc
 
-    run, info = _setup(backend)
+    run, info = _setup(backend, threads)
     run(variant)
     gc.collect()
     base = _rss_kib()
@@ -116,10 +120,10 @@ def child_memory(variant: str, backend: str) -> dict:
             "peak_method": "VmHWM" if hwm else "sampler"}
 
 
-def child_timing(repeats: int, backend: str) -> dict:
+def child_timing(repeats: int, backend: str, threads: int | None = None) -> dict:
     """All variants in one process, interleaved (plain, probe, cache, plain, ...) after one warm-up each, so
     that the load of a shared machine hits them alike; wall and process-CPU seconds."""
-    run, info = _setup(backend)
+    run, info = _setup(backend, threads)
     for v in VARIANTS:
         run(v)
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -154,18 +158,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 5:
         ap.error("use at least 5 repeats")
     if args.child == "timing":
-        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend)), flush=True)
+        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads)), flush=True)
         return
     if args.child:
-        print("RESULT " + json.dumps(child_memory(args.child, args.backend)), flush=True)
+        print("RESULT " + json.dumps(child_memory(args.child, args.backend, args.threads)), flush=True)
         return
-    timing = _child(["--child", "timing", "--repeats", str(args.repeats), "--backend", args.backend])
-    mem = {v: _child(["--child", v, "--backend", args.backend], _EXACT_RSS_ENV) for v in VARIANTS}
+    common = ["--backend", args.backend, "--threads", str(args.threads)]
+    timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common])
+    mem = {v: _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
     med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
     print(f"SmolLM2-135M ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
           f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; all metrics, "

@@ -99,6 +99,9 @@ def shielded(restore: Callable[[], None]) -> None:
 # snapshot / restore
 
 
+_EMPTY: dict = {}  # shared read-only "no hooks" record of the snapshots (never mutated)
+
+
 class _Snapshot:
     """Hook state of one model: per module, a copy of every non-empty hook dict (and, on HookPoints, the identity
     of every hook dict object, which :class:`hooks_silenced` swaps); per HookPoint, copies of the TransformerLens
@@ -115,9 +118,11 @@ class _Snapshot:
             dicts = {}
             for attr in _HOOK_DICTS:
                 d = getattr(m, attr, None)
-                if d or (hp and d is not None):
+                if d:
                     flags = {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {})) for f in _FLAG_DICTS[attr]}
                     dicts[attr] = (d, dict(d), flags)
+                elif hp and d is not None:  # empty: only its identity matters (no hook to put back, no flags)
+                    dicts[attr] = (d, _EMPTY, _EMPTY)
             lists = (list(m.fwd_hooks), list(m.bwd_hooks)) if hp else None
             if dicts or hp:
                 self.modules[id(m)] = (dicts, lists)
@@ -140,7 +145,7 @@ class _Snapshot:
                     # TransformerLens's handles remove hooks from the object they were registered in
                     setattr(m, attr, orig)
                 d = getattr(m, attr, None)
-                if d is None:
+                if d is None or (not d and not before):  # nothing then, nothing now (most modules)
                     continue
                 # drop what is new and ours: every new hook on a HookPoint (only TL's hook API and we add
                 # there), tagged hooks anywhere; keep the hooks TL/transformers wire on other modules
