@@ -206,7 +206,15 @@ def parallel_blocks(
     """
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
-    g_of, b_of = checked_corrections(ad, chosen, gates, biases, "parallel_blocks")
+    return parallel_hooks(model, chosen, corrected_write(ad, chosen, gates, biases, "parallel_blocks"))
+
+
+def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] | None,
+                    biases: Mapping[int, Tensor] | None, where: str) -> Callable[[int, Tensor, Tensor], Tensor]:
+    """The FFN write of :func:`parallel_blocks` as a ``write(layer, sequential_write, parallel_write)`` of
+    :func:`parallel_hooks` / ``ModelAdapter.run_blocks``: ``g_l Phi(x) + b_l`` in float64, cast to the
+    activation dtype (``Phi(x)`` itself for a layer with no correction). ``where`` names the caller in errors."""
+    g_of, b_of = checked_corrections(ad, chosen, gates, biases, where)
 
     def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
         if layer not in g_of and layer not in b_of:
@@ -216,7 +224,7 @@ def parallel_blocks(
             out = out + b_of[layer].to(out.device)
         return out.to(act.dtype)
 
-    return parallel_hooks(model, chosen, write)
+    return write
 
 
 def parallel_hooks(model: Any, layers: Sequence[int], write: Callable[[int, Tensor, Tensor], Tensor]) -> HookList:

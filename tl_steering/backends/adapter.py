@@ -251,6 +251,46 @@ class ModelAdapter:
 
         return attn
 
+    def has_hooks(self) -> bool:
+        """Whether any hook point of the model holds a forward or backward hook now (a user's steering hook,
+        say): paths that run sublayers directly (:meth:`run_blocks`) would bypass it."""
+        return any(getattr(hp, a) for hp in _lifecycle.hook_points(self.model) for a in _lifecycle._SILENCED)
+
+    def run_blocks(self, x: Tensor, start: int, parallel: Sequence[int] = (),
+                   write: Callable[[int, Tensor, Tensor], Tensor] | None = None) -> Tensor:
+        """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]`` (positions
+        0..pos-1): blocks ``start..L-1`` through the adapter's sublayers (:meth:`attention`, :meth:`ffn`), then
+        the final norm and the unembedding (and a final logit soft-cap where the config has one). No hook fires.
+
+        A sequential block computes y = x + A(x), y + Phi(y); a block in ``parallel`` (or parallel already)
+        x + A(x) + Phi(x), the surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer,
+        sequential_write, parallel_write)`` replaces a chosen sequential block's FFN write as in
+        :func:`tl_steering.hooks.parallel_hooks`. Used to share the clean prefix of many plans (layers before
+        ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
+        """
+        chosen = set(int(v) for v in parallel)
+        cfg = self.model.cfg
+        with hooks_silenced(self.model):
+            for lay in range(int(start), self.n_layers):
+                blk = self.model.blocks[lay]
+                norms = sublayer_norms(blk)
+                a = attention_apply(self.model, blk, norms, self.backend, x)
+                if self.is_parallel(lay):
+                    x = x + a + ffn_apply(blk, norms, x)
+                elif lay in chosen:
+                    par = ffn_apply(blk, norms, x)
+                    if write is not None:
+                        par = write(lay, ffn_apply(blk, norms, x + a), par)
+                    x = x + a + par
+                else:
+                    y = x + a
+                    x = y + ffn_apply(blk, norms, y)
+            logits = self.model.unembed(self.model.ln_final(x))
+        cap = float(getattr(cfg, "output_logits_soft_cap", 0.0) or 0.0)
+        if cap > 0:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
     # -- running -----------------------------------------------------------------------------------------
     def hook_guard(self) -> contextlib.AbstractContextManager[None]:
         return hook_guard(self.model)

@@ -2,19 +2,34 @@
 
 ``dCE(S) = CE(layers S parallel) - CE(clean)``, CE the mean next-token cross-entropy over every predicted
 position of the token windows, the parallel blocks applied exactly with :func:`tl_steering.hooks.parallel_blocks`.
+
+Prefix sharing: a plan leaves every block before its first parallel layer unchanged, so :class:`PlanLoss` keeps
+the clean residual entering every block (one clean pass over the windows, which also gives the clean CE) and runs
+only blocks ``min(S)..L-1`` for plan ``S`` (``ModelAdapter.run_blocks``: the same sublayers, no hooks). The
+single-layer gold standard then costs about half a forward per layer instead of a whole one. Used when the model
+holds no hook of its own (a user's steering hook would be bypassed), the kept residuals fit in
+:data:`PREFIX_CACHE_BYTES`, and a check of the path against the model's own forward on the first batch passes;
+otherwise every plan runs a whole hooked forward, as before.
 """
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..backends import adapt
+from ..backends import adapt, check_finite
 from ..batching import mean_loss
-from ..hooks import parallel_blocks
+from ..hooks import parallel_blocks, parallel_hooks
+from ..metrics import next_token_loss
+
+#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
+#: layers x element size); above it every plan runs a whole forward.
+PREFIX_CACHE_BYTES = 1 << 30
+
+Write = Callable[[int, Tensor, Tensor], Tensor]
 
 
 class PlanLoss:
@@ -26,31 +41,117 @@ class PlanLoss:
     per rank in turn and hands every value to every rank; the values are those of one process.
     """
 
-    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None):
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None,
+                 share_prefix: bool = True):
         self.model = model
         self.ad = adapt(model)
         self.tokens = tokens
         self.batch_size = batch_size
         self.world = world
         self.memo: dict[tuple[int, ...], float] = {}
-        self.passes = 0
+        self._counted: dict[tuple[int, ...], int] = {}  # plan -> passes its measurement ran
+        self.share_prefix = share_prefix
+        #: why prefix sharing is off ("" while it is on or not tried yet)
+        self.prefix_note = ""
+        self._prefix: dict[int, Tensor] | None = None  # layer -> clean residual entering it, every window
+        self._clean_ce = math.nan
 
     @staticmethod
     def _key(layers: Sequence[int]) -> tuple[int, ...]:
         return tuple(sorted(int(x) for x in layers))
 
     def _measure(self, key: tuple[int, ...]) -> float:
-        return mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key)), self.batch_size)
+        return self.mean_ce(key)
+
+    def mean_ce(self, layers: Sequence[int], write: Write | None = None) -> float:
+        """Mean next-token CE over these windows with ``layers`` parallel (not memoised), their FFN writes
+        replaced by ``write(layer, sequential_write, parallel_write)`` when given (as
+        :func:`tl_steering.hooks.parallel_hooks`); through the shared clean prefix when it is available."""
+        plan = sorted(lay for lay in set(int(v) for v in layers) if not self.ad.is_parallel(lay))
+        if self._prefix_ready():  # the clean pass that builds the prefix gives the clean CE
+            return self._suffix_ce(plan, write) if plan else self._clean_ce
+        hooks = parallel_blocks(self.model, plan) if write is None else parallel_hooks(self.model, plan, write)
+        return mean_loss(self.ad, self.tokens, hooks, self.batch_size)
+
+    def _rows(self) -> list[slice]:
+        n = int(self.tokens.shape[0])
+        return [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
+
+    def _prefix_ready(self) -> bool:
+        """Build the clean prefix on first use (one clean pass, which also fills the clean CE); False when
+        prefix sharing is off or cannot be used here (:attr:`prefix_note` says why)."""
+        if self._prefix is not None:
+            return True
+        if not self.share_prefix or self.prefix_note:
+            return False
+        ad, toks = self.ad, self.tokens
+        n, pos = int(toks.shape[0]), int(toks.shape[1])
+        size = n * pos * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
+        if size > PREFIX_CACHE_BYTES:
+            self.prefix_note = f"the clean residuals would take {size / 2**20:.0f} MiB (> PREFIX_CACHE_BYTES)"
+            return False
+        if ad.has_hooks():
+            self.prefix_note = "the model holds hooks of its own, which the shared prefix would bypass"
+            return False
+        names = [ad.hook_name(lay, "resid_pre") for lay in range(ad.n_layers)]
+        prefix: dict[int, Tensor] = {}
+        per_row = torch.zeros(n, dtype=torch.float64)
+        with torch.no_grad():
+            for i, rows in enumerate(self._rows()):
+                logits, cache = ad.run_with_cache(toks[rows], names)
+                lt = next_token_loss(logits, toks[rows])
+                check_finite(lt, None, "next-token loss")
+                per_row[rows] = lt.sum(-1).cpu()
+                if i == 0:  # the path against the model's own forward: the last block, final norm, unembedding
+                    last = ad.n_layers - 1
+                    ours = ad.run_blocks(cache[names[last]], last)
+                    err = float((ours - logits).abs().max()) / max(float(logits.abs().max()), 1e-30)
+                    if not err <= 10 * ad.identity_tolerance():
+                        self.prefix_note = (f"run_blocks differs from the model's forward by {err:.2g} (relative) "
+                                            "on this model")
+                        return False
+                for lay, name in enumerate(names):
+                    if lay not in prefix:
+                        prefix[lay] = torch.empty((n, *cache[name].shape[1:]), dtype=cache[name].dtype,
+                                                  device=cache[name].device)
+                    prefix[lay][rows] = cache[name]
+                del cache, logits
+        self._prefix = prefix
+        self._clean_ce = float(per_row.sum()) / (n * (pos - 1))
+        self.memo.setdefault((), self._clean_ce)
+        self._counted.setdefault((), 1)
+        return True
+
+    def _suffix_ce(self, plan: list[int], write: Write | None) -> float:
+        """Mean CE of ``plan`` from the clean residual entering its first layer (blocks before it not re-run)."""
+        assert self._prefix is not None
+        start = plan[0]
+        n, pos = int(self.tokens.shape[0]), int(self.tokens.shape[1])
+        per_row = torch.zeros(n, dtype=torch.float64)
+        with torch.no_grad():
+            for rows in self._rows():
+                logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
+                lt = next_token_loss(logits, self.tokens[rows])
+                check_finite(lt, None, "next-token loss")
+                per_row[rows] = lt.sum(-1).cpu()
+        return float(per_row.sum()) / (n * (pos - 1))
 
     def _cost(self, key: tuple[int, ...]) -> int:
         """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
         return 1
 
+    @property
+    def passes(self) -> int:
+        """Passes over the windows run so far (the clean pass that builds the shared prefix counts once, as the
+        clean plan's measurement; a plan run from the prefix counts as one pass)."""
+        return sum(self._counted.values())
+
     def __call__(self, layers: Sequence[int]) -> float:
         key = self._key(layers)
         if key not in self.memo:
-            self.memo[key] = self._measure(key)
-            self.passes += self._cost(key)
+            value = self._measure(key)
+            self._counted.setdefault(key, self._cost(key))
+            self.memo[key] = value
         return self.memo[key]
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
@@ -63,7 +164,8 @@ class PlanLoss:
         if not keys:
             return
         self.memo.update(zip(keys, split_map(self._measure, keys, self.world)))
-        self.passes += sum(self._cost(k) for k in keys)
+        for k in keys:
+            self._counted.setdefault(k, self._cost(k))
 
     @property
     def clean(self) -> float:
@@ -92,4 +194,4 @@ def spearman(x: Tensor, y: Tensor) -> float:
     return float(rho)
 
 
-__all__ = ["PlanLoss", "single_layer_delta", "spearman"]
+__all__ = ["PREFIX_CACHE_BYTES", "PlanLoss", "single_layer_delta", "spearman"]

@@ -18,7 +18,7 @@ corrected loss), else one forward per plan layer (stopped after that layer) plus
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,9 +27,12 @@ from torch import Tensor
 from ..backends import adapt
 from ..batching import mean_loss
 from ..errors import InputError
-from ..hooks import parallel_blocks, parallel_hooks
+from ..hooks import corrected_write, parallel_blocks, parallel_hooks
 from ..stats import check_exclude_positions, position_mask
 from .gold import PlanLoss
+
+#: ``loss_fn(plan, write)``: mean CE on the fitting windows with ``plan`` parallel, FFN writes from ``write``
+LossFn = Callable[[Sequence[int], Any], float]
 
 Refit = Literal["none", "gate", "affine"]
 Fit = Literal["sequential", "joint"]
@@ -125,23 +128,30 @@ def corrected_loss(
     fit: Fit = "sequential",
     batch_size: int = 8,
     exclude_positions: Sequence[int] = (0,),
+    loss_fn: LossFn | None = None,
 ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
     """Fit on ``tokens`` and return ``(mean CE of the corrected plan on the same tokens, gates, biases, passes)``
-    (one pass in all for ``fit="sequential"`` on one batch)."""
-    return _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True)
+    (one pass in all for ``fit="sequential"`` on one batch). ``loss_fn(plan, write)``: the mean CE on ``tokens``
+    with ``plan`` parallel and its FFN writes given by ``write`` (as :func:`tl_steering.hooks.parallel_hooks`);
+    default a hooked forward per batch (:class:`RefitLoss` passes its prefix-sharing ``PlanLoss.mean_ce``)."""
+    return _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True, loss_fn=loss_fn)
 
 
 def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str, batch_size: int,
-         exclude_positions: Sequence[int], want_loss: bool
+         exclude_positions: Sequence[int], want_loss: bool, loss_fn: LossFn | None = None
          ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
     _check(refit, fit)
     ad = adapt(model)
+    if loss_fn is None:
+        def loss_fn(plan: Sequence[int], write: Any) -> float:
+            return mean_loss(ad, tokens, parallel_hooks(model, plan, write) if write is not None
+                             else parallel_blocks(model, plan), batch_size)
     excl = check_exclude_positions(exclude_positions)
     plan = [lay for lay in sorted(set(int(x) for x in layers)) if not ad.is_parallel(lay)]
     gates: dict[int, float] = {}
     biases: dict[int, Tensor] = {}
     if refit == "none" or not plan:
-        loss = mean_loss(ad, tokens, parallel_blocks(model, plan), batch_size) if want_loss else math.nan
+        loss = loss_fn(plan, None) if want_loss else math.nan
         return loss, gates, biases, int(want_loss)
     keep_bias = refit == "affine"
 
@@ -166,10 +176,10 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             store(layer, m)
             return corrected(layer, par, act)
 
-        hooks = parallel_hooks(model, plan, write)
         if want_loss:
-            loss = mean_loss(ad, tokens, hooks, batch_size)
+            loss = loss_fn(plan, write)
         else:
+            hooks = parallel_hooks(model, plan, write)
             loss = math.nan
             last = plan[-1]
 
@@ -219,7 +229,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             store(lay, ms[lay])
     loss = math.nan
     if want_loss:
-        loss = mean_loss(ad, tokens, parallel_blocks(model, plan, gates, biases), batch_size)
+        loss = loss_fn(plan, corrected_write(ad, plan, gates, biases, "refit"))
         passes += 1
     return loss, gates, biases, passes
 
@@ -230,15 +240,15 @@ class RefitLoss(PlanLoss):
     counts every forward, fitting included). :meth:`corrections` gives the fitted ``(gates, biases)``."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
-                 fit: str = "sequential"):
-        super().__init__(model, tokens, batch_size, world)
+                 fit: str = "sequential", share_prefix: bool = True):
+        super().__init__(model, tokens, batch_size, world, share_prefix)
         _check(refit, fit)
         self.refit, self.fit = refit, fit
         self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor]]] = {}
 
     def _measure(self, key: tuple[int, ...]) -> float:
         loss, g, b, passes = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
-                                            self.batch_size)
+                                            self.batch_size, loss_fn=self.mean_ce)
         self.fitted[key] = (g, b)
         return loss
 
@@ -262,14 +272,14 @@ class FittedLoss(PlanLoss):
     """Mean CE of the corrected plans on other (held-out) windows, with the corrections ``source`` (a
     :class:`RefitLoss` on the calibration windows) fitted for each plan: nothing is fitted on these windows."""
 
-    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, *, source: RefitLoss):
-        super().__init__(model, tokens, batch_size, world)
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, *, source: RefitLoss,
+                 share_prefix: bool = True):
+        super().__init__(model, tokens, batch_size, world, share_prefix)
         self.source = source
 
     def _measure(self, key: tuple[int, ...]) -> float:
         gates, biases = self.source.corrections(key)
-        return mean_loss(self.ad, self.tokens, parallel_blocks(self.model, list(key), gates, biases),
-                         self.batch_size)
+        return self.mean_ce(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss"))
 
 
 __all__ = ["FITS", "FittedLoss", "Fit", "Moments", "REFITS", "Refit", "RefitLoss", "corrected_loss", "fit_corrections",

@@ -68,7 +68,7 @@ class SuiteSettings:
         plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"gate"``, ``"none"``).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
-        plan_choice_k_values: the k of the compared curves (None: 0, k/3, 2k/3 and k; every point costs one
+        plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
             forward over the calibration and one over the held-out windows per distinct layer set).
         parallel_repeats: timed whole forwards per model in the executor stage.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
