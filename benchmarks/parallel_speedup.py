@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "weights); the plan comes from --layers and the dCE column is not meaningful")
     ap.add_argument("--layers", default=None,
                     help="comma list: time this plan (k = its length, plus the k = 0 control) instead of planning")
+    ap.add_argument("--refit", default="none", choices=["none", "gate", "affine"],
+                    help="fit the plan's closed-form FFN corrections on the calibration windows "
+                         "(tl_steering.planning.refit.fit_corrections) and fold them into the parallel model "
+                         "(parallelize(..., gates=, biases=)): the dCE column is then the corrected plan's, held out")
     args = ap.parse_args(argv)
     backend = args.backend or ("hooked" if hooked_available() else "bridge")
     device = args.device
@@ -225,12 +229,23 @@ def main(argv: list[str] | None = None) -> dict:
           f"{time.time() - t1:.0f}s): {plans}; planner cost {plan_info['cost']}")
     base_loss = mean_loss(model, held)
     pars, seqs = {}, {}
+    fitted: dict[int, tuple[dict, dict]] = {}
     for k in ks:
-        pars[("fused", k)] = parallelize(model, plans[k])
+        if args.refit != "none" and plans[k]:
+            from tl_steering.planning.refit import fit_corrections
+
+            g, bias, _ = fit_corrections(model, calib, plans[k], refit=args.refit, batch_size=4)
+            fitted[k] = (g, bias)
+        g, bias = fitted.get(k, ({}, {}))
+        pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None)
         seqs[k] = _lean_sequential_copy(model, plans[k])
+    if fitted:
+        print(f"# {args.refit} corrections fitted on the calibration windows for k = {sorted(fitted)}")
     controls = [c for c in args.controls.split(",") if c]
     if "unfused" in controls:
-        pars[("unfused", max(ks))] = parallelize(model, plans[max(ks)], fuse=False)
+        g, bias = fitted.get(max(ks), ({}, {}))
+        pars[("unfused", max(ks))] = parallelize(model, plans[max(ks)], fuse=False, gates=g or None,
+                                                 biases=bias or None)
     losses = {key: mean_loss(p, held) for key, p in pars.items()}
 
     rows = []
@@ -303,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"# {rr[0]['shape']}: sum t_attn = {a:.2f} ms, sum t_ffn = {f:.2f} ms (t_attn/t_ffn = {a / f:.2f})")
     print(f"# base held-out CE {base_loss:.4f}; torch threads {torch.get_num_threads()}; total {time.time() - t0:.0f}s")
     out = dict(model=args.model, backend=backend, device=device, tl=ts.tl_version(), torch=torch.__version__,
+               refit=args.refit,
                threads=torch.get_num_threads(), plans={str(k): v for k, v in plans.items()}, plan=plan_info,
                base_loss=base_loss, rows=rows)
     if args.json:
