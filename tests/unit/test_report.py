@@ -74,6 +74,9 @@ def rendered(suite, tmp_path_factory):
 
 def test_every_stage_fills_its_fields(suite):
     assert set(suite.timings) == set(STAGES)
+    # forward passes per stage: checks = the clean pass over 4 windows (one batch) + the identity pass on 1 window
+    assert (suite.timings["checks"].forwards, suite.timings["checks"].tokens) == (2, 4 * 16 + 16)
+    assert all(t.forwards >= 1 and t.tokens >= 16 for t in suite.timings.values()), suite.timings
     for name in (
         "checks",
         "deficit",

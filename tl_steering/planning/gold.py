@@ -24,6 +24,7 @@ from ..backends import adapt, check_finite
 from ..batching import mean_loss
 from ..hooks import parallel_blocks, parallel_hooks
 from ..metrics import next_token_loss
+from ..progress import forward_done
 
 #: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
 #: layers x element size); above it every plan runs a whole forward.
@@ -131,6 +132,7 @@ class PlanLoss:
         with torch.no_grad():
             for rows in self._rows():
                 logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
+                forward_done(int(self.tokens[rows].numel()))  # progress: a run from the prefix counts as a forward
                 lt = next_token_loss(logits, self.tokens[rows])
                 check_finite(lt, None, "next-token loss")
                 per_row[rows] = lt.sum(-1).cpu()

@@ -300,7 +300,9 @@ def parallel_section(suite: SuiteResult) -> str:
 
 def provenance_section(suite: SuiteResult) -> str:
     timings = {
-        k: f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU" if math.isfinite(v.wall_s) else "—"
+        k: (f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU"
+            + (f", {v.forwards} forwards ({v.tokens:,} tokens)" if v.forwards >= 0 else "")
+            if math.isfinite(v.wall_s) else "—")
         for k, v in suite.timings.items()
     }
     return (

@@ -222,12 +222,16 @@ class PlanChoice:
 @register
 @dataclasses.dataclass
 class StageTiming:
-    """Wall and CPU seconds of one stage."""
+    """Wall and CPU seconds of one stage, and the forward passes it ran (this process): ``forwards`` counts every
+    model forward (hooked or cached, any batch) and every run of a plan from a shared clean prefix
+    (``planning.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
 
     wall_s: float = math.nan
     cpu_s: float = math.nan
+    forwards: int = -1
+    tokens: int = -1
 
 
 @register

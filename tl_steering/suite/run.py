@@ -499,12 +499,13 @@ def run_suite(
         if name in done:
             continue
         fn, total = STAGE_FUNCTIONS[name]
-        with timed() as sw, prog.stage(name, total=total(settings)) as tick:
+        with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
+                prog.stage(name, total=total(settings)) as tick:
             if name in SHARDED_STAGES or not w.active:
                 fn(ctx, res, tick)
             else:  # rank 0 runs the stage on all windows and hands the filled result to the others
                 res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
-        res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
+        res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
         if checkpoint is not None and w.rank == 0:
             _write_checkpoint(res, Path(checkpoint))
     res.total_wall_s = time.perf_counter() - t_start
