@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
+from _common import bench_model, cal_held  # noqa: E402
 from tl_steering.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
 from tl_steering.planning import strategies as st  # noqa: E402
@@ -51,16 +52,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     t0 = time.time()
-    if args.model.startswith("tiny-"):
-        model = ts.tiny_model(args.model.removeprefix("tiny-"), backend=args.backend, n_layers=8)
-    else:
-        model = ts.load_model(args.model, backend=args.backend)
+    model = bench_model(args.model, args.backend)
     ad = ts.adapt(model)
     cand = [lay for lay in ad.layers() if not ad.is_parallel(lay)]
     k = args.k if args.k is not None else len(cand) // 2
-    toks = ts.text_tokens(model, n_windows=args.windows, length=args.length, seed=0)
-    half = args.windows - args.windows // 2
-    cal, held = toks[:half], toks[half:]
+    cal, held = cal_held(model, args.windows, args.length)
     bs = args.batch_size
     print(f"# {args.model} ({args.backend}, TL {ts.tl_version()}, threads {torch.get_num_threads()}); loaded in "
           f"{time.time() - t0:.0f}s; calibration {tuple(cal.shape)}, held-out {tuple(held.shape)}, k={k}", flush=True)
