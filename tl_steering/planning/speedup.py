@@ -22,7 +22,8 @@ SPEEDUP_LABEL = "estimate (sub-module times, critical path max(t_attn, t_ffn))"
 
 def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int) -> dict[str, Any]:
     """Median seconds of ``ad.attention(l)`` (LN1 + attention) on resid_pre and ``ad.ffn(l)`` (LN2 + MLP) on
-    the FFN input, per layer of ``layers``, on ``tokens`` (one batch), after 2 warm-up calls; and of a whole
+    the FFN input, per layer of ``layers``, on ``tokens`` (one batch), after 1 warm-up call (the cached forward
+    before them warms the model); and of a whole
     hook-free forward. ``t_other = t_forward - sum(t_attn + t_ffn)`` (clamped at 0) when every layer is timed."""
     names = []
     for lay in layers:
@@ -32,8 +33,8 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
     for lay in layers:
         x, y = cache[ad.hook_name(lay, "resid_pre")], cache[ad.hook_name(lay, ad.ffn_input_site(lay))]
         attn, phi = ad.attention(lay), ad.ffn(lay)
-        t_attn.append(median_seconds(lambda: attn(x), x.device, 2, repeats))
-        t_ffn.append(median_seconds(lambda: phi(y), x.device, 2, repeats))
+        t_attn.append(median_seconds(lambda: attn(x), x.device, 1, repeats))
+        t_ffn.append(median_seconds(lambda: phi(y), x.device, 1, repeats))
     t_forward = median_seconds(lambda: ad.run_with_hooks(tokens, [], return_type="logits"), ad.device, 1,
                                max(3, repeats // 2))
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan

@@ -167,7 +167,7 @@ def parallel_defect(
             default so a scoring call is fast and deterministic; see
             :func:`tl_steering.planning.speedup.submodule_times`).
         batch_size: sequences per forward pass (also the timed slice).
-        timing_repeats: timed calls per sub-module (median reported, after 2 warm-up calls).
+        timing_repeats: timed calls per sub-module (median reported, after 1 warm-up call).
         world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches of the
             scores (per-sequence sums gathered in window order), the gold-standard losses are split over the
             ranks one plan each, the timing runs on rank 0; the same result on every rank.

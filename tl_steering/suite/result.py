@@ -147,7 +147,8 @@ class ExecutorTiming:
 
     ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why). ``strategy``
     and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
-    ``g_l Phi(x) + b_l`` folded into the fused weights).
+    ``g_l Phi(x) + b_l`` folded into the fused weights). ``t_forward_sequential_s`` is the defect stage's
+    whole-forward median on the same slice when that stage timed it (``defect.t_forward``), else measured here.
     """
 
     kind: ClassVar[str] = "suite_executor"
