@@ -1,0 +1,102 @@
+"""The report's time, stage by stage, with its forward counts, and the probe's overhead, in one run (issue 17).
+
+    python benchmarks/report_time.py [--model smollm2-135m] [--quick] [--before OLD/results.json] [--probe]
+                                     [--out DIR] [--json out.json]
+
+1. Runs ``tl-steering report`` (this checkout's CLI, in a subprocess, so the model load and the page rendering are
+   counted as a user sees them) and prints the whole command's wall time, the suite's total, and per stage the wall
+   and CPU seconds, the forward passes and their tokens (``results.json`` ``timings``). ``--before`` puts the same
+   columns of an earlier ``results.json`` beside them (a results file from before 2026-12-04 has no forward counts:
+   shown as "-").
+2. ``--probe``: runs ``benchmarks/probe_overhead.py --repeats 5`` (a subprocess of its own) and prints its
+   probe / plain-forward ratios.
+
+Measure on idle cores: every figure is a wall time.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _timings(path: Path) -> tuple[dict, float]:
+    """``(timings by stage, total_wall_s)`` of a report's results.json (the saved SuiteResult)."""
+    data = json.loads(path.read_text())
+
+    def find(node):
+        if isinstance(node, dict):
+            if "timings" in node and "total_wall_s" in node:
+                return node
+            for v in node.values():
+                got = find(v)
+                if got is not None:
+                    return got
+        return None
+
+    suite = find(data)
+    if suite is None:
+        raise SystemExit(f"{path}: no suite timings in this file (is it a report's results.json?)")
+    return suite["timings"], float(suite["total_wall_s"])
+
+
+def _fmt(t: dict | None) -> str:
+    if t is None:
+        return "| | | |"
+    fw = t.get("forwards", -1)
+    tok = t.get("tokens", -1)
+    return f"| {t['wall_s']:.1f} | {t['cpu_s']:.1f} | {fw if fw >= 0 else '-'} ({tok if tok >= 0 else '-'}) |"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--text", default="pydoc")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--before", default=None, help="an earlier results.json to compare with")
+    ap.add_argument("--probe", action="store_true", help="also run benchmarks/probe_overhead.py --repeats 5")
+    ap.add_argument("--out", default=None, help="report directory (default: a temporary one)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlsteering-report-time-"))
+    cmd = [sys.executable, "-m", "tl_steering", "report", "--model", args.model, "--text", args.text,
+           "--out", str(out), "--no-progress"] + (["--quick"] if args.quick else [])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"report failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    now, total = _timings(out / "results.json")
+    before, total_before = _timings(Path(args.before)) if args.before else ({}, float("nan"))
+    print(f"# {' '.join(cmd[2:])}: {wall:.1f} s for the whole command, suite {total:.1f} s"
+          + (f" (before: suite {total_before:.1f} s)" if args.before else ""))
+    head = "| stage | wall s | CPU s | forwards (tokens) |"
+    if args.before:
+        head += " before: wall s | CPU s | forwards (tokens) |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name in list(now) + [n for n in before if n not in now]:
+        line = f"| {name} " + _fmt(now.get(name))
+        if args.before:
+            line += _fmt(before.get(name))[1:]
+        print(line)
+    result = {"command_wall_s": wall, "suite_wall_s": total, "timings": now, "before": before or None}
+    if args.probe:
+        q = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_overhead.py"), "--repeats", "5"],
+                           cwd=ROOT, capture_output=True, text=True)
+        print("\n# probe_overhead.py --repeats 5")
+        print(q.stdout[-2500:] if q.returncode == 0 else f"failed:\n{q.stderr[-2000:]}")
+        result["probe_stdout"] = q.stdout
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
