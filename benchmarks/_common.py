@@ -2,7 +2,9 @@
 calibration / held-out split of one set of pydoc windows (the planner's own: the first ceil(n/2) windows calibrate,
 the rest are held out)."""
 
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,3 +26,11 @@ def cal_held(model: Any, windows: int, length: int, seed: int = 0) -> tuple[Any,
     toks = ts.text_tokens(model, n_windows=windows, length=length, seed=seed)
     half = windows - windows // 2
     return toks[:half], toks[half:]
+
+
+def finish(out: dict, json_path: str | None, t0: float) -> dict:
+    """Write ``out`` to ``json_path`` (when given), print the total seconds since ``t0``, return ``out``."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1))
+    print(f"# total {time.time() - t0:.0f}s", flush=True)
+    return out

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from _common import bench_model, cal_held  # noqa: E402
+from _common import bench_model, cal_held, finish  # noqa: E402
 from tl_steering.planning.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
 
 
@@ -148,10 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
            "strategy_costs": plan.strategy_costs, "total_cost": plan.total_cost, "k_values": plan.k_values,
            "held_out_curves": {s: v.tolist() for s, v in plan.held_out_curves.items()},
            "plans": plan.plans, "seconds_plan": t_plan})
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"# total {time.time() - t0:.0f}s", flush=True)
-    return out
+    return finish(out, args.json, t0)
 
 
 if __name__ == "__main__":

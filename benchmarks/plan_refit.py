@@ -13,7 +13,6 @@ and the ratios to the lowest-C plan without and with the same correction.
 """
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from _common import bench_model, cal_held  # noqa: E402
+from _common import bench_model, cal_held, finish  # noqa: E402
 from tl_steering.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
 from tl_steering.planning import strategies as st  # noqa: E402
@@ -140,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
            "held_out_shape": list(held.shape), "plans": plans, "calibration_dce_uncorrected": cal_dce,
            "best_uncorrected": best, "rows": rows, "seconds_scores": t_scores, "seconds_plans": seconds,
            "clean_calibration": cal_loss.clean, "clean_held_out": held_loss.clean, "total_seconds": time.time() - t0}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"# total {time.time() - t0:.0f}s", flush=True)
-    return out
+    return finish(out, args.json, t0)
 
 
 if __name__ == "__main__":

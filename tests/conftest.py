@@ -116,3 +116,9 @@ def _shared_models_come_back_clean(request):
             model = request.getfixturevalue(name)
             assert_no_hooks(model)
             assert_no_grads(model)
+
+
+@pytest.fixture(scope="session")
+def planner_model():
+    """A 5-layer tiny Llama (bridge): enough layers for a planner to choose (test_planning, test_refit)."""
+    return ts.tiny_model("llama", backend="bridge", seed=3, n_layers=5, d_model=32)

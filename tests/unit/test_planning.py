@@ -35,12 +35,6 @@ def tiny64(tiny):
 
 
 @pytest.fixture(scope="module")
-def planner_model():
-    """A 5-layer tiny Llama (bridge): enough layers for a planner to choose."""
-    return ts.tiny_model("llama", backend="bridge", seed=3, n_layers=5, d_model=32)
-
-
-@pytest.fixture(scope="module")
 def planner_tokens():
     return torch.randint(1, 257, (4, 12), generator=torch.Generator().manual_seed(5))
 

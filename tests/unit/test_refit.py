@@ -145,12 +145,6 @@ def test_corrected_parallel_blocks(tiny, tiny_tokens):
 
 
 @pytest.fixture(scope="module")
-def planner_model():
-    """A 5-layer tiny Llama (bridge, as in test_planning.py)."""
-    return ts.tiny_model("llama", backend="bridge", seed=3, n_layers=5, d_model=32)
-
-
-@pytest.fixture(scope="module")
 def planner_tokens():
     return torch.randint(1, 257, (8, 12), generator=torch.Generator().manual_seed(5))
 
