@@ -24,26 +24,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def _timings(path: Path) -> tuple[dict, float]:
-    """``(timings by stage, total_wall_s)`` of a report's results.json (the saved SuiteResult)."""
-    data = json.loads(path.read_text())
+    """``(timings by stage as dicts, total_wall_s)`` of a report's results.json (the saved SuiteResult)."""
+    import dataclasses
 
-    def find(node):
-        if isinstance(node, dict):
-            if "timings" in node and "total_wall_s" in node:
-                return node
-            for v in node.values():
-                got = find(v)
-                if got is not None:
-                    return got
-        return None
+    from tl_steering.suite import SuiteResult
 
-    suite = find(data)
-    if suite is None:
-        raise SystemExit(f"{path}: no suite timings in this file (is it a report's results.json?)")
-    return suite["timings"], float(suite["total_wall_s"])
+    suite = SuiteResult.load(path)
+    return {k: dataclasses.asdict(v) for k, v in suite.timings.items()}, float(suite.total_wall_s)
 
 
 def _fmt(t: dict | None) -> str:

@@ -10,6 +10,8 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .backends import ModelAdapter, adapt, check_finite
+from .metrics import next_token_loss
+from .sharding import batch_slices
 
 HookList = list[tuple[str, Callable[..., Any]]]
 
@@ -31,7 +33,7 @@ def iter_batches(
     these batches (a rank's share, :func:`tl_steering.sharding.my_batches`); default every batch.
     """
     n = tokens.shape[0]
-    batches = [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)] if rows is None else rows
+    batches = batch_slices(n, batch_size) if rows is None else rows
     for sl in batches:
         wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
         logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))
@@ -55,11 +57,24 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
     mine = my_batches(n, batch_size, world)
     per_row = torch.zeros(n, dtype=torch.float64)
     for rows in mine:
-        lt = ad.loss_per_token(tokens[rows], list(hooks))
-        check_finite(lt, None, "next-token loss")
-        per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
+        per_row[rows] = loss_row_sums(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"),
+                                      tokens[rows])
     per_row = gather_rows({"s": per_row}, mine, world)["s"]
-    return float(per_row.sum()) / (n * (tokens.shape[1] - 1))
+    return token_mean(per_row, tokens)
 
 
-__all__ = ["HookList", "iter_batches", "mean_loss"]
+def loss_row_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Tensor:
+    """Per window, the next-token CE summed over its predicted positions: float64 ``[batch]`` on the CPU
+    (:func:`tl_steering.metrics.next_token_loss`). Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    lt = next_token_loss(logits, tokens)
+    check_finite(lt, None, "next-token loss")
+    return lt.to(torch.float64).sum(-1).cpu()
+
+
+def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
+    """The token-weighted mean CE from per-window sums ``per_row`` (:func:`loss_row_sums`) of ``tokens``:
+    ``sum / (windows x (pos - 1))``, every predicted token weighing the same."""
+    return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+__all__ = ["HookList", "iter_batches", "loss_row_sums", "mean_loss", "token_mean"]

@@ -26,7 +26,7 @@ from .errors import InputError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "rank_device", "split_map", "world"]
+__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "rank_device", "split_map", "world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +73,15 @@ def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
     return out
 
 
+def batch_slices(n: int, batch_size: int) -> list[slice]:
+    """Every row slice of ``n`` windows in batches of ``batch_size`` consecutive windows (the last one shorter)."""
+    return [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+
+
 def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
     """The row slices (batches of ``batch_size`` consecutive windows of ``n``) this rank processes."""
     w = _w(w)
-    out = [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
-    return out[w.rank::w.size]
+    return batch_slices(n, batch_size)[w.rank::w.size]
 
 
 def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:

@@ -269,7 +269,6 @@ class ModelAdapter:
         ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
         """
         chosen = set(int(v) for v in parallel)
-        cfg = self.model.cfg
         with hooks_silenced(self.model):
             for lay in range(int(start), self.n_layers):
                 blk = self.model.blocks[lay]
@@ -286,7 +285,7 @@ class ModelAdapter:
                     y = x + a
                     x = y + ffn_apply(blk, norms, y)
             logits = self.model.unembed(self.model.ln_final(x))
-        cap = float(getattr(cfg, "output_logits_soft_cap", 0.0) or 0.0)
+        cap = float(getattr(self.cfg, "output_logits_soft_cap", 0.0) or 0.0)
         if cap > 0:
             logits = cap * torch.tanh(logits / cap)
         return logits

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..backends import adapt, check_finite
-from ..batching import mean_loss
+from ..backends import adapt
+from ..batching import loss_row_sums, mean_loss, token_mean
 from ..hooks import parallel_blocks, parallel_hooks
-from ..metrics import next_token_loss
 from ..progress import forward_done
+from ..sharding import batch_slices
 
 #: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
 #: layers x element size); above it every plan runs a whole forward.
@@ -74,10 +74,6 @@ class PlanLoss:
         hooks = parallel_blocks(self.model, plan) if write is None else parallel_hooks(self.model, plan, write)
         return mean_loss(self.ad, self.tokens, hooks, self.batch_size)
 
-    def _rows(self) -> list[slice]:
-        n = int(self.tokens.shape[0])
-        return [slice(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
-
     def _prefix_ready(self) -> bool:
         """Build the clean prefix on first use (one clean pass, which also fills the clean CE); False when
         prefix sharing is off or cannot be used here (:attr:`prefix_note` says why)."""
@@ -98,11 +94,9 @@ class PlanLoss:
         prefix: dict[int, Tensor] = {}
         per_row = torch.zeros(n, dtype=torch.float64)
         with torch.no_grad():
-            for i, rows in enumerate(self._rows()):
+            for i, rows in enumerate(batch_slices(n, self.batch_size)):
                 logits, cache = ad.run_with_cache(toks[rows], names)
-                lt = next_token_loss(logits, toks[rows])
-                check_finite(lt, None, "next-token loss")
-                per_row[rows] = lt.sum(-1).cpu()
+                per_row[rows] = loss_row_sums(logits, toks[rows])
                 if i == 0:  # the path against the model's own forward: the last block, final norm, unembedding
                     last = ad.n_layers - 1
                     ours = ad.run_blocks(cache[names[last]], last)
@@ -118,7 +112,7 @@ class PlanLoss:
                     prefix[lay][rows] = cache[name]
                 del cache, logits
         self._prefix = prefix
-        self._clean_ce = float(per_row.sum()) / (n * (pos - 1))
+        self._clean_ce = token_mean(per_row, toks)
         self.memo.setdefault((), self._clean_ce)
         self._counted.setdefault((), 1)
         return True
@@ -127,16 +121,13 @@ class PlanLoss:
         """Mean CE of ``plan`` from the clean residual entering its first layer (blocks before it not re-run)."""
         assert self._prefix is not None
         start = plan[0]
-        n, pos = int(self.tokens.shape[0]), int(self.tokens.shape[1])
-        per_row = torch.zeros(n, dtype=torch.float64)
+        per_row = torch.zeros(int(self.tokens.shape[0]), dtype=torch.float64)
         with torch.no_grad():
-            for rows in self._rows():
+            for rows in batch_slices(int(self.tokens.shape[0]), self.batch_size):
                 logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
                 forward_done(int(self.tokens[rows].numel()))  # progress: a run from the prefix counts as a forward
-                lt = next_token_loss(logits, self.tokens[rows])
-                check_finite(lt, None, "next-token loss")
-                per_row[rows] = lt.sum(-1).cpu()
-        return float(per_row.sum()) / (n * (pos - 1))
+                per_row[rows] = loss_row_sums(logits, self.tokens[rows])
+        return token_mean(per_row, self.tokens)
 
     def _cost(self, key: tuple[int, ...]) -> int:
         """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from ..backends import adapt
-from ..batching import mean_loss
 from ..errors import InputError
-from ..hooks import corrected_write, parallel_blocks, parallel_hooks
+from ..hooks import corrected_write, parallel_hooks
+from ..sharding import batch_slices
 from ..stats import check_exclude_positions, position_mask
 from .gold import PlanLoss
 
@@ -97,10 +97,6 @@ class _Stop(Exception):
     """Ends a fitting forward after the last layer it needs (hooks are removed by ``run_with_hooks``)."""
 
 
-def _batches(n: int, batch_size: int) -> list[slice]:
-    return [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
-
-
 def fit_corrections(
     model: Any,
     tokens: Tensor,
@@ -142,10 +138,8 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
          ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
     _check(refit, fit)
     ad = adapt(model)
-    if loss_fn is None:
-        def loss_fn(plan: Sequence[int], write: Any) -> float:
-            return mean_loss(ad, tokens, parallel_hooks(model, plan, write) if write is not None
-                             else parallel_blocks(model, plan), batch_size)
+    if loss_fn is None:  # a whole hooked forward per batch
+        loss_fn = PlanLoss(model, tokens, batch_size, share_prefix=False).mean_ce
     excl = check_exclude_positions(exclude_positions)
     plan = [lay for lay in sorted(set(int(x) for x in layers)) if not ad.is_parallel(lay)]
     gates: dict[int, float] = {}
@@ -167,7 +161,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             out = out + biases[layer].to(out.device)
         return out.to(act.dtype)
 
-    rows = _batches(tokens.shape[0], batch_size)
+    rows = batch_slices(tokens.shape[0], batch_size)
     passes = 0
     if fit == "sequential" and len(rows) == 1:  # one forward: each hook fits its layer on the batch, applies it
         def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
