@@ -15,6 +15,7 @@ Per-item work (one forward pass over all windows per layer or per candidate plan
 """
 
 import dataclasses
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -75,7 +76,13 @@ def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
 
 def batch_slices(n: int, batch_size: int) -> list[slice]:
     """Every row slice of ``n`` windows in batches of ``batch_size`` consecutive windows (the last one shorter)."""
-    return [slice(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    try:
+        size = operator.index(batch_size)  # any integer (numpy and torch integers too), not a float or bool
+    except TypeError:
+        size = 0
+    if isinstance(batch_size, bool) or size < 1:
+        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
 def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:

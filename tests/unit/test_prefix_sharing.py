@@ -79,3 +79,19 @@ def test_refit_losses_share_the_prefix(tiny, fit):
         assert all(torch.allclose(ba[k], bb[k], rtol=1e-4, atol=1e-6) for k in ba)
         fa, fb = FittedLoss(tiny, held, 4, source=a), FittedLoss(tiny, held, 4, source=b, share_prefix=False)
         assert fa(plan) == pytest.approx(fb(plan), abs=1e-6)
+
+
+def test_run_blocks_and_batch_slices_refuse_bad_input(tiny):
+    from tl_steering.errors import InputError, LayerIndexError
+    from tl_steering.sharding import batch_slices
+
+    ad = adapt(tiny)
+    x = torch.zeros(1, 4, ad.d_model)
+    with pytest.raises((InputError, LayerIndexError), match="start"):
+        ad.run_blocks(x, ad.n_layers)
+    with pytest.raises(InputError, match="d_model"):
+        ad.run_blocks(x[0], 0)
+    assert batch_slices(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    for bad in (0, 1.5, True):
+        with pytest.raises(InputError, match="batch_size"):
+            batch_slices(5, bad)

@@ -256,8 +256,8 @@ class ModelAdapter:
         say): paths that run sublayers directly (:meth:`run_blocks`) would bypass it."""
         return any(getattr(hp, a) for hp in _lifecycle.hook_points(self.model) for a in _lifecycle._SILENCED)
 
-    def run_blocks(self, x: Tensor, start: int, parallel: Sequence[int] = (),
-                   write: Callable[[int, Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    def run_blocks(self, x: Float[Tensor, "batch pos d_model"], start: int, parallel: Sequence[int] = (),
+                   write: Callable[[int, Tensor, Tensor], Tensor] | None = None) -> Float[Tensor, "batch pos vocab"]:
         """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]`` (positions
         0..pos-1): blocks ``start..L-1`` through the adapter's sublayers (:meth:`attention`, :meth:`ffn`), then
         the final norm and the unembedding (and a final logit soft-cap where the config has one). No hook fires.
@@ -268,9 +268,13 @@ class ModelAdapter:
         :func:`tl_steering.hooks.parallel_hooks`. Used to share the clean prefix of many plans (layers before
         ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
         """
+        start = self.check_layer(start, "start")
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
+                             f"{tuple(x.shape)}")
         chosen = set(int(v) for v in parallel)
         with hooks_silenced(self.model):
-            for lay in range(int(start), self.n_layers):
+            for lay in range(start, self.n_layers):
                 blk = self.model.blocks[lay]
                 norms = sublayer_norms(blk)
                 a = attention_apply(self.model, blk, norms, self.backend, x)

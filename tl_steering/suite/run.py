@@ -285,7 +285,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     # the original model's whole-forward median on the first batch: the defect stage timed exactly that (a hook-free
     # forward of tokens[:batch_size], after a warm-up) when its timing ran; else it is measured here
     d = res.defect
-    same = d is not None and math.isfinite(d.t_forward) and list(d.timing_shape) == list(c.tokens[: c.s.batch_size].shape)
+    sl_shape = list(c.tokens[: c.s.batch_size].shape)
+    same = d is not None and math.isfinite(d.t_forward) and list(d.timing_shape) == sl_shape
     res.executor, t_seq = _run_executor(c, res, list(plan), strategy, {}, {}, d.t_forward if same else None)
     tick("the suite's plan")
     pc = res.plan_choice
