@@ -182,11 +182,30 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
     return g_of, b_of
 
 
+def checked_linears(ad: Any, layers: Sequence[int], linears: Mapping[int, Tensor] | None, caller: str
+                    ) -> dict[int, Tensor]:
+    """``{layer: W}`` of the linear correction (``refit="linear"``), checked: ``[d_model, d_model]`` tensors
+    (float64 copies), keys valid layers among ``layers``."""
+    w_of: dict[int, Tensor] = {}
+    d = ad.d_model
+    for k, v in (linears or {}).items():
+        if not isinstance(v, Tensor) or tuple(v.shape) != (d, d):
+            raise InputError(f"linear map of layer {k} must be a [d_model, d_model] = [{d}, {d}] tensor, got "
+                             f"{getattr(v, 'shape', type(v).__name__)}")
+        w_of[ad.check_layer(k, "linears key (layer)")] = v.detach().to(torch.float64)
+    stray = sorted(set(w_of) - set(layers))
+    if stray:
+        raise InputError(f"{caller}: linear maps given for layers {stray} that are not made parallel here "
+                         f"(not in layers={list(layers)})")
+    return w_of
+
+
 def parallel_blocks(
     model: Any,
     layers: Sequence[int] | int,
     gates: Mapping[int, float] | None = None,
     biases: Mapping[int, Tensor] | None = None,
+    linears: Mapping[int, Tensor] | None = None,
 ) -> HookList:
     """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly.
 
@@ -203,34 +222,47 @@ def parallel_blocks(
     parallel write ``g_l Phi(x) + b_l`` (a layer missing from a dict: g = 1, b = 0), still parallel (no
     dependence on the attention write), computed in float64 and cast to the activation dtype;
     :func:`tl_steering.planning.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
+    ``linears`` (``{layer: W}``, ``[d_model, d_model]``): adds ``a W_l``, a linear map of the same block's
+    attention write ``a`` (``hook_attn_out``), which a parallel block computes beside Phi(x), so the block stays
+    parallel (``refit="linear"``; in the executor it folds into the attention output projection).
     """
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
-    return parallel_hooks(model, chosen, corrected_write(ad, chosen, gates, biases, "parallel_blocks"))
+    return parallel_hooks(model, chosen, corrected_write(ad, chosen, gates, biases, "parallel_blocks", linears))
 
 
 def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] | None,
-                    biases: Mapping[int, Tensor] | None, where: str) -> Callable[[int, Tensor, Tensor], Tensor]:
-    """The FFN write of :func:`parallel_blocks` as a ``write(layer, sequential_write, parallel_write)`` of
-    :func:`parallel_hooks` / ``ModelAdapter.run_blocks``: ``g_l Phi(x) + b_l`` in float64, cast to the
-    activation dtype (``Phi(x)`` itself for a layer with no correction). ``where`` names the caller in errors."""
+                    biases: Mapping[int, Tensor] | None, where: str,
+                    linears: Mapping[int, Tensor] | None = None) -> "Write":
+    """The FFN write of :func:`parallel_blocks` as a ``write(layer, sequential_write, parallel_write,
+    attn_write)`` of :func:`parallel_hooks` / ``ModelAdapter.run_blocks``: ``g_l Phi(x) + b_l (+ a W_l)`` in
+    float64, cast to the activation dtype (``Phi(x)`` itself for a layer with no correction). ``where`` names the
+    caller in errors."""
     g_of, b_of = checked_corrections(ad, chosen, gates, biases, where)
+    w_of = checked_linears(ad, chosen, linears, where)
 
-    def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
-        if layer not in g_of and layer not in b_of:
+    def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
+        if layer not in g_of and layer not in b_of and layer not in w_of:
             return par.to(act.dtype)
         out = par.to(torch.float64) * g_of.get(layer, 1.0)
         if layer in b_of:
             out = out + b_of[layer].to(out.device)
+        if layer in w_of:
+            out = out + attn.to(torch.float64) @ w_of[layer].to(out.device)
         return out.to(act.dtype)
 
     return write
 
 
-def parallel_hooks(model: Any, layers: Sequence[int], write: Callable[[int, Tensor, Tensor], Tensor]) -> HookList:
+#: ``write(layer, sequential_write, parallel_write, attn_write)``: the FFN write of a chosen block
+Write = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def parallel_hooks(model: Any, layers: Sequence[int], write: "Write") -> HookList:
     """The hooks of :func:`parallel_blocks` with the FFN write of each chosen sequential layer replaced by
-    ``write(layer, sequential_write, parallel_write)``: ``sequential_write`` is the block's own ``hook_mlp_out``
-    (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype). The building block of the fitted
+    ``write(layer, sequential_write, parallel_write, attn_write)``: ``sequential_write`` is the block's own
+    ``hook_mlp_out`` (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype), ``attn_write`` the
+    block's ``hook_attn_out`` a in this forward (after every other hook on it). The building block of the fitted
     corrections (:mod:`tl_steering.planning.refit`); most callers want :func:`parallel_blocks`."""
     ad = adapt(model)
     hooks: HookList = []
@@ -257,9 +289,17 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: Callable[[int, Tens
                 raise HookNotFoundError(
                     f"parallel_blocks: resid_pre of layer {layer} did not fire before hook_mlp_out (a run "
                     "interrupted earlier may have left this hook attached: call model.reset_hooks())")
-            return write(layer, act, phi(x))
+            attn = state.pop("attn", None)
+            if attn is None:
+                raise HookNotFoundError(
+                    f"parallel_blocks: hook_attn_out of layer {layer} did not fire before hook_mlp_out")
+            return write(layer, act, phi(x), attn)
+
+        def keep_attn(act: Tensor, hook: Any, state: dict = state) -> None:
+            state["attn"] = act
 
         hooks += [(ad.hook_name(layer, "resid_pre"), orphan_safe(stash)),
+                  (ad.hook_name(layer, "attn_out"), orphan_safe(keep_attn)),
                   (ad.hook_name(layer, "mlp_out"), orphan_safe(swap))]
     return hooks
 

@@ -72,7 +72,7 @@ from .errors import InputError, ParallelBlockError
 
 def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
-                biases: Mapping[int, Tensor] | None = None) -> Any:
+                biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
     """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
 
     Args:
@@ -93,6 +93,10 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
             as ``hooks.parallel_blocks(model, layers, g, b)``). Folded into the fused weights (no run-time cost);
             on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
             shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
+        linears: ``{layer: W}`` (``[d_model, d_model]``, ``plan.linear_maps()`` of ``refit="linear"``): the FFN write
+            also adds a W, a the block's attention write (as ``hooks.parallel_blocks(..., linears=)``); folded into
+            the attention output projection, W_O -> W_O (I + W) (sandwich-norm blocks: one extra [d, d] product
+            after the post-attention norm).
 
     Returns:
         The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
@@ -108,7 +112,7 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
-    corrections = _corrections(ad, todo, gates, biases)
+    corrections = _corrections(ad, todo, gates, biases, linears)
     new = deepcopy_module(model)
     if not todo:
         return new
@@ -125,13 +129,15 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
     return new
 
 
-def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None,
-                 biases: Mapping[int, Tensor] | None) -> dict[int, tuple[float, Tensor | None]]:
-    """``{layer: (g, b)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    from .hooks import checked_corrections
+def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, biases: Mapping[int, Tensor] | None,
+                 linears: Mapping[int, Tensor] | None = None
+                 ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
+    """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
+    from .hooks import checked_corrections, checked_linears
 
     g_of, b_of = checked_corrections(ad, todo, gates, biases, "parallelize")
-    return {lay: (g_of.get(lay, 1.0), b_of.get(lay)) for lay in sorted(set(g_of) | set(b_of))}
+    w_of = checked_linears(ad, todo, linears, "parallelize")
+    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay)) for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
 
 
 def _is_empty(layers: Any) -> bool:

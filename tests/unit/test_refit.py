@@ -6,7 +6,10 @@
 * ``parallel_blocks(..., gates, biases)`` writes g Phi(x) + b (equal to ``parallel_blocks + ffn_gate`` for a gate);
 * the sequential fit is the same on one batch (fitted inside the measuring forward) and on many;
 * ``plan_parallel(refit=...)``: the corrected plan's calibration loss, its stored corrections, deterministic for a
-  seed, the affine plan's calibration loss below the uncorrected one on a tiny model.
+  seed, the affine plan's calibration loss below the uncorrected one on a tiny model;
+* ``refit="linear"``: the moments' solution equals the two-stage ridge regression written on the data, recovers a
+  planted map, never fits the write worse than the affine fit; its surrogate, ``plan_parallel`` and the executor
+  (fused, unfused, sandwich norms) agree.
 """
 
 import pytest
@@ -18,7 +21,7 @@ from tl_steering.backends import adapt
 from tl_steering.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
-from tl_steering.planning.refit import Moments, corrected_loss, fit_corrections, solve_correction
+from tl_steering.planning.refit import LINEAR_RIDGE, Moments, corrected_loss, fit_corrections, solve_correction
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -219,22 +222,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _check_executor(model, tokens, layers):
+def _check_executor(model, tokens, layers, linear: bool = False):
     from tl_steering.parallel import parallelize, unfused
 
     ad = adapt(model)
     gen = torch.Generator().manual_seed(7)
     gates = {lay: 0.6 + 0.3 * i for i, lay in enumerate(layers)}
     biases = {lay: 0.2 * torch.randn(ad.d_model, generator=gen, dtype=torch.float64) for lay in layers}
-    ref = ad.run_with_hooks(tokens, parallel_blocks(model, layers, gates, biases))
-    plain = ad.run_with_hooks(tokens, parallel_blocks(model, layers))
-    assert _rel(plain, ref) > 1e-3  # the correction changes the forward (the test is not vacuous)
-    par = parallelize(model, layers, gates=gates, biases=biases)  # verify=True: fused == unfused
+    d = ad.d_model
+    linears = {lay: 0.5 * torch.randn(d, d, generator=gen, dtype=torch.float64) / d ** 0.5 for lay in layers} \
+        if linear else None
+    ref = ad.run_with_hooks(tokens, parallel_blocks(model, layers, gates, biases, linears))
+    plain = ad.run_with_hooks(tokens, parallel_blocks(model, layers, gates, biases) if linear else
+                              parallel_blocks(model, layers))
+    assert _rel(plain, ref) > 1e-3  # the correction (the linear term) changes the forward: the test is not vacuous
+    par = parallelize(model, layers, gates=gates, biases=biases, linears=linears)  # verify=True: fused == unfused
     with torch.no_grad():
         assert _rel(par(tokens), ref) < 1e-4
         with unfused(par):
             assert _rel(par(tokens), ref) < 1e-4
-    unf = parallelize(model, layers, fuse=False, gates=gates, biases=biases)
+    unf = parallelize(model, layers, fuse=False, gates=gates, biases=biases, linears=linears)
     with torch.no_grad():
         assert _rel(unf(tokens), ref) < 1e-4
     # a copy of the corrected copy keeps its corrections; the original is untouched
@@ -248,13 +255,126 @@ def _check_executor(model, tokens, layers):
     assert_no_hooks(model)
 
 
-def test_parallelize_with_corrections_equals_surrogate(tiny, tiny_tokens):
+@pytest.mark.parametrize("linear", [False, True])
+def test_parallelize_with_corrections_equals_surrogate(tiny, tiny_tokens, linear):
     ad = adapt(tiny)
     if ad.any_parallel:  # NeoX: nothing to make parallel
         return
-    _check_executor(tiny, tiny_tokens, [0, 1])
+    _check_executor(tiny, tiny_tokens, [0, 1], linear)
 
 
+@pytest.mark.parametrize("linear", [False, True])
 @pytest.mark.parametrize("arch", ["gemma3"])
-def test_parallelize_with_corrections_sandwich(arch, tiny_tokens):
-    _check_executor(ts.tiny_model(arch, seed=0), tiny_tokens, [0, 1])
+def test_parallelize_with_corrections_sandwich(arch, tiny_tokens, linear):
+    _check_executor(ts.tiny_model(arch, seed=0), tiny_tokens, [0, 1], linear)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# refit="linear": g Phi(x) + b + a W, W a ridge regression on the attention write
+
+
+def _ridge_reference(y, p, a, ridge):
+    """The two-stage fit written on the flattened data (no moments): g of the affine fit, then W = (A^T A + lam I)^-1
+    A^T R on the centred attention writes A and residuals R = Y - g P (centred), lam = ridge tr(A^T A) / d."""
+    d = y.shape[1]
+    pc, yc, ac = p - p.mean(0), y - y.mean(0), a - a.mean(0)
+    g = float((yc * pc).sum() / (pc * pc).sum())
+    caa = ac.T @ ac
+    lam = ridge * float(torch.trace(caa)) / d
+    w = torch.linalg.solve(caa + lam * torch.eye(d, dtype=torch.float64), ac.T @ (yc - g * pc))
+    return g, y.mean(0) - g * p.mean(0) - a.mean(0) @ w, w
+
+
+def test_linear_moments_equal_the_ridge_regression():
+    gen = torch.Generator().manual_seed(3)
+    d = 6
+    a = torch.randn(4, 50, d, generator=gen, dtype=torch.float64)
+    p = torch.randn(4, 50, d, generator=gen, dtype=torch.float64) + 0.3
+    w_true = torch.randn(d, d, generator=gen, dtype=torch.float64) / d ** 0.5
+    y = 0.8 * p + a @ w_true + 0.2 + 0.01 * torch.randn(4, 50, d, generator=gen, dtype=torch.float64)
+    m = Moments(d, linear=True)
+    m.add(y[:2], p[:2], (0,), a[:2])  # two batches: the moments add up
+    m.add(y[2:], p[2:], (0,), a[2:])
+    flat = [t[:, 1:].reshape(-1, d) for t in (y, p, a)]
+    for ridge in (LINEAR_RIDGE, 1e-9):
+        g, b, w = m.solve_linear(ridge)
+        g_ref, b_ref, w_ref = _ridge_reference(*flat, ridge)
+        _close(g, g_ref, 1.0)
+        _close(b, b_ref, 1.0)
+        _close(w, w_ref, 1.0)
+    # a vanishing ridge recovers the planted map and gate (196 tokens for 36 entries, noise 0.01; the two-stage g
+    # also carries the sample correlation of P with a W: measured |g - 0.8| = 0.028)
+    g, b, w = m.solve_linear(1e-9)
+    assert abs(g - 0.8) < 0.05 and float((w - w_true).abs().max()) < 0.05
+    # the fitted write is never further from Y than the affine fit's (W = 0 is a candidate of the ridge problem)
+    yy, pp, aa = flat
+    g_a, b_a = m.solve("affine")
+    err_aff = float(((g_a * pp + b_a - yy) ** 2).sum())
+    g, b, w = m.solve_linear()
+    err_lin = float(((g * pp + b + aa @ w - yy) ** 2).sum())
+    assert err_lin < 0.5 * err_aff  # the planted map explains most of the affine residual
+    assert m.solve("linear")[0] == g  # solve() gives the same (g, b)
+    # no attention variance: W = 0 and the affine fit
+    m0 = Moments(d, linear=True)
+    m0.add(y, p, (0,), torch.ones_like(a))
+    g0, b0, w0 = m0.solve_linear()
+    assert float(w0.abs().max()) == 0.0
+    _close(g0, g_a, 1.0)
+    with pytest.raises(InputError, match="attention write"):
+        Moments(d, linear=True).add(y, p, (0,))
+    with pytest.raises(InputError, match="linear=True"):
+        Moments(d).solve_linear()
+
+
+def test_linear_refit_surrogate_and_bad_input(tiny, tiny_tokens):
+    ad = adapt(tiny)
+    plan = [lay for lay in ad.layers() if not ad.is_parallel(lay)][:2]
+    if not plan:
+        return
+    with pytest.raises(InputError, match="linears="):
+        fit_corrections(tiny, tiny_tokens, plan, "linear")
+    w: dict = {}
+    loss, g, b, passes = corrected_loss(tiny, tiny_tokens, plan, "linear", "sequential", batch_size=8, linears=w)
+    assert passes == 1 and sorted(w) == plan and all(t.shape == (ad.d_model, ad.d_model) for t in w.values())
+    ref = mean_loss(tiny, tiny_tokens, parallel_blocks(tiny, plan, g, b, w), 8)
+    assert abs(loss - ref) <= 1e-9  # the fitting forward's loss is the corrected model's loss
+    # many batches: one fitting forward per layer, the same fit
+    w2: dict = {}
+    loss2, g2, b2, passes2 = corrected_loss(tiny, tiny_tokens, plan, "linear", "sequential", batch_size=1, linears=w2)
+    assert passes2 == len(plan) + 1 and abs(loss2 - loss) <= 1e-6
+    for lay in plan:
+        assert float((w2[lay] - w[lay]).abs().max()) <= 1e-6 * max(1.0, float(w[lay].abs().max()))
+    with pytest.raises(InputError, match="d_model"):
+        parallel_blocks(tiny, plan, linears={plan[0]: torch.zeros(3, 3)})
+    stray = next((q for q in ad.layers() if q not in plan[:1]), None)
+    if stray is not None:
+        with pytest.raises(InputError, match="not in layers"):
+            parallel_blocks(tiny, plan[:1], linears={stray: torch.zeros(ad.d_model, ad.d_model)})
+    assert_no_hooks(tiny)
+
+
+def test_plan_parallel_linear(planner_model, planner_tokens, tmp_path):
+    from tl_steering.parallel import parallelize
+
+    cal, held = planner_tokens[:4], planner_tokens[4:]
+    kw = {"held_out": held, "strategies": ["C", "attribution_abs", "greedy_measured"], "batch_size": 4,
+          "fisher_samples": 0}
+    lin = ts.plan_parallel(planner_model, cal, 2, refit="linear", **kw)
+    again = ts.plan_parallel(planner_model, cal, 2, refit="linear", **kw)
+    d = adapt(planner_model).d_model
+    assert lin.layers == again.layers and torch.equal(lin.linears, again.linears)  # deterministic
+    assert lin.linears.shape == (2, d, d) and float(lin.linears.abs().max()) > 0
+    assert sorted(lin.linear_maps()) == lin.layers
+    ad = adapt(planner_model)
+    cal_d = mean_loss(ad, cal, lin.hooks(planner_model), 4) - lin.clean_loss_calibration
+    held_d = mean_loss(ad, held, lin.hooks(planner_model), 4) - lin.clean_loss_held_out
+    assert abs(cal_d - lin.calibration_delta_ce) <= 1e-9 and abs(held_d - lin.held_out_delta_ce) <= 1e-9
+    g, b = lin.corrections()
+    par = parallelize(planner_model, lin.layers, gates=g, biases=b, linears=lin.linear_maps())
+    held_exec = mean_loss(adapt(par), held, (), 4) - lin.clean_loss_held_out
+    assert abs(held_exec - lin.held_out_delta_ce) <= 1e-5
+    path = tmp_path / "plan.safetensors"
+    lin.save(path)
+    back = type(lin).load(path)
+    assert torch.equal(back.linears, lin.linears) and back.refit == "linear"
+    assert_no_hooks(planner_model)

@@ -257,14 +257,15 @@ class ModelAdapter:
         return any(getattr(hp, a) for hp in _lifecycle.hook_points(self.model) for a in _lifecycle._SILENCED)
 
     def run_blocks(self, x: Float[Tensor, "batch pos d_model"], start: int, parallel: Sequence[int] = (),
-                   write: Callable[[int, Tensor, Tensor], Tensor] | None = None) -> Float[Tensor, "batch pos vocab"]:
+                   write: Callable[[int, Tensor, Tensor, Tensor], Tensor] | None = None
+                   ) -> Float[Tensor, "batch pos vocab"]:
         """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]`` (positions
         0..pos-1): blocks ``start..L-1`` through the adapter's sublayers (:meth:`attention`, :meth:`ffn`), then
         the final norm and the unembedding (and a final logit soft-cap where the config has one). No hook fires.
 
         A sequential block computes y = x + A(x), y + Phi(y); a block in ``parallel`` (or parallel already)
         x + A(x) + Phi(x), the surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer,
-        sequential_write, parallel_write)`` replaces a chosen sequential block's FFN write as in
+        sequential_write, parallel_write, attn_write)`` replaces a chosen sequential block's FFN write as in
         :func:`tl_steering.hooks.parallel_hooks`. Used to share the clean prefix of many plans (layers before
         ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
         """
@@ -283,7 +284,7 @@ class ModelAdapter:
                 elif lay in chosen:
                     par = ffn_apply(blk, norms, x)
                     if write is not None:
-                        par = write(lay, ffn_apply(blk, norms, x + a), par)
+                        par = write(lay, ffn_apply(blk, norms, x + a), par, a)
                     x = x + a + par
                 else:
                     y = x + a

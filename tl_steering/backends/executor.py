@@ -54,34 +54,48 @@ class _ParallelState(torch.nn.Module):
         self.force_unfused = False
         self.lean_sequential = False  # benchmark control: same kernels, SEQUENTIAL block (not parallel!)
         self._streams = _Streams()
-        # fitted correction of the FFN write, g Phi(x) + b (tl_steering.planning.refit); folded into the fused
-        # weights, applied by correct() on the unfused paths
+        # fitted correction of the FFN write, g Phi(x) + b (+ a W) (tl_steering.planning.refit); folded into the
+        # fused weights, applied by correct() on the unfused paths
         self.ffn_gate = 1.0
         self.register_buffer("ffn_bias", None, persistent=False)
+        self.register_buffer("attn_linear", None, persistent=False)
+        self._last_attn: Tensor | None = None  # the attention write of the running forward (hooked unfused path)
 
     @property
     def corrected(self) -> bool:
-        return self.ffn_gate != 1.0 or self.ffn_bias is not None
+        return self.ffn_gate != 1.0 or self.ffn_bias is not None or self.attn_linear is not None
 
-    def correct(self, m: Tensor) -> Tensor:
-        """The corrected FFN write g m + b (unfused paths; float64 arithmetic, cast back)."""
+    def correct(self, m: Tensor, a: Tensor | None = None) -> Tensor:
+        """The corrected FFN write g m + b (+ a W, ``a`` the block's attention write) (unfused paths; float64
+        arithmetic, cast back)."""
         if not self.corrected:
             return m
         out = m.to(torch.float64) * self.ffn_gate
         if self.ffn_bias is not None:
             out = out + self.ffn_bias.to(device=m.device, dtype=torch.float64)
+        if self.attn_linear is not None:
+            if a is None:
+                raise RuntimeError("parallel block: the attention write was not captured for the linear correction")
+            out = out + a.to(torch.float64) @ self.attn_linear.to(m.device)
         return out.to(m.dtype)
 
-    def set_correction(self, gate: float, bias: Tensor | None) -> None:
-        """Set g, b and fold them into the fused weights (if any): zero run-time cost on the fused path."""
+    def set_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
+        """Set g, b (and W) and fold them into the fused weights (if any): zero run-time cost on the fused path."""
         self.ffn_gate = float(gate)
         self.ffn_bias = None if bias is None else bias.detach().to(torch.float64).clone()
+        self.attn_linear = None if linear is None else linear.detach().to(torch.float64).clone()
         if self.fused is not None and self.corrected:
-            self.fused.fold_ffn_correction(self.ffn_gate, self.ffn_bias)
+            self.fused.fold_ffn_correction(self.ffn_gate, self.ffn_bias, self.attn_linear)
+
+    def _hooked_attn(self, module: Any, args: Any, out: Tensor) -> None:
+        """Torch forward hook on a HookedTransformer block's attention write (unfused path): keep it for
+        :meth:`_hooked_correction` of the same forward."""
+        self._last_attn = out
 
     def _hooked_correction(self, module: Any, args: Any, out: Tensor) -> Tensor:
         """Torch forward hook on a HookedTransformer block's FFN module (unfused path: before hook_mlp_out)."""
-        return self.correct(out)
+        a, self._last_attn = self._last_attn, None
+        return self.correct(out, a)
 
     def inner_hooked(self) -> bool:
         return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self._inner)
@@ -96,6 +110,8 @@ class _ParallelState(torch.nn.Module):
         new.lean_sequential = self.lean_sequential
         new.ffn_gate = self.ffn_gate
         new.ffn_bias = None if self.ffn_bias is None else self.ffn_bias.clone()
+        new.attn_linear = None if self.attn_linear is None else self.attn_linear.clone()
+        new._last_attn = None
         return new
 
 
@@ -232,7 +248,7 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
 
 
 def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool,
-                        corrections: dict[int, tuple[float, Tensor | None]]) -> list[str]:
+                        corrections: dict[int, tuple[float, Tensor | None, Tensor | None]]) -> list[str]:
     notes = []
     for layer in layers:
         blk = model.blocks[layer]
@@ -249,7 +265,10 @@ def _parallelize_hooked(model: Any, layers: list[int], fuse: bool, streams: bool
             blk._tl_parallel.set_correction(*corrections[layer])
             # the unfused path (HookedTransformer's own parallel code): correct the FFN module's output before
             # hook_mlp_out sees it (ln2_post on sandwich-norm blocks); a bound method, so a deepcopy follows
-            ffn_mod = blk.ln2_post if getattr(model.cfg, "use_normalization_before_and_after", False) else blk.mlp
+            sandwich = getattr(model.cfg, "use_normalization_before_and_after", False)
+            ffn_mod = blk.ln2_post if sandwich else blk.mlp
+            if corrections[layer][2] is not None:  # a W needs the attention write a (after ln1_post)
+                (blk.ln1_post if sandwich else blk.attn).register_forward_hook(blk._tl_parallel._hooked_attn)
             ffn_mod.register_forward_hook(blk._tl_parallel._hooked_correction)
     model.setup()  # rebuild hook_dict / mod_dict (hook_resid_mid gone from these blocks)
     return notes
@@ -445,7 +464,7 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     a = _first(a_call(ln1(x)))
     ctx, join = _on_side(st.use_streams, x, st._streams)
     with ctx:
-        m = st.correct(_first(mlp(ln2(x))))  # the fitted correction (if any) of the FFN write
+        m = st.correct(_first(mlp(ln2(x))), a)  # the fitted correction (if any) of the FFN write
     join(m)
     return x + a + m
 
@@ -488,7 +507,7 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
 
 
 def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool,
-                        corrections: dict[int, tuple[float, Tensor | None]]) -> list[str]:
+                        corrections: dict[int, tuple[float, Tensor | None, Tensor | None]]) -> list[str]:
     notes = []
     for layer_i in layers:
         blk = model.blocks[layer_i]
@@ -521,10 +540,11 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
 
 
 def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, streams: bool,
-                       corrections: dict[int, tuple[float, Tensor | None]] | None = None) -> list[str]:
+                       corrections: dict[int, tuple[float, Tensor | None, Tensor | None]] | None = None) -> list[str]:
     """Turn ``layers`` of ``model`` (a copy the caller owns) into parallel blocks, in place; returns notes on
-    blocks that could not be fused. ``corrections``: ``{layer: (g, b)}``, the FFN write of that parallel block
-    becomes g Phi(x) + b (``b`` a ``[d_model]`` tensor or None)."""
+    blocks that could not be fused. ``corrections``: ``{layer: (g, b, W)}``, the FFN write of that parallel
+    block becomes g Phi(x) + b + a W (``b`` a ``[d_model]`` tensor or None, ``W`` ``[d_model, d_model]`` or None, a
+    the block's attention write)."""
     corrections = corrections or {}
     if backend == "hooked":
         if HookedParallelBlock is None:  # pragma: no cover

@@ -42,7 +42,7 @@ class FusedWeights(torch.nn.Module):
         self.qk_eps = self.post_eps = 0.0
         self.softcap: float | None = None
         self.window: int | None = None
-        for name in ("q_norm_g", "k_norm_g", "post_attn_g", "post_ffn_g", "b_ffn"):
+        for name in ("q_norm_g", "k_norm_g", "post_attn_g", "post_ffn_g", "b_ffn", "w_lin"):
             self.register_buffer(name, None, persistent=False)
 
     def set_sandwich(self, *, q_norm_g: Tensor | None = None, k_norm_g: Tensor | None = None, qk_eps: float = 0.0,
@@ -77,26 +77,33 @@ class FusedWeights(torch.nn.Module):
     def set_branch_biases(self, b_o: Tensor | None, b_down: Tensor | None) -> None:
         self._branch_biases = (b_o, b_down)
 
-    def fold_ffn_correction(self, gate: float, bias: Tensor | None) -> None:
-        """Make the FFN branch write g Phi(x) + b (float64 fold, cast back): pre-norm blocks scale the W_out rows
-        by g and fold g b_out + b into the output bias; sandwich-norm blocks scale the post-FFN norm's gain by g
-        and add b after it (:attr:`b_ffn`)."""
+    def fold_ffn_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
+        """Make the FFN branch write g Phi(x) + b (+ a W, a the attention branch's write) (float64 fold, cast
+        back): pre-norm blocks scale the W_out rows by g, fold g b_out + b into the output bias and W into the
+        attention output projection (W_O -> W_O (I + W), b_O -> b_O (I + W)); sandwich-norm blocks scale the
+        post-FFN norm's gain by g, add b after it (:attr:`b_ffn`) and add a W explicitly after the post-attention
+        norm (:attr:`w_lin`; a W cannot fold through that norm)."""
         nq = self.n_heads * self.d_head
         dt = self.w_out.dtype
         bias64 = None if bias is None else bias.detach().to(self.w_out.device, torch.float64)
+        lin64 = None if linear is None else linear.detach().to(self.w_out.device, torch.float64)
         if self.sandwich:
             if self.post_ffn_g is None:
                 raise ValueError("a sandwich-norm block without a post-FFN gain")
             self.post_ffn_g = (self.post_ffn_g.double() * gate).to(dt)
             self.b_ffn = None if bias64 is None else bias64.to(dt)
+            self.w_lin = None if lin64 is None else lin64.to(dt)
             return
         w = self.w_out.double()
         w[nq:] *= gate
+        if lin64 is not None:
+            w[:nq] = w[:nq] + w[:nq] @ lin64
         self.w_out = w.to(dt).contiguous()
         b_o, b_down = getattr(self, "_branch_biases", (None, None))
         b = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
         if b_o is not None:
-            b = b + b_o.double().to(w.device)
+            b_o64 = b_o.double().to(w.device)
+            b = b + b_o64 + (b_o64 @ lin64 if lin64 is not None else 0.0)
         if b_down is not None:
             b = b + gate * b_down.double().to(w.device)
         if bias64 is not None:
@@ -222,6 +229,8 @@ class FusedWeights(torch.nn.Module):
                 m = self._rms(m, self.post_ffn_g, self.post_eps)
             if self.b_ffn is not None:
                 m = m + self.b_ffn
+            if self.w_lin is not None:  # the linear correction a W of the FFN write (fold_ffn_correction)
+                m = m + a @ self.w_lin
             return (x.reshape(b * s, d) + a + m).view(b, s, d)
         zh = torch.cat([z, h], dim=-1).reshape(b * s, -1)
         out = torch.addmm(x.reshape(b * s, d), zh, self.w_out)

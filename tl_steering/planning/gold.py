@@ -22,15 +22,13 @@ from torch import Tensor
 
 from ..backends import adapt
 from ..batching import loss_row_sums, mean_loss, token_mean
-from ..hooks import parallel_blocks, parallel_hooks
+from ..hooks import Write, parallel_blocks, parallel_hooks
 from ..progress import forward_done
 from ..sharding import batch_slices
 
 #: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
 #: layers x element size); above it every plan runs a whole forward.
 PREFIX_CACHE_BYTES = 1 << 30
-
-Write = Callable[[int, Tensor, Tensor], Tensor]
 
 
 class PlanLoss:
@@ -66,7 +64,7 @@ class PlanLoss:
 
     def mean_ce(self, layers: Sequence[int], write: Write | None = None) -> float:
         """Mean next-token CE over these windows with ``layers`` parallel (not memoised), their FFN writes
-        replaced by ``write(layer, sequential_write, parallel_write)`` when given (as
+        replaced by ``write(layer, sequential_write, parallel_write, attn_write)`` when given (as
         :func:`tl_steering.hooks.parallel_hooks`); through the shared clean prefix when it is available."""
         plan = sorted(lay for lay in set(int(v) for v in layers) if not self.ad.is_parallel(lay))
         if self._prefix_ready():  # the clean pass that builds the prefix gives the clean CE

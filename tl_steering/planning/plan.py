@@ -84,12 +84,15 @@ class ParallelPlan(Result):
         strategy_costs: per strategy, its own cost (as :attr:`cost`).
         n_calibration / n_held_out: token windows in each set.
         options: the call's options.
-        refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``;
+        refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``,
+            ``"linear"``;
             :mod:`tl_steering.planning.refit`), fitted on the calibration windows for EVERY plan measured (so
             every dCE above, and the choice, is of the corrected plans); refit_order: ``"sequential"`` or
             ``"joint"``.
         gates: ``[k]`` float64, the fitted g_l of :attr:`layers` (in that order; ones for ``"none"``).
-        biases: ``[k, d_model]`` float64, the fitted b_l (zeros unless ``"affine"``).
+        biases: ``[k, d_model]`` float64, the fitted b_l (zeros unless ``"affine"`` or ``"linear"``).
+        linears: ``[k, d_model, d_model]`` float64, the fitted W_l of ``refit="linear"`` (the write adds a W_l,
+            a the block's attention write); ``[0, 0, 0]`` for the other refits.
         calibration_delta_ce_uncorrected / held_out_delta_ce_uncorrected: the chosen layers' dCE without the
             correction (equal to the corrected ones for ``"none"``).
     """
@@ -119,6 +122,8 @@ class ParallelPlan(Result):
     gates: Float[Tensor, " k"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     biases: Float[Tensor, "k d_model"] = dataclasses.field(
         default_factory=lambda: torch.zeros(0, 0, dtype=torch.float64))
+    linears: Float[Tensor, "k2 d_model2 d_model3"] = dataclasses.field(
+        default_factory=lambda: torch.zeros(0, 0, 0, dtype=torch.float64))
     calibration_delta_ce_uncorrected: float = math.nan
     held_out_delta_ce_uncorrected: float = math.nan
 
@@ -130,15 +135,23 @@ class ParallelPlan(Result):
         if self.refit == "none":
             return {}, {}
         gates = {lay: float(g) for lay, g in zip(self.layers, self.gates.tolist())}
-        biases = {lay: self.biases[i].clone() for i, lay in enumerate(self.layers)} if self.refit == "affine" else {}
+        biases = {lay: self.biases[i].clone() for i, lay in enumerate(self.layers)} \
+            if self.refit in ("affine", "linear") else {}
         return gates, biases
+
+    def linear_maps(self) -> dict[int, Tensor]:
+        """``{layer: W}`` of ``refit="linear"`` (empty otherwise), for ``parallel_blocks(..., linears=)`` and
+        ``parallelize(..., linears=)``."""
+        if self.refit != "linear":
+            return {}
+        return {lay: self.linears[i].clone() for i, lay in enumerate(self.layers)}
 
     def hooks(self, model: Any) -> list:
         """``fwd_hooks`` that run the chosen plan with its corrections (the exact surrogate)."""
         from ..hooks import parallel_blocks
 
         gates, biases = self.corrections()
-        return parallel_blocks(model, self.layers, gates, biases)
+        return parallel_blocks(model, self.layers, gates, biases, self.linear_maps())
 
     def plan_of(self, strategy: str, k: int | None = None) -> list[int]:
         """The layer set ``strategy`` chose at ``k`` (default :attr:`k`)."""
@@ -245,8 +258,9 @@ def plan_parallel(
             (single layers, greedy_measured candidates, contiguous windows, every curve point) are split over the
             ranks, one pass per plan; the scores and the greedy re-scoring (forward + backward) run on rank 0 and
             are handed to the others, so every rank takes the same decisions; the same plan on every rank.
-        refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)) or ``"affine"``
-            (g_l Phi(x) + b_l): closed-form corrections of the parallel FFN writes (:mod:`tl_steering.planning.refit`)
+        refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)), ``"affine"``
+            (g_l Phi(x) + b_l) or ``"linear"`` (g_l Phi(x) + b_l + a W_l, a the block's attention write, W_l a
+            ridge-regularised ``[d_model, d_model]`` map; still parallel): closed-form corrections of the parallel FFN writes (:mod:`tl_steering.planning.refit`)
             fitted on the calibration windows for every plan measured, so the measured strategies choose WITH the
             correction (greedy_measured re-fits at every candidate) and ``"best"`` compares corrected calibration
             dCE; the held-out dCE applies the calibration fit. The one-shot scores are those of the uncorrected
@@ -364,9 +378,13 @@ def plan_parallel(
     if refit == "none":
         gates = torch.ones(len(chosen_layers), dtype=torch.float64)
         biases = torch.zeros(len(chosen_layers), ad.d_model, dtype=torch.float64)
+        linears = torch.zeros(0, 0, 0, dtype=torch.float64)
         unc_cal, unc_held = float(cal_curves[chosen][j]), float(held_curves[chosen][j])
     else:
         g_of, b_of = cal_loss.corrections(chosen_layers)
+        w_of = cal_loss.linear_maps(chosen_layers)
+        linears = torch.stack([w_of[lay].to(torch.float64).cpu() for lay in chosen_layers]) \
+            if chosen_layers and w_of else torch.zeros(0, 0, 0, dtype=torch.float64)
         gates = torch.tensor([g_of.get(lay, 1.0) for lay in chosen_layers], dtype=torch.float64)
         biases = torch.stack([b_of[lay].to(torch.float64).cpu() if lay in b_of else
                               torch.zeros(ad.d_model, dtype=torch.float64) for lay in chosen_layers]) \
@@ -393,7 +411,7 @@ def plan_parallel(
         cost=costs[chosen], total_cost=total, k_values=ks, strategies=names, calibration_curves=cal_curves,
         held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
         n_held_out=int(held.shape[0]), options=options, refit=refit, refit_order=refit_order, gates=gates,
-        biases=biases, calibration_delta_ce_uncorrected=unc_cal, held_out_delta_ce_uncorrected=unc_held)
+        biases=biases, linears=linears, calibration_delta_ce_uncorrected=unc_cal, held_out_delta_ce_uncorrected=unc_held)
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],

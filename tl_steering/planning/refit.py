@@ -8,6 +8,12 @@ run time, is fitted by least squares over the calibration tokens (position 0 exc
   :func:`tl_steering.calibrate_gates`);
 * ``refit="affine"``: g_l Phi(x) + b_l, b_l a ``[d_model]`` vector: with n tokens, s_P = ΣP, s_Y = ΣY,
   g_l = (Σ<Y, P> - <s_Y, s_P>/n) / (Σ||P||² - ||s_P||²/n), b_l = (s_Y - g_l s_P) / n;
+* ``refit="linear"``: g_l Phi(x) + b_l + a W_l, with a the same block's attention write (``hook_attn_out``, which
+  a parallel block computes beside Phi(x), so the block stays parallel; the executor folds W_l into the attention
+  output projection) and W_l a ``[d_model, d_model]`` ridge regression: g_l as in ``"affine"``, then with the
+  centred moments C_aa = Σ(a - ā)(a - ā)^T and C_aR = Σ(a - ā)(R - R̄)^T of the residual R = Y - g_l P,
+  W_l = (C_aa + λ I)^{-1} C_aR, λ = ``LINEAR_RIDGE`` tr(C_aa) / d_model, and b_l = R̄ - ā W_l. The ridge keeps
+  the d_model^2 entries from fitting the calibration windows' noise (a few hundred tokens per window);
 * ``refit="none"``: g = 1, b = 0 (the plain surrogate).
 
 ``fit="sequential"`` (default): layer l is fitted on the forward that already runs the corrected parallel layers
@@ -34,24 +40,33 @@ from .gold import PlanLoss
 #: ``loss_fn(plan, write)``: mean CE on the fitting windows with ``plan`` parallel, FFN writes from ``write``
 LossFn = Callable[[Sequence[int], Any], float]
 
-Refit = Literal["none", "gate", "affine"]
+Refit = Literal["none", "gate", "affine", "linear"]
 Fit = Literal["sequential", "joint"]
-REFITS: tuple[str, ...] = ("none", "gate", "affine")
+REFITS: tuple[str, ...] = ("none", "gate", "affine", "linear")
+#: ridge of ``refit="linear"`` in units of the mean eigenvalue of the attention writes' covariance, tr(C_aa) / d
+LINEAR_RIDGE = 1.0
 FITS: tuple[str, ...] = ("sequential", "joint")
 
 
 class Moments:
-    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n."""
+    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
+    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
 
-    def __init__(self, d_model: int, device: Any = "cpu"):
-        self.yp = torch.zeros((), dtype=torch.float64, device=device)
-        self.pp = torch.zeros((), dtype=torch.float64, device=device)
-        self.sp = torch.zeros(d_model, dtype=torch.float64, device=device)
-        self.sy = torch.zeros(d_model, dtype=torch.float64, device=device)
+    def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
+        z = {"dtype": torch.float64, "device": device}
+        self.yp = torch.zeros((), **z)
+        self.pp = torch.zeros((), **z)
+        self.sp = torch.zeros(d_model, **z)
+        self.sy = torch.zeros(d_model, **z)
         self.n = 0
+        self.linear = linear
+        if linear:
+            self.aa, self.ay, self.ap = (torch.zeros(d_model, d_model, **z) for _ in range(3))
+            self.sa = torch.zeros(d_model, **z)
 
-    def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,)) -> None:
-        """Add the tokens of ``y`` (sequential write) and ``p`` (parallel write), ``[batch, pos, d]``."""
+    def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,), a: Tensor | None = None) -> None:
+        """Add the tokens of ``y`` (sequential write), ``p`` (parallel write) and, for a ``linear`` fit, ``a``
+        (the attention write), each ``[batch, pos, d]``."""
         mask = position_mask(y.shape[-2], exclude_positions, y.device)
         y64 = y.detach()[:, mask].to(torch.float64).reshape(-1, y.shape[-1])
         p64 = p.detach()[:, mask].to(torch.float64).reshape(-1, p.shape[-1])
@@ -60,10 +75,43 @@ class Moments:
         self.sp += p64.sum(0)
         self.sy += y64.sum(0)
         self.n += y64.shape[0]
+        if self.linear:
+            if a is None:
+                raise InputError("a linear fit needs the attention write a (Moments.add(..., a=attn_out))")
+            a64 = a.detach()[:, mask].to(torch.float64).reshape(-1, a.shape[-1])
+            self.aa += a64.T @ a64
+            self.ay += a64.T @ y64
+            self.ap += a64.T @ p64
+            self.sa += a64.sum(0)
 
     def solve(self, refit: str) -> tuple[float, Tensor]:
-        """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit="affine"``)."""
+        """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
+        ``"linear"``; for ``"linear"`` see :meth:`solve_linear`)."""
+        if refit == "linear":
+            g, b, _ = self.solve_linear()
+            return g, b
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
+
+    def solve_linear(self, ridge: float = LINEAR_RIDGE) -> tuple[float, Tensor, Tensor]:
+        """``(g, b, W)`` of ``refit="linear"`` (module docstring): g of the affine fit, W the ridge regression of
+        its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
+        vary (C_aa = 0) or no token was added."""
+        if not self.linear:
+            raise InputError("these moments were collected without the attention write: Moments(..., linear=True)")
+        d = self.sp.shape[0]
+        g, _ = solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, "affine")
+        w = torch.zeros(d, d, dtype=torch.float64, device=self.sp.device)
+        if self.n == 0:
+            return 1.0, torch.zeros_like(self.sp), w
+        n = self.n
+        sr = self.sy - g * self.sp  # Σ R
+        c_aa = self.aa - torch.outer(self.sa, self.sa) / n
+        c_ar = (self.ay - g * self.ap) - torch.outer(self.sa, sr) / n
+        tr = float(torch.trace(c_aa))
+        if tr > 0 and math.isfinite(tr):
+            lam = ridge * tr / d
+            w = torch.linalg.solve(c_aa + lam * torch.eye(d, dtype=torch.float64, device=c_aa.device), c_ar)
+        return g, (sr - self.sa @ w) / n, w
 
 
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
@@ -105,14 +153,17 @@ def fit_corrections(
     fit: Fit = "sequential",
     batch_size: int = 8,
     exclude_positions: Sequence[int] = (0,),
+    linears: dict[int, Tensor] | None = None,
 ) -> tuple[dict[int, float], dict[int, Tensor], int]:
     """Fit the corrections of the parallel plan ``layers`` on ``tokens`` (see the module docstring).
 
     Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
     ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
-    one counts as one).
+    one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``) of
+    ``refit="linear"`` (``parallel_blocks(..., linears=)``); required for that refit.
     """
-    _, g, b, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=False)
+    _, g, b, _, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=False,
+                              linears_out=linears)
     return g, b, passes
 
 
@@ -125,18 +176,26 @@ def corrected_loss(
     batch_size: int = 8,
     exclude_positions: Sequence[int] = (0,),
     loss_fn: LossFn | None = None,
+    linears: dict[int, Tensor] | None = None,
 ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
     """Fit on ``tokens`` and return ``(mean CE of the corrected plan on the same tokens, gates, biases, passes)``
     (one pass in all for ``fit="sequential"`` on one batch). ``loss_fn(plan, write)``: the mean CE on ``tokens``
     with ``plan`` parallel and its FFN writes given by ``write`` (as :func:`tl_steering.hooks.parallel_hooks`);
-    default a hooked forward per batch (:class:`RefitLoss` passes its prefix-sharing ``PlanLoss.mean_ce``)."""
-    return _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True, loss_fn=loss_fn)
+    default a hooked forward per batch (:class:`RefitLoss` passes its prefix-sharing ``PlanLoss.mean_ce``).
+    ``linears``: as in :func:`fit_corrections`."""
+    loss, g, b, _, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True,
+                                 loss_fn=loss_fn, linears_out=linears)
+    return loss, g, b, passes
 
 
 def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str, batch_size: int,
-         exclude_positions: Sequence[int], want_loss: bool, loss_fn: LossFn | None = None
-         ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
+         exclude_positions: Sequence[int], want_loss: bool, loss_fn: LossFn | None = None,
+         linears_out: dict[int, Tensor] | None = None
+         ) -> tuple[float, dict[int, float], dict[int, Tensor], dict[int, Tensor], int]:
     _check(refit, fit)
+    if refit == "linear" and linears_out is None:
+        raise InputError('refit="linear" fits a [d_model, d_model] map per layer: pass a dict as linears= to '
+                         "receive them (or use RefitLoss / plan_parallel, which keep them)")
     ad = adapt(model)
     if loss_fn is None:  # a whole hooked forward per batch
         loss_fn = PlanLoss(model, tokens, batch_size, share_prefix=False).mean_ce
@@ -144,31 +203,43 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
     plan = [lay for lay in sorted(set(int(x) for x in layers)) if not ad.is_parallel(lay)]
     gates: dict[int, float] = {}
     biases: dict[int, Tensor] = {}
+    lins: dict[int, Tensor] = linears_out if linears_out is not None else {}
+    lins.clear()
     if refit == "none" or not plan:
         loss = loss_fn(plan, None) if want_loss else math.nan
-        return loss, gates, biases, int(want_loss)
-    keep_bias = refit == "affine"
+        return loss, gates, biases, lins, int(want_loss)
+    keep_bias = refit in ("affine", "linear")
+    linear = refit == "linear"
+
+    def moments() -> Moments:
+        return Moments(ad.d_model, ad.device, linear=linear)
 
     def store(layer: int, m: Moments) -> None:
-        g, b = m.solve(refit)
+        if linear:
+            g, b, w = m.solve_linear()
+            lins[layer] = w.cpu()
+        else:
+            g, b = m.solve(refit)
         gates[layer] = g
         if keep_bias:
             biases[layer] = b.cpu()
 
-    def corrected(layer: int, par: Tensor, act: Tensor) -> Tensor:
+    def corrected(layer: int, par: Tensor, act: Tensor, attn: Tensor) -> Tensor:
         out = par.to(torch.float64) * gates[layer]
         if keep_bias:
             out = out + biases[layer].to(out.device)
+        if linear:
+            out = out + attn.to(torch.float64) @ lins[layer].to(out.device)
         return out.to(act.dtype)
 
     rows = batch_slices(tokens.shape[0], batch_size)
     passes = 0
     if fit == "sequential" and len(rows) == 1:  # one forward: each hook fits its layer on the batch, applies it
-        def write(layer: int, act: Tensor, par: Tensor) -> Tensor:
-            m = Moments(ad.d_model, act.device)
-            m.add(act, par, excl)
+        def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
+            m = moments()
+            m.add(act, par, excl, attn)
             store(layer, m)
-            return corrected(layer, par, act)
+            return corrected(layer, par, act, attn)
 
         if want_loss:
             loss = loss_fn(plan, write)
@@ -184,16 +255,17 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
                 ad.run_with_hooks(tokens, hooks + [(ad.hook_name(last, "resid_post"), stop)], return_type=None)
             except _Stop:
                 pass
-        return loss, gates, biases, 1
+        return loss, gates, biases, lins, 1
     if fit == "sequential":
         for j, layer in enumerate(plan):
-            m = Moments(ad.d_model, ad.device)
+            m = moments()
 
-            def write(lay: int, act: Tensor, par: Tensor, m: Moments = m, target: int = layer) -> Tensor:
+            def write(lay: int, act: Tensor, par: Tensor, attn: Tensor, m: Moments = m, target: int = layer
+                      ) -> Tensor:
                 if lay == target:
-                    m.add(act, par, excl)
+                    m.add(act, par, excl, attn)
                     raise _Stop
-                return corrected(lay, par, act)
+                return corrected(lay, par, act, attn)
 
             hooks = parallel_hooks(model, plan[:j + 1], write)
             for sl in rows:
@@ -204,10 +276,10 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             passes += 1
             store(layer, m)
     else:  # joint: every layer from one forward of the uncorrected plan
-        ms = {lay: Moments(ad.d_model, ad.device) for lay in plan}
+        ms = {lay: moments() for lay in plan}
 
-        def write(lay: int, act: Tensor, par: Tensor) -> Tensor:
-            ms[lay].add(act, par, excl)
+        def write(lay: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
+            ms[lay].add(act, par, excl, attn)
             if lay == plan[-1]:
                 raise _Stop
             return par.to(act.dtype)
@@ -223,9 +295,9 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             store(lay, ms[lay])
     loss = math.nan
     if want_loss:
-        loss = loss_fn(plan, corrected_write(ad, plan, gates, biases, "refit"))
+        loss = loss_fn(plan, corrected_write(ad, plan, gates, biases, "refit", lins))
         passes += 1
-    return loss, gates, biases, passes
+    return loss, gates, biases, lins, passes
 
 
 class RefitLoss(PlanLoss):
@@ -238,12 +310,13 @@ class RefitLoss(PlanLoss):
         super().__init__(model, tokens, batch_size, world, share_prefix)
         _check(refit, fit)
         self.refit, self.fit = refit, fit
-        self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor]]] = {}
+        self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
 
     def _measure(self, key: tuple[int, ...]) -> float:
+        w: dict[int, Tensor] = {}
         loss, g, b, passes = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
-                                            self.batch_size, loss_fn=self.mean_ce)
-        self.fitted[key] = (g, b)
+                                            self.batch_size, loss_fn=self.mean_ce, linears=w)
+        self.fitted[key] = (g, b, w)
         return loss
 
     def _cost(self, key: tuple[int, ...]) -> int:
@@ -255,10 +328,21 @@ class RefitLoss(PlanLoss):
         return 1 if self.tokens.shape[0] <= self.batch_size else len(plan) + 1
 
     def corrections(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor]]:
+        """``(gates, biases)`` fitted for the plan ``layers`` (see :meth:`linear_maps` for ``refit="linear"``)."""
+        g, b, _ = self._fitted(layers)
+        return g, b
+
+    def linear_maps(self, layers: Sequence[int]) -> dict[int, Tensor]:
+        """``{layer: W}`` of ``refit="linear"`` for the plan ``layers`` (empty for the other refits)."""
+        return self._fitted(layers)[2]
+
+    def _fitted(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
         key = self._key(layers)
         if key not in self.fitted:  # measured on another rank: refit here (deterministic)
-            g, b, _ = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit, self.batch_size)
-            self.fitted[key] = (g, b)
+            w: dict[int, Tensor] = {}
+            g, b, _ = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit, self.batch_size,
+                                      linears=w)
+            self.fitted[key] = (g, b, w)
         return self.fitted[key]
 
 
@@ -272,9 +356,9 @@ class FittedLoss(PlanLoss):
         self.source = source
 
     def _measure(self, key: tuple[int, ...]) -> float:
-        gates, biases = self.source.corrections(key)
-        return self.mean_ce(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss"))
+        gates, biases, lins = self.source._fitted(key)
+        return self.mean_ce(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss", lins))
 
 
-__all__ = ["FITS", "FittedLoss", "Fit", "Moments", "REFITS", "Refit", "RefitLoss", "corrected_loss", "fit_corrections",
+__all__ = ["FITS", "FittedLoss", "Fit", "LINEAR_RIDGE", "Moments", "REFITS", "Refit", "RefitLoss", "corrected_loss", "fit_corrections",
            "solve_correction"]
