@@ -21,7 +21,8 @@ from tl_steering.backends import adapt
 from tl_steering.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
-from tl_steering.planning.refit import LINEAR_RIDGE, Moments, corrected_loss, fit_corrections, solve_correction
+from tl_steering.planning.refit import (LINEAR_RIDGE, Moments, RefitLoss, corrected_loss, fit_corrections,
+                                       solve_correction)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -366,9 +367,13 @@ def test_plan_parallel_linear(planner_model, planner_tokens, tmp_path):
     assert lin.linears.shape == (2, d, d) and float(lin.linears.abs().max()) > 0
     assert sorted(lin.linear_maps()) == lin.layers
     ad = adapt(planner_model)
-    cal_d = mean_loss(ad, cal, lin.hooks(planner_model), 4) - lin.clean_loss_calibration
+    # held out: the stored corrections (fitted on all calibration windows), re-measured with the plan's hooks
     held_d = mean_loss(ad, held, lin.hooks(planner_model), 4) - lin.clean_loss_held_out
-    assert abs(cal_d - lin.calibration_delta_ce) <= 1e-9 and abs(held_d - lin.held_out_delta_ce) <= 1e-9
+    assert abs(held_d - lin.held_out_delta_ce) <= 1e-9
+    # calibration: the out-of-fold loss (refit_crossfit defaults to on for "linear")
+    assert lin.options["refit_crossfit"] is True
+    oof = RefitLoss(planner_model, cal, 4, refit="linear", crossfit=True).delta(lin.layers)
+    assert abs(oof - lin.calibration_delta_ce) <= 1e-9
     g, b = lin.corrections()
     par = parallelize(planner_model, lin.layers, gates=g, biases=b, linears=lin.linear_maps())
     held_exec = mean_loss(adapt(par), held, (), 4) - lin.clean_loss_held_out
@@ -377,4 +382,32 @@ def test_plan_parallel_linear(planner_model, planner_tokens, tmp_path):
     lin.save(path)
     back = type(lin).load(path)
     assert torch.equal(back.linears, lin.linears) and back.refit == "linear"
+    assert_no_hooks(planner_model)
+
+
+def test_crossfit_loss_is_out_of_fold(planner_model, planner_tokens):
+    """RefitLoss(crossfit=True): the corrections fitted on each half of the windows, measured on the other half,
+    token-weighted; written here with fit_corrections + parallel_blocks on the halves."""
+    toks = planner_tokens[:5]  # 3 + 2 windows: unequal halves
+    plan = [0, 2]
+    for refit in ("linear", "affine"):
+        rl = RefitLoss(planner_model, toks, 4, refit=refit, crossfit=True)
+        got = rl(plan)
+        a, b = toks[:3], toks[3:]
+        fits = []
+        for part in (a, b):
+            w: dict = {}
+            g, bias, _ = fit_corrections(planner_model, part, plan, refit, batch_size=4, linears=w)
+            fits.append(parallel_blocks(planner_model, plan, g, bias, w))
+        want = (mean_loss(planner_model, b, fits[0], 4) * 2 + mean_loss(planner_model, a, fits[1], 4) * 3) / 5
+        assert abs(got - want) <= 1e-9, (refit, got, want)
+        in_sample = RefitLoss(planner_model, toks, 8, refit=refit, crossfit=False)(plan)
+        assert got != in_sample
+        assert rl._cost(tuple(plan)) == 2 and rl(plan) == got  # memoised
+    assert RefitLoss(planner_model, toks, 4, refit="linear").crossfit  # on by default for linear only
+    assert not RefitLoss(planner_model, toks, 4, refit="affine").crossfit
+    with pytest.raises(InputError, match="at least 2"):
+        RefitLoss(planner_model, toks[:1], 4, refit="linear")
+    with pytest.raises(InputError, match="refit_crossfit"):
+        ts.plan_parallel(planner_model, toks, 1, refit="linear", refit_crossfit="yes", strategies=["C"])
     assert_no_hooks(planner_model)

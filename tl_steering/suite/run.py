@@ -293,12 +293,13 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     if pc is not None and pc.plan is not None:
         gates, biases = pc.plan.corrections()
         res.executor_choice, _ = _run_executor(c, res, list(pc.plan.layers), pc.plan.strategy, gates, biases, t_seq,
-                                               correction=pc.plan.refit)
+                                               correction=pc.plan.refit, linears=pc.plan.linear_maps())
     tick("chosen plan")
 
 
 def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gates: dict, biases: dict,
-                  t_seq: float | None, correction: str = "none") -> tuple[ExecutorTiming, float | None]:
+                  t_seq: float | None, correction: str = "none", linears: dict | None = None
+                  ) -> tuple[ExecutorTiming, float | None]:
     """One plan made parallel by :func:`tl_steering.parallel.parallelize` and timed; ``t_seq``: the original
     model's median forward time when already measured (else measured here). Returns the timing and ``t_seq``."""
     from ..parallel import parallelize
@@ -319,7 +320,7 @@ def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gat
         info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
         return info, t_seq
     try:
-        par = parallelize(c.model, plan, gates=gates or None, biases=biases or None)
+        par = parallelize(c.model, plan, gates=gates or None, biases=biases or None, linears=linears or None)
     except (ModelNotSupportedError, ParallelBlockError) as e:
         info.status, info.reason = "not supported", f"{type(e).__name__}: {e}"
         return info, t_seq

@@ -65,7 +65,8 @@ class SuiteSettings:
             held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
             ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` (cheap one-shot scores);
             an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"gate"``, ``"none"``).
+        plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"linear"``, ``"gate"``,
+            ``"none"``).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
         plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
