@@ -12,12 +12,12 @@
 from . import gold, refit, speedup, strategies
 from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
 from .gold import PlanLoss
-from .plan import PLAN_STRATEGIES, ParallelPlan, plan_parallel
+from .plan import ONE_SHOT_COMPARISON, PLAN_STRATEGIES, ParallelPlan, plan_parallel
 from .refit import REFITS, fit_corrections
 from .scores import ParallelScoresResult, parallel_scores
 from .speedup import SPEEDUP_LABEL, estimate_speedup
 from .strategies import default_k_values
 
-__all__ = ["ATTRIBUTION_VARIANTS", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss", "REFITS",
+__all__ = ["ATTRIBUTION_VARIANTS", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss", "REFITS",
            "SPEEDUP_LABEL", "attribution_scores", "default_k_values", "estimate_speedup", "fit_corrections", "gold",
            "parallel_scores", "plan_parallel", "refit", "speedup", "strategies"]

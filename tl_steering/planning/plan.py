@@ -38,6 +38,7 @@ from ..sharding import broadcast_from_rank0
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
+from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
 
@@ -52,6 +53,11 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_ab
                                        "attribution_fisher", "measured", "greedy", "greedy_measured",
                                        "contiguous", "random")
 """Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
+ONE_SHOT_COMPARISON: tuple[str, ...] = PLAN_CHOICE_STRATEGIES
+"""The cheap comparison (one forward + backwards for the scores, then one forward per plan and curve point), and
+the recommended one with a fitted correction: ``plan_parallel(model, cal, k, strategies=ONE_SHOT_COMPARISON,
+refit="linear")``. The measured / greedy searches choose among hundreds of plans on the calibration windows'
+loss and, with a few calibration windows, pick plans that fit those windows' noise (docs/parallel.md)."""
 GREEDY_SCORE = "attribution_abs"
 """The score the greedy planners re-compute. Not the signed first-order ``attribution``: on a trained model
 the loss sits near a minimum, the first-order term of a large defect can even be negative (SmolLM2 layers 0
@@ -459,4 +465,4 @@ def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_
     return order, {"forward": fwd, "backward": 0.0}
 
 
-__all__ = ["DEFAULT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]
+__all__ = ["DEFAULT_COMPARISON", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]

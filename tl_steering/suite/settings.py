@@ -30,6 +30,8 @@ STAGES: tuple[str, ...] = (
 #: ``tl_steering.planning.plan_parallel`` that cost one forward + one backward (+ ``plan_choice_fisher_samples``
 #: sampled-label backwards for ``attribution_2nd``) over the calibration windows, plus one forward per curve point;
 #: the measured / greedy / contiguous planners (tens to hundreds of forwards) are left to ``strategy="best"``.
+#: ``tl_steering.planning.ONE_SHOT_COMPARISON`` is this tuple (kept here: the CLI imports this module, not torch
+#: code, before it fails fast on bad arguments).
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
 
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point")
