@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "weights); the plan comes from --layers and the dCE column is not meaningful")
     ap.add_argument("--layers", default=None,
                     help="comma list: time this plan (k = its length, plus the k = 0 control) instead of planning")
-    ap.add_argument("--refit", default="none", choices=["none", "gate", "affine"],
+    ap.add_argument("--refit", default="none", choices=["none", "gate", "affine", "linear"],
                     help="fit the plan's closed-form FFN corrections on the calibration windows "
                          "(tl_steering.planning.refit.fit_corrections) and fold them into the parallel model "
                          "(parallelize(..., gates=, biases=)): the dCE column is then the corrected plan's, held out")
@@ -229,23 +229,24 @@ def main(argv: list[str] | None = None) -> dict:
           f"{time.time() - t1:.0f}s): {plans}; planner cost {plan_info['cost']}")
     base_loss = mean_loss(model, held)
     pars, seqs = {}, {}
-    fitted: dict[int, tuple[dict, dict]] = {}
+    fitted: dict[int, tuple[dict, dict, dict]] = {}
     for k in ks:
         if args.refit != "none" and plans[k]:
             from tl_steering.planning.refit import fit_corrections
 
-            g, bias, _ = fit_corrections(model, calib, plans[k], refit=args.refit, batch_size=4)
-            fitted[k] = (g, bias)
-        g, bias = fitted.get(k, ({}, {}))
-        pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None)
+            lin: dict = {}
+            g, bias, _ = fit_corrections(model, calib, plans[k], refit=args.refit, batch_size=4, linears=lin)
+            fitted[k] = (g, bias, lin)
+        g, bias, lin = fitted.get(k, ({}, {}, {}))
+        pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None, linears=lin or None)
         seqs[k] = _lean_sequential_copy(model, plans[k])
     if fitted:
         print(f"# {args.refit} corrections fitted on the calibration windows for k = {sorted(fitted)}")
     controls = [c for c in args.controls.split(",") if c]
     if "unfused" in controls:
-        g, bias = fitted.get(max(ks), ({}, {}))
+        g, bias, lin = fitted.get(max(ks), ({}, {}, {}))
         pars[("unfused", max(ks))] = parallelize(model, plans[max(ks)], fuse=False, gates=g or None,
-                                                 biases=bias or None)
+                                                 biases=bias or None, linears=lin or None)
     losses = {key: mean_loss(p, held) for key, p in pars.items()}
 
     rows = []
