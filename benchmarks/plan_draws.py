@@ -25,10 +25,8 @@ Corrections, fitted on the calibration windows:
 Prints held-out dCE per draw and the ratio to the lowest-C plan without correction on the same draw.
 """
 
-import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,32 +34,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from _common import bench_model, cal_held, finish  # noqa: E402
+from _common import cal_held, finish, plan_parser, start  # noqa: E402
 from tl_steering.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
 from tl_steering.planning import strategies as st  # noqa: E402
 from tl_steering.planning.refit import fit_corrections  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--backend", default="bridge")
-    ap.add_argument("--k", type=int, default=None)
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap = plan_parser(__doc__)
     ap.add_argument("--draws", default="1,2,3", help="seeds of the held-out draws")
     ap.add_argument("--best", default="", help="refits R: also plan_parallel(strategy='best', refit=R) (comma list)")
     ap.add_argument("--best-strategies", default="", help="strategies compared by --best (default: the library's)")
     ap.add_argument("--plan", action="append", default=[], help="NAME=L1,L2,... (repeatable)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    t0 = time.time()
-    model = bench_model(args.model, args.backend)
-    ad = ts.adapt(model)
-    cand = [lay for lay in ad.layers() if not ad.is_parallel(lay)]
-    k = args.k if args.k is not None else len(cand) // 2
+    args, t0, model, ad, cand = start(ap, argv)
+    k = args.k
     cal, _ = cal_held(model, args.windows, args.length)
     bs = args.batch_size
     seen = {tuple(r.tolist()) for r in cal}

@@ -16,11 +16,9 @@ reported. Prints:
 Timings (planner seconds) on a shared CPU are distorted by other processes; the pass counts are exact.
 """
 
-import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -28,20 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from _common import bench_model, cal_held, finish  # noqa: E402
+from _common import cal_held, finish, plan_parser, start  # noqa: E402
 from tl_steering.planning.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="a load_model name, or tiny-gpt2 / tiny-llama")
-    ap.add_argument("--backend", default="bridge")
-    ap.add_argument("--k", type=int, default=None, help="layers to make parallel (default L // 2)")
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
+    ap = plan_parser(__doc__)
     ap.add_argument("--shortlist", type=int, default=4)
     ap.add_argument("--k-values", default=None, help="comma list (default: 0..k in steps of L//8, and k)")
-    ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--strategies", default=None, help="comma list (default: plan_parallel's comparison)")
     ap.add_argument("--no-gold", action="store_true", help="skip the measured single-layer dCE (2 x L forwards)")
     ap.add_argument("--fisher-samples", type=int, default=8, help="sampled-label backwards of the 2nd-order scores")
@@ -54,13 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "plan measured (tl_steering.planning.refit; docs/parallel.md 'Refit')")
     ap.add_argument("--refit-order", default="sequential", choices=("sequential", "joint"))
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    t0 = time.time()
-    model = bench_model(args.model, args.backend)
-    ad = ts.adapt(model)
-    L = len([lay for lay in ad.layers() if not ad.is_parallel(lay)])
-    k = args.k if args.k is not None else L // 2
+    args, t0, model, ad, cand = start(ap, argv)
+    L = len(cand)
+    k = args.k
     cal, held = cal_held(model, args.windows, args.length)
     print(f"# {args.model} ({args.backend}, TL {ts.tl_version()}, torch threads {torch.get_num_threads()}); "
           f"loaded in {time.time() - t0:.0f}s; calibration {tuple(cal.shape)}, held-out {tuple(held.shape)}, k={k}",

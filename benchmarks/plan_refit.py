@@ -12,10 +12,8 @@ candidate, prints the held-out dCE with no correction, the scalar gate g_l Phi(x
 and the ratios to the lowest-C plan without and with the same correction.
 """
 
-import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from _common import bench_model, cal_held, finish  # noqa: E402
+from _common import cal_held, finish, plan_parser, start  # noqa: E402
 from tl_steering.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
 from tl_steering.planning import strategies as st  # noqa: E402
@@ -35,26 +33,15 @@ ONE_SHOT = ("C", "C1", "attribution_abs", "attribution_2nd", "attribution_fisher
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--backend", default="bridge")
-    ap.add_argument("--k", type=int, default=None)
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap = plan_parser(__doc__)
     ap.add_argument("--shortlist", type=int, default=4)
     ap.add_argument("--fisher-samples", type=int, default=8)
     ap.add_argument("--refits", default="gate,affine")
     ap.add_argument("--fits", default="sequential,joint")
     ap.add_argument("--greedy-refits", default="gate,affine", help="refits re-run inside greedy_measured")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    t0 = time.time()
-    model = bench_model(args.model, args.backend)
-    ad = ts.adapt(model)
-    cand = [lay for lay in ad.layers() if not ad.is_parallel(lay)]
-    k = args.k if args.k is not None else len(cand) // 2
+    args, t0, model, ad, cand = start(ap, argv)
+    k = args.k
     cal, held = cal_held(model, args.windows, args.length)
     bs = args.batch_size
     print(f"# {args.model} ({args.backend}, TL {ts.tl_version()}, threads {torch.get_num_threads()}); loaded in "
