@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gold-from", default=None,
                     help="a --json of an earlier run on the same model and windows: reuse its measured single-layer "
                          "dCE (deterministic) instead of 2 x L forwards")
-    ap.add_argument("--refit", default="none", choices=("none", "gate", "affine"),
+    ap.add_argument("--refit", default="none", choices=("none", "gate", "affine", "linear"),
                     help="plan with the closed-form FFN correction re-fitted on the calibration windows for every "
                          "plan measured (tl_steering.planning.refit; docs/parallel.md 'Refit')")
     ap.add_argument("--refit-order", default="sequential", choices=("sequential", "joint"))
