@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
             g, bias, _ = fit_corrections(model, calib, plans[k], refit=args.refit, batch_size=4, linears=lin)
             fitted[k] = (g, bias, lin)
         g, bias, lin = fitted.get(k, ({}, {}, {}))
-        pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None, linears=lin or None)
+        pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None,
+                                         linears=lin or None)
         seqs[k] = _lean_sequential_copy(model, plans[k])
     if fitted:
         print(f"# {args.refit} corrections fitted on the calibration windows for k = {sorted(fitted)}")

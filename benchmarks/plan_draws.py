@@ -43,8 +43,10 @@ from tl_steering.planning.refit import fit_corrections  # noqa: E402
 def main(argv: list[str] | None = None) -> dict:
     ap = plan_parser(__doc__)
     ap.add_argument("--draws", default="1,2,3", help="seeds of the held-out draws")
-    ap.add_argument("--best", default="", help="refits R: also plan_parallel(strategy='best', refit=R) (comma list)")
-    ap.add_argument("--best-strategies", default="", help="strategies compared by --best (default: the library's)")
+    ap.add_argument("--best", default="",
+                    help="refits R: also plan_parallel(strategy='best', refit=R) (comma list)")
+    ap.add_argument("--best-strategies", default="",
+                    help="strategies compared by --best (default: the library's)")
     ap.add_argument("--plan", action="append", default=[], help="NAME=L1,L2,... (repeatable)")
     ap.add_argument("--json", default=None)
     args, t0, model, ad, cand = start(ap, argv)
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
         keep = [i for i, r in enumerate(toks) if tuple(r.tolist()) not in seen]
         draws[s] = toks[keep]
     print(f"# {args.model} ({args.backend}, TL {ts.tl_version()}, threads {torch.get_num_threads()}); k={k}; "
-          f"calibration {tuple(cal.shape)}; draws " + ", ".join(f"seed {s}: {tuple(t.shape)}" for s, t in draws.items()),
+          f"calibration {tuple(cal.shape)}; draws "
+          + ", ".join(f"seed {s}: {tuple(t.shape)}" for s, t in draws.items()),
           flush=True)
     sc = ts.parallel_scores(model, cal, batch_size=bs)
     plans = {"C": st.one_shot(cand, sc.score_of("C"), k)}

@@ -22,6 +22,7 @@ from torch import Tensor
 from . import geometry as geo
 from . import validation
 from .backends import ModelAdapter, adapt, check_finite
+from .backends.fused import corrected_ffn_write
 from .backends.lifecycle import capture_site, orphan_safe
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
 
@@ -163,10 +164,11 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
 
 
 def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, float] | None,
-                        biases: Mapping[int, Tensor] | None, caller: str
-                        ) -> tuple[dict[int, float], dict[int, Tensor]]:
-    """``(gates, biases)`` of a corrected parallel plan, checked (float gates, ``[d_model]`` float64 biases, keys
-    valid layers among ``layers``); shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`."""
+                        biases: Mapping[int, Tensor] | None, caller: str, linears: Mapping[int, Tensor] | None = None
+                        ) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
+    """``(gates, biases, linears)`` of a corrected parallel plan, checked (float gates, ``[d_model]`` float64
+    biases, ``[d_model, d_model]`` float64 linear maps of ``refit="linear"``, keys valid layers among ``layers``);
+    shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`."""
     g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
             for k, v in (gates or {}).items()}
     b_of: dict[int, Tensor] = {}
@@ -175,17 +177,6 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
             raise InputError(f"bias of layer {k} must be a [d_model={ad.d_model}] tensor, got "
                              f"{getattr(v, 'shape', type(v).__name__)}")
         b_of[ad.check_layer(k, "biases key (layer)")] = v.detach().to(torch.float64)
-    stray = sorted((set(g_of) | set(b_of)) - set(layers))
-    if stray:
-        raise InputError(f"{caller}: corrections given for layers {stray} that are not made parallel here "
-                         f"(not in layers={list(layers)})")
-    return g_of, b_of
-
-
-def checked_linears(ad: Any, layers: Sequence[int], linears: Mapping[int, Tensor] | None, caller: str
-                    ) -> dict[int, Tensor]:
-    """``{layer: W}`` of the linear correction (``refit="linear"``), checked: ``[d_model, d_model]`` tensors
-    (float64 copies), keys valid layers among ``layers``."""
     w_of: dict[int, Tensor] = {}
     d = ad.d_model
     for k, v in (linears or {}).items():
@@ -193,11 +184,11 @@ def checked_linears(ad: Any, layers: Sequence[int], linears: Mapping[int, Tensor
             raise InputError(f"linear map of layer {k} must be a [d_model, d_model] = [{d}, {d}] tensor, got "
                              f"{getattr(v, 'shape', type(v).__name__)}")
         w_of[ad.check_layer(k, "linears key (layer)")] = v.detach().to(torch.float64)
-    stray = sorted(set(w_of) - set(layers))
+    stray = sorted((set(g_of) | set(b_of) | set(w_of)) - set(layers))
     if stray:
-        raise InputError(f"{caller}: linear maps given for layers {stray} that are not made parallel here "
+        raise InputError(f"{caller}: corrections given for layers {stray} that are not made parallel here "
                          f"(not in layers={list(layers)})")
-    return w_of
+    return g_of, b_of, w_of
 
 
 def parallel_blocks(
@@ -238,18 +229,12 @@ def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] |
     attn_write)`` of :func:`parallel_hooks` / ``ModelAdapter.run_blocks``: ``g_l Phi(x) + b_l (+ a W_l)`` in
     float64, cast to the activation dtype (``Phi(x)`` itself for a layer with no correction). ``where`` names the
     caller in errors."""
-    g_of, b_of = checked_corrections(ad, chosen, gates, biases, where)
-    w_of = checked_linears(ad, chosen, linears, where)
+    g_of, b_of, w_of = checked_corrections(ad, chosen, gates, biases, where, linears)
 
     def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
         if layer not in g_of and layer not in b_of and layer not in w_of:
             return par.to(act.dtype)
-        out = par.to(torch.float64) * g_of.get(layer, 1.0)
-        if layer in b_of:
-            out = out + b_of[layer].to(out.device)
-        if layer in w_of:
-            out = out + attn.to(torch.float64) @ w_of[layer].to(out.device)
-        return out.to(act.dtype)
+        return corrected_ffn_write(par, g_of.get(layer, 1.0), b_of.get(layer), w_of.get(layer), attn, act.dtype)
 
     return write
 

@@ -133,11 +133,11 @@ def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, bi
                  linears: Mapping[int, Tensor] | None = None
                  ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
     """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    from .hooks import checked_corrections, checked_linears
+    from .hooks import checked_corrections
 
-    g_of, b_of = checked_corrections(ad, todo, gates, biases, "parallelize")
-    w_of = checked_linears(ad, todo, linears, "parallelize")
-    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay)) for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
+    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
+    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
+            for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
 
 
 def _is_empty(layers: Any) -> bool:

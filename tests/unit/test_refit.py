@@ -21,8 +21,14 @@ from tl_steering.backends import adapt
 from tl_steering.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
-from tl_steering.planning.refit import (LINEAR_RIDGE, Moments, RefitLoss, corrected_loss, fit_corrections,
-                                       solve_correction)
+from tl_steering.planning.refit import (
+    LINEAR_RIDGE,
+    Moments,
+    RefitLoss,
+    corrected_loss,
+    fit_corrections,
+    solve_correction,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -318,7 +324,7 @@ def test_linear_moments_equal_the_ridge_regression():
     # no attention variance: W = 0 and the affine fit
     m0 = Moments(d, linear=True)
     m0.add(y, p, (0,), torch.ones_like(a))
-    g0, b0, w0 = m0.solve_linear()
+    g0, _, w0 = m0.solve_linear()
     assert float(w0.abs().max()) == 0.0
     _close(g0, g_a, 1.0)
     with pytest.raises(InputError, match="attention write"):
@@ -341,7 +347,7 @@ def test_linear_refit_surrogate_and_bad_input(tiny, tiny_tokens):
     assert abs(loss - ref) <= 1e-9  # the fitting forward's loss is the corrected model's loss
     # many batches: one fitting forward per layer, the same fit
     w2: dict = {}
-    loss2, g2, b2, passes2 = corrected_loss(tiny, tiny_tokens, plan, "linear", "sequential", batch_size=1, linears=w2)
+    loss2, _, _, passes2 = corrected_loss(tiny, tiny_tokens, plan, "linear", "sequential", batch_size=1, linears=w2)
     assert passes2 == len(plan) + 1 and abs(loss2 - loss) <= 1e-6
     for lay in plan:
         assert float((w2[lay] - w[lay]).abs().max()) <= 1e-6 * max(1.0, float(w[lay].abs().max()))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, ModelNotSupportedError
-from .fused import FusedWeights, _build, _fused_step, _on_side, _Streams
+from .fused import FusedWeights, _build, _fused_step, _on_side, _Streams, corrected_ffn_write
 
 try:  # TL 3.x only
     from transformer_lens.components import TransformerBlock as _HookedBlock  # type: ignore[attr-defined]
@@ -70,14 +70,9 @@ class _ParallelState(torch.nn.Module):
         arithmetic, cast back)."""
         if not self.corrected:
             return m
-        out = m.to(torch.float64) * self.ffn_gate
-        if self.ffn_bias is not None:
-            out = out + self.ffn_bias.to(device=m.device, dtype=torch.float64)
-        if self.attn_linear is not None:
-            if a is None:
-                raise RuntimeError("parallel block: the attention write was not captured for the linear correction")
-            out = out + a.to(torch.float64) @ self.attn_linear.to(m.device)
-        return out.to(m.dtype)
+        if self.attn_linear is not None and a is None:
+            raise RuntimeError("parallel block: the attention write was not captured for the linear correction")
+        return corrected_ffn_write(m, self.ffn_gate, self.ffn_bias, self.attn_linear, a)
 
     def set_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
         """Set g, b (and W) and fold them into the fused weights (if any): zero run-time cost on the fused path."""

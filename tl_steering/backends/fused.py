@@ -11,6 +11,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+def corrected_ffn_write(m: Tensor, gate: float = 1.0, bias: Tensor | None = None, linear: Tensor | None = None,
+                        attn: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """The corrected FFN write of a parallel block, ``g m + b + attn W`` (the terms given), in float64 and cast to
+    ``dtype`` (default ``m.dtype``): ``m`` the FFN write Phi(x) ``[..., d_model]``, ``bias`` ``[d_model]``,
+    ``linear`` ``[d_model, d_model]`` applied to the block's attention write ``attn`` ``[..., d_model]``. The one
+    copy of this arithmetic: the hook surrogate, the fits and the executor's unfused paths call it."""
+    out = m.to(torch.float64) * gate
+    if bias is not None:
+        out = out + bias.to(device=out.device, dtype=torch.float64)
+    if linear is not None:
+        if attn is None:
+            raise ValueError("the linear correction a W needs the block's attention write a")
+        out = out + attn.to(torch.float64) @ linear.to(device=out.device, dtype=torch.float64)
+    return out.to(m.dtype if dtype is None else dtype)
+
+
 class FusedWeights(torch.nn.Module):
     """Folded weights of one parallel block (non-persistent buffers) and the fused math on them.
 

@@ -35,10 +35,10 @@ from ..data import token_source
 from ..errors import InputError
 from ..results import Result, register
 from ..sharding import broadcast_from_rank0
+from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
-from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
 
@@ -268,16 +268,16 @@ def plan_parallel(
         refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)), ``"affine"``
             (g_l Phi(x) + b_l) or ``"linear"`` (g_l Phi(x) + b_l + a W_l, a the block's attention write, W_l a
             ridge-regularised ``[d_model, d_model]`` map; still parallel): closed-form corrections of the parallel
-            FFN writes (:mod:`tl_steering.planning.refit`) fitted on the calibration windows for every plan measured, so the measured strategies choose WITH the
-            correction (greedy_measured re-fits at every candidate) and ``"best"`` compares corrected calibration
+            FFN writes (:mod:`tl_steering.planning.refit`) fitted on the calibration windows for every plan
+            measured, so the measured strategies choose WITH the correction (greedy_measured re-fits at every candidate) and ``"best"`` compares corrected calibration
             dCE; the held-out dCE applies the calibration fit. The one-shot scores are those of the uncorrected
             surrogate. Costs nothing more with ``refit_order="sequential"`` and the calibration windows in one
             batch (the fit runs inside the measuring forward).
         refit_order: ``"sequential"`` (each layer fitted on the forward that runs the corrected layers before it)
             or ``"joint"`` (every layer from the uncorrected plan's forward; one more pass per plan).
         refit_crossfit: compare plans by their out-of-fold calibration loss (corrections fitted on one half of
-            the calibration windows, measured on the other, both ways; :class:`~tl_steering.planning.refit.RefitLoss`)
-            instead of the in-sample one. Default (None): on for ``"linear"`` (whose d_model^2 entries per layer
+            the calibration windows, measured on the other, both ways;
+            :class:`~tl_steering.planning.refit.RefitLoss`) instead of the in-sample one. Default (None): on for ``"linear"`` (whose d_model^2 entries per layer
             fit the calibration noise: in-sample, ``"best"`` picked a plan 0.09 nats BELOW the clean loss on
             calibration and 2x the lowest-C plan's loss held out on SmolLM2), off for the others. The stored
             corrections are then fitted on all the calibration windows, and ``calibration_delta_ce`` is the
@@ -309,7 +309,8 @@ def plan_parallel(
         raise InputError(f"refit must be one of {list(REFITS)} and refit_order one of {list(FITS)}; got "
                          f"{refit!r}, {refit_order!r}")
     if refit_crossfit is not None and not isinstance(refit_crossfit, bool):
-        raise InputError(f"refit_crossfit must be True, False or None (on for refit='linear'), got {refit_crossfit!r}")
+        raise InputError(f"refit_crossfit must be True, False or None (on for refit='linear'), got "
+                         f"{refit_crossfit!r}")
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
     ks = sorted({st.check_k(int(j), len(cand)) for j in (k_values if k_values is not None
@@ -427,7 +428,8 @@ def plan_parallel(
         cost=costs[chosen], total_cost=total, k_values=ks, strategies=names, calibration_curves=cal_curves,
         held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
         n_held_out=int(held.shape[0]), options=options, refit=refit, refit_order=refit_order, gates=gates,
-        biases=biases, linears=linears, calibration_delta_ce_uncorrected=unc_cal, held_out_delta_ce_uncorrected=unc_held)
+        biases=biases, linears=linears, calibration_delta_ce_uncorrected=unc_cal,
+        held_out_delta_ce_uncorrected=unc_held)
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..backends import adapt
+from ..backends.fused import corrected_ffn_write
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
 from ..sharding import batch_slices
@@ -225,12 +226,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
             biases[layer] = b.cpu()
 
     def corrected(layer: int, par: Tensor, act: Tensor, attn: Tensor) -> Tensor:
-        out = par.to(torch.float64) * gates[layer]
-        if keep_bias:
-            out = out + biases[layer].to(out.device)
-        if linear:
-            out = out + attn.to(torch.float64) @ lins[layer].to(out.device)
-        return out.to(act.dtype)
+        return corrected_ffn_write(par, gates[layer], biases.get(layer), lins.get(layer), attn, act.dtype)
 
     rows = batch_slices(tokens.shape[0], batch_size)
     passes = 0
@@ -343,8 +339,8 @@ class RefitLoss(PlanLoss):
             n1, n2 = int(first.tokens.shape[0]), int(second.tokens.shape[0])
             return (on_first * n1 + on_second * n2) / (n1 + n2)
         w: dict[int, Tensor] = {}
-        loss, g, b, passes = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
-                                            self.batch_size, loss_fn=self.mean_ce, linears=w)
+        loss, g, b, _ = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
+                                       self.batch_size, loss_fn=self.mean_ce, linears=w)
         self.fitted[key] = (g, b, w)
         return loss
 
