@@ -9,10 +9,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor
 
-def corrected_ffn_write(m: Tensor, gate: float = 1.0, bias: Tensor | None = None, linear: Tensor | None = None,
-                        attn: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
+                        bias: Float[Tensor, " d_model"] | None = None,
+                        linear: Float[Tensor, "d_model d_model2"] | None = None,
+                        attn: Float[Tensor, "*rows d_model"] | None = None,
+                        dtype: torch.dtype | None = None) -> Float[Tensor, "*rows d_model"]:
     """The corrected FFN write of a parallel block, ``g m + b + attn W`` (the terms given), in float64 and cast to
     ``dtype`` (default ``m.dtype``): ``m`` the FFN write Phi(x) ``[..., d_model]``, ``bias`` ``[d_model]``,
     ``linear`` ``[d_model, d_model]`` applied to the block's attention write ``attn`` ``[..., d_model]``. The one
