@@ -133,25 +133,31 @@ class ProbeTrace:
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
+        # the buffer slot of each site for the layer being filled: a layer whose resid_pre is the previous
+        # layer's resid_post, untouched, takes that slot as its resid_pre (no copy) and writes its resid_post
+        # into the previous resid_pre's slot
+        self._cur = dict(self._slots)
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
         """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (one pass; the dtype is
-        converted by the copy). The buffer ``[batch, kept_pos, n_slots, d_model]`` is reused by every layer and
-        forward of the same shape and freed on exit; it is the probe's only activation-sized memory."""
+        converted by the copy). The buffer ``[n_slots, batch, kept_pos, d_model]`` is reused by every layer and
+        forward of the same shape and freed on exit; it is the probe's only activation-sized memory. Slot-major,
+        so that each slot is contiguous: the copies, the diversity Gram products and even the per-token Gram
+        product (through a permuted view) ran 10-40% faster than on a ``[batch, pos, slot, d]`` layout."""
         idx, _ = self._positions(act.shape[-2], act.device)
         src = act.detach()
         if isinstance(idx, slice):
             src = src[..., idx, :]
         elif idx is not None:
             src = src.index_select(-2, idx)
-        shape = (src.shape[0], src.shape[1], len(self._slots), src.shape[2])
+        shape = (len(self._slots), src.shape[0], src.shape[1], src.shape[2])
         # torch's own threads for this elementwise copy: half the wall time of a one-thread copy at two threads
         # (no MKL call here, so none of the oversubscription that _update avoids)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
             buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
-        out = buf[:, :, self._slots[site], :]
+        out = buf[self._cur[site]]
         out.copy_(src)
         return out
 
@@ -207,9 +213,13 @@ class ProbeTrace:
                     carry, self._carry = self._carry, None
                     if carry is not None and carry["layer"] == layer and carry["src"] is act \
                             and _version(act) is not None and _version(act) == carry["version"]:
-                        # this resid_pre is the previous layer's resid_post, untouched: reuse its diversity
+                        # this resid_pre is the previous layer's resid_post, untouched: its float64 copy is in
+                        # the buffer already (swap the two slots) and its diversity was measured
+                        cur = self._cur
+                        cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
                         state["_div_pre"] = carry["div"]
-                    self._slot_copy(act, "resid_pre")
+                    else:
+                        self._slot_copy(act, "resid_pre")
                     state["resid_pre"] = True
                     state["bins"] = self._positions(act.shape[-2], act.device)[1]
                     if first:
@@ -220,9 +230,9 @@ class ProbeTrace:
                         if "resid_pre" in state:
                             self._slot_copy(act, "resid_post")
                             self._update(layer, state)
-                            if layer + 1 in self._row and state.get("_div_post") is not None:
+                            if layer + 1 in self._row:
                                 self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
-                                               "div": state["_div_post"]}
+                                               "div": state.get("_div_post")}
                     finally:
                         state.clear()
             else:
@@ -256,6 +266,7 @@ class ProbeTrace:
     def _detach(self, *exc: Any) -> None:
         self._carry = None
         self._buf = None
+        self._cur = dict(self._slots)
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(*exc)
@@ -305,15 +316,15 @@ class ProbeTrace:
     def _update_layer(self, layer: int, st: dict[str, Any], split: bool = False) -> None:
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
-        V = self._buf  # [batch, n, slots, d]
-        if V is None or V.shape[1] == 0:  # every position excluded
+        buf = self._buf  # [slots, batch, n, d]
+        if buf is None or buf.shape[2] == 0:  # every position excluded
             return
-        k = self._slots
+        k = self._cur
         has_mid = not parallel and "resid_mid" in st
         # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
-        G = token_gram(V, split) if acc.token_q else None  # [batch, n, slots, slots]
+        G = token_gram(buf.permute(1, 2, 0, 3), split) if acc.token_q else None  # [batch, n, slots, slots]
         # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
-        sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (V * V).sum(-1)
+        sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (buf * buf).sum(-1).permute(1, 2, 0)
         if not bool(torch.isfinite(sq).all()):
             self._raise_non_finite(layer, sq)
         if G is not None:
@@ -326,7 +337,7 @@ class ProbeTrace:
             reuse = st.get("_div_pre") is not None
             todo = [w for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
-            sets = [V[:, :, k[_SITE_OF[w]], :] for w in todo]
+            sets = [buf[k[_SITE_OF[w]]] for w in todo]
             values, valid = diversity(sets, split)  # [sets, 3, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
@@ -337,7 +348,7 @@ class ProbeTrace:
             acc.add_sequences(row, names, values.flatten(0, 1), valid.flatten(0, 1))
 
     def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
-        bad = [site for site, k in self._slots.items() if not bool(torch.isfinite(sq[..., k]).all())]
+        bad = [site for site, k in self._cur.items() if not bool(torch.isfinite(sq[..., k]).all())]
         raise NonFiniteError(
             f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
             "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "

@@ -301,6 +301,41 @@ def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens):
     assert_matches(trace.result(), reference_metrics(tiny, cache_for(tiny, tiny_tokens)))
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_steered_resid_pre_is_measured_not_the_previous_resid_post(tiny, tiny_tokens, in_place):
+    """A layer whose resid_pre is the previous resid_post untouched takes that float64 copy from the buffer;
+    a hook that edits resid_pre (a new tensor, or the same tensor in place) makes the probe copy the edited
+    activation: every metric of the probed layers equals the cache route on the steered forward."""
+    ad = adapt(tiny)
+    layer = min(1, ad.n_layers - 1)
+    name = ad.hook_name(layer, "resid_pre")
+
+    def steer(act, hook):
+        if in_place:
+            act[:, 2:] *= 1.7
+            return act
+        return act * torch.linspace(0.5, 2.0, act.shape[-1], dtype=act.dtype)
+
+    hooks = [(name, steer)]
+    with probe(tiny) as trace:
+        tiny.run_with_hooks(tiny_tokens, fwd_hooks=hooks)
+    assert_no_hooks(tiny)
+    res = trace.result()
+    later = list(range(layer, ad.n_layers))
+    # an in-place edit of resid_pre also edits the cached tensor of the previous resid_post (the same tensor),
+    # so only the layers from the steered one on are compared
+    ref = reference_metrics(tiny, cache_for(tiny, tiny_tokens, hooks), layers=later)
+    for q in res.quantities:
+        got, want = res.get(q)[layer:], ref[q]
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), q
+        fin = ~torch.isnan(want)
+        assert torch.allclose(got[fin], want[fin], rtol=TOL, atol=1e-9), (q, got, want)
+    unsteered = probe(tiny)
+    with unsteered:
+        tiny(tiny_tokens)
+    assert not torch.allclose(unsteered.result().get("resid_norm_pre")[layer:], res.get("resid_norm_pre")[layer:])
+
+
 @pytest.mark.parametrize("metric", ["resid_norm", "radial_coef", "tangent_alignment", "tangential_speed"])
 def test_single_metric(tiny, tiny_tokens, metric):
     """Each metric alone hooks what it needs and gives the numbers of the full probe."""
