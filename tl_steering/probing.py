@@ -137,6 +137,7 @@ class ProbeTrace:
         # layer's resid_post, untouched, takes that slot as its resid_pre (no copy) and writes its resid_post
         # into the previous resid_pre's slot
         self._cur = dict(self._slots)
+        self._last_layer = max(self.layers)
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
@@ -233,6 +234,10 @@ class ProbeTrace:
                             if layer + 1 in self._row:
                                 self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
                                                "div": state.get("_div_post")}
+                            elif layer == self._last_layer:
+                                # done with this forward: the buffer goes before the forward's own peak (the
+                                # logits), so a probed forward peaks at a plain forward's memory
+                                self._buf = None
                     finally:
                         state.clear()
             else:

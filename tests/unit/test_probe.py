@@ -260,6 +260,28 @@ def test_state_size_independent_of_forwards(tiny, tiny_tokens):
     assert trace.result().n_forwards == 4
 
 
+def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
+    """The float64 buffer lives only while the probed layers run: it is released at the last probed layer's
+    resid_post, before the forward's own peak (the logits), and a later forward gives the same sums as one
+    run alone."""
+    ad = adapt(tiny)
+    for layers in (None, [0], [0, ad.n_layers - 1]):
+        seen = []
+        with probe(tiny, layers=layers) as trace:
+            tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(0, "resid_post"),
+                                                         lambda act, hook: seen.append(trace._buf is not None))])
+            assert trace._buf is None
+            tiny(tiny_tokens)
+            assert trace._buf is None
+        assert seen == [True]
+        alone = probe(tiny, layers=layers)
+        with alone:
+            tiny(tiny_tokens)
+        two, one = trace.result(), alone.result()
+        for q in two.quantities:
+            assert torch.allclose(two.get(q), one.get(q), rtol=1e-12, atol=1e-12, equal_nan=True), q
+
+
 def test_result_roundtrip_and_plot(tiny, tiny_tokens, tmp_path):
     with probe(tiny, position_bins=True, corpus="random ids") as trace:
         tiny(tiny_tokens)
