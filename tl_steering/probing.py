@@ -142,8 +142,9 @@ class ProbeTrace:
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
         """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (one pass; the dtype is
-        converted by the copy). The buffer ``[n_slots, batch, kept_pos, d_model]`` is reused by every layer and
-        forward of the same shape and freed on exit; it is the probe's only activation-sized memory. Slot-major,
+        converted by the copy). The buffer ``[n_slots, batch, kept_pos, d_model]`` is reused by every layer of a
+        forward and released at the last probed layer's resid_post (and on exit); it is the probe's only
+        activation-sized memory. Slot-major,
         so that each slot is contiguous: the copies, the diversity Gram products and even the per-token Gram
         product (through a permuted view) ran 10-40% faster than on a ``[batch, pos, slot, d]`` layout."""
         idx, _ = self._positions(act.shape[-2], act.device)
