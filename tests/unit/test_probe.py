@@ -418,3 +418,50 @@ def test_kernels_split_over_two_threads_equal_one_thread(batch):
         assert torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
         V = torch.randn(batch, n, 5, d, generator=gen, dtype=F64)
         assert torch.allclose(token_gram(V, split=True), V @ V.mT, rtol=1e-13, atol=1e-13)
+
+
+def test_gram_sets_numpy_route_equals_gram_lower():
+    """gram_sets (numpy's symmetric BLAS kernel on CPU float64) gives gram_lower's lower triangle to 1e-12
+    with a zero strict upper triangle; other dtypes, non-contiguous sets and tensors that require grad take
+    the torch route and give the same."""
+    from tl_steering.probe_kernels import gram_lower, gram_sets
+
+    gen = torch.Generator().manual_seed(3)
+    sets = [torch.randn(3, 9, 20, generator=gen, dtype=F64) + 2.0 for _ in range(2)]
+    want = torch.cat([gram_lower(t) for t in sets])
+    got = gram_sets(sets)
+    assert got.shape == (6, 9, 9)
+    assert torch.equal(got.triu(1), torch.zeros_like(got.triu(1)))
+    assert torch.allclose(got, want, rtol=1e-13, atol=1e-12)
+    strided = [torch.randn(3, 20, 9, generator=gen, dtype=F64).mT for _ in range(2)]
+    assert torch.allclose(gram_sets(strided), torch.cat([gram_lower(t) for t in strided]), rtol=0, atol=1e-12)
+    g32 = gram_sets([t.float() for t in sets])
+    assert g32.dtype == torch.float32 and torch.allclose(g32.double(), want, rtol=1e-5, atol=1e-3)
+    leaf = sets[0].clone().requires_grad_(True)
+    assert torch.allclose(gram_sets([leaf]).detach(), want[:3], rtol=0, atol=1e-12)
+
+
+def test_single_threaded_caps_numpy_blas_and_restores():
+    """single_threaded runs torch and numpy's BLAS on one thread inside the block and puts both counts back
+    afterwards, also when the block raises (threadpoolctl reads the BLAS's own setting)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from tl_steering.protocols._common import single_threaded
+
+    def blas_threads() -> list[int]:
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    torch_before = torch.get_num_threads()
+    with threadpool_limits(limits=2, user_api="blas"):  # the suite runs at OMP_NUM_THREADS=1: start from 2
+        torch.set_num_threads(2)
+        try:
+            before_blas = blas_threads()
+            assert before_blas and max(before_blas) == 2, "numpy's BLAS is not visible to threadpoolctl"
+            with pytest.raises(RuntimeError, match="inside"):
+                with single_threaded():
+                    assert torch.get_num_threads() == 1
+                    assert blas_threads() == [1] * len(before_blas)
+                    raise RuntimeError("inside")
+            assert torch.get_num_threads() == 2 and blas_threads() == before_blas
+        finally:
+            torch.set_num_threads(torch_before)
