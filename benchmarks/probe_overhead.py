@@ -1,4 +1,5 @@
-"""Cost of a streaming probe on SmolLM2-135M (8 x 128 pydoc tokens), against a plain forward and the cache route.
+"""Cost of a streaming probe on SmolLM2-135M (8 x 128 pydoc tokens by default), against a plain forward and the cache
+route.
 
 Three variants:
 
@@ -17,8 +18,10 @@ through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler
 at 128 KiB in those subprocesses so that freed buffers leave RSS (otherwise the warm-up run's pages stay resident
 and every variant reads the same peak).
 
-Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]``
-(``--threads``: torch intra-op threads in every subprocess; default: torch's own default).
+Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]
+[--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b]`` (``--threads``: torch intra-op threads in every
+subprocess; default: torch's own default). The per-sequence spectra of the diversity metric cost O(length^3) per
+sequence against the forward's O(length) (plus attention's O(length^2)), so the ratio grows with ``--length``.
 """
 
 import argparse
@@ -71,7 +74,8 @@ class _Sampler:
         self.peak = max(self.peak, _rss_kib())
 
 
-def _setup(backend: str, threads: int | None = None):
+def _setup(backend: str, threads: int | None = None, model_name: str = "smollm2-135m", windows: int = 8,
+           length: int = 128, metrics: list[str] | None = None):
     import torch
 
     if threads:
@@ -81,33 +85,34 @@ def _setup(backend: str, threads: int | None = None):
     from tl_steering.backends import adapt
     from tl_steering.probing import probe
 
-    model = ts.load_model("smollm2-135m", backend=backend)
-    tokens = ts.text_tokens(model, n_windows=8, length=128)
+    model = ts.load_model(model_name, backend=backend)
+    tokens = ts.text_tokens(model, n_windows=windows, length=length)
     ad = adapt(model)
-    names = {name for layer in ad.layers() for _, name in probe(model)._layer_sites(layer)}
+    names = {name for layer in ad.layers() for _, name in probe(model, metrics=metrics)._layer_sites(layer)}
 
     def run(variant: str) -> None:
         with torch.no_grad():
             if variant == "plain":
                 model(tokens)
             elif variant == "probe":
-                with probe(model) as trace:
+                with probe(model, metrics=metrics) as trace:
                     model(tokens)
                 trace.result()
             else:
                 _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
-                probe(model).add_cache(cache).result()
+                probe(model, metrics=metrics).add_cache(cache).result()
                 del cache
 
-    info = {"threads": torch.get_num_threads(), "tokens": list(tokens.shape), "backend": backend}
+    info = {"threads": torch.get_num_threads(), "tokens": list(tokens.shape), "backend": backend,
+            "model": model_name, "metrics": metrics}
     return run, info
 
 
-def child_memory(variant: str, backend: str, threads: int | None = None) -> dict:
+def child_memory(variant: str, backend: str, threads: int | None = None, **shape) -> dict:
     """One variant in this process: warm-up, reset the RSS high-water mark, one more run."""
     import gc
 
-    run, info = _setup(backend, threads)
+    run, info = _setup(backend, threads, **shape)
     run(variant)
     gc.collect()
     base = _rss_kib()
@@ -120,10 +125,10 @@ def child_memory(variant: str, backend: str, threads: int | None = None) -> dict
             "peak_method": "VmHWM" if hwm else "sampler"}
 
 
-def child_timing(repeats: int, backend: str, threads: int | None = None) -> dict:
+def child_timing(repeats: int, backend: str, threads: int | None = None, **shape) -> dict:
     """All variants in one process, interleaved (plain, probe, cache, plain, ...) after one warm-up each, so
     that the load of a shared machine hits them alike; wall and process-CPU seconds."""
-    run, info = _setup(backend, threads)
+    run, info = _setup(backend, threads, **shape)
     for v in VARIANTS:
         run(v)
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -159,23 +164,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "gemma-3-270m"],
+                    help="an offline model (gemma-3-270m needs its GGUF packages, scripts/setup_env.sh)")
+    ap.add_argument("--windows", type=int, default=8, help="sequences per forward (default 8)")
+    ap.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
+    ap.add_argument("--metrics", default="", help="comma-separated probe metrics (default: all)")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 5:
         ap.error("use at least 5 repeats")
+    shape = {"model_name": args.model, "windows": args.windows, "length": args.length,
+             "metrics": args.metrics.split(",") if args.metrics else None}
     if args.child == "timing":
-        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads)), flush=True)
+        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, **shape)), flush=True)
         return
     if args.child:
-        print("RESULT " + json.dumps(child_memory(args.child, args.backend, args.threads)), flush=True)
+        print("RESULT " + json.dumps(child_memory(args.child, args.backend, args.threads, **shape)), flush=True)
         return
-    common = ["--backend", args.backend, "--threads", str(args.threads)]
+    common = ["--backend", args.backend, "--threads", str(args.threads), "--model", args.model,
+              "--windows", str(args.windows), "--length", str(args.length), "--metrics", args.metrics]
     timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common])
     mem = {v: _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
     med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
-    print(f"SmolLM2-135M ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
-          f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; all metrics, "
-          "all layers")
+    print(f"{timing['model']} ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
+          f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; "
+          f"{'metrics ' + args.metrics if args.metrics else 'all metrics'}, all layers")
     print(f"{'variant':<24}{'wall s':>8}{'x plain':>9}{'cpu s':>8}{'x plain':>9}{'wall min..max':>16}"
           f"{'run peak MiB':>14}{'maxrss MiB':>12}")
     labels = {"plain": "plain forward", "probe": "forward in probe", "cache": "run_with_cache + metrics"}

@@ -13,17 +13,20 @@ from torch import Tensor
 from .errors import InputError
 from .results import Result, register
 
-METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity")
+METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity",
+                            "effective_rank")
 SITES3: tuple[str, ...] = ("pre", "mid", "post")
 QUANTITIES: dict[str, tuple[str, ...]] = {
     "resid_norm": ("resid_norm_pre", "resid_norm_mid", "resid_norm_post"),
     "radial_coef": ("radial_coef_attn", "radial_coef_ffn"),
     "tangent_alignment": ("tangent_alignment",),
     "tangential_speed": ("tangential_speed_attn", "tangential_speed_ffn"),
-    "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length", "effective_rank")
-                       for w in SITES3),
+    "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length") for w in SITES3),
+    "effective_rank": tuple(f"effective_rank_{w}" for w in SITES3),
 }
 TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
+SEQUENCE_METRICS = ("diversity", "effective_rank")  # per-sequence statistics: not binned by position
+SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _F64 = torch.float64
 
@@ -48,9 +51,9 @@ class ProbeResult(Result):
             (a single bin when ``position_bins`` is False).
         n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
         sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
-            sequences for diversity) and int64 counts of masked rows, each ``[layer, n_bins]`` (``[layer, 1]``
-            for diversity). Means are ``sums / counts``; two results of the same probe setup merge by adding
-            them (:meth:`merge`).
+            sequences for diversity and effective_rank) and int64 counts of masked rows, each ``[layer, n_bins]``
+            (``[layer, 1]`` for those two). Means are ``sums / counts``; two results of the same probe setup
+            merge by adding them (:meth:`merge`).
 
     Per-layer means: :meth:`get` (``res.get("tangent_alignment")``) or the attribute of the same name
     (``res.tangent_alignment``), ``Float[Tensor, " layer"]``, NaN where nothing was counted.
@@ -72,6 +75,9 @@ class ProbeResult(Result):
     kind = "probe"
 
     def __post_init__(self) -> None:
+        if "effective_rank" not in self.metrics and any(q in self.sums for q in QUANTITIES["effective_rank"]):
+            # a result saved when "diversity" still included the effective rank (before the two were split)
+            self.metrics = [m for m in METRICS if m in self.metrics or m == "effective_rank"]
         if set(self.sums) != set(self.counts) or set(self.sums) != set(self.masked):
             raise InputError("ProbeResult: sums, counts and masked must hold the same quantities")
         for q, s in self.sums.items():
@@ -101,7 +107,7 @@ class ProbeResult(Result):
     def get_bins(self, name: str) -> Float[Tensor, "layer bin"]:
         """Per-layer, per-position-bin mean of one token quantity (``position_bins=True``)."""
         q = self._check(name)
-        if q in QUANTITIES["diversity"]:
+        if q in SEQUENCE_QUANTITIES:
             raise InputError(f"{q!r} is a per-sequence statistic and has no position bins")
         return _mean(self.sums[q], self.counts[q])
 
@@ -178,4 +184,5 @@ class ProbeResult(Result):
         return fig
 
 
-__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "ProbeResult", "SITES3", "TOKEN_METRICS"]
+__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "ProbeResult", "SEQUENCE_METRICS", "SEQUENCE_QUANTITIES",
+           "SITES3", "TOKEN_METRICS"]

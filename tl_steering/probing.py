@@ -26,10 +26,13 @@ f = FFN input = y for sequential blocks and x for parallel ones, Dx = z - x, u(v
   mean ||P_w phi|| / ||f|| with w = u(f) (``tangential_speed_ffn``). Choice: each branch is measured at the
   state it acts on in the Lie-Trotter split (attention at x, the FFN sub-step at y = x + a), so a purely radial
   FFN write (phi = c u(y)) has FFN speed exactly 0; for parallel blocks both use x, i.e. v_A and v_Phi of docs/geometry.md.
-* ``"diversity"``: per sequence (over its non-excluded positions) the mean pairwise cosine, the mean resultant
-  length and the (uncentered, Roy-Vetterli) effective rank of the directions at x, y and z, averaged over
-  sequences (``pairwise_cosine_pre/mid/post``, ``resultant_length_*``, ``effective_rank_*``). Not binned by
-  position (a per-sequence statistic).
+* ``"diversity"``: per sequence (over its non-excluded positions) the mean pairwise cosine and the mean resultant
+  length of the directions at x, y and z, averaged over sequences (``pairwise_cosine_pre/mid/post``,
+  ``resultant_length_*``): O(n d) per sequence. Not binned by position (a per-sequence statistic).
+* ``"effective_rank"``: per sequence the (uncentered, Roy-Vetterli) effective rank of the same direction sets
+  (``effective_rank_pre/mid/post``), averaged over sequences: each sequence's spectrum, a Gram matrix and an
+  eigenproblem of size min(n, d), O(n^2 d + n^3) per sequence for n <= d. The probe's main cost (docs/probe.md,
+  "Cost"). It used to be part of ``"diversity"``; a result saved then reads as both metrics.
 
 Conventions: positions in ``exclude_positions`` (default ``(0,)``, the attention sink) are left out of every
 statistic. A row whose statistic is undefined (a zero-norm vector in a cosine or direction, norm <=
@@ -55,7 +58,7 @@ from .backends import adapt
 from .backends.lifecycle import add_hook_last
 from .errors import InputError, NonFiniteError
 from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_gram, token_quantities
-from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, TOKEN_METRICS, ProbeResult
+from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .protocols._common import single_threaded
 from .stats import position_bin_edges, position_bin_index
 
@@ -66,7 +69,7 @@ _F64 = torch.float64
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
     need: set[str] = {"resid_pre", "resid_post"}  # resid_post also triggers the layer's update
     for m in metrics:
-        if m in ("resid_norm", "diversity"):
+        if m in ("resid_norm", "diversity", "effective_rank"):
             need |= {"resid_pre", "resid_mid", "resid_post"}
         elif m in ("radial_coef", "tangential_speed"):
             need |= {"resid_pre", "attn_out", "ffn_input", "mlp_out"}
@@ -114,7 +117,7 @@ class ProbeTrace:
         self.bin_edges = bin_edges_for(n_ctx) if self.position_bins else torch.tensor([0, n_ctx])
         n_bins = len(self.bin_edges) - 1
         token_q = [q for m in self.metrics if m in TOKEN_METRICS for q in QUANTITIES[m]]
-        seq_q = list(QUANTITIES["diversity"]) if "diversity" in self.metrics else []
+        seq_q = [q for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]]
         self._acc = Accumulator(token_q, seq_q, len(self.layers), n_bins, self.ad.device)
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._sites = _sites_needed(self.metrics)
@@ -127,8 +130,12 @@ class ProbeTrace:
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
         self._n_diversity_sets = 0
-        self._div_names = {mid: [f"{stat}_{w}" for w in SITES3 if w != "mid" or mid
-                                 for stat in DIVERSITY_STATS] for mid in (False, True)}
+        # the per-sequence statistics asked for (rows of the diversity kernel's output); the spectrum (Gram
+        # matrices and eigenproblems, the probe's main cost) only for effective_rank
+        self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS)
+                           if ("effective_rank" if stat == "effective_rank" else "diversity") in self.metrics]
+        self._div_names = {mid: [f"{DIVERSITY_STATS[i]}_{w}" for w in SITES3 if w != "mid" or mid
+                                 for i in self._div_stats] for mid in (False, True)}
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
@@ -338,20 +345,21 @@ class ProbeTrace:
                                                     "mlp_out" in st)
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
-        if "diversity" in self.metrics:
+        if self._div_stats:
             which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
             reuse = st.get("_div_pre") is not None
             todo = [w for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
             sets = [buf[k[_SITE_OF[w]]] for w in todo]
-            values, valid = diversity(sets, split)  # [sets, 3, batch]
+            values, valid = diversity(sets, split, spectrum="effective_rank" in self.metrics)  # [sets, 3, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
                 valid = torch.cat([st["_div_pre"][1], valid])
             post = which.index("post")
             st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
             names = self._div_names[has_mid]
-            acc.add_sequences(row, names, values.flatten(0, 1), valid.flatten(0, 1))
+            keep = self._div_stats
+            acc.add_sequences(row, names, values[:, keep].flatten(0, 1), valid[:, keep].flatten(0, 1))
 
     def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
         bad = [site for site, k in self._cur.items() if not bool(torch.isfinite(sq[..., k]).all())]
@@ -427,7 +435,8 @@ def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequen
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge).
         metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
-            ``"diversity"`` (None: all). See the module docstring for the definitions.
+            ``"diversity"``, ``"effective_rank"`` (None: all). See the module docstring for the definitions;
+            ``"effective_rank"`` (each sequence's spectrum) costs the most, and grows with sequence length.
         layers: layers to probe (None: all).
         exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
             Negative indices count from the end of each forward's sequence.

@@ -358,7 +358,8 @@ def test_steered_resid_pre_is_measured_not_the_previous_resid_post(tiny, tiny_to
     assert not torch.allclose(unsteered.result().get("resid_norm_pre")[layer:], res.get("resid_norm_pre")[layer:])
 
 
-@pytest.mark.parametrize("metric", ["resid_norm", "radial_coef", "tangent_alignment", "tangential_speed"])
+@pytest.mark.parametrize("metric", ["resid_norm", "radial_coef", "tangent_alignment", "tangential_speed",
+                                    "diversity", "effective_rank"])
 def test_single_metric(tiny, tiny_tokens, metric):
     """Each metric alone hooks what it needs and gives the numbers of the full probe."""
     with probe(tiny, metrics=metric) as trace:
@@ -386,6 +387,9 @@ def test_diversity_kernel_equals_full_gram_formula(n):
     T = torch.randn(4, n, d, generator=gen, dtype=F64)
     assert torch.allclose(gram_lower(T), torch.tril(T @ T.mT), rtol=0, atol=1e-12)
     values, valid = diversity(sets)
+    cheap, cheap_ok = diversity(sets, spectrum=False)  # no Gram matrix: sum_j u_j directly
+    assert torch.equal(cheap_ok[:, :2], valid[:, :2]) and not cheap_ok[:, 2].any()
+    assert torch.allclose(cheap[:, :2][valid[:, :2]], values[:, :2][valid[:, :2]], rtol=1e-12, atol=1e-14)
     for s, X in enumerate(sets):
         for b in range(3):
             U = X[b][torch.linalg.vector_norm(X[b], dim=-1) > geo.EPS_NORM]
@@ -465,3 +469,45 @@ def test_single_threaded_caps_numpy_blas_and_restores():
             assert torch.get_num_threads() == 2 and blas_threads() == before_blas
         finally:
             torch.set_num_threads(torch_before)
+
+
+def test_diversity_without_effective_rank_solves_no_eigenproblem(tiny, tiny_tokens, monkeypatch):
+    """metrics="diversity" gives the pairwise cosine and resultant length with no Gram matrix and no
+    eigenproblem (O(n d) per sequence), equal to the spectral route's numbers; the effective rank alone
+    gives what the full probe gives."""
+    full = probe(tiny)
+    with full:
+        tiny(tiny_tokens)
+    full_res = full.result()
+
+    def no_eig(*a, **k):
+        raise AssertionError("eigvalsh called without effective_rank")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", no_eig)
+    with probe(tiny, metrics="diversity") as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    assert res.metrics == ["diversity"] and not any(q.startswith("effective_rank") for q in res.quantities)
+    for q in res.quantities:
+        assert torch.allclose(res.get(q), full_res.get(q), rtol=1e-12, atol=1e-14, equal_nan=True), q
+    monkeypatch.undo()
+    with probe(tiny, metrics="effective_rank") as trace:
+        tiny(tiny_tokens)
+    er = trace.result()
+    assert er.quantities == list(QUANTITIES["effective_rank"])
+    for q in er.quantities:
+        assert torch.equal(er.sums[q], full_res.sums[q]) and torch.equal(er.counts[q], full_res.counts[q]), q
+
+
+def test_result_saved_before_the_effective_rank_split_reads_as_both_metrics():
+    """A ProbeResult whose metrics say "diversity" but whose sums hold effective_rank_* (the layout before
+    effective_rank became its own metric) lists both metrics and plots both groups."""
+    qs = [*QUANTITIES["diversity"], *QUANTITIES["effective_rank"]]
+    one = {q: torch.ones(2, 1, dtype=F64) for q in qs}
+    cnt = {q: torch.ones(2, 1, dtype=torch.int64) for q in qs}
+    res = ProbeResult(metrics=["diversity"], layers=[0, 1], parallel=[False, False], exclude_positions=[0],
+                      position_bins=False, bin_edges=torch.tensor([0, 8]), n_tokens=8, n_sequences=1,
+                      n_forwards=1, sums=one, counts=cnt, masked={q: torch.zeros_like(c) for q, c in cnt.items()})
+    assert res.metrics == ["diversity", "effective_rank"]
+    assert res.get("effective_rank_mid").tolist() == [1.0, 1.0]
+    assert len(res.plot().data) == len(qs)
