@@ -8,8 +8,8 @@
    and CPU seconds, the forward passes and their tokens (``results.json`` ``timings``). ``--before`` puts the same
    columns of an earlier ``results.json`` beside them (a results file from before 2026-12-04 has no forward counts:
    shown as "-").
-2. ``--probe``: runs ``benchmarks/probe_overhead.py --repeats 5`` (a subprocess of its own) and prints its
-   probe / plain-forward ratios.
+2. ``--probe``: runs ``benchmarks/probe_overhead.py --repeats 5 --model MODEL`` (a subprocess of its own) and
+   prints its probe / plain-forward ratios.
 
 Measure on idle cores: every figure is a wall time.
 """
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     result = {"command_wall_s": wall, "suite_wall_s": total, "timings": now, "before": before or None}
     if args.probe:
-        q = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_overhead.py"), "--repeats", "5"],
-                           cwd=ROOT, capture_output=True, text=True)
-        print("\n# probe_overhead.py --repeats 5")
+        q = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_overhead.py"), "--repeats", "5",
+                            "--model", args.model], cwd=ROOT, capture_output=True, text=True)
+        print(f"\n# probe_overhead.py --repeats 5 --model {args.model}")
         print(q.stdout[-2500:] if q.returncode == 0 else f"failed:\n{q.stderr[-2000:]}")
         result["probe_stdout"] = q.stdout
     if args.json:
