@@ -40,6 +40,14 @@ def format_version_of(cls: type) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 1
 
 
+def added_fields_of(cls: type) -> tuple[str, ...]:
+    """Fields a class gained after files of its format version were written (``added_fields``, a class
+    attribute): a file without one of them loads with the field's default. Every other field must be in the file
+    (a missing one means the file is incomplete). Each listed field needs a default (checked by ``register``)."""
+    v = getattr(cls, "added_fields", ())
+    return tuple(v) if isinstance(v, (tuple, list)) else ()
+
+
 def register(cls: type) -> type:
     """Register a dataclass under its explicit ``kind`` (a class attribute; the class name when it has none)
     and ``format_version`` (default 1), so that ``from_dict`` can rebuild it. Two different classes may not
@@ -51,6 +59,11 @@ def register(cls: type) -> type:
     if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
         raise TypeError(f"result kind {key!r} is already registered by {old.__module__}.{old.__qualname__}; "
                         f"give {cls.__module__}.{cls.__qualname__} its own `kind = \"...\"`")
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for name in added_fields_of(cls):
+        f = by_name.get(name)
+        if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
+            raise TypeError(f"{cls.__qualname__}.added_fields names {name!r}, which is not a field with a default")
     _REGISTRY[key] = cls
     _BY_CLASS_NAME[cls.__name__] = cls
     return cls
@@ -80,6 +93,7 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
+    added_fields: ClassVar[tuple[str, ...]] = ("world_size",)  # torch.distributed runs: older files were one process
 
     model: str = "unknown"
     model_revision: str | None = None
@@ -251,7 +265,7 @@ def _decode_record(value: dict, where: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ResultFileError(f"{label}: unknown field(s) {unknown} for {kind!r} (fields: {sorted(fields)})")
-    missing = sorted(set(fields) - set(data))
+    missing = sorted(set(fields) - set(data) - set(added_fields_of(cls)))
     if missing:
         raise ResultFileError(f"{label}: missing field(s) {missing} for {kind!r}; the file is incomplete")
     hints = _type_hints(cls)

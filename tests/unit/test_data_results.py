@@ -156,3 +156,50 @@ def test_files_written_before_kinds_still_load():
 
     back = _Demo.from_dict(legacy(d))
     assert back.labels == ["a"] and back.provenance.model == "m"
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class _Grown(Result):
+    """A result that gained ``note`` after its files were first written (``added_fields``)."""
+
+    values: torch.Tensor
+    note: str = "none"
+    kind = "test_grown"
+    added_fields = ("note",)
+
+
+def test_a_field_added_later_loads_with_its_default_and_only_that_one(tmp_path):
+    """A file written before a field was added (listed in ``added_fields``, with a default) loads with the
+    default; a missing field that is not listed is still an incomplete file; ``register`` refuses an
+    ``added_fields`` entry without a default."""
+    from tl_steering.errors import ResultFileError
+
+    d = _Grown(values=torch.tensor([1.0]), note="kept", provenance=Provenance(model="m")).to_dict()
+    d.pop("note")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(d))
+    assert _Grown.load(path).note == "none"
+    d.pop("values")
+    path.write_text(json.dumps(d))
+    with pytest.raises(ResultFileError, match=r"missing field\(s\) \['values'\]"):
+        _Grown.load(path)
+
+    @dataclasses.dataclass(kw_only=True)
+    class _Bad(Result):
+        values: torch.Tensor
+        kind = "test_bad_added"
+        added_fields = ("values",)
+
+    with pytest.raises(TypeError, match="not a field with a default"):
+        register(_Bad)
+
+
+def test_parallel_plan_saved_before_linear_refit_loads():
+    """A ParallelPlan record without ``linears`` (files written before refit="linear") loads with no linear
+    maps."""
+    plan = ts.ParallelPlan(layers=[1], k=1, strategy="c", provenance=Provenance(model="m"))
+    d = plan.to_dict()
+    d.pop("linears")
+    back = ts.ParallelPlan.from_dict(d)
+    assert back.layers == [1] and back.linears.shape == (0, 0, 0)

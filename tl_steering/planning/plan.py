@@ -134,6 +134,9 @@ class ParallelPlan(Result):
     held_out_delta_ce_uncorrected: float = math.nan
 
     kind = "parallel_plan"
+    # the closed-form corrections (refit) came after the first plans: older files load uncorrected
+    added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
+                    "held_out_delta_ce_uncorrected")
 
     def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
         """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`

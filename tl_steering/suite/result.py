@@ -152,6 +152,8 @@ class ExecutorTiming:
     """
 
     kind: ClassVar[str] = "suite_executor"
+    # 2026-12-04: older files ran the lowest-C plan uncorrected, which the defaults say
+    added_fields: ClassVar[tuple[str, ...]] = ("strategy", "correction")
 
     status: str = "ok"
     reason: str = ""
@@ -228,6 +230,7 @@ class StageTiming:
     (``planning.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
+    added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # 2026-12-04: older files read -1
 
     wall_s: float = math.nan
     cpu_s: float = math.nan
@@ -313,6 +316,8 @@ class SuiteResult(Result):
     prefix: PrefixSensitivityResult | None = None
 
     kind = "suite"
+    # stages and records added after the first suites: older files load without them
+    added_fields = ("distributed", "planner", "plan_choice", "executor_choice")
 
     def protocol_results(self) -> dict[str, Result]:
         """The protocols' own results that were run, by field name."""

@@ -84,6 +84,9 @@ class SuiteSettings:
     """
 
     kind: ClassVar[str] = "suite_settings"
+    # 2026-12-04 (the plan_choice stage): older files read the defaults
+    added_fields: ClassVar[tuple[str, ...]] = ("plan_strategy", "plan_choice_strategies", "plan_choice_refit",
+                                               "plan_choice_fisher_samples", "plan_choice_k_values")
 
     stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
     quick: bool = False
