@@ -142,28 +142,35 @@ def gram_lower(T: Tensor, strips: int = GRAM_STRIPS, out: Tensor | None = None) 
     return H.tril_()  # the diagonal blocks came out full
 
 
-def gram_sets(sets: list[Tensor]) -> Tensor:
-    """Gram matrices ``T T^T`` of every ``[b, n, d]`` tensor in ``sets``, stacked set-major ``[len(sets) * b, n,
-    n]``: the lower triangle (diagonal included); the strict upper triangle is 0, as in :func:`gram_lower`.
+def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
+    """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
+    ``sets``, stacked set-major ``[len(sets) * b, size, size]``: the lower triangle (diagonal included); the strict
+    upper triangle is 0, as in :func:`gram_lower`.
 
-    On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` to its BLAS's symmetric rank-k
-    kernel (``dsyrk``: half the flops), which ran the diversity Grams of SmolLM2 (127 x 576 per sequence) 25-30%
-    faster than :func:`gram_lower` on torch's BLAS (2.2 against 3.0 ms per 8, one thread). Call it with numpy's
-    BLAS capped at one thread (``protocols._common.single_threaded``) when two threads call it at once: a
-    multi-threaded OpenBLAS serializes concurrent callers. Elsewhere (a GPU, another dtype) :func:`gram_lower`.
+    On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` and ``A.T @ A`` to its BLAS's
+    symmetric rank-k kernel (``dsyrk``: half the flops), which ran the diversity Grams of SmolLM2 (127 x 576 per
+    sequence) 25-30% faster than :func:`gram_lower` on torch's BLAS (2.2 against 3.0 ms per 8, one thread). Call it
+    with numpy's BLAS capped at one thread (``protocols._common.single_threaded``) when two threads call it at
+    once: a multi-threaded OpenBLAS serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's
+    products (:func:`gram_lower` for ``T T^T``).
     """
-    b, n, _ = sets[0].shape
+    b, n, d = sets[0].shape
+    size = d if cols else n
     t0 = sets[0]
     if t0.device.type != "cpu" or t0.dtype != F64 or t0.requires_grad or not all(t.is_contiguous() for t in sets):
-        H = t0.new_zeros(len(sets) * b, n, n)
+        H = t0.new_zeros(len(sets) * b, size, size)
         for i, t in enumerate(sets):
-            gram_lower(t, out=H[i * b:(i + 1) * b])
-        return H
-    H = torch.empty(len(sets) * b, n, n, dtype=F64)
+            if cols:
+                torch.matmul(t.mT, t, out=H[i * b:(i + 1) * b])
+            else:
+                gram_lower(t, out=H[i * b:(i + 1) * b])
+        return H.tril_()
+    H = torch.empty(len(sets) * b, size, size, dtype=F64)
     out = H.numpy()
     for i, t in enumerate(sets):
         a = t.detach().numpy()
-        np.matmul(a, a.transpose(0, 2, 1), out=out[i * b:(i + 1) * b])
+        at = a.transpose(0, 2, 1)
+        np.matmul(*((at, a) if cols else (a, at)), out=out[i * b:(i + 1) * b])
     return H.tril_()  # the same contract as gram_lower (the diversity sums read the lower triangle)
 
 
@@ -236,7 +243,7 @@ def _diversity_stats(sets: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
         total = U.sum(-2)
         ss = (total * total).sum(-1)
-        ev = torch.linalg.eigvalsh(U.mT @ U)
+        ev = torch.linalg.eigvalsh(gram_sets([U], cols=True), UPLO="L")
     return ss, ok.sum(-1).to(F64), erank_from_eigvalsh(ev)
 
 

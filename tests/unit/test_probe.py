@@ -426,8 +426,8 @@ def test_kernels_split_over_two_threads_equal_one_thread(batch):
 
 def test_gram_sets_numpy_route_equals_gram_lower():
     """gram_sets (numpy's symmetric BLAS kernel on CPU float64) gives gram_lower's lower triangle to 1e-12
-    with a zero strict upper triangle; other dtypes, non-contiguous sets and tensors that require grad take
-    the torch route and give the same."""
+    with a zero strict upper triangle, and with cols=True the lower triangle of T^T T; other dtypes,
+    non-contiguous sets and tensors that require grad take the torch route and give the same."""
     from tl_steering.probe_kernels import gram_lower, gram_sets
 
     gen = torch.Generator().manual_seed(3)
@@ -443,6 +443,12 @@ def test_gram_sets_numpy_route_equals_gram_lower():
     assert g32.dtype == torch.float32 and torch.allclose(g32.double(), want, rtol=1e-5, atol=1e-3)
     leaf = sets[0].clone().requires_grad_(True)
     assert torch.allclose(gram_sets([leaf]).detach(), want[:3], rtol=0, atol=1e-12)
+    # cols=True: the d x d Gram T^T T (long sequences), on both routes
+    want_cols = torch.cat([torch.tril(t.mT @ t) for t in sets])
+    got_cols = gram_sets(sets, cols=True)
+    assert got_cols.shape == (6, 20, 20) and torch.allclose(got_cols, want_cols, rtol=1e-13, atol=1e-11)
+    assert torch.allclose(gram_sets(strided, cols=True), torch.cat([torch.tril(t.mT @ t) for t in strided]),
+                          rtol=0, atol=1e-11)
 
 
 def test_single_threaded_caps_numpy_blas_and_restores():
