@@ -223,6 +223,13 @@ def token_gram(V: Tensor, split: bool = False) -> Tensor:
     return G
 
 
+def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
+    """(1 / norm where the norm exceeds ``EPS_NORM``, else 0; that validity mask): scaling a row by it gives its
+    unit direction, or a zero row that no diversity sum sees."""
+    ok = nt > EPS_NORM
+    return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
+
+
 def _diversity_stats(sets: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(||sum_j u_j||^2, valid-row count, effective rank) of each sequence of each ``[batch, n, d]`` set,
     stacked set-major ``[len(sets) * batch]``."""
@@ -230,17 +237,14 @@ def _diversity_stats(sets: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     if n <= d:
         b = sets[0].shape[0]
         H = gram_sets(sets)  # [sets*batch, n, n]: raw Gram (the lower triangle is read)
-        nt = torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt()
-        ok = nt > EPS_NORM
-        inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
+        inv, ok = _inverse_norms(torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt())
         Gu = H.mul_(inv[:, :, None]).mul_(inv[:, None, :])  # Gram of the unit rows (zero rows for masked ones)
         ss = 2.0 * Gu.sum((-1, -2)) - torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)  # ||sum_j u_j||^2
         ev = torch.linalg.eigvalsh(Gu, UPLO="L")
     else:  # long sequences: the d x d Gram is the smaller one
         T = torch.cat(sets)
-        nt = torch.linalg.vector_norm(T, dim=-1)
-        ok = nt > EPS_NORM
-        U = T * torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))[..., None]
+        inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
+        U = T * inv[..., None]
         total = U.sum(-2)
         ss = (total * total).sum(-1)
         ev = torch.linalg.eigvalsh(gram_sets([U], cols=True), UPLO="L")
@@ -251,9 +255,7 @@ def _direction_sums(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(||sum_j u_j||^2, valid-row count) of each sequence of each ``[batch, n, d]`` set, stacked set-major
     ``[len(sets) * batch]``: O(n d) per sequence, no Gram matrix."""
     T = torch.cat(sets)
-    nt = torch.linalg.vector_norm(T, dim=-1)
-    ok = nt > EPS_NORM
-    inv = torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt))
+    inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
     total = (inv[:, None, :] @ T)[:, 0]  # sum_j u_j
     return (total * total).sum(-1), ok.sum(-1).to(F64)
 

@@ -132,8 +132,8 @@ class ProbeTrace:
         self._n_diversity_sets = 0
         # the per-sequence statistics asked for (rows of the diversity kernel's output); the spectrum (Gram
         # matrices and eigenproblems, the probe's main cost) only for effective_rank
-        self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS)
-                           if ("effective_rank" if stat == "effective_rank" else "diversity") in self.metrics]
+        asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
+        self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
         self._div_names = {mid: [f"{DIVERSITY_STATS[i]}_{w}" for w in SITES3 if w != "mid" or mid
                                  for i in self._div_stats] for mid in (False, True)}
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access

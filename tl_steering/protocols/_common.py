@@ -82,19 +82,13 @@ def single_threaded() -> Iterator[None]:
     """
     before = torch.get_num_threads()
     blas = _blas()
-    stack = contextlib.ExitStack()
-    try:
+    with contextlib.ExitStack() as stack:  # undone in reverse order, also on an exception
         if any(lib.num_threads > 1 for lib in blas.lib_controllers):
             stack.enter_context(blas.limit(limits=1))
         if before != 1:
             torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, before)
         yield
-    finally:
-        try:
-            if before != 1:
-                torch.set_num_threads(before)
-        finally:
-            stack.close()
 
 
 __all__ = [
