@@ -308,3 +308,24 @@ def test_ctrl_c_inside_torch_function_mode_dispatch(model):
     while torch._C._len_torch_function_stack():  # test-side cleanup: the next tests need a clean mode stack
         torch._C._pop_torch_function_stack()
     assert out is True and left == 0, f"Ctrl-C came out as {out!r}; {left} torch function mode(s) left pushed"
+
+
+def test_ctrl_c_at_exit_of_transformerlens_hooks_context(model):
+    """A SIGINT on the first bytecode of the ``__exit__`` of TransformerLens's ``hooks()`` context (a generator
+    context manager) inside our ``run_with_hooks``: the generator is left suspended at its ``yield``. Its cleanup
+    (``context_level -= 1``, removing the hooks of its level) used to run whenever the garbage collector finalized it,
+    inside a later call: it removed the hooks that call had just added at the same level, mid-forward ("hook(s)
+    ['blocks.0.hook_resid_post', ...] exist but never fired"), and left ``context_level`` at -1. Found by the random
+    interrupt stress once a change of allocation pattern moved the collections. Now ``run_with_hooks`` closes the
+    suspended generator before its guard restores the model."""
+    m = model.m
+    gen_name = m.hooks().gen.gi_code.co_name  # created, never started: changes nothing
+    fn = model.fn("prefix_sensitivity")
+    fn()
+    level = m.context_level
+    out = _inject.interrupt_at_exit_of(fn, gen_name, 1)
+    gc.collect()  # an abandoned generator's cleanup would run here
+    assert out is True, f"no KeyboardInterrupt came out ({out!r})"
+    assert m.context_level == level, f"context_level {m.context_level}, was {level}"
+    fn()  # every hook it adds fires
+    model.check_clean("Ctrl-C at the exit of TransformerLens's hooks()")

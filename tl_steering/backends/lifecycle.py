@@ -30,6 +30,7 @@ dicts.
 """
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -440,17 +441,36 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
     if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
         n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
         validation.check_length(int(tokens.shape[-1]), n_ctx if isinstance(n_ctx, int) else None)
-    with hook_guard(model), (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
+    with hook_guard(model):
+        tl_hooks = model.hooks(fwd_hooks=list(fwd_hooks))  # a generator context, not started: changes nothing yet
         try:
-            stack.enter_context(model.hooks(fwd_hooks=list(fwd_hooks)))
-        except ValueError as e:  # the bridge refuses gated hooks (hook_mlp_in while use_hook_mlp_in is off)
-            if "Cannot add hook" in str(e):
-                raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
-                                        "configuration)") from e
-            raise
-        out = model(tokens, return_type=return_type, **kwargs)
+            with (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
+                try:
+                    stack.enter_context(tl_hooks)
+                except ValueError as e:  # the bridge refuses gated hooks (hook_mlp_in with use_hook_mlp_in off)
+                    if "Cannot add hook" in str(e):
+                        raise HookNotFoundError(f"{e} (this hook point exists but never fires in the current "
+                                                "configuration)") from e
+                    raise
+                out = model(tokens, return_type=return_type, **kwargs)
+        finally:
+            shielded(lambda: close_suspended(tl_hooks))
     _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (progress.py)
     return out
+
+
+def close_suspended(cm: Any) -> None:
+    """Run now the cleanup of a generator-based context manager (``contextlib.contextmanager``) whose exit was cut
+    short: a Ctrl-C on the first bytecode of its ``__exit__`` leaves the generator suspended at its ``yield``.
+
+    Left alone, Python runs that cleanup whenever the garbage collector finalizes the generator, inside some later
+    call. For TransformerLens's ``hooks()`` that cleanup is ``context_level -= 1`` and the removal of every hook
+    at its level: it then removed the hooks that a later ``run_with_hooks`` had just added at the same level, in
+    the middle of that call's forward ("hook(s) ... never fired"), and left ``context_level`` at -1. A no-op for a
+    generator that finished (the normal exit) or never started, and for any other context manager."""
+    gen = getattr(cm, "gen", None)
+    if gen is not None and inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
+        gen.close()
 
 
 def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
