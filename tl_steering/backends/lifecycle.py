@@ -101,32 +101,38 @@ def shielded(restore: Callable[[], None]) -> None:
 
 
 _EMPTY: dict = {}  # shared read-only "no hooks" record of the snapshots (never mutated)
+_NO_HOOKS: tuple = (None, _EMPTY, _EMPTY)  # (dict at entry, its copy, its flag copies) of a dict not recorded
 
 
 class _Snapshot:
-    """Hook state of one model: per module, a copy of every non-empty hook dict (and, on HookPoints, the identity
-    of every hook dict object, which :class:`hooks_silenced` swaps); per HookPoint, copies of the TransformerLens
-    handle lists; model-level ``context_level``, ``use_hook_mlp_in`` and torch's autograd mode.
+    """Hook state of one model: on every HookPoint, the identity of each hook dict (which :class:`hooks_silenced`
+    swaps) and the TransformerLens handle lists; on every module with hooks, a copy of each non-empty hook dict
+    and its flag dicts; model-level ``context_level``, ``use_hook_mlp_in`` and torch's autograd mode.
 
     The copies are never mutated after construction, so :meth:`restore` can run any number of times, also inside
-    itself (a second interrupt landing in a restore that a first one started)."""
+    itself (a second interrupt landing in a restore that a first one started).
+
+    Compact on purpose: one tuple per HookPoint (a bridge has over a thousand) and full records only for the few
+    modules with hooks. A snapshot lives through a forward, whose garbage collections promote it to the oldest
+    generation, and every ~25% growth of that generation costs a full collection of the model's objects (about
+    0.2 s on SmolLM2's bridge): a record of nine containers per HookPoint made that one per dozen probed
+    forwards."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.modules: dict[int, tuple[dict[str, tuple], tuple[list, list] | None]] = {}
+        # id(HookPoint) -> (its four hook dicts at entry, fwd_hooks, bwd_hooks as tuples)
+        self.points: dict[int, tuple] = {}
+        # id(module) -> {attr: (dict at entry, copy, {flag attr: (flag dict, copy)})} for its non-empty dicts
+        self.hooked: dict[int, dict[str, tuple]] = {}
         for m in model.modules():
-            hp = isinstance(m, HookPoint)
-            dicts = {}
-            for attr in _HOOK_DICTS:
-                d = getattr(m, attr, None)
-                if d:
-                    flags = {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {})) for f in _FLAG_DICTS[attr]}
-                    dicts[attr] = (d, dict(d), flags)
-                elif hp and d is not None:  # empty: only its identity matters (no hook to put back, no flags)
-                    dicts[attr] = (d, _EMPTY, _EMPTY)
-            lists = (list(m.fwd_hooks), list(m.bwd_hooks)) if hp else None
-            if dicts or hp:
-                self.modules[id(m)] = (dicts, lists)
+            ds = tuple(getattr(m, attr, None) for attr in _HOOK_DICTS)
+            if isinstance(m, HookPoint):
+                self.points[id(m)] = (ds, tuple(m.fwd_hooks), tuple(m.bwd_hooks))
+            if any(ds):
+                self.hooked[id(m)] = {
+                    attr: (d, dict(d), {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {}))
+                                        for f in _FLAG_DICTS[attr]})
+                    for attr, d in zip(_HOOK_DICTS, ds) if d}
         self.context_level = getattr(model, "context_level", None)
         self.mlp_in = _get_use_hook_mlp_in(model)
         # torch's global autograd mode: an interrupt that lands inside a ``torch.no_grad()`` entry or exit (ours or
@@ -137,10 +143,13 @@ class _Snapshot:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
         torch.set_grad_enabled(self.grad_enabled)
         for m in self.model.modules():
-            dicts, lists = self.modules.get(id(m), ({}, None))
+            point = self.points.get(id(m))
             hp = isinstance(m, HookPoint)
-            for attr in _HOOK_DICTS:
-                orig, before, flags = dicts.get(attr, (None, {}, {}))
+            hooked = self.hooked.get(id(m), _EMPTY)
+            for i, attr in enumerate(_HOOK_DICTS):
+                orig, before, flags = hooked.get(attr, _NO_HOOKS)
+                if point is not None:
+                    orig = point[0][i]
                 if orig is not None and getattr(m, attr, None) is not orig:
                     # a dict swapped in (hooks_silenced): put the original object back, since torch's and
                     # TransformerLens's handles remove hooks from the object they were registered in
@@ -173,10 +182,10 @@ class _Snapshot:
                         if fd is not None:
                             fd.update({k: v for k, v in saved.items() if k in d})
             if hp:
-                fwd, bwd = lists if lists is not None else ([], [])
-                if m.fwd_hooks != fwd:
+                fwd, bwd = point[1:] if point is not None else ((), ())
+                if tuple(m.fwd_hooks) != fwd:
                     m.fwd_hooks = list(fwd)
-                if m.bwd_hooks != bwd:
+                if tuple(m.bwd_hooks) != bwd:
                     m.bwd_hooks = list(bwd)
         if self.context_level is not None and getattr(self.model, "context_level", None) != self.context_level:
             self.model.context_level = self.context_level
