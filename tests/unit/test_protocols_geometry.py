@@ -423,3 +423,31 @@ def test_bad_inputs_raise_package_errors(tiny, tiny_tokens):
     with pytest.raises(errors.InputError, match="gain"):
         diversity(tiny, tiny_tokens, gains=(float("inf"),))
     assert hook_count(tiny) == 0
+
+
+def test_diversity_set_statistics_are_the_same_on_two_threads():
+    """The diversity protocol's per-sequence statistics run in two halves on two threads when torch has two (the
+    suite runs on one): every sequence's numbers come from its own SVD, so the two routes agree bit for bit, with
+    masked rows and degenerate tokens in both halves."""
+    from tl_steering.protocols.diversity import STATS, _stats
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 9, 16, generator=g, dtype=torch.float64)
+    x[:, 0] *= 50.0  # a sink-like row
+    x[1, 3] = 0.0  # a degenerate token
+    x[4, 2:] = x[4, 1]  # one direction repeated
+    base = torch.rand(5, 9, generator=g) > 0.2
+    base[:, 0] = False
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, bad_one = _stats(x, base)
+        torch.set_num_threads(2)
+        two, bad_two = _stats(x, base)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(bad_one, bad_two) and int(bad_one[1]) == 1
+    for k in STATS:
+        assert torch.equal(one[k].isnan(), two[k].isnan()), k
+        assert torch.equal(one[k].nan_to_num(), two[k].nan_to_num()), k
+    assert torch.get_num_threads() == before

@@ -34,6 +34,7 @@ from ..data import model_tokens
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
+from ..probe_kernels import in_halves
 from ..results import Result, register
 from ..sharding import World, gather_rows, my_batches
 from ._common import (
@@ -60,9 +61,12 @@ def _f64(*shape: int):
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked per sequence."""
     valid = base & ~geo.degenerate_mask(x, base)
-    with single_threaded():  # batched svdvals: see single_threaded
-        full = geo.diversity_stats(x, mask=valid)
-    return {k: full[k].cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
+    # the sequences' SVDs in two halves on two threads when torch has two (each on one thread: see
+    # single_threaded): every sequence's numbers come from its own decomposition, so the same numbers either way
+    split = torch.get_num_threads() >= 2 and x.device.type == "cpu"
+    with single_threaded():
+        parts = in_halves(lambda a, b: geo.diversity_stats(x[a:b], mask=valid[a:b]), x.shape[0], split)
+    return {k: torch.cat([p[k] for p in parts]).cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
 
 
 def _entropy(logits: Tensor) -> Tensor:
