@@ -6,8 +6,9 @@ One layer's work, all batched over sequences and positions, with no loop over to
 * :func:`token_quantities`: every token metric from the per-token Gram matrix of the layer's site vectors
   (one batched product ``V V^T`` over ``[batch, pos, sites, d_model]``), returned stacked ``[q, batch, pos]``
   with their validity masks;
-* :func:`diversity`: the per-sequence pairwise cosine, resultant length and effective rank of every direction
-  set of the layer from batched Gram products (lower triangle: :func:`gram_sets`) and one batched ``eigvalsh``;
+* :func:`diversity`: the per-sequence pairwise cosine, resultant length, effective rank and participation ratio
+  of every direction set of the layer from batched Gram products (lower triangle: :func:`gram_sets`) and one
+  batched ``eigvalsh``;
 * :class:`Accumulator`: fixed-size running sums, counts and masked counts, updated by one ``index_add_`` per
   tensor and layer.
 
@@ -30,7 +31,7 @@ from .geometry import EPS_NORM, SINGULAR_REL
 F64 = torch.float64
 EPS64 = torch.finfo(torch.float64).eps
 SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank")
+DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
 
 def erank_from_eigvalsh(ev: Tensor) -> Tensor:
@@ -230,25 +231,38 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
 
 
-def _diversity_stats(sets: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count, effective rank) of each sequence of each ``[batch, n, d]`` set,
-    stacked set-major ``[len(sets) * batch]``."""
+def _frobenius2_lower(H: Tensor) -> Tensor:
+    """``||G||_F^2`` of symmetric matrices given by their lower triangle (strict upper triangle 0) ``[..., m, m]``."""
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    return 2.0 * (H * H).sum((-1, -2)) - (diag * diag).sum(-1)
+
+
+def _diversity_stats(sets: list[Tensor], spectrum: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
+    ``[batch, n, d]`` set, stacked set-major ``[len(sets) * batch]``, from one Gram matrix per sequence (the
+    smaller one); the effective rank (an ``eigvalsh`` of it) only with ``spectrum``, else 0.
+
+    Participation ratio: ``(sum_k s_k^2)^2 / sum_k s_k^4 = tr(G)^2 / ||G||_F^2`` of the same Gram matrix (either
+    one: ``||U U^T||_F = ||U^T U||_F``), no decomposition, as ``geometry.participation_ratio``."""
     n, d = sets[0].shape[-2:]
     if n <= d:
-        b = sets[0].shape[0]
         H = gram_sets(sets)  # [sets*batch, n, n]: raw Gram (the lower triangle is read)
         inv, ok = _inverse_norms(torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt())
         Gu = H.mul_(inv[:, :, None]).mul_(inv[:, None, :])  # Gram of the unit rows (zero rows for masked ones)
-        ss = 2.0 * Gu.sum((-1, -2)) - torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)  # ||sum_j u_j||^2
-        ev = torch.linalg.eigvalsh(Gu, UPLO="L")
+        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
+        ss = 2.0 * Gu.sum((-1, -2)) - trace  # ||sum_j u_j||^2
     else:  # long sequences: the d x d Gram is the smaller one
         T = torch.cat(sets)
         inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
         U = T * inv[..., None]
         total = U.sum(-2)
         ss = (total * total).sum(-1)
-        ev = torch.linalg.eigvalsh(gram_sets([U], cols=True), UPLO="L")
-    return ss, ok.sum(-1).to(F64), erank_from_eigvalsh(ev)
+        Gu = gram_sets([U], cols=True)
+        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
+    f2 = _frobenius2_lower(Gu)
+    pr = trace * trace / f2.clamp_min(torch.finfo(F64).tiny)
+    erank = erank_from_eigvalsh(torch.linalg.eigvalsh(Gu, UPLO="L")) if spectrum else torch.zeros_like(ss)
+    return ss, ok.sum(-1).to(F64), erank, pr
 
 
 def _direction_sums(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -260,30 +274,33 @@ def _direction_sums(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
     return (total * total).sum(-1), ok.sum(-1).to(F64)
 
 
-def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True) -> tuple[Tensor, Tensor]:
-    """Per sequence (pairwise cosine, resultant length, effective rank) of each ``[batch, n, d]`` set:
-    values and validity masks, each ``[len(sets), 3, batch]``; the Gram matrices of all sets (lower triangle,
-    :func:`gram_sets`) and one batched ``eigvalsh``; with ``split``, the two halves of the batch on
-    two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix either way).
+def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
+    ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
+    halves of the batch on two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix
+    either way).
 
-    The Gram matrix is needed for the effective rank (each sequence's spectrum); the pairwise cosine and the
-    resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost. With
-    ``spectrum=False`` there is no Gram matrix and no eigenproblem: ``sum_j u_j`` directly, O(n d) per sequence
-    instead of O(n^2 d + n^3); the effective rank row is then 0 and marked invalid."""
+    ``spectrum`` (the effective rank) needs each sequence's Gram matrix (lower triangle, :func:`gram_sets`) and one
+    batched ``eigvalsh``; ``gram`` (the participation ratio; default: ``spectrum``) the Gram matrix only. The
+    pairwise cosine and the resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost.
+    With neither there is no Gram matrix: ``sum_j u_j`` directly, O(n d) per sequence instead of O(n^2 d + n^3); a
+    statistic not computed is 0 and marked invalid."""
+    gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
-    if spectrum:
-        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets]), B, split)
+    if spectrum or gram:
+        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets], spectrum), B, split)
         # each part is set-major [n_sets * b]: put the halves side by side per set
-        ss, cnt, erank = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(3))
+        ss, cnt, erank, pr = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4))
     else:
         ss, cnt = _direction_sums(sets)
-        erank = torch.zeros_like(ss)
+        erank = pr = torch.zeros_like(ss)
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
-    values = torch.stack([pair, res, erank]).view(3, n_sets, B).transpose(0, 1)
-    valid = torch.stack([cnt >= 2, cnt >= 1, (cnt >= 1) & spectrum]).view(3, n_sets, B).transpose(0, 1)
-    return values, valid
+    values = torch.stack([pair, res, erank, pr]).view(4, n_sets, B).transpose(0, 1)
+    valid = torch.stack([cnt >= 2, cnt >= 1, (cnt >= 1) & spectrum, (cnt >= 1) & gram]).view(4, n_sets, B)
+    return values, valid.transpose(0, 1)
 
 
 class Accumulator:

@@ -14,7 +14,7 @@ from .errors import InputError
 from .results import Result, register
 
 METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity",
-                            "effective_rank")
+                            "effective_rank", "participation_ratio")
 SITES3: tuple[str, ...] = ("pre", "mid", "post")
 QUANTITIES: dict[str, tuple[str, ...]] = {
     "resid_norm": ("resid_norm_pre", "resid_norm_mid", "resid_norm_post"),
@@ -23,9 +23,10 @@ QUANTITIES: dict[str, tuple[str, ...]] = {
     "tangential_speed": ("tangential_speed_attn", "tangential_speed_ffn"),
     "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length") for w in SITES3),
     "effective_rank": tuple(f"effective_rank_{w}" for w in SITES3),
+    "participation_ratio": tuple(f"participation_ratio_{w}" for w in SITES3),
 }
 TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
-SEQUENCE_METRICS = ("diversity", "effective_rank")  # per-sequence statistics: not binned by position
+SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")  # per-sequence statistics: not binned by position
 SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _F64 = torch.float64
@@ -51,7 +52,7 @@ class ProbeResult(Result):
             (a single bin when ``position_bins`` is False).
         n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
         sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
-            sequences for diversity and effective_rank) and int64 counts of masked rows, each ``[layer, n_bins]``
+            sequences for the per-sequence metrics) and int64 counts of masked rows, each ``[layer, n_bins]``
             (``[layer, 1]`` for those two). Means are ``sums / counts``; two results of the same probe setup
             merge by adding them (:meth:`merge`).
 

@@ -33,6 +33,9 @@ f = FFN input = y for sequential blocks and x for parallel ones, Dx = z - x, u(v
   (``effective_rank_pre/mid/post``), averaged over sequences: each sequence's spectrum, a Gram matrix and an
   eigenproblem of size min(n, d), O(n^2 d + n^3) per sequence for n <= d. The probe's main cost (docs/probe.md,
   "Cost"). It used to be part of ``"diversity"``; a result saved then reads as both metrics.
+* ``"participation_ratio"``: per sequence the participation ratio ``tr(G)^2 / ||G||_F^2`` of the same direction
+  sets (``participation_ratio_pre/mid/post``; G their Gram matrix), averaged over sequences: O(n^2 d) per sequence,
+  no decomposition, free next to ``"effective_rank"`` (the same Gram matrix).
 
 Conventions: positions in ``exclude_positions`` (default ``(0,)``, the attention sink) are left out of every
 statistic. A row whose statistic is undefined (a zero-norm vector in a cosine or direction, norm <=
@@ -69,7 +72,7 @@ _F64 = torch.float64
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
     need: set[str] = {"resid_pre", "resid_post"}  # resid_post also triggers the layer's update
     for m in metrics:
-        if m in ("resid_norm", "diversity", "effective_rank"):
+        if m in ("resid_norm", "diversity", "effective_rank", "participation_ratio"):
             need |= {"resid_pre", "resid_mid", "resid_post"}
         elif m in ("radial_coef", "tangential_speed"):
             need |= {"resid_pre", "attn_out", "ffn_input", "mlp_out"}
@@ -351,7 +354,8 @@ class ProbeTrace:
             todo = [w for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
             sets = [buf[k[_SITE_OF[w]]] for w in todo]
-            values, valid = diversity(sets, split, spectrum="effective_rank" in self.metrics)  # [sets, 3, batch]
+            values, valid = diversity(sets, split, spectrum="effective_rank" in self.metrics,
+                                      gram="participation_ratio" in self.metrics)  # [sets, 4, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
                 valid = torch.cat([st["_div_pre"][1], valid])
@@ -435,8 +439,9 @@ def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequen
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge).
         metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
-            ``"diversity"``, ``"effective_rank"`` (None: all). See the module docstring for the definitions;
-            ``"effective_rank"`` (each sequence's spectrum) costs the most, and grows with sequence length.
+            ``"diversity"``, ``"effective_rank"``, ``"participation_ratio"`` (None: all). See the module docstring
+            for the definitions; ``"effective_rank"`` (each sequence's spectrum) costs the most, and grows with
+            sequence length.
         layers: layers to probe (None: all).
         exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
             Negative indices count from the end of each forward's sequence.

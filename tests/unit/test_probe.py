@@ -91,7 +91,8 @@ def reference_metrics(model, cache, layers=None, exclude_positions=(0,), bins=Fa
             valid = geo.norm(t) > eps
             stats = {"pairwise_cosine": geo.mean_pairwise_cosine(t, valid),
                      "resultant_length": geo.mean_resultant_length(t, valid),
-                     "effective_rank": geo.effective_rank(t, valid)}
+                     "effective_rank": geo.effective_rank(t, valid),
+                     "participation_ratio": geo.participation_ratio(t, valid)}
             for k, v in stats.items():
                 ok = ~torch.isnan(v)
                 if ok.any():
@@ -359,7 +360,7 @@ def test_steered_resid_pre_is_measured_not_the_previous_resid_post(tiny, tiny_to
 
 
 @pytest.mark.parametrize("metric", ["resid_norm", "radial_coef", "tangent_alignment", "tangential_speed",
-                                    "diversity", "effective_rank"])
+                                    "diversity", "effective_rank", "participation_ratio"])
 def test_single_metric(tiny, tiny_tokens, metric):
     """Each metric alone hooks what it needs and gives the numbers of the full probe."""
     with probe(tiny, metrics=metric) as trace:
@@ -375,8 +376,9 @@ def test_single_metric(tiny, tiny_tokens, metric):
 @pytest.mark.parametrize("n", [1, 2, 7, 33])
 def test_diversity_kernel_equals_full_gram_formula(n):
     """probe_kernels.diversity (lower-triangle Gram in row strips, ||sum u||^2 from it) against the plain
-    formula on the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length and
-    effective rank to 1e-12 relative; zero rows masked; n > d takes the d x d branch."""
+    formula on the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length,
+    effective rank and participation ratio to 1e-12 relative; zero rows masked; n > d takes the d x d branch;
+    the participation ratio alone (gram=True, spectrum=False) solves no eigenproblem and gives the same."""
     from tl_steering.probe_kernels import diversity, erank_from_eigvalsh, gram_lower
 
     gen = torch.Generator().manual_seed(n)
@@ -388,20 +390,24 @@ def test_diversity_kernel_equals_full_gram_formula(n):
     assert torch.allclose(gram_lower(T), torch.tril(T @ T.mT), rtol=0, atol=1e-12)
     values, valid = diversity(sets)
     cheap, cheap_ok = diversity(sets, spectrum=False)  # no Gram matrix: sum_j u_j directly
-    assert torch.equal(cheap_ok[:, :2], valid[:, :2]) and not cheap_ok[:, 2].any()
+    assert torch.equal(cheap_ok[:, :2], valid[:, :2]) and not cheap_ok[:, 2:].any()
     assert torch.allclose(cheap[:, :2][valid[:, :2]], values[:, :2][valid[:, :2]], rtol=1e-12, atol=1e-14)
+    pr, pr_ok = diversity(sets, spectrum=False, gram=True)  # the Gram matrix, no eigvalsh
+    assert torch.equal(pr_ok[:, [0, 1, 3]], valid[:, [0, 1, 3]]) and not pr_ok[:, 2].any()
+    assert torch.equal(pr[:, 3], values[:, 3])
     for s, X in enumerate(sets):
         for b in range(3):
             U = X[b][torch.linalg.vector_norm(X[b], dim=-1) > geo.EPS_NORM]
             c = U.shape[0]
-            assert valid[s, :, b].tolist() == [c >= 2, c >= 1, c >= 1]
+            assert valid[s, :, b].tolist() == [c >= 2, c >= 1, c >= 1, c >= 1]
             if c == 0:
                 continue
             U = U / geo.norm(U)[:, None]
             G = U @ U.T
             expect = [(G.sum() - c) / max(c * (c - 1), 1), G.sum().sqrt() / c,
-                      erank_from_eigvalsh(torch.linalg.eigvalsh(G if c <= d else U.T @ U))]
-            for k in range(3):
+                      erank_from_eigvalsh(torch.linalg.eigvalsh(G if c <= d else U.T @ U)),
+                      geo.participation_ratio(U)]
+            for k in range(4):
                 if valid[s, k, b]:
                     assert float(values[s, k, b]) == pytest.approx(float(expect[k]), rel=1e-12, abs=1e-14)
 
@@ -517,3 +523,23 @@ def test_result_saved_before_the_effective_rank_split_reads_as_both_metrics():
     assert res.metrics == ["diversity", "effective_rank"]
     assert res.get("effective_rank_mid").tolist() == [1.0, 1.0]
     assert len(res.plot().data) == len(qs)
+
+
+def test_participation_ratio_alone_solves_no_eigenproblem(tiny, tiny_tokens, monkeypatch):
+    """metrics="participation_ratio" takes each sequence's Gram matrix (tr(G)^2 / ||G||_F^2) and no eigvalsh,
+    with the numbers of the full probe (where it shares the Gram matrix with the effective rank)."""
+    full = probe(tiny)
+    with full:
+        tiny(tiny_tokens)
+    full_res = full.result()
+
+    def no_eig(*a, **k):
+        raise AssertionError("eigvalsh called without effective_rank")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", no_eig)
+    with probe(tiny, metrics="participation_ratio") as trace:
+        tiny(tiny_tokens)
+    res = trace.result()
+    assert res.quantities == list(QUANTITIES["participation_ratio"])
+    for q in res.quantities:
+        assert torch.equal(res.sums[q], full_res.sums[q]) and torch.equal(res.counts[q], full_res.counts[q]), q
