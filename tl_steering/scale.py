@@ -151,6 +151,7 @@ def scan(
             torch.distributed.barrier()
         if resume:
             done = {j for j in mine if (shard_dir / f"shard-{j:06d}.safetensors").exists()}
+            metrics = _resumed_metrics(metrics, shard_dir)
 
     todo = [j for j in mine if j not in done]
     bar = None
@@ -220,6 +221,22 @@ def scan(
     if out_dir is not None and w.rank == 0:
         total.save(Path(out_dir) / "result.json")
     return total
+
+
+def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
+    """The metrics every remaining shard measures on resume: those of the shards written so far (the first one, on
+    every rank) when ``metrics`` is None ("all": the probe has gained metrics since, e.g. ``participation_ratio``)
+    or a subset of theirs (a shard of this scan upgraded on load, e.g. ``effective_rank`` split from
+    ``diversity``); otherwise as asked. Shards of one scan then always merge, and the scan gives what it gave
+    when it started."""
+    first = next(iter(sorted(shard_dir.glob("shard-*.safetensors"))), None)
+    if first is None:
+        return metrics
+    have = ProbeResult.load(first).metrics
+    asked = [metrics] if isinstance(metrics, str) else metrics
+    if asked is None or set(asked) <= set(have):
+        return list(have)
+    return metrics
 
 
 def load_named(name: str, backend: str, device: str | None) -> Any:

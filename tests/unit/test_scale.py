@@ -16,6 +16,7 @@ import tl_steering as ts
 from tl_steering.corpus import stream_windows
 from tl_steering.errors import InputError, ModelNotSupportedError
 from tl_steering.probing import ProbeResult
+from tl_steering import scale
 from tl_steering.scale import check_agreement, scan
 
 LINE = "Residual streams move on a sphere while attention aggregates and the FFN steers.\n"
@@ -368,3 +369,26 @@ def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
     with pytest.raises(ModelNotSupportedError, match="layer 1: its weights are offloaded by accelerate.*parallel_defect"):
         ts.parallel_defect(off, t)
     assert weights_fingerprint(off) == fp
+
+
+def test_resume_keeps_the_metrics_of_the_shards_written_so_far(model, corpus, tmp_path):
+    """A scan resumed after the probe gained a metric (metrics=None: "all" at the start) or after a shard's
+    metrics were upgraded on load measures the remaining shards as the finished ones, so that they merge: the
+    resumed result equals the uninterrupted scan with those metrics. Simulated by resuming with other metrics
+    than the finished shards have: all metrics against shards of three, and a subset of theirs."""
+    old = ["resid_norm", "diversity", "effective_rank"]
+    kw = dict(n_windows=8, length=16, shard_windows=2, batch_size=2)
+    want = scan(model, str(corpus), metrics=old, **kw)
+    for asked in (None, ["diversity"]):
+        out = tmp_path / f"run-{asked}"
+        scan(model, str(corpus), metrics=old, out_dir=out, **kw)
+        for f in sorted((out / "shards").glob("shard-*.safetensors"))[2:]:
+            f.unlink()  # killed after two shards
+        (out / "result.json").unlink()
+        manifest = json.loads((out / "scan.json").read_text())
+        manifest["digest"] = scale._digest({**manifest["settings"], "metrics": asked})
+        manifest["settings"]["metrics"] = asked
+        (out / "scan.json").write_text(json.dumps(manifest))
+        got = scan(model, str(corpus), metrics=asked, out_dir=out, resume=True, **kw)
+        assert got.metrics == old and got.provenance.extra["scan"]["resumed_shards"] == 2
+        _close(got, want)
