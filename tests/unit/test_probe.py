@@ -483,19 +483,34 @@ def test_single_threaded_caps_numpy_blas_and_restores():
             torch.set_num_threads(torch_before)
 
 
-def test_diversity_without_effective_rank_solves_no_eigenproblem(tiny, tiny_tokens, monkeypatch):
-    """metrics="diversity" gives the pairwise cosine and resultant length with no Gram matrix and no
-    eigenproblem (O(n d) per sequence), equal to the spectral route's numbers; the effective rank alone
-    gives what the full probe gives."""
-    full = probe(tiny)
+def _full_probe_then_no_eigvalsh(model, tokens, monkeypatch) -> ProbeResult:
+    """The result of a probe with every metric; then ``torch.linalg.eigvalsh`` raises until the test ends."""
+    full = probe(model)
     with full:
-        tiny(tiny_tokens)
-    full_res = full.result()
+        model(tokens)
 
     def no_eig(*a, **k):
         raise AssertionError("eigvalsh called without effective_rank")
 
     monkeypatch.setattr(torch.linalg, "eigvalsh", no_eig)
+    return full.result()
+
+
+def _assert_alone_gives_the_full_sums(model, tokens, metric: str, full: ProbeResult) -> None:
+    """A probe of ``metric`` alone has exactly its quantities, with the full probe's sums and counts."""
+    with probe(model, metrics=metric) as trace:
+        model(tokens)
+    res = trace.result()
+    assert res.quantities == list(QUANTITIES[metric])
+    for q in res.quantities:
+        assert torch.equal(res.sums[q], full.sums[q]) and torch.equal(res.counts[q], full.counts[q]), q
+
+
+def test_diversity_without_effective_rank_solves_no_eigenproblem(tiny, tiny_tokens, monkeypatch):
+    """metrics="diversity" gives the pairwise cosine and resultant length with no Gram matrix and no
+    eigenproblem (O(n d) per sequence), equal to the spectral route's numbers; the effective rank alone
+    gives what the full probe gives."""
+    full_res = _full_probe_then_no_eigvalsh(tiny, tiny_tokens, monkeypatch)
     with probe(tiny, metrics="diversity") as trace:
         tiny(tiny_tokens)
     res = trace.result()
@@ -503,12 +518,7 @@ def test_diversity_without_effective_rank_solves_no_eigenproblem(tiny, tiny_toke
     for q in res.quantities:
         assert torch.allclose(res.get(q), full_res.get(q), rtol=1e-12, atol=1e-14, equal_nan=True), q
     monkeypatch.undo()
-    with probe(tiny, metrics="effective_rank") as trace:
-        tiny(tiny_tokens)
-    er = trace.result()
-    assert er.quantities == list(QUANTITIES["effective_rank"])
-    for q in er.quantities:
-        assert torch.equal(er.sums[q], full_res.sums[q]) and torch.equal(er.counts[q], full_res.counts[q]), q
+    _assert_alone_gives_the_full_sums(tiny, tiny_tokens, "effective_rank", full_res)
 
 
 def test_result_saved_before_the_effective_rank_split_reads_as_both_metrics():
@@ -528,18 +538,5 @@ def test_result_saved_before_the_effective_rank_split_reads_as_both_metrics():
 def test_participation_ratio_alone_solves_no_eigenproblem(tiny, tiny_tokens, monkeypatch):
     """metrics="participation_ratio" takes each sequence's Gram matrix (tr(G)^2 / ||G||_F^2) and no eigvalsh,
     with the numbers of the full probe (where it shares the Gram matrix with the effective rank)."""
-    full = probe(tiny)
-    with full:
-        tiny(tiny_tokens)
-    full_res = full.result()
-
-    def no_eig(*a, **k):
-        raise AssertionError("eigvalsh called without effective_rank")
-
-    monkeypatch.setattr(torch.linalg, "eigvalsh", no_eig)
-    with probe(tiny, metrics="participation_ratio") as trace:
-        tiny(tiny_tokens)
-    res = trace.result()
-    assert res.quantities == list(QUANTITIES["participation_ratio"])
-    for q in res.quantities:
-        assert torch.equal(res.sums[q], full_res.sums[q]) and torch.equal(res.counts[q], full_res.counts[q]), q
+    full_res = _full_probe_then_no_eigvalsh(tiny, tiny_tokens, monkeypatch)
+    _assert_alone_gives_the_full_sums(tiny, tiny_tokens, "participation_ratio", full_res)
