@@ -58,7 +58,7 @@ from torch import Tensor
 
 from . import validation
 from .backends import adapt
-from .backends.lifecycle import add_hook_last
+from .backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions
 from .errors import InputError, NonFiniteError
 from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_gram, token_quantities
 from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
@@ -139,6 +139,7 @@ class ProbeTrace:
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
         self._div_names = {mid: [f"{DIVERSITY_STATS[i]}_{w}" for w in SITES3 if w != "mid" or mid
                                  for i in self._div_stats] for mid in (False, True)}
+        self._conversions = conversion_records(self.model)
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
@@ -249,6 +250,10 @@ class ProbeTrace:
                                 # done with this forward: the buffer goes before the forward's own peak (the
                                 # logits), so a probed forward peaks at a plain forward's memory
                                 self._buf = None
+                                # and TransformerLens's records of the tensors our attention hooks saw (a bridge
+                                # keeps one per hooked attention site and forward, forever): a long scan's memory
+                                # stays that of one forward
+                                drop_identity_conversions(self._conversions)
                     finally:
                         state.clear()
             else:
@@ -283,6 +288,7 @@ class ProbeTrace:
         self._carry = None
         self._buf = None
         self._cur = dict(self._slots)
+        drop_identity_conversions(self._conversions)
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(*exc)

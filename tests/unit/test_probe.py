@@ -15,7 +15,7 @@ from transformer_lens.hook_points import HookPoint
 
 from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
-from tl_steering.backends import adapt
+from tl_steering.backends import adapt, backend_of
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
 from tl_steering.probing import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
@@ -540,3 +540,34 @@ def test_participation_ratio_alone_solves_no_eigenproblem(tiny, tiny_tokens, mon
     with the numbers of the full probe (where it shares the Gram matrix with the effective rank)."""
     full_res = _full_probe_then_no_eigvalsh(tiny, tiny_tokens, monkeypatch)
     _assert_alone_gives_the_full_sums(tiny, tiny_tokens, "participation_ratio", full_res)
+
+
+def test_no_transformerlens_conversion_records_pile_up(tiny, tiny_tokens):
+    """A bridge's attention hook points keep a record per tensor they pass to a hook and never drop it (TL 3.9 and
+    4.3): about 0.4 kB per hooked attention site and forward, for the life of the model. The probe drops the
+    records of unchanged tensors after each forward (and on exit), the adapter's run_with_hooks after its forward;
+    a record of a real conversion (a transposed attention pattern) is kept."""
+    from tl_steering.backends.lifecycle import conversion_records, drop_identity_conversions
+
+    records = conversion_records(tiny)
+    if not records:
+        assert backend_of(tiny) == "hooked", "a bridge without conversion records: the check would be empty"
+        return
+
+    def count():
+        return sum(len(r) for r in conversion_records(tiny))
+
+    with probe(tiny) as trace:
+        for i in range(3):
+            tiny(tiny_tokens[i:i + 1])
+            assert count() == 0, f"records after forward {i}"
+    assert trace.result().n_forwards == 3
+    ad = adapt(tiny)
+    ad.run_with_hooks(tiny_tokens, [(ad.hook_name(0, "attn_out"), lambda act, hook: None)])
+    assert count() == 0
+    tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(0, "attn_out"), lambda act, hook: None)])
+    assert count() >= 1  # TransformerLens's own run_with_hooks (not ours) keeps its record
+    records[0][-1] = {"original_shape": (1, 2, 3, 3), "conversion_type": "transpose_1_2", "n_heads": 2}
+    drop_identity_conversions(records)
+    assert count() == 1 and records[0][-1]["conversion_type"] == "transpose_1_2"
+    records[0].pop(-1)

@@ -464,6 +464,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
                 out = model(tokens, return_type=return_type, **kwargs)
         finally:
             shielded(lambda: close_suspended(tl_hooks))
+        drop_identity_conversions(conversion_records(model))
     _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (progress.py)
     return out
 
@@ -480,6 +481,29 @@ def close_suspended(cm: Any) -> None:
     gen = getattr(cm, "gen", None)
     if gen is not None and inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
         gen.close()
+
+
+def conversion_records(model: torch.nn.Module) -> list[dict]:
+    """TransformerLens's per-tensor conversion records on ``model``'s hook points (a bridge's attention hook points
+    convert their tensors through an ``AttentionAutoConversion``, which keeps a record per converted tensor, keyed
+    by its id, and never drops it: about 0.4 kB per hooked attention site and forward, for the life of the model).
+    Empty for a HookedTransformer. See :func:`drop_identity_conversions`."""
+    out: dict[int, dict] = {}
+    for hp in hook_points(model):
+        state = getattr(getattr(hp, "hook_conversion", None), "_conversion_state", None)
+        if isinstance(state, dict):
+            out[id(state)] = state
+    return list(out.values())
+
+
+def drop_identity_conversions(records: Sequence[dict]) -> None:
+    """Drop the records of tensors that TransformerLens passed through unchanged (``"no_change"``). Reverting such a
+    tensor without its record also leaves it unchanged, so this is safe at any moment, even while a conversion is in
+    flight; records of real conversions (a transposed attention pattern) are kept."""
+    for state in records:
+        stale = [k for k, v in list(state.items()) if isinstance(v, dict) and v.get("conversion_type") == "no_change"]
+        for k in stale:
+            state.pop(k, None)
 
 
 def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
@@ -507,6 +531,8 @@ def owned_hooks(model: torch.nn.Module) -> list[str]:
 __all__ = [
     "HookGuard",
     "add_hook_last",
+    "conversion_records",
+    "drop_identity_conversions",
     "capture_input_once",
     "capture_output_once",
     "capture_site",
