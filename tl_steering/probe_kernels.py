@@ -193,6 +193,12 @@ def _no_grad_call(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
 
 
+def splits(device: torch.device) -> bool:
+    """Whether :func:`in_halves` should split: torch has two or more intra-op threads and the work is on a CPU
+    (the decision of every caller that runs its kernels one thread per half)."""
+    return torch.get_num_threads() >= 2 and device.type == "cpu"
+
+
 def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
     helper thread while this thread runs the first (torch releases the GIL inside its kernels, so the halves

@@ -53,7 +53,7 @@ class ProbeResult(Result):
         n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
         sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
             sequences for the per-sequence metrics) and int64 counts of masked rows, each ``[layer, n_bins]``
-            (``[layer, 1]`` for those two). Means are ``sums / counts``; two results of the same probe setup
+            (``[layer, 1]`` for the per-sequence ones). Means are ``sums / counts``; two results of the same probe setup
             merge by adding them (:meth:`merge`).
 
     Per-layer means: :meth:`get` (``res.get("tangent_alignment")``) or the attribute of the same name

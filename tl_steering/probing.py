@@ -60,7 +60,8 @@ from . import validation
 from .backends import adapt
 from .backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions
 from .errors import InputError, NonFiniteError
-from .probe_kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, token_gram, token_quantities
+from .probe_kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
+                            token_quantities)
 from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .protocols._common import single_threaded
 from .stats import position_bin_edges, position_bin_index
@@ -331,7 +332,7 @@ class ProbeTrace:
         """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
         ``probe_kernels``, batched over sequences and positions, on one torch thread (MKL's threads on these
         small products and decompositions cost 2-10x more than one thread on a shared 2-core machine)."""
-        split = torch.get_num_threads() >= 2 and self.ad.device.type == "cpu"
+        split = splits(self.ad.device)
         with single_threaded():
             self._update_layer(layer, st, split)
 

@@ -501,7 +501,7 @@ def drop_identity_conversions(records: Sequence[dict]) -> None:
     tensor without its record also leaves it unchanged, so this is safe at any moment, even while a conversion is in
     flight; records of real conversions (a transposed attention pattern) are kept."""
     for state in records:
-        stale = [k for k, v in list(state.items()) if isinstance(v, dict) and v.get("conversion_type") == "no_change"]
+        stale = [k for k, v in state.items() if isinstance(v, dict) and v.get("conversion_type") == "no_change"]
         for k in stale:
             state.pop(k, None)
 

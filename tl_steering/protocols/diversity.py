@@ -34,7 +34,7 @@ from ..data import model_tokens
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
-from ..probe_kernels import in_halves
+from ..probe_kernels import in_halves, splits
 from ..results import Result, register
 from ..sharding import World, gather_rows, my_batches
 from ._common import (
@@ -63,7 +63,7 @@ def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     valid = base & ~geo.degenerate_mask(x, base)
     # the sequences' SVDs in two halves on two threads when torch has two (each on one thread: see
     # single_threaded): every sequence's numbers come from its own decomposition, so the same numbers either way
-    split = torch.get_num_threads() >= 2 and x.device.type == "cpu"
+    split = splits(x.device)
     with single_threaded():
         parts = in_halves(lambda a, b: geo.diversity_stats(x[a:b], mask=valid[a:b]), x.shape[0], split)
     return {k: torch.cat([p[k] for p in parts]).cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
