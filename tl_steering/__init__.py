@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING
 
-from ._lazy import lazy_attributes
+from ._util.lazy import lazy_attributes
 
 # Lazy attributes (PEP 562): ``import tl_steering`` imports neither torch's heavy parts nor TransformerLens, so
 # the CLI can refuse a bad argument in well under a second; a public name imports its module on first use.
@@ -35,19 +35,19 @@ _LAZY: dict[str, str] = {
     "critical_points": ".critical",
     "critical_points_all_layers": ".critical",
     "find_equilibria": ".critical",
-    "TokenWindows": ".data",
-    "corpus_label": ".data",
-    "text_tokens": ".data",
-    "text_windows": ".data",
-    "calibrate_gates": ".gates",
+    "TokenWindows": ".data.windows",
+    "corpus_label": ".data.windows",
+    "text_tokens": ".data.windows",
+    "text_windows": ".data.windows",
+    "calibrate_gates": ".protocols.gates",
     "parallelize": ".parallel",
-    "ParallelPlan": ".planning",
-    "ParallelScoresResult": ".planning",
-    "parallel_scores": ".planning",
-    "plan_parallel": ".planning",
-    "prefix_sensitivity": ".prefix",
-    "prefix_statistics": ".prefix",
-    "probe": ".probing",
+    "ParallelPlan": ".parallel",
+    "ParallelScoresResult": ".parallel",
+    "parallel_scores": ".parallel",
+    "plan_parallel": ".parallel",
+    "prefix_sensitivity": ".protocols.prefix",
+    "prefix_statistics": ".protocols.prefix",
+    "probe": ".probing.trace",
     "angular_deficit": ".protocols",
     "diversity": ".protocols",
     "ffn_ablation": ".protocols",
@@ -64,12 +64,11 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from .backends import ModelAdapter, adapt, load_model, tiny_model, tl_version  # noqa: F401
     from .critical import (CriticalPointsResult, EquilibriaResult, classify_point, critical_points,  # noqa: F401
                            critical_points_all_layers, find_equilibria)
-    from .data import TokenWindows, corpus_label, text_tokens, text_windows  # noqa: F401
-    from .gates import calibrate_gates  # noqa: F401
-    from .parallel import parallelize  # noqa: F401
-    from .planning import ParallelPlan, ParallelScoresResult, parallel_scores, plan_parallel  # noqa: F401
-    from .prefix import prefix_sensitivity, prefix_statistics  # noqa: F401
-    from .probing import probe  # noqa: F401
+    from .data.windows import TokenWindows, corpus_label, text_tokens, text_windows  # noqa: F401
+    from .protocols.gates import calibrate_gates  # noqa: F401
+    from .parallel import ParallelPlan, ParallelScoresResult, parallel_scores, parallelize, plan_parallel  # noqa: F401
+    from .protocols.prefix import prefix_sensitivity, prefix_statistics  # noqa: F401
+    from .probing.trace import probe  # noqa: F401
     from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect  # noqa: F401
     from .results import Provenance, Result  # noqa: F401
 

@@ -223,8 +223,8 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
 
 # Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
 # name a kind whose module has not been imported yet: it is imported on first need.
-RESULT_MODULES = ("tl_steering.protocols", "tl_steering.planning", "tl_steering.critical", "tl_steering.probing", "tl_steering.probe_result",
-                  "tl_steering.gates", "tl_steering.prefix", "tl_steering.suite")
+RESULT_MODULES = ("tl_steering.protocols", "tl_steering.parallel", "tl_steering.critical", "tl_steering.probing.trace", "tl_steering.probing.result",
+                  "tl_steering.protocols.gates", "tl_steering.protocols.prefix", "tl_steering.suite")
 
 
 def _import_result_modules() -> None:

@@ -13,8 +13,8 @@ import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.critical import critical_points_all_layers
-from tl_steering.gates import calibrate_gates
-from tl_steering.prefix import prefix_sensitivity
+from tl_steering.protocols.gates import calibrate_gates
+from tl_steering.protocols.prefix import prefix_sensitivity
 
 # one torch thread for the critical-point tests only (small dense eigenproblems spin on a shared runner); the
 # prefix and gate tests run full SmolLM2 forwards/backwards, which use both cores

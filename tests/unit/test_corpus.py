@@ -1,4 +1,4 @@
-"""Streaming corpora (tl_steering.corpus): windows equal to whole-text tokenization, sharding, resuming,
+"""Streaming corpora (tl_steering.data.corpus): windows equal to whole-text tokenization, sharding, resuming,
 JSONL / directory sources, and a file larger than the windows asked for is never read whole."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering.backends import adapt
-from tl_steering.corpus import parse_source, stream_windows
+from tl_steering.data.corpus import parse_source, stream_windows
 from tl_steering.errors import InputError
 
 LINE = "The quick brown fox jumps over the lazy dog while the cat sleeps.\n"
@@ -102,7 +102,7 @@ def test_a_large_file_is_never_read_whole(model, tmp_path, monkeypatch):
         def __exit__(self, *a):
             self.h.close()
 
-    import tl_steering.corpus as corpus_mod
+    import tl_steering.data.corpus as corpus_mod
 
     monkeypatch.setattr(corpus_mod, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
     peaks = {}

@@ -6,7 +6,7 @@ import torch
 
 from tl_steering.backends import adapt
 from tl_steering.backends.decoding import cache_routing, decode_step, freeze_kv_cache, kv_cache, kv_cache_length
-from tl_steering.parallel import _lean_sequential_copy, parallelize
+from tl_steering.parallel.apply import _lean_sequential_copy, parallelize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

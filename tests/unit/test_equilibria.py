@@ -13,16 +13,11 @@ import scipy.linalg
 import torch
 from jaxtyping import TypeCheckError
 
-from tl_steering.equilibria import (
-    DENSE_MAX_DIM,
-    EquilibriaResult,
-    PointClassification,
-    _resolve_eigensolver,  # noqa: PLC2701 - the auto rule itself
-    classify_point,
-    find_equilibria,
-    relative_residual,
-    tangent_basis,
-)
+from tl_steering.critical.fields import relative_residual, tangent_basis
+from tl_steering.critical.finder import classify_point, find_equilibria
+from tl_steering.critical.results import EquilibriaResult, PointClassification
+from tl_steering.critical.spectrum import DENSE_MAX_DIM
+from tl_steering.critical.spectrum import _resolve_eigensolver  # noqa: PLC2701 - the auto rule itself
 from tl_steering.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.gates (docs/gates.md) on the tiny models."""
+"""Unit tests of tl_steering.protocols.gates (docs/gates.md) on the tiny models."""
 
 import plotly.graph_objects as go
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
-from tl_steering.gates import GateResult, calibrate_gates
+from tl_steering.protocols.gates import GateResult, calibrate_gates
 from tl_steering.hooks import ffn_component, parallel_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

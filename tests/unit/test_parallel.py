@@ -11,7 +11,7 @@ from tl_steering.errors import InputError, LayerIndexError
 from tl_steering.hooks import parallel_blocks
 from tl_steering.backends.executor import _raw
 from tl_steering.backends.copying import deepcopy_module
-from tl_steering.parallel import parallel_layers, parallelize, unfused
+from tl_steering.parallel.apply import parallel_layers, parallelize, unfused
 
 RTOL = 1e-4  # fp32, relative to the largest entry
 

@@ -1,4 +1,4 @@
-"""Layer planning (tl_steering.planning; docs/defect.md "Attribution", docs/parallel.md "Planning").
+"""Layer planning (tl_steering.parallel; docs/defect.md "Attribution", docs/parallel.md "Planning").
 
 * the attribution score equals the measured single-layer loss change in the small-defect limit (attention
   writes scaled down with ``hooks.attention_gain``: the defect Phi(x + g a) - Phi(x) is O(g), the error of the
@@ -18,8 +18,8 @@ from tests.helpers import assert_no_grads, assert_no_hooks
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
-from tl_steering.planning import strategies as st
-from tl_steering.planning.attribution import attribution_scores
+from tl_steering.parallel import strategies as st
+from tl_steering.parallel.attribution import attribution_scores
 
 
 def _mean_loss(model, tokens, layers) -> float:
@@ -170,7 +170,7 @@ def test_greedy_choices_rechecked(planner_model, planner_tokens, plan):
 def test_greedy_measured_shortlist(planner_model, planner_tokens, plan):
     """With a shortlist of 2, each step measures the 2 remaining layers ranked lowest by SHORTLIST_SCORE (the
     one-shot score of the calibration windows) and adds the better one."""
-    from tl_steering.planning.plan import SHORTLIST_SCORE
+    from tl_steering.parallel.plan import SHORTLIST_SCORE
 
     cal = planner_tokens[:2]
     p2 = ts.plan_parallel(planner_model, cal, 3, held_out=planner_tokens[2:], strategy="greedy_measured",

@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.prefix (docs/prefix.md) on the tiny models: every arch x backend."""
+"""Unit tests of tl_steering.protocols.prefix (docs/prefix.md) on the tiny models: every arch x backend."""
 
 import math
 
@@ -10,7 +10,7 @@ from tests.helpers import hook_count
 from tl_steering import geometry as geo
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
-from tl_steering.prefix import (
+from tl_steering.protocols.prefix import (
     PrefixSensitivityResult,
     PrefixStatisticsResult,
     PrefixStatsResult,

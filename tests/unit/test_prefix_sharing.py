@@ -1,4 +1,4 @@
-"""Prefix sharing of the plan losses (tl_steering.planning.gold.PlanLoss): a plan run from the clean residual
+"""Prefix sharing of the plan losses (tl_steering.parallel.gold.PlanLoss): a plan run from the clean residual
 entering its first parallel layer gives the same mean CE as the whole hooked forward, on every tiny architecture and
 backend; it turns itself off where it would be wrong (a hook of the user's on the model) or too big."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tl_steering.backends import adapt
-from tl_steering.planning import gold
-from tl_steering.planning.gold import PlanLoss
-from tl_steering.planning.refit import FittedLoss, RefitLoss
+from tl_steering.parallel import gold
+from tl_steering.parallel.gold import PlanLoss
+from tl_steering.parallel.refit import FittedLoss, RefitLoss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -83,7 +83,7 @@ def test_refit_losses_share_the_prefix(tiny, fit):
 
 def test_run_blocks_and_batch_slices_refuse_bad_input(tiny):
     from tl_steering.errors import InputError, LayerIndexError
-    from tl_steering.sharding import batch_slices
+    from tl_steering.data.sharding import batch_slices
 
     ad = adapt(tiny)
     x = torch.zeros(1, 4, ad.d_model)

@@ -1,4 +1,4 @@
-"""Streaming probes (tl_steering.probe, module tl_steering.probing) against the same metrics computed afterwards from a full cache.
+"""Streaming probes (tl_steering.probe, module tl_steering.probing.trace) against the same metrics computed afterwards from a full cache.
 
 The reference (:func:`reference_metrics`) restates each metric with tl_steering.geometry on the cached
 float64 activations of a TransformerLens ``run_with_cache`` over all the batches at once; the probe sees the
@@ -18,7 +18,7 @@ from tl_steering import geometry as geo
 from tl_steering.backends import adapt, backend_of
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
-from tl_steering.probing import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
+from tl_steering.probing.trace import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
 
 F64 = torch.float64
 TOL = 1e-6
@@ -375,11 +375,11 @@ def test_single_metric(tiny, tiny_tokens, metric):
 
 @pytest.mark.parametrize("n", [1, 2, 7, 33])
 def test_diversity_kernel_equals_full_gram_formula(n):
-    """probe_kernels.diversity (lower-triangle Gram in row strips, ||sum u||^2 from it) against the plain
+    """probing.kernels.diversity (lower-triangle Gram in row strips, ||sum u||^2 from it) against the plain
     formula on the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length,
     effective rank and participation ratio to 1e-12 relative; zero rows masked; n > d takes the d x d branch;
     the participation ratio alone (gram=True, spectrum=False) solves no eigenproblem and gives the same."""
-    from tl_steering.probe_kernels import diversity, erank_from_eigvalsh, gram_lower
+    from tl_steering.probing.kernels import diversity, erank_from_eigvalsh, gram_lower
 
     gen = torch.Generator().manual_seed(n)
     d = 16
@@ -416,7 +416,7 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 def test_kernels_split_over_two_threads_equal_one_thread(batch):
     """diversity / token_gram with split=True (the halves of the batch on two threads, the probe's path when
     torch has >= 2 threads) give the numbers of the unsplit kernels, per sequence and per token."""
-    from tl_steering.probe_kernels import diversity, token_gram
+    from tl_steering.probing.kernels import diversity, token_gram
 
     gen = torch.Generator().manual_seed(batch)
     for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
@@ -434,7 +434,7 @@ def test_gram_sets_numpy_route_equals_gram_lower():
     """gram_sets (numpy's symmetric BLAS kernel on CPU float64) gives gram_lower's lower triangle to 1e-12
     with a zero strict upper triangle, and with cols=True the lower triangle of T^T T; other dtypes,
     non-contiguous sets and tensors that require grad take the torch route and give the same."""
-    from tl_steering.probe_kernels import gram_lower, gram_sets
+    from tl_steering.probing.kernels import gram_lower, gram_sets
 
     gen = torch.Generator().manual_seed(3)
     sets = [torch.randn(3, 9, 20, generator=gen, dtype=F64) + 2.0 for _ in range(2)]

@@ -1,4 +1,4 @@
-"""tl_steering.progress: per-forward ticks with tokens/s from every forward that goes through the adapter.
+"""tl_steering._util.progress: per-forward ticks with tokens/s from every forward that goes through the adapter.
 
 Asserts exact forward and token counts on a tiny model, nesting, throttling, the final report, and that nothing
 is counted (or called) outside a reporting block. Cost: well under a second per tiny model.
@@ -7,7 +7,7 @@ is counted (or called) outside a reporting block. Cost: well under a second per 
 import pytest
 import torch
 
-from tl_steering import progress
+from tl_steering._util import progress
 from tl_steering.backends import adapt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

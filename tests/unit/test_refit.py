@@ -1,4 +1,4 @@
-"""Closed-form corrections of the parallel surrogate (tl_steering.planning.refit; docs/parallel.md "Refit").
+"""Closed-form corrections of the parallel surrogate (tl_steering.parallel.refit; docs/parallel.md "Refit").
 
 * the moments' closed form equals a least-squares solve (torch.linalg.lstsq) on the same data to 1e-10, on
   random data and on the activations of every tiny architecture x backend (fitted on the plan's own forward);
@@ -18,10 +18,10 @@ import torch
 import tl_steering as ts
 from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt
-from tl_steering.batching import mean_loss
+from tl_steering.data.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
-from tl_steering.planning.refit import (
+from tl_steering.parallel.refit import (
     LINEAR_RIDGE,
     Moments,
     RefitLoss,
@@ -230,7 +230,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _check_executor(model, tokens, layers, linear: bool = False):
-    from tl_steering.parallel import parallelize, unfused
+    from tl_steering.parallel.apply import parallelize, unfused
 
     ad = adapt(model)
     gen = torch.Generator().manual_seed(7)
@@ -361,7 +361,7 @@ def test_linear_refit_surrogate_and_bad_input(tiny, tiny_tokens):
 
 
 def test_plan_parallel_linear(planner_model, planner_tokens, tmp_path):
-    from tl_steering.parallel import parallelize
+    from tl_steering.parallel.apply import parallelize
 
     cal, held = planner_tokens[:4], planner_tokens[4:]
     kw = {"held_out": held, "strategies": ["C", "attribution_abs", "greedy_measured"], "batch_size": 4,

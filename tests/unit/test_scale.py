@@ -1,4 +1,4 @@
-"""Corpus-scale scans (tl_steering.scale): shards merge to the single-pass numbers, torchrun with 2 gloo
+"""Corpus-scale scans (tl_steering.probing.scan): shards merge to the single-pass numbers, torchrun with 2 gloo
 processes equals one process, a killed run resumes to the uninterrupted result, ranks that disagree fail."""
 
 import json
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import tl_steering as ts
-from tl_steering.corpus import stream_windows
+from tl_steering.data.corpus import stream_windows
 from tl_steering.errors import InputError, ModelNotSupportedError
-from tl_steering.probing import ProbeResult
-from tl_steering import scale
-from tl_steering.scale import check_agreement, scan
+from tl_steering.probing.trace import ProbeResult
+from tl_steering.probing import scan as scale
+from tl_steering.probing.scan import check_agreement, scan
 
 LINE = "Residual streams move on a sphere while attention aggregates and the FFN steers.\n"
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,10 +71,10 @@ def test_shards_merge_to_one_probe_over_the_same_windows(model, corpus, tmp_path
 def test_torchrun_two_processes_equal_one(model, corpus, tmp_path):
     common = ["--model", "tiny-gpt2", "--source", str(corpus), "--windows", "30", "--length", "16",
               "--shard-windows", "4", "--batch-size", "4", "--no-progress"]
-    one = _run([sys.executable, "-m", "tl_steering.scale", *common, "--out", str(tmp_path / "one")], timeout=300)
+    one = _run([sys.executable, "-m", "tl_steering.probing.scan", *common, "--out", str(tmp_path / "one")], timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "tl_steering.scale", *common, "--out", str(tmp_path / "two")], timeout=300)
+                "-m", "tl_steering.probing.scan", *common, "--out", str(tmp_path / "two")], timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout.strip().splitlines()[-1])["world_size"] == 2
     a, b = ProbeResult.load(tmp_path / "one/result.json"), ProbeResult.load(tmp_path / "two/result.json")
@@ -85,7 +85,7 @@ def test_torchrun_two_processes_equal_one(model, corpus, tmp_path):
 
 def test_a_killed_scan_resumes_to_the_uninterrupted_numbers(model, corpus, tmp_path):
     n, shard = 120, 2
-    args = [sys.executable, "-m", "tl_steering.scale", "--model", "tiny-gpt2", "--source", str(corpus),
+    args = [sys.executable, "-m", "tl_steering.probing.scan", "--model", "tiny-gpt2", "--source", str(corpus),
             "--windows", str(n), "--length", "16", "--shard-windows", str(shard), "--batch-size", "2",
             "--no-progress", "--out", str(tmp_path / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -113,7 +113,7 @@ def test_ranks_that_disagree_fail_on_every_rank(tmp_path):
     script = tmp_path / "disagree.py"
     script.write_text(
         "import torch.distributed as dist\n"
-        "from tl_steering.scale import check_agreement, init_from_env, world\n"
+        "from tl_steering.probing.scan import check_agreement, init_from_env, world\n"
         "from tl_steering.errors import InputError\n"
         "init_from_env()\n"
         "try:\n"
@@ -166,8 +166,8 @@ def _suite_inputs(name, windows, length, batch, stages, plan_strategy="lowest_C"
     """Model, token windows and settings of the suite runs compared below (the same in both processes)."""
     import dataclasses
 
-    from tl_steering.data import text_windows
-    from tl_steering.scale import load_named
+    from tl_steering.data.windows import text_windows
+    from tl_steering.probing.scan import load_named
     from tl_steering.suite import default_settings
 
     model = load_named(name, backend, None) if model is None else model
@@ -181,8 +181,8 @@ def _suite_inputs(name, windows, length, batch, stages, plan_strategy="lowest_C"
 _RANK = """
 import sys, json, torch
 from tests.unit.test_scale import _suite_inputs
-from tl_steering.scale import init_from_env
-from tl_steering.sharding import world
+from tl_steering.probing.scan import init_from_env
+from tl_steering.data.sharding import world
 from tl_steering.suite import run_suite
 init_from_env()
 model, tokens, s = _suite_inputs(*json.loads(sys.argv[1]))

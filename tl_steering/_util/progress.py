@@ -3,7 +3,7 @@ protocol.
 
 Whoever shows progress (the suite runner's bar per stage, a notebook, a script) opens a block::
 
-    with tl_steering.progress.reporting(lambda s: bar.set_postfix_str(s.note())):
+    with tl_steering._util.progress.reporting(lambda s: bar.set_postfix_str(s.note())):
         parallel_defect(model, tokens, evaluate=True)     # 30 gold-standard forwards, ticking
 
 Every forward that goes through the adapter (``ad.run_with_hooks``, hence ``loss_per_token`` and

@@ -9,8 +9,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .backends import ModelAdapter, adapt, check_finite
-from .metrics import next_token_loss
+from ..backends import ModelAdapter, adapt, check_finite
+from ..metrics import next_token_loss
 from .sharding import batch_slices
 
 HookList = list[tuple[str, Callable[..., Any]]]
@@ -30,7 +30,7 @@ def iter_batches(
     Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
     collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names` for the residual check).
     Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
-    these batches (a rank's share, :func:`tl_steering.sharding.my_batches`); default every batch.
+    these batches (a rank's share, :func:`tl_steering.data.sharding.my_batches`); default every batch.
     """
     n = tokens.shape[0]
     batches = batch_slices(n, batch_size) if rows is None else rows
@@ -47,7 +47,7 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
     ``sum over windows of sum_i loss_i / number of predicted tokens``: every token weighs the same, whatever
     the batching; accumulated in float64 (:func:`tl_steering.metrics.next_token_loss`). Raises
     :class:`~tl_steering.errors.NonFiniteError` if a loss is NaN/Inf. ``model`` may be a model or its adapter.
-    ``world`` (a :class:`tl_steering.sharding.World`): each rank runs its batches, the per-window sums are
+    ``world`` (a :class:`tl_steering.data.sharding.World`): each rank runs its batches, the per-window sums are
     gathered and added in window order (the same number on one rank or many).
     """
     from .sharding import gather_rows, my_batches

@@ -25,9 +25,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .backends import adapt
-from .data import TokenWindows, pydoc_text
-from .errors import InputError
+from ..backends import adapt
+from .windows import TokenWindows, pydoc_text
+from ..errors import InputError
 
 DEFAULT_CHUNK_CHARS = 1 << 16
 

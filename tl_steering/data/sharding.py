@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from ..errors import InputError
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -53,7 +53,7 @@ def world() -> World:
 
 def rank_device(device: str | None, w: World | None = None) -> str | None:
     """The device this rank runs on: under a process group a CUDA request becomes the rank's own GPU (the one
-    :func:`tl_steering.scale.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
+    :func:`tl_steering.probing.scan.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
     w = world() if w is None else w
     if device is not None and str(device).startswith("cuda") and w.active:
         return f"cuda:{torch.cuda.current_device()}"

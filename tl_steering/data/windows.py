@@ -10,8 +10,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .backends import adapt
-from .errors import InputError
+from ..backends import adapt
+from ..errors import InputError
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,8 @@
-"""Layer planning: which blocks to make parallel (see docs/defect.md and docs/parallel.md "Planning").
+"""Parallel blocks: which blocks to make parallel (planning, see docs/defect.md and docs/parallel.md "Planning"),
+and making them parallel for real (:func:`parallelize`, docs/parallel.md).
 
+* :mod:`.apply` - :func:`parallelize`, the public API of the parallel executor (block surgery in
+  :mod:`tl_steering.backends.executor`);
 * :mod:`.strategies` - pure layer-choice strategies (no model);
 * :mod:`.gold` - the measured loss of a plan (the gold standard);
 * :mod:`.speedup` - opt-in sub-module timing and the speedup estimate;
@@ -10,6 +13,7 @@
 """
 
 from . import gold, refit, speedup, strategies
+from .apply import parallel_layers, parallelize, unfused
 from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .plan import ONE_SHOT_COMPARISON, PLAN_STRATEGIES, ParallelPlan, plan_parallel
@@ -18,6 +22,26 @@ from .scores import ParallelScoresResult, parallel_scores
 from .speedup import SPEEDUP_LABEL, estimate_speedup
 from .strategies import default_k_values
 
-__all__ = ["ATTRIBUTION_VARIANTS", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "ParallelScoresResult", "PlanLoss", "REFITS",
-           "SPEEDUP_LABEL", "attribution_scores", "default_k_values", "estimate_speedup", "fit_corrections", "gold",
-           "parallel_scores", "plan_parallel", "refit", "speedup", "strategies"]
+__all__ = [
+    "ATTRIBUTION_VARIANTS",
+    "ONE_SHOT_COMPARISON",
+    "PLAN_STRATEGIES",
+    "ParallelPlan",
+    "ParallelScoresResult",
+    "PlanLoss",
+    "REFITS",
+    "SPEEDUP_LABEL",
+    "attribution_scores",
+    "default_k_values",
+    "estimate_speedup",
+    "fit_corrections",
+    "gold",
+    "parallel_layers",
+    "parallel_scores",
+    "parallelize",
+    "plan_parallel",
+    "refit",
+    "speedup",
+    "strategies",
+    "unfused",
+]

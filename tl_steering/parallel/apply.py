@@ -60,11 +60,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import validation
-from .backends import adapt
-from .backends.copying import deepcopy_module
-from .backends.executor import parallel_states, parallelize_blocks
-from .errors import InputError, ParallelBlockError
+from .. import validation
+from ..backends import adapt
+from ..backends.copying import deepcopy_module
+from ..backends.executor import parallel_states, parallelize_blocks
+from ..errors import InputError, ParallelBlockError
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
@@ -133,7 +133,7 @@ def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, bi
                  linears: Mapping[int, Tensor] | None = None
                  ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
     """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    from .hooks import checked_corrections
+    from ..hooks import checked_corrections
 
     g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
     return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))

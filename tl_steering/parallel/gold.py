@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from ..backends import adapt
-from ..batching import loss_row_sums, mean_loss, token_mean
+from ..data.batching import loss_row_sums, mean_loss, token_mean
 from ..hooks import Write, parallel_blocks, parallel_hooks
-from ..progress import forward_done
-from ..sharding import batch_slices
+from .._util.progress import forward_done
+from ..data.sharding import batch_slices
 
 #: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
 #: layers x element size); above it every plan runs a whole forward.
@@ -36,7 +36,7 @@ class PlanLoss:
 
     ``loss(layers)`` runs ``ceil(batch / batch_size)`` hooked forwards the first time a set is asked for;
     :attr:`passes` counts the passes over the windows actually run (the cost, over all ranks).
-    ``world`` (a :class:`tl_steering.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
+    ``world`` (a :class:`tl_steering.data.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
     per rank in turn and hands every value to every rank; the values are those of one process.
     """
 
@@ -147,9 +147,9 @@ class PlanLoss:
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
         """Measure every plan of ``plans`` not known yet: split over the ranks of :attr:`world` (one pass over all
-        windows per plan, :func:`tl_steering.sharding.split_map`), in this process without one. Every rank must
+        windows per plan, :func:`tl_steering.data.sharding.split_map`), in this process without one. Every rank must
         call it with the same plans (the planners derive them from numbers every rank holds)."""
-        from ..sharding import split_map
+        from ..data.sharding import split_map
 
         keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
         if not keys:

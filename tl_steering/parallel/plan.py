@@ -31,10 +31,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..backends import adapt
-from ..data import token_source
+from ..data.windows import token_source
 from ..errors import InputError
 from ..results import Result, register
-from ..sharding import broadcast_from_rank0
+from ..data.sharding import broadcast_from_rank0
 from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
@@ -92,7 +92,7 @@ class ParallelPlan(Result):
         options: the call's options.
         refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``,
             ``"linear"``;
-            :mod:`tl_steering.planning.refit`), fitted on the calibration windows for EVERY plan measured (so
+            :mod:`tl_steering.parallel.refit`), fitted on the calibration windows for EVERY plan measured (so
             every dCE above, and the choice, is of the corrected plans); refit_order: ``"sequential"`` or
             ``"joint"``.
         gates: ``[k]`` float64, the fitted g_l of :attr:`layers` (in that order; ones for ``"none"``).
@@ -140,7 +140,7 @@ class ParallelPlan(Result):
 
     def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
         """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`
-        and :func:`tl_steering.parallel.parallelize` (empty dicts for ``refit="none"``)."""
+        and :func:`tl_steering.parallel.apply.parallelize` (empty dicts for ``refit="none"``)."""
         if self.refit == "none":
             return {}, {}
         gates = {lay: float(g) for lay, g in zip(self.layers, self.gates.tolist())}
@@ -264,14 +264,14 @@ def plan_parallel(
             its passes; its cost is then not counted again).
         fisher_samples: sampled-label backwards of the second-order scores (0: first-order scores only; the
             ``attribution_2nd`` / ``_fisher`` strategies then refuse).
-        world: a :class:`tl_steering.sharding.World` (every rank calls, docs/scale_out.md): the measured plans
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls, docs/scale_out.md): the measured plans
             (single layers, greedy_measured candidates, contiguous windows, every curve point) are split over the
             ranks, one pass per plan; the scores and the greedy re-scoring (forward + backward) run on rank 0 and
             are handed to the others, so every rank takes the same decisions; the same plan on every rank.
         refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)), ``"affine"``
             (g_l Phi(x) + b_l) or ``"linear"`` (g_l Phi(x) + b_l + a W_l, a the block's attention write, W_l a
             ridge-regularised ``[d_model, d_model]`` map; still parallel): closed-form corrections of the parallel
-            FFN writes (:mod:`tl_steering.planning.refit`) fitted on the calibration windows for every plan
+            FFN writes (:mod:`tl_steering.parallel.refit`) fitted on the calibration windows for every plan
             measured, so the measured strategies choose WITH the correction (greedy_measured re-fits at every candidate) and ``"best"`` compares corrected calibration
             dCE; the held-out dCE applies the calibration fit. The one-shot scores are those of the uncorrected
             surrogate. Costs nothing more with ``refit_order="sequential"`` and the calibration windows in one
@@ -280,7 +280,7 @@ def plan_parallel(
             or ``"joint"`` (every layer from the uncorrected plan's forward; one more pass per plan).
         refit_crossfit: compare plans by their out-of-fold calibration loss (corrections fitted on one half of
             the calibration windows, measured on the other, both ways;
-            :class:`~tl_steering.planning.refit.RefitLoss`) instead of the in-sample one. Default (None): on for ``"linear"`` (whose d_model^2 entries per layer
+            :class:`~tl_steering.parallel.refit.RefitLoss`) instead of the in-sample one. Default (None): on for ``"linear"`` (whose d_model^2 entries per layer
             fit the calibration noise: in-sample, ``"best"`` picked a plan 0.09 nats BELOW the clean loss on
             calibration and 2x the lowest-C plan's loss held out on SmolLM2), off for the others. The stored
             corrections are then fitted on all the calibration windows, and ``calibration_delta_ce`` is the

@@ -34,7 +34,7 @@ from ..backends import adapt
 from ..backends.fused import corrected_ffn_write
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
-from ..sharding import batch_slices
+from ..data.sharding import batch_slices
 from ..stats import check_exclude_positions, position_mask
 from .gold import PlanLoss
 
@@ -297,7 +297,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
 
 
 class RefitLoss(PlanLoss):
-    """:class:`~tl_steering.planning.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits the
+    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits the
     corrections of that plan on these windows and returns the corrected mean CE (memoised; :attr:`passes`
     counts every forward, fitting included). :meth:`corrections` gives the fitted ``(gates, biases)``, fitted on
     all the windows.

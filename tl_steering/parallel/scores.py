@@ -2,7 +2,7 @@
 
 ``scores`` holds the paper's defect scores (``C`` and its variants ``C_phi``, ``C1``, ``C_tan`` from
 :func:`tl_steering.protocols.parallel_defect`) and the loss-aware attribution scores
-(:mod:`tl_steering.planning.attribution`, with the sampled-label second-order scores when
+(:mod:`tl_steering.parallel.attribution`, with the sampled-label second-order scores when
 ``fisher_samples > 0``). Every score is "lower = safer to make parallel". With
 ``gold=True`` the measured single-layer dCE of every layer and each score's Spearman rho with it are added.
 """
@@ -18,7 +18,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..backends import adapt
-from ..data import token_source
+from ..data.windows import token_source
 from ..errors import InputError
 from ..results import Result, register
 from .attribution import attribution_scores
@@ -65,7 +65,7 @@ class ParallelScoresResult(Result):
         return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
 
     def score_of(self, name: str) -> dict[int, float]:
-        """``{layer: score}`` over the candidates, for :mod:`tl_steering.planning.strategies`."""
+        """``{layer: score}`` over the candidates, for :mod:`tl_steering.parallel.strategies`."""
         if name not in self.scores:
             raise InputError(f"unknown score {name!r}; choose one of {sorted(self.scores)}")
         pos = {lay: i for i, lay in enumerate(self.layers)}

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from ..timing import median_seconds  # the one timer (docs/statistics.md)
+from .._util.timing import median_seconds  # the one timer (docs/statistics.md)
 
 SPEEDUP_LABEL = "estimate (sub-module times, critical path max(t_attn, t_ffn))"
 """Label of every speedup estimate: an estimate, not a measured kernel speedup."""

@@ -1,4 +1,4 @@
-"""Float64 kernels of the streaming probe (:func:`tl_steering.probe`, ``tl_steering/probing.py``;
+"""Float64 kernels of the streaming probe (:func:`tl_steering.probe`, ``tl_steering/probing/trace.py``;
 docs/probe.md).
 
 One layer's work, all batched over sequences and positions, with no loop over tokens, sites or sequences:
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .geometry import EPS_NORM, SINGULAR_REL
+from ..geometry import EPS_NORM, SINGULAR_REL
 
 F64 = torch.float64
 EPS64 = torch.finfo(torch.float64).eps

@@ -1,5 +1,5 @@
-"""The result of a streaming geometry probe (:func:`tl_steering.probe`, module ``tl_steering.probing``): per-layer running sums,
-counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probing.py`` for the
+"""The result of a streaming geometry probe (:func:`tl_steering.probe`, module ``tl_steering.probing.trace``): per-layer running sums,
+counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probing/trace.py`` for the
 metric definitions (docs/protocols.md)."""
 
 import dataclasses
@@ -10,8 +10,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .errors import InputError
-from .results import Result, register
+from ..errors import InputError
+from ..results import Result, register
 
 METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity",
                             "effective_rank", "participation_ratio")

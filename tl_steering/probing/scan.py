@@ -3,12 +3,12 @@
 ::
 
     # one process
-    res = tl_steering.scale.scan(model, "corpus.txt", n_windows=100_000, length=128, out_dir="scan/")
+    res = tl_steering.probing.scan.scan(model, "corpus.txt", n_windows=100_000, length=128, out_dir="scan/")
     # N processes (gloo on CPU, NCCL on GPU), one command:
-    torchrun --standalone --nproc_per_node=N -m tl_steering.scale --model smollm2-135m \\
+    torchrun --standalone --nproc_per_node=N -m tl_steering.probing.scan --model smollm2-135m \\
         --source corpus.txt --windows 100000 --length 128 --out scan/ [--resume]
 
-The stream of windows (:func:`tl_steering.corpus.stream_windows`) is cut into shards of ``shard_windows``
+The stream of windows (:func:`tl_steering.data.corpus.stream_windows`) is cut into shards of ``shard_windows``
 consecutive windows; shard ``j`` belongs to rank ``j % world_size``. Each rank runs the streaming probe
 (:func:`tl_steering.probe`) over its shards, writes each finished shard's running sums to
 ``out_dir/shards/shard-JJJJJJ.safetensors`` (atomically: a temporary file renamed into place, never pickle),
@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from .backends import adapt, weights_fingerprint
-from .corpus import CorpusSpec, iter_window_rows, parse_source
-from .errors import InputError
-from .probe_result import ProbeResult
-from .probing import probe
-from .sharding import World, check_agreement, gather_objects, rank_device, world
+from ..backends import adapt, weights_fingerprint
+from ..data.corpus import CorpusSpec, iter_window_rows, parse_source
+from ..errors import InputError
+from .result import ProbeResult
+from .trace import probe
+from ..data.sharding import World, check_agreement, gather_objects, rank_device, world
 
 FORMAT = 1
 
@@ -95,7 +95,7 @@ def scan(
     Args:
         model: a TransformerLens model (the same on every rank).
         source: ``"pydoc"``, a text file, a directory, ``"jsonl:PATH[:FIELD]"`` or ``"hf:..."``
-            (see :func:`tl_steering.corpus.parse_source`).
+            (see :func:`tl_steering.data.corpus.parse_source`).
         n_windows: windows of ``length`` tokens to cover (all ranks together).
         metrics, layers, exclude_positions: as for :func:`tl_steering.probe`.
         shard_windows: windows per shard (the unit of work, of checkpointing and of resuming).
@@ -241,7 +241,7 @@ def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Se
 
 def load_named(name: str, backend: str, device: str | None) -> Any:
     """A model by name for the command line: ``tiny-ARCH`` (a random test model) or :func:`load_model`'s names."""
-    from . import backends
+    from .. import backends
 
     if name.startswith("tiny-"):
         return backends.tiny_model(name.removeprefix("tiny-"), backend=backend)  # type: ignore[arg-type]
@@ -249,7 +249,7 @@ def load_named(name: str, backend: str, device: str | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tl_steering.scale`` / ``torchrun ... -m tl_steering.scale``: a resumable probe scan."""
+    """``python -m tl_steering.probing.scan`` / ``torchrun ... -m tl_steering.probing.scan``: a resumable probe scan."""
     p = argparse.ArgumentParser(prog="tl-steering scan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma-3-270m, tiny-gpt2, or a TL name")
     p.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])

@@ -56,15 +56,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import validation
-from .backends import adapt
-from .backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions
-from .errors import InputError, NonFiniteError
-from .probe_kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
+from .. import validation
+from ..backends import adapt
+from ..backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions
+from ..errors import InputError, NonFiniteError
+from .kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
                             token_quantities)
-from .probe_result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
-from .protocols._common import single_threaded
-from .stats import position_bin_edges, position_bin_index
+from .result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
+from ..protocols._common import single_threaded
+from ..stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
 _F64 = torch.float64

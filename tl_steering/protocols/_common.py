@@ -1,5 +1,5 @@
 """Helpers shared by the protocols: argument checks, float64 activations, the single-thread block, and
-re-exports of the shared primitives (:mod:`tl_steering.batching`, :mod:`tl_steering.stats`).
+re-exports of the shared primitives (:mod:`tl_steering.data.batching`, :mod:`tl_steering.stats`).
 
 Nothing here knows TransformerLens's classes: the model is reached through :class:`ModelAdapter`.
 """
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import check_finite
-from ..batching import HookList, iter_batches, mean_loss
+from ..data.batching import HookList, iter_batches, mean_loss
 from ..validation import as_int
 from ..stats import (
     bin_labels,

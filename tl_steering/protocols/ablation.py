@@ -28,13 +28,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..errors import InputError
 from .. import validation
 from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
+from ..data.sharding import World, gather_rows, my_batches
 from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
@@ -165,7 +165,7 @@ def ffn_ablation(
         seed: seed of the random-tangent control and of the bootstrap.
         batch_size: sequences per forward pass.
         n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
-        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)

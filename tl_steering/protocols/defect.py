@@ -23,7 +23,7 @@ Phi = MLP(LN2(.)) (``ad.ffn(l)``, positionwise) and Dx = resid_post - resid_pre:
   bracket ``[A, Phi] = DPhi.A - DA.Phi``. Since ``d ~ DPhi.A = 1/2 [A, Phi] + 1/2 (DPhi.A + DA.Phi)``, the
   defect is governed by the bracket *and* the directional-derivative term [S+I].
 
-Gold standard (``evaluate=True``, :mod:`tl_steering.planning.gold`): ``dCE_l = CE(layer l alone parallel) -
+Gold standard (``evaluate=True``, :mod:`tl_steering.parallel.gold`): ``dCE_l = CE(layer l alone parallel) -
 CE(clean)`` with :func:`tl_steering.hooks.parallel_blocks`, the Spearman correlation of every C variant with dCE_l, and the
 loss-vs-k curves of four layer choices (``lowest`` / ``highest`` C, ``random`` seeded draws, ``contiguous`` =
 the window of k consecutive candidate layers with the lowest summed C, earliest on ties). CE is the mean
@@ -38,7 +38,7 @@ holds, for every block, the scores of ``Phi(x + a) - Phi(x)`` with x = resid_pre
 they equal ``scores``; for a parallel block they say how far a *sequential* ordering would move it
 (docs/defect.md: a new construction [ours], not the paper's).
 
-Speedup (``timing=True``, opt-in, :mod:`tl_steering.planning.speedup`) [ours]: per-submodule times on the model's device with ``ad.attention(l)`` (LN1 +
+Speedup (``timing=True``, opt-in, :mod:`tl_steering.parallel.speedup`) [ours]: per-submodule times on the model's device with ``ad.attention(l)`` (LN1 +
 attention) and ``ad.ffn(l)`` (LN2 + MLP) on the first ``batch_size`` sequences, after warm-up, median over
 repeats (CUDA events on GPU, ``time.perf_counter`` on CPU). For a set S of parallelized layers
 ``T_seq = sum_l (t_attn + t_ffn)`` and
@@ -61,14 +61,14 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import check_finite
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
-from ..planning import strategies as _strategies
-from ..planning.gold import PlanLoss, single_layer_delta
-from ..planning.gold import spearman as _spearman
-from ..planning.speedup import SPEEDUP_LABEL, submodule_times
-from ..planning.strategies import default_k_values
-from ..sharding import World, broadcast_from_rank0, gather_rows, my_batches
+from ..parallel import strategies as _strategies
+from ..parallel.gold import PlanLoss, single_layer_delta
+from ..parallel.gold import spearman as _spearman
+from ..parallel.speedup import SPEEDUP_LABEL, submodule_times
+from ..parallel.strategies import default_k_values
+from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
 from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
@@ -89,7 +89,7 @@ class _Sums:
     """Float64 sums of squared norms per sequence and layer over the valid tokens (``[n_seq, n_layer]``).
 
     Kept per sequence so that the ranks of a distributed run can gather them in window order
-    (:func:`tl_steering.sharding.gather_rows`); :meth:`get` pools them over the sequences.
+    (:func:`tl_steering.data.sharding.gather_rows`); :meth:`get` pools them over the sequences.
     """
 
     def __init__(self, n_seq: int, n: int) -> None:
@@ -165,10 +165,10 @@ def parallel_defect(
         seed: seed of the random layer sets.
         timing: also measure per-submodule times for :meth:`DefectResult.speedup_estimate` (opt-in: off by
             default so a scoring call is fast and deterministic; see
-            :func:`tl_steering.planning.speedup.submodule_times`).
+            :func:`tl_steering.parallel.speedup.submodule_times`).
         batch_size: sequences per forward pass (also the timed slice).
         timing_repeats: timed calls per sub-module (median reported, after 1 warm-up call).
-        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches of the
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches of the
             scores (per-sequence sums gathered in window order), the gold-standard losses are split over the
             ranks one plan each, the timing runs on rank 0; the same result on every rank.
 
@@ -295,7 +295,7 @@ def parallel_defect(
         t_attn, t_ffn = tm["t_attn"].tolist(), tm["t_ffn"].tolist()
         t_forward, t_other, timing_shape = tm["t_forward"], tm["t_other"], tm["timing_shape"]
 
-    # -- gold standard (tl_steering.planning.gold) ----------------------------------------------------------
+    # -- gold standard (tl_steering.parallel.gold) ----------------------------------------------------------
     clean_loss = math.nan
     delta_ce = torch.full((n,), math.nan, dtype=torch.float64)
     spearman: dict[str, float] = {}

@@ -2,7 +2,7 @@
 
 The per-layer scores, the optional gold standard and curves, the opt-in sub-module times and the paper-style
 plan (:meth:`DefectResult.plan`, the k lowest-C layers) with its speedup estimate. Planners beyond the lowest-C
-choice live in :mod:`tl_steering.planning`.
+choice live in :mod:`tl_steering.parallel`.
 """
 
 import dataclasses
@@ -15,8 +15,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import InputError
-from ..planning import strategies as _strategies
-from ..planning.speedup import estimate_speedup
+from ..parallel import strategies as _strategies
+from ..parallel.speedup import estimate_speedup
 from ..results import Result, register
 
 DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")

@@ -33,9 +33,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
+from ..data.sharding import World, gather_rows, my_batches
 from ._common import (
     activation64,
     bin_labels,
@@ -198,7 +198,7 @@ def angular_deficit(
         n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
         seed: seed of the bootstrap generator.
         batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
+        world: a :class:`tl_steering.data.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
             each rank runs its batches, the per-window values are gathered; the same result on every rank.
 
     Returns:

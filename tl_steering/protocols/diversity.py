@@ -30,13 +30,13 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import ModelAdapter
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
-from ..probe_kernels import in_halves, splits
+from ..probing.kernels import in_halves, splits
 from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
+from ..data.sharding import World, gather_rows, my_batches
 from ._common import (
     activation64,
     check_batch_size,
@@ -94,7 +94,7 @@ class _Run:
         return int(self.masked_rows.sum())
 
     def arrays(self) -> dict[tuple[str, ...], Tensor]:
-        """Every per-sequence array (what :func:`tl_steering.sharding.gather_rows` completes)."""
+        """Every per-sequence array (what :func:`tl_steering.data.sharding.gather_rows` completes)."""
         out = {("site", k): v for k, v in self.site.items()}
         out.update({("final", k): v for k, v in self.final.items()})
         out.update({("entropy",): self.entropy, ("loss",): self.loss, ("masked",): self.masked_rows})
@@ -274,7 +274,7 @@ def diversity(
         gains: attention-output gains for the sweep (empty: no sweep).
         seed: seed of the random-tangent control.
         batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)

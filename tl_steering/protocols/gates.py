@@ -13,7 +13,7 @@ the gate scales the already modified FFN write: a "recalibrated" parallel plan o
   g_l = Σ <Phi(x + a), Phi(x)> / Σ ||Phi(x)||², with x = resid_pre and a = attn_out of the forward that runs the
   base hooks (the state the gated model sees); 1 for layers not in the plan.
 
-Losses are the mean next-token cross-entropy over every predicted position (:func:`tl_steering.batching.mean_loss`,
+Losses are the mean next-token cross-entropy over every predicted position (:func:`tl_steering.data.batching.mean_loss`,
 float64, every token weighs the same), reported for the clean model, the base hooks (gates 1) and the gated model, on the calibration and the held-out split.
 """
 
@@ -26,14 +26,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .backends import ModelAdapter
-from .batching import mean_loss
-from .data import model_tokens
-from .errors import InputError
-from .hooks import HookList, ffn_gate, parallel_blocks
-from .metrics import next_token_loss
-from .results import Result, register
-from .validation import as_choice, as_int
+from ..backends import ModelAdapter
+from ..data.batching import mean_loss
+from ..data.windows import model_tokens
+from ..errors import InputError
+from ..hooks import HookList, ffn_gate, parallel_blocks
+from ..metrics import next_token_loss
+from ..results import Result, register
+from ..validation import as_choice, as_int
 
 Method = Literal["loss", "closed_form"]
 

@@ -23,14 +23,14 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from . import geometry as geo
-from .backends import check_finite
-from .data import model_tokens
-from .errors import InputError
-from .metrics import kl_divergence
-from .results import Result, register
-from .stats import check_exclude_positions, position_mask
-from .validation import as_choice, as_int
+from .. import geometry as geo
+from ..backends import check_finite
+from ..data.windows import model_tokens
+from ..errors import InputError
+from ..metrics import kl_divergence
+from ..results import Result, register
+from ..stats import check_exclude_positions, position_mask
+from ..validation import as_choice, as_int
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")

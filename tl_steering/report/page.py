@@ -284,7 +284,7 @@ def _choice_rows(suite: SuiteResult) -> dict[str, Any]:
 def parallel_section(suite: SuiteResult) -> str:
     out = (
         "<h3 id='parallel'>The plans run by the parallel executor</h3><p>The low-C plan made parallel for real "
-        "(<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole forward on this "
+        "(<code>tl_steering.parallel.apply.parallelize</code>, fused blocks) and timed as a whole forward on this "
         "machine; the estimate above is the critical-path model of the paper.</p>"
         + _kv_table(_asdict(suite.executor))
     )

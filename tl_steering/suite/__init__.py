@@ -8,7 +8,7 @@
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_attributes
+from .._util.lazy import lazy_attributes
 
 # lazy (PEP 562): the CLI reads .settings to check arguments without importing the protocols
 _LAZY = {

@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..gates import GateResult
+from ..protocols.gates import GateResult
 
 from ..critical import CriticalPointsResult as CriticalResult
-from ..prefix import PrefixSensitivityResult
+from ..protocols.prefix import PrefixSensitivityResult
 from ..protocols.ablation import AblationResult
 from ..protocols.defect import DefectResult
 from ..protocols.deficit import DeficitResult
@@ -178,7 +178,7 @@ class PlanChoice:
     the first half of the windows, reported on the second half (held out), beside the paper's lowest-C plan.
 
     Attributes:
-        plan: the ``tl_steering.planning.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
+        plan: the ``tl_steering.parallel.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
             ``biases``, ``calibration_delta_ce``, ``held_out_delta_ce``, every strategy's curves, ``plot()``;
             ``plan.hooks(model)`` runs it exactly).
         lowest_c_layers: the k lowest-C layers of the defect scores (``SuiteResult.plan.layers`` with the default
@@ -227,7 +227,7 @@ class PlanChoice:
 class StageTiming:
     """Wall and CPU seconds of one stage, and the forward passes it ran (this process): ``forwards`` counts every
     model forward (hooked or cached, any batch) and every run of a plan from a shared clean prefix
-    (``planning.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
+    (``parallel.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
     added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # 2026-12-04: older files read -1
@@ -283,7 +283,7 @@ class SuiteResult(Result):
     """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
 
     A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
-    ``tl_steering.planning.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
+    ``tl_steering.parallel.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
     the cheap strategy comparison of the ``plan_choice`` stage and ``executor_choice`` its chosen plan run by the
     parallel executor (``executor``: the lowest-C plan). Timings are the only numbers that
     change between identical runs.

@@ -20,13 +20,13 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from .. import progress as _progress
+from .._util import progress as _progress
 from ..backends import adapt, tl_version, weights_fingerprint
-from ..batching import mean_loss
-from ..data import TokenWindows, token_source
+from ..data.batching import mean_loss
+from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
-from ..sharding import World, broadcast_from_rank0, check_agreement, world
-from ..timing import median_seconds, timed
+from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
+from .._util.timing import median_seconds, timed
 from .result import (
     Checks,
     DistributedRun,
@@ -102,7 +102,7 @@ class TqdmProgress:
 
 class _Ctx:
     """What every stage reads: the model, the tokens and their corpus label, the settings, the seed and the
-    process group (:class:`~tl_steering.sharding.World`; one process when none is initialized)."""
+    process group (:class:`~tl_steering.data.sharding.World`; one process when none is initialized)."""
 
     def __init__(self, model: Any, tokens: Tensor, corpus: str | None, s: SuiteSettings, seed: int, w: World):
         self.model, self.tokens, self.corpus, self.s, self.seed, self.w = model, tokens, corpus, s, seed, w
@@ -178,13 +178,13 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             **c.common(),
         )
     # ---- the plan: the k lowest-C sequential layers (the default, the report's numbers), or a planner strategy
-    # of tl_steering.planning (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
+    # of tl_steering.parallel (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
     # one; its ParallelPlan is kept in SuiteResult.planner and PlanLosses.strategy records which strategy chose.
     k = min(s.plan_k, len(defect.candidates))
     if s.plan_strategy == "lowest_C":
         layers, strategy = defect.plan(k), "lowest_C"
     else:
-        from ..planning import plan_parallel
+        from ..parallel import plan_parallel
 
         # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
         res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
@@ -238,10 +238,10 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """A cheap comparison of planner strategies (``settings.plan_choice_strategies``, one-shot scores by default)
     with the closed-form correction ``settings.plan_choice_refit``, chosen by calibration dCE on the first half of
     the windows, reported on the second half, beside the lowest-C plan (uncorrected) on the same held-out windows."""
-    from ..batching import mean_loss as _mean_loss
+    from ..data.batching import mean_loss as _mean_loss
     from ..hooks import parallel_blocks
-    from ..planning import plan_parallel
-    from ..planning.attribution import FISHER_VARIANTS
+    from ..parallel import plan_parallel
+    from ..parallel.attribution import FISHER_VARIANTS
 
     s = c.s
     fisher = s.plan_choice_fisher_samples
@@ -300,16 +300,16 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gates: dict, biases: dict,
                   t_seq: float | None, correction: str = "none", linears: dict | None = None
                   ) -> tuple[ExecutorTiming, float | None]:
-    """One plan made parallel by :func:`tl_steering.parallel.parallelize` and timed; ``t_seq``: the original
+    """One plan made parallel by :func:`tl_steering.parallel.apply.parallelize` and timed; ``t_seq``: the original
     model's median forward time when already measured (else measured here). Returns the timing and ``t_seq``."""
-    from ..parallel import parallelize
+    from ..parallel.apply import parallelize
 
     ad, s = c.ad, c.s
     sl = c.tokens[: s.batch_size]
     what = f"the {strategy} plan" + (f" with the {correction} correction" if correction != "none" else "")
     info = ExecutorTiming(
         label=f"measured on this machine: {what}, whole forward, fused parallel blocks "
-        "(tl_steering.parallel.parallelize), median wall time",
+        "(tl_steering.parallel.apply.parallelize), median wall time",
         strategy=strategy,
         correction=correction,
         layers=list(plan),
@@ -343,7 +343,7 @@ def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gat
 
 
 def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    from ..gates import calibrate_gates
+    from ..protocols.gates import calibrate_gates
 
     plan = res.plan.layers if res.plan is not None else []
     res.gates = calibrate_gates(
@@ -385,7 +385,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 
 def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    from ..prefix import prefix_sensitivity
+    from ..protocols.prefix import prefix_sensitivity
 
     res.prefix = prefix_sensitivity(
         c.model,
@@ -448,7 +448,7 @@ def run_suite(
 
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
-        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.TokenWindows` (its corpus label
+        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.windows.TokenWindows` (its corpus label
             goes into every result's provenance; ``corpus=`` wins).
         settings: :class:`SuiteSettings` (:func:`~tl_steering.suite.default_settings` sizes them for a model).
         progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
