@@ -51,7 +51,7 @@ _LAZY: dict[str, str] = {
     "angular_deficit": ".protocols",
     "diversity": ".protocols",
     "ffn_ablation": ".protocols",
-    "parallel_defect": ".protocols",
+    "parallel_defect": ".parallel",
     "Provenance": ".results",
     "Result": ".results",
 }
@@ -66,10 +66,11 @@ if TYPE_CHECKING:  # static tools see the eager imports
                            critical_points_all_layers, find_equilibria)
     from .data.windows import TokenWindows, corpus_label, text_tokens, text_windows  # noqa: F401
     from .protocols.gates import calibrate_gates  # noqa: F401
-    from .parallel import ParallelPlan, ParallelScoresResult, parallel_scores, parallelize, plan_parallel  # noqa: F401
+    from .parallel import (ParallelPlan, ParallelScoresResult, parallel_defect, parallel_scores,  # noqa: F401
+                           parallelize, plan_parallel)
     from .protocols.prefix import prefix_sensitivity, prefix_statistics  # noqa: F401
     from .probing.trace import probe  # noqa: F401
-    from .protocols import angular_deficit, diversity, ffn_ablation, parallel_defect  # noqa: F401
+    from .protocols import angular_deficit, diversity, ffn_ablation  # noqa: F401
     from .results import Provenance, Result  # noqa: F401
 
 __all__ = [

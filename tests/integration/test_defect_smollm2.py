@@ -29,7 +29,7 @@ import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
-from tl_steering.protocols.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
+from tl_steering.parallel.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
 
 pytestmark = pytest.mark.integration
 

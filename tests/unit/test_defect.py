@@ -18,7 +18,7 @@ from tests.helpers import first_output
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
-from tl_steering.protocols.defect import (
+from tl_steering.parallel.defect import (
     BRACKET_TERMS,
     DEFECT_VARIANTS,
     SPEEDUP_LABEL,

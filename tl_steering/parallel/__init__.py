@@ -3,6 +3,8 @@ and making them parallel for real (:func:`parallelize`, docs/parallel.md).
 
 * :mod:`.apply` - :func:`parallelize`, the public API of the parallel executor (block surgery in
   :mod:`tl_steering.backends.executor`);
+* :mod:`.defect` - :func:`parallel_defect`, the paper's sequential-to-parallel defect C_l (protocol 4,
+  docs/defect.md) and its plan curves;
 * :mod:`.strategies` - pure layer-choice strategies (no model);
 * :mod:`.gold` - the measured loss of a plan (the gold standard);
 * :mod:`.speedup` - opt-in sub-module timing and the speedup estimate;
@@ -15,6 +17,8 @@ and making them parallel for real (:func:`parallelize`, docs/parallel.md).
 from . import gold, refit, speedup, strategies
 from .apply import parallel_layers, parallelize, unfused
 from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
+from .defect import (BRACKET_TERMS, CURVE_STRATEGIES, DEFECT_RMS_TERMS, DEFECT_VARIANTS, DefectResult,
+                     parallel_defect)
 from .gold import PlanLoss
 from .plan import ONE_SHOT_COMPARISON, PLAN_STRATEGIES, ParallelPlan, plan_parallel
 from .refit import REFITS, fit_corrections
@@ -24,6 +28,11 @@ from .strategies import default_k_values
 
 __all__ = [
     "ATTRIBUTION_VARIANTS",
+    "BRACKET_TERMS",
+    "CURVE_STRATEGIES",
+    "DEFECT_RMS_TERMS",
+    "DEFECT_VARIANTS",
+    "DefectResult",
     "ONE_SHOT_COMPARISON",
     "PLAN_STRATEGIES",
     "ParallelPlan",
@@ -36,6 +45,7 @@ __all__ = [
     "estimate_speedup",
     "fit_corrections",
     "gold",
+    "parallel_defect",
     "parallel_layers",
     "parallel_scores",
     "parallelize",

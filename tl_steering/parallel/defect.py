@@ -63,13 +63,13 @@ from .. import geometry as geo
 from ..backends import check_finite
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
-from ..parallel import strategies as _strategies
-from ..parallel.gold import PlanLoss, single_layer_delta
-from ..parallel.gold import spearman as _spearman
-from ..parallel.speedup import SPEEDUP_LABEL, submodule_times
-from ..parallel.strategies import default_k_values
+from . import strategies as _strategies
+from .gold import PlanLoss, single_layer_delta
+from .gold import spearman as _spearman
+from .speedup import SPEEDUP_LABEL, submodule_times
+from .strategies import default_k_values
 from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
-from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
+from ..protocols._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
     CURVE_STRATEGIES,

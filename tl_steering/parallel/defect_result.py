@@ -1,4 +1,4 @@
-"""The result of :func:`tl_steering.protocols.parallel_defect`: :class:`DefectResult` (see docs/defect.md).
+"""The result of :func:`tl_steering.parallel.parallel_defect`: :class:`DefectResult` (see docs/defect.md).
 
 The per-layer scores, the optional gold standard and curves, the opt-in sub-module times and the paper-style
 plan (:meth:`DefectResult.plan`, the k lowest-C layers) with its speedup estimate. Planners beyond the lowest-C
@@ -15,8 +15,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import InputError
-from ..parallel import strategies as _strategies
-from ..parallel.speedup import estimate_speedup
+from . import strategies as _strategies
+from .speedup import estimate_speedup
 from ..results import Result, register
 
 DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")

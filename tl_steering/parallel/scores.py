@@ -1,7 +1,7 @@
 """Every per-layer parallelization score in one call: :func:`parallel_scores` (see docs/defect.md "Scores").
 
 ``scores`` holds the paper's defect scores (``C`` and its variants ``C_phi``, ``C1``, ``C_tan`` from
-:func:`tl_steering.protocols.parallel_defect`) and the loss-aware attribution scores
+:func:`tl_steering.parallel.parallel_defect`) and the loss-aware attribution scores
 (:mod:`tl_steering.parallel.attribution`, with the sampled-label second-order scores when
 ``fisher_samples > 0``). Every score is "lower = safer to make parallel". With
 ``gold=True`` the measured single-layer dCE of every layer and each score's Spearman rho with it are added.
@@ -129,7 +129,7 @@ def parallel_scores(
         A :class:`ParallelScoresResult`; cost in passes: 1 forward (C) + 1 forward and
         ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
     """
-    from ..protocols.defect import parallel_defect  # the paper's scores (imported late: defect uses planning)
+    from .defect import parallel_defect  # the paper's scores (imported late: defect uses planning)
 
     t0 = time.perf_counter()
     tokens, corpus = token_source(tokens, corpus)

@@ -17,7 +17,7 @@ from ..protocols.gates import GateResult
 from ..critical import CriticalPointsResult as CriticalResult
 from ..protocols.prefix import PrefixSensitivityResult
 from ..protocols.ablation import AblationResult
-from ..protocols.defect import DefectResult
+from ..parallel.defect import DefectResult
 from ..protocols.deficit import DeficitResult
 from ..protocols.diversity import DiversityResult
 from ..results import Result, register

@@ -150,7 +150,7 @@ def stage_diversity(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Defect scores (and the gold standard when asked), the plan and its loss, the speedup estimate."""
-    from ..protocols.defect import parallel_defect
+    from ..parallel.defect import parallel_defect
 
     s = c.s
     defect = parallel_defect(
