@@ -12,10 +12,9 @@ The data path reads one way: model -> hooks -> metrics -> results -> figures/rep
 * execution: :func:`parallelize`
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from ._util import __version__
 from ._util.lazy import lazy_attributes
 
 # Lazy attributes (PEP 562): ``import tl_steering`` imports neither torch's heavy parts nor TransformerLens, so

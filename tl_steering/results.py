@@ -117,7 +117,7 @@ class Provenance:
 
     def __post_init__(self) -> None:
         if not self.package_version:
-            from . import __version__
+            from ._util import __version__
 
             self.package_version = __version__
 
@@ -223,8 +223,10 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
 
 # Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
 # name a kind whose module has not been imported yet: it is imported on first need.
-RESULT_MODULES = ("tl_steering.protocols", "tl_steering.parallel", "tl_steering.critical", "tl_steering.probing.trace", "tl_steering.probing.result",
-                  "tl_steering.protocols.gates", "tl_steering.protocols.prefix", "tl_steering.suite")
+RESULT_MODULES = ("tl_steering.critical.results", "tl_steering.parallel.defect_result", "tl_steering.parallel.plan",
+                  "tl_steering.parallel.scores", "tl_steering.probing.result", "tl_steering.protocols.ablation",
+                  "tl_steering.protocols.deficit", "tl_steering.protocols.diversity", "tl_steering.protocols.gates",
+                  "tl_steering.protocols.prefix", "tl_steering.suite.result", "tl_steering.suite.settings")
 
 
 def _import_result_modules() -> None:

@@ -462,7 +462,7 @@ def test_single_threaded_caps_numpy_blas_and_restores():
     afterwards, also when the block raises (threadpoolctl reads the BLAS's own setting)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    from tl_steering.protocols._common import single_threaded
+    from tl_steering._util.threads import single_threaded
 
     def blas_threads() -> list[int]:
         return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]

@@ -21,13 +21,13 @@ from tl_steering.data.windows import text_windows
 from tl_steering.reference import published_numbers
 from tests.helpers import assert_no_hooks
 from tl_steering.report import SECTIONS, figures, render_report
+from tl_steering.report.comparison import comparison_rows
 from tl_steering.suite import (
     PINNED,
     PUBLISHED,
     STAGES,
     SuiteResult,
     SuiteSettings,
-    comparison_rows,
     default_settings,
     published_value,
     run_suite,

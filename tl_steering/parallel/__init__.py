@@ -14,44 +14,36 @@ and making them parallel for real (:func:`parallelize`, docs/parallel.md).
 * :mod:`.refit` - closed-form corrections g_l Phi(x) (+ b_l) of the parallel FFN writes (``refit=``).
 """
 
-from . import gold, refit, speedup, strategies
-from .apply import parallel_layers, parallelize, unfused
-from .attribution import ATTRIBUTION_VARIANTS, attribution_scores
-from .defect import (BRACKET_TERMS, CURVE_STRATEGIES, DEFECT_RMS_TERMS, DEFECT_VARIANTS, DefectResult,
-                     parallel_defect)
-from .gold import PlanLoss
-from .plan import ONE_SHOT_COMPARISON, PLAN_STRATEGIES, ParallelPlan, plan_parallel
-from .refit import REFITS, fit_corrections
-from .scores import ParallelScoresResult, parallel_scores
-from .speedup import SPEEDUP_LABEL, estimate_speedup
-from .strategies import default_k_values
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ATTRIBUTION_VARIANTS",
-    "BRACKET_TERMS",
-    "CURVE_STRATEGIES",
-    "DEFECT_RMS_TERMS",
-    "DEFECT_VARIANTS",
-    "DefectResult",
-    "ONE_SHOT_COMPARISON",
-    "PLAN_STRATEGIES",
-    "ParallelPlan",
-    "ParallelScoresResult",
-    "PlanLoss",
-    "REFITS",
-    "SPEEDUP_LABEL",
-    "attribution_scores",
-    "default_k_values",
-    "estimate_speedup",
-    "fit_corrections",
-    "gold",
-    "parallel_defect",
-    "parallel_layers",
-    "parallel_scores",
-    "parallelize",
-    "plan_parallel",
-    "refit",
-    "speedup",
-    "strategies",
-    "unfused",
-]
+from .._util.lazy import lazy_attributes
+
+# lazy (PEP 562): the suite's settings (read by the CLI before it imports torch) import .strategies
+_LAZY = {
+    **{n: ".apply" for n in ("parallel_layers", "parallelize", "unfused")},
+    **{n: ".attribution" for n in ("ATTRIBUTION_VARIANTS", "attribution_scores")},
+    **{n: ".defect" for n in ("BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult",
+                              "parallel_defect")},
+    **{n: ".gold" for n in ("PlanLoss", "gold")},
+    **{n: ".plan" for n in ("PLAN_STRATEGIES", "ParallelPlan", "plan_parallel")},
+    **{n: ".refit" for n in ("REFITS", "fit_corrections", "refit")},
+    **{n: ".scores" for n in ("ParallelScoresResult", "parallel_scores")},
+    **{n: ".speedup" for n in ("SPEEDUP_LABEL", "estimate_speedup", "speedup")},
+    **{n: ".strategies" for n in ("ONE_SHOT_COMPARISON", "default_k_values", "strategies")},
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+if TYPE_CHECKING:
+    from . import gold, refit, speedup, strategies  # noqa: F401
+    from .apply import parallel_layers, parallelize, unfused  # noqa: F401
+    from .attribution import ATTRIBUTION_VARIANTS, attribution_scores  # noqa: F401
+    from .defect import (BRACKET_TERMS, CURVE_STRATEGIES, DEFECT_RMS_TERMS, DEFECT_VARIANTS, DefectResult,  # noqa: F401
+                         parallel_defect)
+    from .gold import PlanLoss  # noqa: F401
+    from .plan import PLAN_STRATEGIES, ParallelPlan, plan_parallel  # noqa: F401
+    from .refit import REFITS, fit_corrections  # noqa: F401
+    from .scores import ParallelScoresResult, parallel_scores  # noqa: F401
+    from .speedup import SPEEDUP_LABEL, estimate_speedup  # noqa: F401
+    from .strategies import ONE_SHOT_COMPARISON, default_k_values  # noqa: F401
+
+__all__ = sorted(_LAZY)

@@ -69,7 +69,9 @@ from .gold import spearman as _spearman
 from .speedup import SPEEDUP_LABEL, submodule_times
 from .strategies import default_k_values
 from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
-from ..protocols._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
+from ..data.batching import iter_batches
+from ..stats import check_exclude_positions, position_mask
+from ..validation import as_int
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
     CURVE_STRATEGIES,
@@ -180,8 +182,8 @@ def parallel_defect(
     sel = ad.layers(layers)
     ad.require_resident(sel, "parallel_defect")
     exclude = check_exclude_positions(exclude_positions)
-    batch_size = check_batch_size(batch_size)
-    seed = check_seed(seed)
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    seed = as_int(seed, "seed")
     if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 0:
         raise InputError(f"n_random must be an int >= 0, got {n_random!r}")
     if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:

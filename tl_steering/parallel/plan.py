@@ -35,8 +35,8 @@ from ..data.windows import token_source
 from ..errors import InputError
 from ..results import Result, register
 from ..data.sharding import broadcast_from_rank0
-from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from . import strategies as st
+from .strategies import ONE_SHOT_COMPARISON
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
@@ -53,11 +53,6 @@ DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_ab
                                        "attribution_fisher", "measured", "greedy", "greedy_measured",
                                        "contiguous", "random")
 """Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
-ONE_SHOT_COMPARISON: tuple[str, ...] = PLAN_CHOICE_STRATEGIES
-"""The cheap comparison (one forward + backwards for the scores, then one forward per plan and curve point), and
-the recommended one with a fitted correction: ``plan_parallel(model, cal, k, strategies=ONE_SHOT_COMPARISON,
-refit="linear")``. The measured / greedy searches choose among hundreds of plans on the calibration windows'
-loss and, with a few calibration windows, pick plans that fit those windows' noise (docs/parallel.md)."""
 GREEDY_SCORE = "attribution_abs"
 """The score the greedy planners re-compute. Not the signed first-order ``attribution``: on a trained model
 the loss sits near a minimum, the first-order term of a large defect can even be negative (SmolLM2 layers 0

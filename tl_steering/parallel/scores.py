@@ -22,6 +22,7 @@ from ..data.windows import token_source
 from ..errors import InputError
 from ..results import Result, register
 from .attribution import attribution_scores
+from .defect import parallel_defect
 from .gold import PlanLoss, single_layer_delta, spearman
 
 
@@ -129,7 +130,6 @@ def parallel_scores(
         A :class:`ParallelScoresResult`; cost in passes: 1 forward (C) + 1 forward and
         ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
     """
-    from .defect import parallel_defect  # the paper's scores (imported late: defect uses planning)
 
     t0 = time.perf_counter()
     tokens, corpus = token_source(tokens, corpus)

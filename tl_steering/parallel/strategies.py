@@ -12,6 +12,15 @@ import numpy as np
 
 from ..errors import InputError
 
+ONE_SHOT_COMPARISON: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
+"""The cheap comparison of :func:`tl_steering.parallel.plan_parallel`: one-shot scores that cost one forward + one
+backward (+ sampled-label backwards for ``attribution_2nd``) over the calibration windows, then one forward per
+plan and curve point; the recommended one with a fitted correction: ``plan_parallel(model, cal, k,
+strategies=ONE_SHOT_COMPARISON, refit="linear")``. The measured / greedy searches choose among hundreds of plans
+on the calibration windows' loss and, with a few calibration windows, pick plans that fit those windows' noise
+(docs/parallel.md). The suite's ``plan_choice`` stage compares these by default (this module imports no torch, so
+the CLI checks its arguments fast)."""
+
 
 def check_k(k: object, n_candidates: int) -> int:
     """``k`` as an int in ``[0, n_candidates]``, else :class:`InputError`."""
@@ -69,4 +78,4 @@ def default_k_values(n_candidates: int) -> list[int]:
     return sorted(set(range(0, n_candidates + 1, step)) | {n_candidates // 2, n_candidates})
 
 
-__all__ = ["check_k", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]
+__all__ = ["ONE_SHOT_COMPARISON", "check_k", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]

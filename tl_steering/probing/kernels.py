@@ -151,7 +151,7 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` and ``A.T @ A`` to its BLAS's
     symmetric rank-k kernel (``dsyrk``: half the flops), which ran the diversity Grams of SmolLM2 (127 x 576 per
     sequence) 25-30% faster than :func:`gram_lower` on torch's BLAS (2.2 against 3.0 ms per 8, one thread). Call it
-    with numpy's BLAS capped at one thread (``protocols._common.single_threaded``) when two threads call it at
+    with numpy's BLAS capped at one thread (``_util.threads.single_threaded``) when two threads call it at
     once: a multi-threaded OpenBLAS serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's
     products (:func:`gram_lower` for ``T T^T``).
     """

@@ -63,7 +63,7 @@ from ..errors import InputError, NonFiniteError
 from .kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
                             token_quantities)
 from .result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
-from ..protocols._common import single_threaded
+from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}

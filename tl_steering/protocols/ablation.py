@@ -35,7 +35,8 @@ from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
-from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
+from ..stats import bootstrap_ci
+from ..validation import as_int
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
@@ -170,9 +171,9 @@ def ffn_ablation(
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
-    n_bootstrap = check_n_bootstrap(n_bootstrap)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
     if scope not in ("all", "per_layer"):
         raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
     variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS)))

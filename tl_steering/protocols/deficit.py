@@ -36,20 +36,10 @@ from .. import geometry as geo
 from ..data.windows import model_tokens
 from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
-from ._common import (
-    activation64,
-    bin_labels,
-    bootstrap_ci,
-    check_batch_size,
-    check_exclude_positions,
-    check_n_bootstrap,
-    check_seed,
-    finite_mean,
-    iter_batches,
-    masked_mean,
-    position_bins,
-    position_mask,
-)
+from ..data.batching import iter_batches
+from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
+from ._common import activation64
+from ..validation import as_int
 
 
 def _f64(*shape: int):
@@ -208,9 +198,9 @@ def angular_deficit(
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
-    n_bootstrap = check_n_bootstrap(n_bootstrap)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
+    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
 
     n_seq, n_pos = tokens.shape
     n_lay = len(layer_list)

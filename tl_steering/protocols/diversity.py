@@ -37,16 +37,11 @@ from ..metrics import entropy, next_token_loss
 from ..probing.kernels import in_halves, splits
 from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
-from ._common import (
-    activation64,
-    check_batch_size,
-    check_exclude_positions,
-    check_seed,
-    finite_mean,
-    iter_batches,
-    position_mask,
-    single_threaded,
-)
+from .._util.threads import single_threaded
+from ..data.batching import iter_batches
+from ..stats import check_exclude_positions, finite_mean, position_mask
+from ._common import activation64
+from ..validation import as_int
 from .ablation import VARIANTS
 
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
@@ -280,8 +275,8 @@ def diversity(
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
     if isinstance(ablations, str):
         ablations = (ablations,)
     ablations = list(dict.fromkeys(ablations))

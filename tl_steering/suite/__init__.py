@@ -12,8 +12,7 @@ from .._util.lazy import lazy_attributes
 
 # lazy (PEP 562): the CLI reads .settings to check arguments without importing the protocols
 _LAZY = {
-    **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "comparison_rows", "headline", "pinned_values",
-                               "published_value")},
+    **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "pinned_values", "published_value")},
     **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanChoice",
                               "PlanLosses", "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
     **{n: ".run" for n in ("Progress", "TqdmProgress", "run_suite")},
@@ -23,7 +22,7 @@ _LAZY = {
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
-    from .numbers import NUMBERS, PINNED, PUBLISHED, comparison_rows, headline, pinned_values, published_value
+    from .numbers import NUMBERS, PINNED, PUBLISHED, pinned_values, published_value
     from .result import (
         Checks,
         Environment,
@@ -67,9 +66,7 @@ __all__ = [
     "SuiteSettings",
     "TqdmProgress",
     "check_windows_length",
-    "comparison_rows",
     "default_settings",
-    "headline",
     "pinned_values",
     "published_value",
     "run_suite",

@@ -8,6 +8,7 @@ import dataclasses
 from typing import ClassVar
 
 from ..errors import InputError
+from ..parallel.strategies import ONE_SHOT_COMPARISON
 from ..results import register
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
@@ -26,13 +27,9 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-#: The strategies the ``plan_choice`` stage compares by default: the one-shot scores of
-#: ``tl_steering.parallel.plan_parallel`` that cost one forward + one backward (+ ``plan_choice_fisher_samples``
-#: sampled-label backwards for ``attribution_2nd``) over the calibration windows, plus one forward per curve point;
-#: the measured / greedy / contiguous planners (tens to hundreds of forwards) are left to ``strategy="best"``.
-#: ``tl_steering.parallel.ONE_SHOT_COMPARISON`` is this tuple (kept here: the CLI imports this module, not torch
-#: code, before it fails fast on bad arguments).
-PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
+#: The strategies the ``plan_choice`` stage compares by default (the cheap one-shot scores,
+#: :data:`tl_steering.parallel.strategies.ONE_SHOT_COMPARISON`).
+PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ONE_SHOT_COMPARISON
 
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point")
 
