@@ -143,21 +143,6 @@ def test_registry_keys_on_kind_and_refuses_duplicates():
     assert _REGISTRY["angular_deficit"] is deficit_cls
 
 
-def test_files_written_before_kinds_still_load():
-    d = _demo().to_dict()
-
-    def legacy(node):
-        if isinstance(node, dict):
-            out = {k: legacy(v) for k, v in node.items() if k not in ("__kind__", "__format__")}
-            if "__kind__" in node:
-                out["__dataclass__"] = {"provenance": "Provenance"}.get(node["__kind__"], node["__kind__"])
-            return out
-        return [legacy(v) for v in node] if isinstance(node, list) else node
-
-    back = _Demo.from_dict(legacy(d))
-    assert back.labels == ["a"] and back.provenance.model == "m"
-
-
 @register
 @dataclasses.dataclass(kw_only=True)
 class _Grown(Result):
@@ -203,3 +188,21 @@ def test_parallel_plan_saved_before_linear_refit_loads():
     d.pop("linears")
     back = ts.ParallelPlan.from_dict(d)
     assert back.layers == [1] and back.linears.shape == (0, 0, 0)
+
+
+def test_result_modules_name_every_module_that_registers_a_result():
+    """A saved file names its kind; loading imports RESULT_MODULES to find it, so each module with a
+    ``@register`` class must be listed (else a file of that kind fails to load in a fresh process)."""
+    import ast
+    from pathlib import Path
+
+    from tl_steering.results import RESULT_MODULES
+
+    pkg = Path(__file__).resolve().parents[2] / "tl_steering"
+    registering = set()
+    for path in pkg.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(d, ast.Name) and d.id == "register" for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+               for d in n.decorator_list):
+            registering.add(".".join(path.relative_to(pkg.parent).with_suffix("").parts))
+    assert registering - {"tl_steering.results"} == set(RESULT_MODULES)

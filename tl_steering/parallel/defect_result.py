@@ -7,7 +7,7 @@ choice live in :mod:`tl_steering.parallel`.
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch import Tensor
 from ..errors import InputError
 from . import strategies as _strategies
 from .speedup import estimate_speedup
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 
 DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")
 """Score variants (keys of :attr:`DefectResult.scores`); ``"C"`` is the primary one."""
@@ -33,9 +33,6 @@ DEFECT_RMS_TERMS: tuple[str, ...] = ("defect", "update", "ffn_write", "first_ord
 # ----------------------------------------------------------------------------------------------------------
 # result
 
-
-def _nan_vec(n: int = 0) -> Callable[[], Tensor]:
-    return lambda: torch.full((n,), math.nan, dtype=torch.float64)
 
 
 @register
@@ -80,24 +77,24 @@ class DefectResult(Result):
 
     layers: list[int] = dataclasses.field(default_factory=list)
     already_parallel: list[bool] = dataclasses.field(default_factory=list)
-    score: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    score: Float[Tensor, " layer"] = tensor_field(0)
     scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
-    nonlinearity: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    nonlinearity: Float[Tensor, " layer"] = tensor_field(0)
     counterfactual_scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
-    counterfactual_nonlinearity: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    counterfactual_nonlinearity: Float[Tensor, " layer"] = tensor_field(0)
     rms: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
-    phi_check: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    phi_check: Float[Tensor, " layer"] = tensor_field(0)
     brackets: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     n_tokens: int = 0
     evaluated: bool = False
     clean_loss: float = math.nan
-    delta_ce: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    delta_ce: Float[Tensor, " layer"] = tensor_field(0)
     spearman: dict[str, float] = dataclasses.field(default_factory=dict)
     k_values: list[int] = dataclasses.field(default_factory=list)
     curves: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     curve_layers: dict[str, list] = dataclasses.field(default_factory=dict)
-    t_attn: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
-    t_ffn: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
+    t_attn: Float[Tensor, " layer"] = tensor_field(0)
+    t_ffn: Float[Tensor, " layer"] = tensor_field(0)
     t_forward: float = math.nan
     t_other: float = math.nan
     timing_shape: list[int] = dataclasses.field(default_factory=list)

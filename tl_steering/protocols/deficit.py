@@ -34,16 +34,13 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..data.windows import model_tokens
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from ..data.batching import iter_batches
 from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
 from ._common import activation64
 from ..validation import as_int
 
-
-def _f64(*shape: int):
-    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
 @register
@@ -78,29 +75,27 @@ class DeficitResult(Result):
 
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
-    deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    deficit_ci: Float[Tensor, "layer 2"] = dataclasses.field(default_factory=_f64(0, 2))
-    deficit_median: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    per_sequence_alignment: Float[Tensor, "seq layer"] = dataclasses.field(default_factory=_f64(0, 0))
+    deficit: Float[Tensor, " layer"] = tensor_field(0)
+    deficit_ci: Float[Tensor, "layer 2"] = tensor_field(0, 2)
+    deficit_median: Float[Tensor, " layer"] = tensor_field(0)
+    per_sequence_alignment: Float[Tensor, "seq layer"] = tensor_field(0, 0)
     mean: float = math.nan
     mean_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
     mean_excluding_first: float = math.nan
     mean_excluding_first_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
-    untangented_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    angle_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    error_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    error_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    ffn_contribution: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    untangented_deficit: Float[Tensor, " layer"] = tensor_field(0)
+    angle_deficit: Float[Tensor, " layer"] = tensor_field(0)
+    error_attention: Float[Tensor, " layer"] = tensor_field(0)
+    error_parallel: Float[Tensor, " layer"] = tensor_field(0)
+    ffn_contribution: Float[Tensor, " layer"] = tensor_field(0)
     ffn_contribution_mean: float = math.nan
-    r2_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    r2_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    r2_attention: Float[Tensor, " layer"] = tensor_field(0)
+    r2_parallel: Float[Tensor, " layer"] = tensor_field(0)
     position_bin_edges: list[int] = dataclasses.field(default_factory=list)
-    deficit_by_position: Float[Tensor, "layer bin"] = dataclasses.field(default_factory=_f64(0, 0))
-    position_bin_counts: Int[Tensor, "layer bin"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))
-    n_tokens_used: Int[Tensor, " layer"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    n_masked: Int[Tensor, " layer"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    deficit_by_position: Float[Tensor, "layer bin"] = tensor_field(0, 0)
+    position_bin_counts: Int[Tensor, "layer bin"] = tensor_field(0, 0, dtype=torch.int64)
+    n_tokens_used: Int[Tensor, " layer"] = tensor_field(0, dtype=torch.int64)
+    n_masked: Int[Tensor, " layer"] = tensor_field(0, dtype=torch.int64)
     residual_identity_error: list[float] = dataclasses.field(default_factory=list)
     exclude_positions: list[int] = dataclasses.field(default_factory=list)
     seq_len: int = 0

@@ -35,7 +35,7 @@ from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
 from ..probing.kernels import in_halves, splits
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from .._util.threads import single_threaded
 from ..data.batching import iter_batches
@@ -48,9 +48,6 @@ STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank
                           "rank_collapse")
 SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post")
 
-
-def _f64(*shape: int):
-    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
@@ -176,11 +173,11 @@ class DiversityResult(Result):
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
     sites: list[str] = dataclasses.field(default_factory=lambda: list(SITES))
-    pairwise_cosine: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    resultant_length: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    effective_rank: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    participation_ratio: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    rank_collapse: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    pairwise_cosine: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    resultant_length: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    effective_rank: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    participation_ratio: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    rank_collapse: Float[Tensor, "layer site"] = tensor_field(0, 3)
     attention_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     ffn_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     under_ablation: dict[str, Float[Tensor, "layer site"]] = dataclasses.field(default_factory=dict)

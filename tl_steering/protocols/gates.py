@@ -32,14 +32,11 @@ from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
 from ..metrics import next_token_loss
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 from ..validation import as_choice, as_int
 
 Method = Literal["loss", "closed_form"]
 
-
-def _f64(*shape: int):
-    return lambda: torch.zeros(*shape, dtype=torch.float64)
 
 
 @register
@@ -65,18 +62,18 @@ class GateResult(Result):
     method: str = "loss"
     layers: list[int] = dataclasses.field(default_factory=list)
     plan: list[int] = dataclasses.field(default_factory=list)
-    gates: Float[Tensor, " n_layers"] = dataclasses.field(default_factory=_f64(0))
+    gates: Float[Tensor, " n_layers"] = tensor_field(0)
     loss_clean_calib: float = math.nan
     loss_clean_heldout: float = math.nan
     loss_base_calib: float = math.nan
     loss_base_heldout: float = math.nan
     loss_gated_calib: float = math.nan
     loss_gated_heldout: float = math.nan
-    history: Float[Tensor, " steps"] = dataclasses.field(default_factory=_f64(0))
-    scan_grid: Float[Tensor, " grid"] = dataclasses.field(default_factory=_f64(0))
-    scan_losses: Float[Tensor, "layer grid"] = dataclasses.field(default_factory=_f64(0, 0))
-    scan_best: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    scan_curvature: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    history: Float[Tensor, " steps"] = tensor_field(0)
+    scan_grid: Float[Tensor, " grid"] = tensor_field(0)
+    scan_losses: Float[Tensor, "layer grid"] = tensor_field(0, 0)
+    scan_best: Float[Tensor, " layer"] = tensor_field(0)
+    scan_curvature: Float[Tensor, " layer"] = tensor_field(0)
     n_calib: int = 0
     n_heldout: int = 0
 

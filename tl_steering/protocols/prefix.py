@@ -28,16 +28,13 @@ from ..backends import check_finite
 from ..data.windows import model_tokens
 from ..errors import InputError
 from ..metrics import kl_divergence
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 from ..stats import check_exclude_positions, position_mask
 from ..validation import as_choice, as_int
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
-
-def _nan(*shape: int):
-    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
 def _check_positions(position: Any, n_pos: int) -> list[int]:
@@ -84,11 +81,11 @@ class PrefixSensitivityResult(Result):
     perturb_layer: int = 0
     positions: list[int] = dataclasses.field(default_factory=list)
     layers: list[int] = dataclasses.field(default_factory=list)
-    distance: Int[Tensor, " distance"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    angle: Float[Tensor, "layer distance"] = dataclasses.field(default_factory=_nan(0, 0))
-    kl: Float[Tensor, " distance"] = dataclasses.field(default_factory=_nan(0))
-    count: Int[Tensor, " distance"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    angle_final: Float[Tensor, " distance"] = dataclasses.field(default_factory=_nan(0))
+    distance: Int[Tensor, " distance"] = tensor_field(0, dtype=torch.int64)
+    angle: Float[Tensor, "layer distance"] = tensor_field(0, 0)
+    kl: Float[Tensor, " distance"] = tensor_field(0)
+    count: Int[Tensor, " distance"] = tensor_field(0, dtype=torch.int64)
+    angle_final: Float[Tensor, " distance"] = tensor_field(0)
     prefix_max_angle: float = math.nan
     prefix_max_rel_change: float = math.nan
     prefix_max_kl: float = math.nan
@@ -271,8 +268,8 @@ class PrefixStatisticsResult(Result):
     site: str = "resid_post"
     layers: list[int] = dataclasses.field(default_factory=list)
     stats: list[str] = dataclasses.field(default_factory=list)
-    positions: Int[Tensor, " pos"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    n_valid: Int[Tensor, " pos"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    positions: Int[Tensor, " pos"] = tensor_field(0, dtype=torch.int64)
+    n_valid: Int[Tensor, " pos"] = tensor_field(0, dtype=torch.int64)
     values: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     exclude_positions: list[int] = dataclasses.field(default_factory=lambda: [0])
 
