@@ -15,7 +15,8 @@ _LAZY = {
     **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "pinned_values", "published_value")},
     **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanChoice",
                               "PlanLosses", "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
-    **{n: ".run" for n in ("Progress", "TqdmProgress", "run_suite")},
+    **{n: ".progress" for n in ("Progress", "TqdmProgress")},
+    "run_suite": ".run",
     **{n: ".settings" for n in ("CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length",
                                 "default_settings")},
 }
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
         StageTiming,
         SuiteResult,
     )
-    from .run import Progress, TqdmProgress, run_suite
+    from .progress import Progress, TqdmProgress
+    from .run import run_suite
     from .settings import (
         CRITICAL_METHODS,
         PLAN_CHOICE_STRATEGIES,

@@ -8,20 +8,16 @@ plans shared forward passes, or shards windows across ranks, replaces one stage 
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import math
-import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor
 
 from .._util import progress as _progress
-from ..backends import adapt, tl_version, weights_fingerprint
+from ..backends import adapt, tl_version
 from ..data.batching import mean_loss
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
@@ -39,61 +35,9 @@ from .result import (
     StageTiming,
     SuiteResult,
 )
+from .checkpoint import resume, run_key, write_checkpoint
+from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
-
-Tick = Callable[[str], None]
-
-
-class Progress(Protocol):
-    """What run_suite reports progress to: ``with progress.stage(name, total) as tick: tick(note)``."""
-
-    def stage(self, name: str, total: int = 1) -> Any: ...
-
-
-class TqdmProgress:
-    """One tqdm bar per stage on stderr (``enabled=False``: silent)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    @contextmanager
-    def stage(self, name: str, total: int = 1) -> Iterator[Tick]:
-        from tqdm.auto import tqdm
-
-        i = STAGES.index(name) + 1 if name in STAGES else 0
-        bar = tqdm(
-            total=total,
-            desc=f"[{i}/{len(STAGES)}] {name:<9}",
-            unit="step",
-            leave=True,
-            file=sys.stderr,
-            disable=not self.enabled,
-            dynamic_ncols=True,
-        )
-        t0 = time.perf_counter()
-        notes = {"step": "", "fwd": ""}
-
-        def show(refresh: bool) -> None:
-            bar.set_postfix_str(" | ".join(v for v in notes.values() if v), refresh=refresh)
-
-        def tick(note: str = "") -> None:
-            if note:
-                notes["step"] = note
-                show(False)
-            bar.update(1)
-
-        def forwards(stats: _progress.ForwardStats) -> None:  # every adapter forward of the stage
-            notes["fwd"] = stats.note()
-            show(True)
-
-        try:
-            with _progress.reporting(forwards, min_interval=1.0):
-                yield tick
-            if bar.n < total:
-                bar.update(total - bar.n)
-        finally:
-            bar.set_postfix_str(f"{time.perf_counter() - t0:.1f}s", refresh=True)
-            bar.close()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -470,7 +414,7 @@ def run_suite(
     tokens = ad.validate_tokens(tokens)
     w = world()
     # what the numbers depend on; hashing every weight costs a pass over them, so only when it is compared
-    key = _run_key(model, ad.info.name, tokens, settings, seed) if w.active or checkpoint is not None else None
+    key = run_key(model, ad.info.name, tokens, settings, seed) if w.active or checkpoint is not None else None
     if w.active:  # every rank must run the same model, tokens and settings (else: an error on every rank)
         check_agreement(key, w)
         if w.rank != 0 and isinstance(progress, bool):
@@ -493,7 +437,7 @@ def run_suite(
     ran = [name for name in STAGES if settings.runs(name)]
     done: set[str] = set()
     if checkpoint is not None and Path(checkpoint).exists():
-        res, done = _resume(Path(checkpoint), key, res, ran)
+        res, done = resume(Path(checkpoint), key, res, ran)
     res.distributed = DistributedRun(
         world_size=w.size,
         backend=w.backend,
@@ -512,43 +456,9 @@ def run_suite(
                 res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
         if checkpoint is not None and w.rank == 0:
-            _write_checkpoint(res, Path(checkpoint))
+            write_checkpoint(res, Path(checkpoint))
     res.total_wall_s = time.perf_counter() - t_start
     return res
-
-
-def _run_key(model: Any, name: str, tokens: Tensor, settings: SuiteSettings, seed: int) -> dict[str, Any]:
-    """What a run's numbers depend on (ranks must agree on it; a checkpoint must match it)."""
-    return {"model": name, "weights": weights_fingerprint(model),
-            "settings": hashlib.sha256(repr(settings).encode()).hexdigest()[:16], "seed": seed,
-            "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16], "shape": list(tokens.shape)}
-
-
-def _write_checkpoint(res: SuiteResult, path: Path) -> None:
-    """Write ``res`` to ``path`` atomically (a temporary file renamed into place: a kill never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
-    res.save(tmp)
-    os.replace(tmp, path)
-
-
-def _resume(path: Path, key: dict[str, Any], fresh: SuiteResult, ran: list[str]) -> tuple[SuiteResult, set[str]]:
-    """The checkpointed result and its finished stages, after checking it belongs to this run."""
-    old = SuiteResult.load(path)
-    theirs = old.provenance.extra.get("run_key", {})
-    bad = sorted(k for k in key if theirs.get(k) != key[k])
-    if bad:
-        raise InputError(f"checkpoint {path} was written by another run: it differs in {', '.join(bad)} "
-                         f"({'; '.join(f'{k}: {theirs.get(k)!r} there, {key[k]!r} here' for k in bad)}); "
-                         "resume with the same model, tokens, settings and seed, or use a new checkpoint path")
-    done = {name for name in old.timings if name in ran}
-    # this run's identity (world size, environment, start) with the finished stages' fields and timings
-    for f in dataclasses.fields(SuiteResult):
-        if f.name in ("provenance", "environment", "distributed", "started", "arguments", "total_wall_s"):
-            continue
-        setattr(fresh, f.name, getattr(old, f.name))
-    fresh.provenance.extra["resumed_stages"] = sorted(done, key=ran.index)
-    return fresh, done
 
 
 def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: SuiteResult, tick: Tick) -> SuiteResult:
@@ -556,4 +466,4 @@ def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: Suit
     return res
 
 
-__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "Progress", "TqdmProgress", "run_suite"]
+__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "run_suite"]
