@@ -145,7 +145,7 @@ def test_gates_sentence_says_when_the_loss_is_not_recovered():
 
 def test_labels_lead_raw_keys_follow():
     out = labelled({"error_parallel_mean": 0.3, "r2_attention_mean": 0.5, "unknown_key": 1,
-                    "flow: n_points": 3})
+                    "flow: n_points": 3, "held-out dCE, C": 0.2})
     assert out == {"R² of the block's velocity explained by attention alone": 0.5,
                    "one-step angular error with attention + FFN, e_AF (rad)": 0.3,
-                   "flow: distinct equilibria found": 3}
+                   "flow: distinct equilibria found": 3, "held-out ΔCE (nats) of the plan of strategy C": 0.2}
