@@ -326,14 +326,19 @@ def parallel_sentence(r: SuiteResult) -> str:
     v = executor_verdict(r.executor)
     out = (f"The paper: making 18 of GPT-2-large's 36 layers parallel would speed a forward up by about "
            f"{fmt(pub['value'])}x (an estimate from sub-module times on a GPU, not a measured forward); here, "
-           f"measured on {r.executor.device or 'this machine'} against the original, the lowest-C plan's whole "
-           f"forward is {_status_phrase(v)}")
+           f"measured on {r.executor.device or 'this machine'} against the original{_shape(r.executor)}, the "
+           f"lowest-C plan's whole forward is {_status_phrase(v)}")
     if r.executor_choice is not None:
         out += f", the chosen plan's {_status_phrase(executor_verdict(r.executor_choice))}"
     if r.speedup is not None and math.isfinite(_num(r.speedup.speedup)):
         out += (f", and the critical-path estimate from this machine's sub-module median times is "
                 f"{fmt(r.speedup.speedup)}x (a model, no interval)")
     return out + "."
+
+
+def _shape(ex: Any) -> str:
+    shape = list(getattr(ex, "timing_shape", []) or [])
+    return f" (forwards of {' x '.join(str(n) for n in shape)} tokens)" if shape else ""
 
 
 def _status_phrase(v: TimingVerdict) -> str:

@@ -283,7 +283,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``).
     Every round times one forward of the original, of the original again (the control) and of every copy, the
     order rotated per round (:func:`tl_steering.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
-    after one warm-up call each): the copies share the sequential times and the control."""
+    after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
+    sequential times and the control."""
     plan = res.plan.layers if res.plan is not None else []
     strategy = res.plan.strategy if res.plan is not None else "lowest_C"
     runs = [_executor_copy(c, list(plan), strategy, {}, {})]
@@ -295,7 +296,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     tick("parallel copies")
     copies = [(info, par) for info, par in runs if par is not None]
     if copies:
-        sl = c.tokens[: c.s.batch_size]
+        sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
 
         def forward(mdl: Any) -> Callable[[], Any]:
             return lambda: mdl(sl, return_type="logits")
@@ -327,7 +328,7 @@ def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases:
         strategy=strategy,
         correction=correction,
         layers=list(plan),
-        timing_shape=list(c.tokens[: s.batch_size].shape),
+        timing_shape=list(c.tokens[: min(s.parallel_timing_windows, s.batch_size)].shape),
         device=str(ad.device),
     )
     if not plan:
