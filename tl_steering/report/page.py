@@ -14,6 +14,7 @@ from ..results import _encode
 from ..suite import SuiteResult, comparison_rows, headline
 from .critical_table import critical_layer_table
 from .figures import figure_html
+from .plan_table import plan_table
 
 
 @lru_cache(maxsize=1)
@@ -184,6 +185,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_kv_table(summ))
+        if key == "plan_choice":  # every strategy at equal k, uncorrected and corrected (report.plan_table)
+            parts.append(plan_table(getattr(result, "plan", None)))
         if key == "critical" and getattr(result, "results", None):
             parts.append(critical_layer_table(result))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
