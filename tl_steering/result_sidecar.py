@@ -1,4 +1,4 @@
-"""Large tensors of a JSON result in a safetensors file beside it (``Result.save("x.json")``; docs/results.md).
+"""Large tensors of a JSON result in a safetensors file beside it (``Result.save("x.json")``; docs/protocols.md).
 
 A result class lists the tensor fields that go to the sidecar in ``sidecar_fields`` (a ClassVar; e.g.
 ``ParallelPlan``: its gates, biases and ``[k, d_model, d_model]`` linear maps). :func:`split` replaces those
