@@ -13,13 +13,16 @@ import numpy as np
 from ..errors import InputError
 
 ONE_SHOT_COMPARISON: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
-"""The cheap comparison of :func:`tl_steering.parallel.plan_parallel`: one-shot scores that cost one forward + one
-backward (+ sampled-label backwards for ``attribution_2nd``) over the calibration windows, then one forward per
-plan and curve point; the recommended one with a fitted correction: ``plan_parallel(model, cal, k,
-strategies=ONE_SHOT_COMPARISON, refit="linear")``. The measured / greedy searches choose among hundreds of plans
-on the calibration windows' loss and, with a few calibration windows, pick plans that fit those windows' noise
-(docs/parallel.md). The suite's ``plan_choice`` stage compares these by default (this module imports no torch, so
-the CLI checks its arguments fast)."""
+"""The default comparison of ``strategy="best"``: the cheap one-shot scores (one parallel_scores call: 2 forwards
++ 1 + ``fisher_samples`` backwards) then a few corrected forwards per plan and curve point. With the cross-fitted
+linear correction (the default ``refit="linear"``) it is the best plan we measured held out on SmolLM2 and
+Gemma-3-270M (docs/parallel.md "Planners against the field"); the measured / greedy searches choose among hundreds
+of plans on the calibration windows' loss and, with a few calibration windows, pick plans that fit their noise.
+The suite's ``plan_choice`` stage compares these and :data:`PEER_SCORES` by default (this module imports no
+torch, so the CLI checks its arguments fast)."""
+PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
+"""The field's one-shot layer-choice scores (:mod:`tl_steering.parallel.peers`: ShortGPT's block influence, Gromov
+et al.'s angular distance, FFN Fusion's dependency), from the same forward as C."""
 
 
 def check_k(k: object, n_candidates: int) -> int:
@@ -78,4 +81,4 @@ def default_k_values(n_candidates: int) -> list[int]:
     return sorted(set(range(0, n_candidates + 1, step)) | {n_candidates // 2, n_candidates})
 
 
-__all__ = ["ONE_SHOT_COMPARISON", "check_k", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]
+__all__ = ["ONE_SHOT_COMPARISON", "PEER_SCORES", "check_k", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]
