@@ -20,6 +20,7 @@ import torch
 from beartype import BeartypeConf
 from beartype.door import is_bearable
 
+from . import result_sidecar
 from .errors import InputError, ResultFileError
 
 # kind -> class. A file names its record by kind and format version ("__kind__", "__format__"), never by a
@@ -315,6 +316,10 @@ def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
+def _sidecar_fields(kind: str) -> tuple[str, ...]:
+    return tuple(getattr(_REGISTRY.get(kind), "sidecar_fields", ()))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # base class
 
@@ -362,9 +367,8 @@ class Result:
             meta = self._split_tensors(self.to_dict(), tensors, prefix="")
             save_file(tensors, str(path), metadata={"tl_steering": json.dumps(meta)})
         else:  # the classes' sidecar_fields go to <stem>.tensors.safetensors (tl_steering.result_sidecar)
-            from . import result_sidecar
-
-            path.write_text(json.dumps(result_sidecar.save(self.to_dict(), path), indent=1, allow_nan=False))
+            data = result_sidecar.save(self.to_dict(), path, _sidecar_fields, _decode)
+            path.write_text(json.dumps(data, indent=1, allow_nan=False))
         return path
 
     @classmethod
@@ -386,9 +390,7 @@ class Result:
                                           "file is truncated or corrupted; save the result again") from None
                 except (OSError, UnicodeDecodeError) as e:
                     raise ResultFileError(f"cannot read it ({type(e).__name__}: {e})") from None
-                from . import result_sidecar
-
-                data = result_sidecar.load(data, path)
+                data = result_sidecar.load(data, path, cls._join_tensors)
             return cls.from_dict(data)
         except ResultFileError as e:
             raise ResultFileError(f"{path}: {e}") from None
