@@ -15,7 +15,6 @@ from tl_steering.critical import (
     EquilibriaResult,
     critical_field,
     critical_points,
-    critical_points_all_layers,
     relative_residual,
 )
 from tl_steering.errors import InputError
@@ -209,9 +208,6 @@ def test_all_layers_summary(tmp_path, tiny_tokens):
     assert set(summ["mostly_saddles"].split()) <= {"supported", "rejected", "undecided", "no", "equilibria"}
     back = CriticalPointsResult.load(s.save(tmp_path / "crit.json"))
     assert torch.equal(back.counts, s.counts) and back.results[0].labels == s.results[0].labels
-    with pytest.warns(DeprecationWarning):
-        old = critical_points_all_layers(model, layers=[1], n_starts=4, tokens=tiny_tokens, **FAST)
-    assert old.layers == [1] and torch.equal(old.counts[0], s.counts[1])
 
 
 def test_bad_inputs(tiny_tokens):

@@ -13,7 +13,6 @@ from tl_steering.errors import InputError
 from tl_steering.protocols.prefix import (
     PrefixSensitivityResult,
     PrefixStatisticsResult,
-    PrefixStatsResult,
     prefix_sensitivity,
     prefix_statistics,
 )
@@ -98,7 +97,6 @@ def test_prefix_statistics(tiny, tiny_tokens):
     ad = adapt(tiny)
     r = prefix_statistics(tiny, tiny_tokens)
     assert isinstance(r, PrefixStatisticsResult) and r.layers == list(range(ad.n_layers))
-    assert PrefixStatsResult is PrefixStatisticsResult  # the old name is an alias of the same registered class
     n_pos = tiny_tokens.shape[1]
     pc = r.values["pairwise_cosine"]
     assert tuple(pc.shape) == (ad.n_layers, n_pos)

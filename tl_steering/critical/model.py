@@ -17,7 +17,6 @@ fires. The equilibria are found and classified by :func:`tl_steering.critical.fi
 
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -311,13 +310,4 @@ def critical_points(
     )
 
 
-def critical_points_all_layers(model: Any, layers: Sequence[int] | int | None = None, field: FieldKind = "ffn",
-                               tokens: Int[Tensor, "batch pos"] | None = None, **kwargs: Any) -> CriticalPointsResult:
-    """Deprecated alias of :func:`critical_points` (which takes ``layers=`` itself)."""
-    warnings.warn("critical_points_all_layers is deprecated; call critical_points(model, layers=...)",
-                  DeprecationWarning, stacklevel=2)
-    return critical_points(model, layers, field=field, tokens=tokens, **kwargs)
-
-
-__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points",
-           "critical_points_all_layers"]
+__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points"]

@@ -356,8 +356,5 @@ def prefix_statistics(
     )
 
 
-PrefixStatsResult = PrefixStatisticsResult
-"""Deprecated alias of :class:`PrefixStatisticsResult` (the ``*Result`` naming rule); kept for old imports."""
-
-__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "PrefixStatsResult", "STATS", "prefix_sensitivity",
+__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "STATS", "prefix_sensitivity",
            "prefix_statistics"]
