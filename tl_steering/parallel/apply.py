@@ -1,56 +1,5 @@
-"""The parallel executor: run chosen sequential blocks as parallel attention/MLP blocks, for real.
-
-:func:`parallelize` returns a NEW model (a deep copy; the original is left bit-identical and hook-free) in
-which exactly the chosen blocks compute the parallel surrogate (docs/defect.md, docs/parallel.md),
-
-    P(x) = x + A(x) + Phi(x),    A(x) = attn(LN1(x)),  Phi(x) = MLP(LN2(x)),
-
-(on sandwich-norm blocks, Gemma 2/3, each branch keeps its post-norm: A = post_attn(attn(LN1 x)),
-Phi = post_ffn(MLP(LN2 x)); docs/gemma.md) while every other block is unchanged. Supported: GPT-2-style blocks
-(LayerNorm, learned positions), Llama-style blocks (RMSNorm, rotary, gated MLP, grouped-query attention) and
-Gemma 2/3 blocks, on ``TransformerBridge`` (TL 3.9 and 4.x) and ``HookedTransformer`` (TL 3.9), CPU and CUDA.
-The block surgery lives in :mod:`tl_steering.backends.executor`, the fused math in
-:mod:`tl_steering.backends.fused`; this module is the public API only.
-
-Fused block (``fuse=True``, the default). A parallel block reads ONE normalized input x_hat (the norm
-WITHOUT its affine part: ``(x - mean) / std`` for LayerNorm, ``x / rms`` for RMSNorm). LN1's gain/bias are
-folded into W_Q, W_K, W_V (and their biases); LN2's into W_in (and W_gate). Then
-
-* one GEMM: ``x_hat @ [W_Q | W_K | W_V | W_gate | W_in] + b`` gives q, k, v and the MLP pre-activations;
-* the attention core (rotary, causal scaled-dot-product attention, GQA) runs on q, k, v; the MLP
-  activation on its slice;
-* one GEMM: ``x + [z_attn, h_mlp] @ [W_O ; W_out] + (b_O + b_out)`` (the residual add rides in the GEMM).
-
-The folded weights are a snapshot taken by :func:`parallelize` (non-persistent buffers of the copy); the
-original sublayers stay in the copy, so ``adapt(par).ffn(l)`` / ``.attention(l)`` keep working.
-
-Hooks. Block-boundary hooks (``blocks.l.hook_resid_pre`` and ``blocks.l.hook_resid_post``) always fire.
-A fused block does not materialize the hooks INSIDE it (``ln1.*``, ``attn.*`` incl. ``hook_pattern``,
-``hook_q/k/v/z``, ``hook_attn_out``, ``ln2.*``, ``mlp.*`` incl. ``hook_pre/hook_post``, ``hook_mlp_out``,
-``hook_mlp_in``), so while none of them has a hook attached, the fused fast path runs. When any hook is
-attached inside a parallelized block (e.g. a full ``run_with_cache``), that block runs the exact unfused
-parallel path instead (``attn(ln1(x)) + mlp(ln2(x))`` through the original sublayers), so every inner hook
-fires with parallel semantics; only the speed changes. ``hook_resid_mid`` does not exist in a parallel
-block (HookedTransformer: removed from ``hook_dict``; bridge: the name stays in ``hook_dict`` as an alias of
-``ln2.hook_in``, which sees ``resid_pre`` on the unfused path and never fires on the fused one; the adapter
-reports these blocks as parallel and never uses it).
-
-Attention masks. No padding is the supported fast case. On HookedTransformer a mask with zeros (left
-padding) sends the block to the unfused path (HookedTransformer's own masking, correct). On the bridge the
-4-D mask Hugging Face builds is passed to the attention kernel as is.
-
-KV cache. HookedTransformer: ``model(tokens, past_kv_cache=cache)`` works for fused blocks (keys cached
-before rotary, as HookedTransformer does), so ``generate(use_past_kv_cache=True)`` works. Bridge: the fused
-blocks extend the Hugging Face cache (``DynamicCache``, keys after rotary, as Hugging Face stores them) that the
-decoder layer passes as ``cache=``. The bridge's OWN attention (unparallelized blocks, unfused parallel blocks)
-reads it only under the name ``past_key_values``, which transformers 5.x no longer uses, so decode through
-``tl_steering.backends.decode_step(model, tokens, cache)`` (with ``kv_cache(model)``; ``freeze_kv_cache`` for a
-fixed prefix), or wrap TL's ``generate(use_past_kv_cache=True)`` in ``cache_routing(model)``: both route the cache
-to every attention bridge, and the cached logits equal the full forward's (tests/unit/test_decode.py).
-
-CUDA streams (``streams=True``): the attention core runs on a side stream while the MLP branch runs on the
-current stream (unfused: the whole MLP branch); ignored on CPU.
-"""
+"""The public API of the parallel executor, :func:`parallelize` (the fused block, its hooks and masks:
+docs/parallel.md; the block surgery: :mod:`tl_steering.backends.executor`)."""
 
 import contextlib
 import warnings

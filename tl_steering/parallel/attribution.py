@@ -1,38 +1,5 @@
-"""Attribution score of making a layer parallel: the first-order loss change, for every layer at once.
-
-Making sequential block l parallel changes its output by ``-(Phi(x + a) - Phi(x)) = -d_l`` (x = resid_pre,
-a = attn_out, Phi = ``ad.ffn(l)``); to first order the mean next-token CE changes by
-
-    attribution_l = < dCE / d resid_post_l , -d_l >   (summed over batch and positions; CE a mean),
-
-the attribution-patching estimate [ours] (see docs/defect.md "Attribution"). One forward with autograd on
-and one ``torch.autograd.grad`` w.r.t. the residual stream (captured by hooks) give it for all layers; model
-weights get no ``.grad`` (the graph starts at a detached copy of the first block's input, and
-``autograd.grad`` accumulates nothing). Variants:
-
-* ``attribution_abs``: ``sum_t |<g_t, d_t>|`` over token positions t: no cancellation between tokens.
-* ``attribution_rms``: ``sqrt(N * sum_t <g_t, d_t>^2)``, N the number of predicted tokens.
-
-Second order [ours] (``fisher_samples = S > 0``; docs/defect.md "Second order"). Near a minimum of the loss
-the first-order term of a large defect is small and of either sign; the loss change is then dominated by
-``1/2 sum_t dz_t^T F_t dz_t`` (dz_t the change of the logits at position t, F_t = diag(p_t) - p_t p_t^T the
-Hessian of the cross-entropy in the logits, whatever the label: the Gauss-Newton term). For ALL layers at once,
-from the same forward and S more backward passes: sample labels y_t ~ p_t at every predicted position, backprop
-``sum_t log p_t(y_t)`` (grad_outputs ``onehot(y) - p``) to every ``resid_post_l`` giving h; then per sequence
-
-    E_y[ (sum_t <h_t, -d_t>)^2 ] = sum_t dz_t^T F_t dz_t     (dz to first order in d)
-
-because ``E_y[grad log p(y)] = 0`` kills the cross-position terms and ``E_y[g g^T] = F``. Keys:
-
-* ``attribution_fisher``: ``1/(2N) sum_b mean_s (sum_t <h_{s,b,t}, d_{b,t}>)^2`` (nats; unbiased, relative
-  noise about sqrt(2 / (B S)) for B sequences);
-* ``attribution_2nd``: ``attribution + attribution_fisher`` (the second-order loss change, nats);
-* ``attribution_fisher_diag``: ``1/(2N) sum_{b,t} mean_s <h_{s,b,t}, d_{b,t}>^2`` (per-token squares: drops the
-  cross-position terms of the same target, biased, lower noise).
-
-``base`` layers are made parallel first (:func:`tl_steering.hooks.parallel_blocks`, in the same forward),
-so the score can be re-computed on a partly parallel model (the greedy planner).
-"""
+"""The attribution scores of making each layer parallel, first and second order, from one forward and backward
+(docs/defect.md, "Attribution" and "Second order")."""
 
 from collections.abc import Sequence
 from typing import Any

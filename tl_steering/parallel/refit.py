@@ -1,27 +1,5 @@
-"""Closed-form corrections of the parallel surrogate, fitted on calibration windows (docs/parallel.md, "Refit").
-
-A parallel block writes Phi(x) where the sequential block wrote Phi(x + a) (x = resid_pre, a = attn_out). Per
-parallel layer l a correction that still depends on x only, so the block stays parallel and costs nothing at
-run time, is fitted by least squares over the calibration tokens (position 0 excluded, float64 moments):
-
-* ``refit="gate"``: g_l Phi(x), g_l = Σ<Y, P> / Σ||P||²  (P = Phi(x), Y = Phi(x + a); the closed form of
-  :func:`tl_steering.calibrate_gates`);
-* ``refit="affine"``: g_l Phi(x) + b_l, b_l a ``[d_model]`` vector: with n tokens, s_P = ΣP, s_Y = ΣY,
-  g_l = (Σ<Y, P> - <s_Y, s_P>/n) / (Σ||P||² - ||s_P||²/n), b_l = (s_Y - g_l s_P) / n;
-* ``refit="linear"``: g_l Phi(x) + b_l + a W_l, with a the same block's attention write (``hook_attn_out``, which
-  a parallel block computes beside Phi(x), so the block stays parallel; the executor folds W_l into the attention
-  output projection) and W_l a ``[d_model, d_model]`` ridge regression: g_l as in ``"affine"``, then with the
-  centred moments C_aa = Σ(a - ā)(a - ā)^T and C_aR = Σ(a - ā)(R - R̄)^T of the residual R = Y - g_l P,
-  W_l = (C_aa + λ I)^{-1} C_aR, λ = ``LINEAR_RIDGE`` tr(C_aa) / d_model, and b_l = R̄ - ā W_l. The ridge keeps
-  the d_model^2 entries from fitting the calibration windows' noise (a few hundred tokens per window);
-* ``refit="none"``: g = 1, b = 0 (the plain surrogate).
-
-``fit="sequential"`` (default): layer l is fitted on the forward that already runs the corrected parallel layers
-before it (the state the corrected model really sees); when the windows are one batch this is ONE forward
-(each hook fits its layer from the whole batch and applies the fit at once, so the same forward gives the
-corrected loss), else one forward per plan layer (stopped after that layer) plus one for the loss.
-``fit="joint"``: every layer is fitted on one forward of the uncorrected plan (then one more for the loss).
-"""
+"""Closed-form corrections of the parallel FFN writes, fitted on calibration windows (``refit=``; docs/parallel.md,
+"Refit")."""
 
 import math
 from collections.abc import Callable, Sequence
