@@ -20,7 +20,7 @@ from tl_steering.probing import scan as scale
 from tl_steering.probing.scan import check_agreement, scan
 
 LINE = "Residual streams move on a sphere while attention aggregates and the FFN steers.\n"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
