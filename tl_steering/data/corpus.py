@@ -1,19 +1,5 @@
 """Corpora that stream: token windows cut from a text file, a directory of files, JSONL or a Hugging Face
-dataset in streaming mode, without ever holding the corpus in memory (see docs/scale_out.md).
-
-The stream reads text in line-aligned chunks of about ``chunk_chars`` characters, tokenizes each chunk, and
-cuts consecutive non-overlapping windows of ``length`` tokens (``[BOS] + length - 1`` text tokens where the
-model prepends BOS, as :func:`tl_steering.text_tokens` does). Memory is O(chunk + batch), whatever the number
-of windows.
-
-Window ``i`` of the stream is a pure function of the source, the tokenizer, ``length`` and ``i``: the same
-windows in the same order on every run and on every rank, which is what sharding (window ``i`` belongs to
-rank ``i % world_size``) and resuming (skip the windows of finished shards) rely on.
-
-Tokenization is per chunk: a chunk always ends at a line end, so a token never spans two chunks unless it
-spans a newline (tokenizers of the SmolLM2 / Gemma / GPT-2 kind never merge across ``"\\n"`` with the text
-after it). The windows can therefore differ from tokenizing the whole file at once only at such seams.
-"""
+dataset in streaming mode, without ever holding the corpus in memory (see docs/scale_out.md)."""
 
 import dataclasses
 import json

@@ -1,18 +1,5 @@
 """Sharding work over the ranks of a ``torch.distributed`` job: the collect -> gather -> reduce pattern of the
-distributed report (docs/scale_out.md, "The sharded report").
-
-A protocol that aggregates over windows runs its forward passes on the batches :func:`my_batches` gives this
-rank (batch ``j`` of ``batch_size`` consecutive windows belongs to rank ``j % world_size``: every batch holds
-exactly the windows it holds in a one-process run, so every forward is the same computation), keeps
-*per-window* values (float64 per-sequence means, per-sequence sums of squares, counts), and
-:func:`gather_rows` fills in the other ranks' windows, in window order, on every rank. The reduction (means,
-pooled ratios, bootstrap over sequences) then runs on the complete per-window arrays, the same code on one
-rank or many: one batch, many batches and many ranks give the same numbers, bit for bit when the forwards are.
-
-Per-item work (one forward pass over all windows per layer or per candidate plan) is split with
-:func:`split_map`; work that cannot be split runs on rank 0 and is handed to the others with
-:func:`broadcast_from_rank0`. Without a process group (or with one rank) every function is the identity.
-"""
+distributed report (docs/scale_out.md, "The sharded report")."""
 
 import dataclasses
 import operator

@@ -1,54 +1,5 @@
-"""Sequential-to-parallel defect, Lie bracket and the parallelization score C_l (docs/defect.md, protocol 4).
-
-Per layer l with x = resid_pre, a = attn_out, y = resid_mid = x + a (the FFN input of a sequential block),
-Phi = MLP(LN2(.)) (``ad.ffn(l)``, positionwise) and Dx = resid_post - resid_pre:
-
-* sequential block  S(x) = x + A(x) + Phi(x + A(x)); parallel surrogate  P(x) = x + A(x) + Phi(x);
-* exact defect [P/S]  ``d = S(x) - P(x) = Phi(x + a) - Phi(x)``, measured as ``hook_mlp_out - Phi(x)`` (the
-  model's own FFN write minus our Phi at the block input; ``Phi(y) == hook_mlp_out`` is verified per layer and
-  recorded in ``phi_check``);
-* first-order estimate  ``J_Phi(x) a = D_Phi[a](x)``: one ``torch.func.jvp(Phi, (x,), (a,))``, positionwise;
-* nonlinearity index  ``nu = sqrt(sum ||d - J a||^2) / sqrt(sum ||d||^2)``;
-* scores [paper + ours, docs/defect.md], pooled over the tokens of the non-excluded positions, float64:
-
-  - ``C``     (primary) ``sqrt(sum ||d||^2) / sqrt(sum ||Dx||^2)``: relative RMS of the defect against the
-    block update;
-  - ``C_phi`` ``sqrt(sum ||d||^2) / sqrt(sum ||Phi(x + a)||^2)``: relative to the FFN write;
-  - ``C1``    ``C`` with ``J_Phi(x) a`` in place of d (the cheap first-order "input-sensitivity" estimate);
-  - ``C_tan`` ``C`` with ``P_{u(y)} d`` in place of d (only the tangential part steers);
-
-* optional Lie-bracket terms (``brackets=True``): RMS per token of ``DPhi.A = J_Phi(x) a``, of
-  ``DA.Phi = JVP of X -> A(X) = attn(LN1(X)) at X = resid_pre in the direction V = Phi(X)`` (whole sequence,
-  causal: V at every position, the excluded ones included, since later tokens attend to them) and of the
-  bracket ``[A, Phi] = DPhi.A - DA.Phi``. Since ``d ~ DPhi.A = 1/2 [A, Phi] + 1/2 (DPhi.A + DA.Phi)``, the
-  defect is governed by the bracket *and* the directional-derivative term [S+I].
-
-Gold standard (``evaluate=True``, :mod:`tl_steering.parallel.gold`): ``dCE_l = CE(layer l alone parallel) -
-CE(clean)`` with :func:`tl_steering.hooks.parallel_blocks`, the Spearman correlation of every C variant with dCE_l, and the
-loss-vs-k curves of four layer choices (``lowest`` / ``highest`` C, ``random`` seeded draws, ``contiguous`` =
-the window of k consecutive candidate layers with the lowest summed C, earliest on ties). CE is the mean
-next-token cross-entropy over every predicted position (the loss is not subject to ``exclude_positions``).
-
-Already-parallel blocks (GPT-NeoX/Pythia): the block IS its parallel surrogate, so the defect is 0 by
-construction. It is still *measured* the same way (``hook_mlp_out - Phi(resid_pre)``, zero up to float
-rounding, see ``already_parallel`` and ``phi_check``); ``C1`` is exactly 0 there (the FFN input does not move,
-the JVP direction is 0) and ``nu`` is NaN (0/0). They are never candidates of :meth:`DefectResult.plan` or of
-the curves, and their dCE is 0 exactly (``parallel_blocks`` leaves them alone). ``counterfactual_scores``
-holds, for every block, the scores of ``Phi(x + a) - Phi(x)`` with x = resid_pre: for a sequential block
-they equal ``scores``; for a parallel block they say how far a *sequential* ordering would move it
-(docs/defect.md: a new construction [ours], not the paper's).
-
-Speedup (``timing=True``, opt-in, :mod:`tl_steering.parallel.speedup`) [ours]: per-submodule times on the model's device with ``ad.attention(l)`` (LN1 +
-attention) and ``ad.ffn(l)`` (LN2 + MLP) on the first ``batch_size`` sequences, after warm-up, median over
-repeats (CUDA events on GPU, ``time.perf_counter`` on CPU). For a set S of parallelized layers
-``T_seq = sum_l (t_attn + t_ffn)`` and
-``T_par = sum_{l not in S} (t_attn + t_ffn) + sum_{l in S} max(t_attn, t_ffn)``: an *estimate* of the
-critical path if attention and FFN ran concurrently, not a kernel measurement.
-
-Precision: the forward passes and JVPs run in the model dtype (fp32 for SmolLM2/GPT-2); every result is cast
-to float64 before norms and sums. In fp32 the relative rounding of d is ~1e-7 ||Phi|| / ||d||; for a float64
-analysis cast a copy of the model (``model.to(torch.float64)``).
-"""
+"""The sequential-to-parallel defect, its Lie-bracket terms and the parallelization scores C_l, with the gold
+standard and the speedup estimate (protocol 4; specification: docs/defect.md)."""
 
 import math
 import time

@@ -1,16 +1,4 @@
-"""The gold standard of layer planning: the measured loss of a plan (see docs/defect.md "Gold standard").
-
-``dCE(S) = CE(layers S parallel) - CE(clean)``, CE the mean next-token cross-entropy over every predicted
-position of the token windows, the parallel blocks applied exactly with :func:`tl_steering.hooks.parallel_blocks`.
-
-Prefix sharing: a plan leaves every block before its first parallel layer unchanged, so :class:`PlanLoss` keeps
-the clean residual entering every block (one clean pass over the windows, which also gives the clean CE) and runs
-only blocks ``min(S)..L-1`` for plan ``S`` (``ModelAdapter.run_blocks``: the same sublayers, no hooks). The
-single-layer gold standard then costs about half a forward per layer instead of a whole one. Used when the model
-holds no hook of its own (a user's steering hook would be bypassed), the kept residuals fit in
-:data:`PREFIX_CACHE_BYTES`, and a check of the path against the model's own forward on the first batch passes;
-otherwise every plan runs a whole hooked forward, as before.
-"""
+"""The gold standard of layer planning: the measured loss of a plan (see docs/defect.md "Gold standard")."""
 
 import math
 import warnings

@@ -1,20 +1,4 @@
-"""The field's layer-choice scores, as baselines of the planner (docs/defect.md "Peer scores").
-
-Every score is pooled as a mean over the tokens of the non-excluded positions (position 0 excluded by default),
-float64, "lower = safer to make parallel", from the forward :func:`tl_steering.parallel.parallel_defect` already
-runs (no pass of their own). Per layer l, x = resid_pre, a = attn_out, Phi = MLP(LN2(.)):
-
-* ``block_influence`` (ShortGPT, Men et al. 2024, arXiv:2403.03853): ``1 - E cos(x_l, x_{l+1})``, x_{l+1} the
-  block's output (resid_post): how much the block turns the residual;
-* ``angular_distance`` (Gromov et al. 2024, arXiv:2403.17887): ``E arccos(cos(x_l, x_{l+1})) / pi``, the angular
-  distance between a block's input and output (their n = 1; averaged over tokens, not the last token only);
-* ``ffn_fusion`` (FFN Fusion, Bercovich et al. 2025, arXiv:2503.18908): ``1 - E cos(Phi(x + a), Phi(x))``, the
-  cosine distance between the block's FFN write with and without its attention input (for an already parallel
-  block, the counterfactual sequential write).
-
-SLEB (Song et al. 2024, arXiv:2402.09025), the greedy measured block choice, is a planner, not a score:
-``plan_parallel(..., strategy="sleb")`` (``greedy_measured`` with ``shortlist=None``).
-"""
+"""The field's layer-choice scores, as baselines of the planner (docs/defect.md "Peer scores")."""
 
 import math
 

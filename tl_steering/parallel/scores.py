@@ -1,12 +1,4 @@
-"""Every per-layer parallelization score in one call: :func:`parallel_scores` (see docs/defect.md "Scores").
-
-``scores`` holds the paper's defect scores (``C`` and its variants ``C_phi``, ``C1``, ``C_tan`` from
-:func:`tl_steering.parallel.parallel_defect`) and the loss-aware attribution scores
-(:mod:`tl_steering.parallel.attribution`, with the sampled-label second-order scores when
-``fisher_samples > 0``) and the field's scores (``block_influence``, ``angular_distance``, ``ffn_fusion``:
-:mod:`tl_steering.parallel.peers`, from the same forward as C). Every score is "lower = safer to make parallel". With
-``gold=True`` the measured single-layer dCE of every layer and each score's Spearman rho with it are added.
-"""
+"""Every per-layer parallelization score in one call: :func:`parallel_scores` (see docs/defect.md "Scores")."""
 
 import dataclasses
 import math

@@ -1,21 +1,5 @@
 """Float64 kernels of the streaming probe (:func:`tl_steering.probe`, ``tl_steering/probing/trace.py``;
-docs/probe.md).
-
-One layer's work, all batched over sequences and positions, with no loop over tokens, sites or sequences:
-
-* :func:`token_quantities`: every token metric from the per-token Gram matrix of the layer's site vectors
-  (one batched product ``V V^T`` over ``[batch, pos, sites, d_model]``), returned stacked ``[q, batch, pos]``
-  with their validity masks;
-* :func:`diversity`: the per-sequence pairwise cosine, resultant length, effective rank and participation ratio
-  of every direction set of the layer from batched Gram products (lower triangle: :func:`gram_sets`) and one
-  batched ``eigvalsh``;
-* :class:`Accumulator`: fixed-size running sums, counts and masked counts, updated by one ``index_add_`` per
-  tensor and layer.
-
-The effective rank is a per-sequence statistic (the mean over sequences of each sequence's effective rank), so
-its decomposition is per sequence: a running Gram matrix pooled over sequences would measure the pooled token
-cloud, another number. It is taken on the smaller of the two Gram matrices (``pos x pos`` or ``d x d``).
-"""
+docs/probe.md)."""
 
 import concurrent.futures
 import threading

@@ -1,23 +1,4 @@
-"""Corpus-scale probe scans: data parallel on ``torch.distributed``, resumable after a kill (docs/scale_out.md).
-
-::
-
-    # one process
-    res = tl_steering.probing.scan.scan(model, "corpus.txt", n_windows=100_000, length=128, out_dir="scan/")
-    # N processes (gloo on CPU, NCCL on GPU), one command:
-    torchrun --standalone --nproc_per_node=N -m tl_steering.probing.scan --model smollm2-135m \\
-        --source corpus.txt --windows 100000 --length 128 --out scan/ [--resume]
-
-The stream of windows (:func:`tl_steering.data.corpus.stream_windows`) is cut into shards of ``shard_windows``
-consecutive windows; shard ``j`` belongs to rank ``j % world_size``. Each rank runs the streaming probe
-(:func:`tl_steering.probe`) over its shards, writes each finished shard's running sums to
-``out_dir/shards/shard-JJJJJJ.safetensors`` (atomically: a temporary file renamed into place, never pickle),
-and the sums of all shards are gathered and added in shard order. The probe's sums are sufficient statistics:
-one batch, many batches, many shards and many ranks give the same numbers up to float64 summation order.
-
-``resume=True`` skips the shards already on disk (verified against the run's settings in ``out_dir/scan.json``):
-a run killed at any moment resumes without counting a shard twice or losing one.
-"""
+"""Corpus-scale probe scans: data parallel on ``torch.distributed``, resumable after a kill (docs/scale_out.md)."""
 
 import argparse
 import dataclasses

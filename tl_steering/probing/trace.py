@@ -1,53 +1,5 @@
-"""Streaming geometry probes: per-layer residual geometry accumulated on the fly during ordinary forwards.
-
-::
-
-    with tl_steering.probe(model, metrics=["tangent_alignment", "diversity"]) as trace:
-        for batch in batches:
-            model(batch)                       # or run_with_hooks / run_with_cache / model.hooks(...)
-    res = trace.result()                       # ProbeResult
-    res.get("tangent_alignment")               # Float[Tensor, " layer"]
-    res.plot()
-
-The probe adds one forward hook per needed hook point (through TransformerLens's hook API, names from
-``ad.hook_name``), computes every metric in float64 inside the forward and keeps only running sums, counts and
-counts of masked rows per layer (and per position bin). No activation outlives its layer: the memory held by a
-probe does not depend on the number of forwards (:meth:`ProbeTrace.state_nbytes`). Every hook is removed on
-exit, also when the with-block raises.
-
-Metrics (docs/probe.md; x = resid_pre, a = attn_out, y = resid_mid, phi = mlp_out, z = resid_post,
-f = FFN input = y for sequential blocks and x for parallel ones, Dx = z - x, u(v) = v / ||v||):
-
-* ``"resid_norm"``: mean ||x||, ||y||, ||z|| (``resid_norm_pre/mid/post``).
-* ``"radial_coef"``: mean cos(f, phi) (``radial_coef_ffn``, the Eq. 19 FFN radial coefficient) and mean
-  cos(x, a) (``radial_coef_attn``).
-* ``"tangent_alignment"``: mean cos(P_u a, P_u Dx) with u = u(x) (docs/deficit.md, align_A).
-* ``"tangential_speed"``: mean ||P_u a|| / ||x|| with u = u(x) (``tangential_speed_attn``) and
-  mean ||P_w phi|| / ||f|| with w = u(f) (``tangential_speed_ffn``). Choice: each branch is measured at the
-  state it acts on in the Lie-Trotter split (attention at x, the FFN sub-step at y = x + a), so a purely radial
-  FFN write (phi = c u(y)) has FFN speed exactly 0; for parallel blocks both use x, i.e. v_A and v_Phi of docs/geometry.md.
-* ``"diversity"``: per sequence (over its non-excluded positions) the mean pairwise cosine and the mean resultant
-  length of the directions at x, y and z, averaged over sequences (``pairwise_cosine_pre/mid/post``,
-  ``resultant_length_*``): O(n d) per sequence. Not binned by position (a per-sequence statistic).
-* ``"effective_rank"``: per sequence the (uncentered, Roy-Vetterli) effective rank of the same direction sets
-  (``effective_rank_pre/mid/post``), averaged over sequences: each sequence's spectrum, a Gram matrix and an
-  eigenproblem of size min(n, d), O(n^2 d + n^3) per sequence for n <= d. The probe's main cost (docs/probe.md,
-  "Cost"). It used to be part of ``"diversity"``; a result saved then reads as both metrics.
-* ``"participation_ratio"``: per sequence the participation ratio ``tr(G)^2 / ||G||_F^2`` of the same direction
-  sets (``participation_ratio_pre/mid/post``; G their Gram matrix), averaged over sequences: O(n^2 d) per sequence,
-  no decomposition, free next to ``"effective_rank"`` (the same Gram matrix).
-
-Conventions: positions in ``exclude_positions`` (default ``(0,)``, the attention sink) are left out of every
-statistic. A row whose statistic is undefined (a zero-norm vector in a cosine or direction, norm <=
-``geometry.EPS_NORM``; a sequence with fewer than two valid rows for the pairwise cosine) is masked: left out of
-the mean and counted in ``masked``; no NaN enters a sum. Parallel blocks (GPT-NeoX/Pythia) have no resid_mid:
-``resid_norm_mid`` and the ``*_mid`` diversity statistics are NaN for those layers (count 0, not masked).
-Optional position bins are log-spaced: ``[0, 1), [1, 2), [2, 4), [4, 8), ...`` up to the model's context.
-
-Order of hooks: at each hook point the probe moves its own hook behind every other hook right before the point
-fires, so it measures the activation the model actually goes on with, including steering hooks added inside
-the with-block (``model.run_with_hooks(tokens, fwd_hooks=ffn_component(...))`` is probed as steered).
-"""
+"""The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
+geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence

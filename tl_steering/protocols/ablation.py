@@ -1,23 +1,4 @@
-"""Radial / tangential FFN ablation (protocol 2 of the paper; specification: docs/ablation.md).
-
-Each variant replaces every chosen layer's FFN write phi = hook_mlp_out by one of its parts, with
-u = normalize(FFN input) read from the same patched forward (resid_mid for sequential blocks, resid_pre for
-parallel ones; :func:`tl_steering.hooks.ffn_component`):
-
-* ``tangential``: phi - <u, phi> u;  ``radial``: <u, phi> u;  ``zero``: 0 (the FFN removed);
-* ``random_tangent``: a random tangent vector with the norm of the tangential part (a chance control).
-
-Metrics against the clean forward, over ALL predicted tokens (every position 0..pos-2 predicts the next token;
-the loss excludes nothing, unlike the geometric protocols, which drop position 0 from their statistics):
-
-* ``delta_loss``: mean next-token cross-entropy (nats) of the patched model minus the clean one;
-* ``ratio_to_zero``: ``delta_loss[v] / delta_loss["zero"]`` (the zero-FFN control is always run);
-* ``kl``: mean next-token ``KL(p_clean || p_patched)`` (nats; float64, :func:`tl_steering.metrics.kl_divergence`);
-* ``top1_agreement``: fraction of predicted positions where the patched argmax equals the clean argmax.
-
-``ablate_position_0=False`` leaves the FFN write of position 0 intact (``skip_positions=(0,)``): position 0 is the
-attention sink, whose huge norm most later positions read; ablating it changes every position's context.
-"""
+"""Radial / tangential FFN ablation (protocol 2 of the paper; specification: docs/ablation.md)."""
 
 import dataclasses
 import math

@@ -1,27 +1,5 @@
 """Angular-deficit diagnostic: how well the attention-only update aligns with the real block update
-(protocol 1 of the paper; specification: docs/deficit.md).
-
-Per layer l, sequence b and position i (position 0 excluded by default), with x = resid_pre, a = attn_out,
-Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
-
-* primary [I]: ``align_A = cos(P_u a, P_u Dx)``; ``deficit_l = 1 - mean align_A`` (mean over the valid tokens
-  of each sequence, then over sequences); ``mean`` = uniform mean over the selected layers;
-* (a) untangented: ``1 - mean cos(a, Dx)``;
-* (b) angle form: ``mean angle(P_u a, P_u Dx) / pi`` (= ``arccos(align_A) / pi``, computed with
-  :func:`tl_steering.geometry.angle`, exact at 0 and pi);
-* (c) one-step angular prediction errors: ``e_A = angle(x + a, x^{l+1})`` and
-  ``e_AF = angle(x + a + Phi(x), x^{l+1})`` with ``Phi(x) = MLP(LN2(x))`` evaluated at the block input (the
-  parallel surrogate, i.e. the ODE field at the current state); FFN contribution ``(e_A - e_AF) / e_A`` from the
-  per-layer means. For a parallel block (GPT-NeoX/Pythia) ``x + a + Phi(x)`` IS the block output, so e_AF is
-  exactly 0 (numerically: float32 rounding, ~1e-7 rad) and the FFN contribution is 1: nothing is tested there;
-* (d) velocity-field R^2, pooled over the valid tokens of a layer, on the angular velocities v = P_u(.) / ||x||
-  (dividing by ||x|| makes every token count by its direction change, not by its norm) [I]:
-  ``R^2_A = 1 - sum ||v_Dx - v_a||^2 / sum ||v_Dx||^2``, and the same with ``a + Phi(x)``.
-
-Degenerate tokens (||x||, ||P_u a|| or ||P_u Dx|| equal to 0 or below 1e-8 of the per-sequence median,
-:func:`tl_steering.geometry.degenerate_mask`) are dropped from every statistic and counted in ``n_masked``.
-Every vector operation is a :mod:`tl_steering.geometry` function in float64.
-"""
+(protocol 1 of the paper; specification: docs/deficit.md)."""
 
 import dataclasses
 import math

@@ -1,23 +1,5 @@
 """Spherical diversity of token directions before and after attention and the FFN (protocol 3 of the paper;
-specification: docs/diversity.md).
-
-For each sequence, the set of valid directions U = {u_j} (position 0 and degenerate tokens excluded) at
-resid_pre, resid_mid and resid_post of each layer gives the statistics of :func:`tl_steering.geometry.
-diversity_stats` (uncentered): mean pairwise cosine m (1 = full cluster, ~0 = isotropic), mean resultant length R,
-effective rank, participation ratio and the rank-collapse residual. Each is averaged over sequences.
-
-* Attention effect ``D(mid) - D(pre)`` and FFN effect ``D(post) - D(mid)`` per layer (raw differences: for the
-  pairwise cosine and R a positive value means MORE clustered). Parallel blocks (GPT-NeoX/Pythia) have no
-  resid_mid: their resid_mid column is NaN, and their effects use the virtual state ``x + a``
-  (resid_pre + attn_out) [ours].
-* Under ablation: the same table in the forward where every layer's FFN write keeps only one component
-  (:func:`tl_steering.hooks.ffn_component`, all layers, all positions).
-* Output diversity [P, ambiguous]: the statistics of the last layer's resid_post (the input of ln_final) and the
-  mean entropy of the next-token distribution over the predicted positions 0..pos-2, clean and per ablation.
-* Aggregation pressure [I, speculative]: attention writes scaled by a gain on every layer
-  (:func:`tl_steering.hooks.attention_gain`); final-layer pairwise cosine, effective rank, entropy and loss per
-  gain.
-"""
+specification: docs/diversity.md)."""
 
 import dataclasses
 import math

@@ -1,21 +1,4 @@
-"""Layer-wise FFN gate calibration (docs/gates.md): x^{l+1} = y + g_l Phi_l(y), i.e. ``hook_mlp_out *= g_l``.
-
-The gates are applied by :func:`tl_steering.hooks.ffn_gate` AFTER ``base_hooks`` (e.g.
-``hooks.parallel_blocks(model, plan)`` or ``hooks.ffn_component(model, "tangential")``), so on a shared hook point
-the gate scales the already modified FFN write: a "recalibrated" parallel plan or ablation.
-
-* ``method="loss"``: g* = argmin CE, all gates of ``layers`` jointly by Adam on the calibration split (init 1,
-  float32 gates). Gradients flow through the model's forward to the gate tensor only (``torch.autograd.grad`` with
-  respect to the gates): the weights are never changed and their ``.grad`` is never touched. Optional 1-D scan
-  per layer (g on a grid in [0, 2], the other gates at 1) on the calibration split, with the curvature of CE in g.
-* ``method="closed_form"``: for the parallel surrogate of the layers in ``plan``, the least-squares gate that makes
-  g·Phi(x) best match the sequential write Phi(x + a), pooled over the calibration tokens (position 0 excluded):
-  g_l = Σ <Phi(x + a), Phi(x)> / Σ ||Phi(x)||², with x = resid_pre and a = attn_out of the forward that runs the
-  base hooks (the state the gated model sees); 1 for layers not in the plan.
-
-Losses are the mean next-token cross-entropy over every predicted position (:func:`tl_steering.data.batching.mean_loss`,
-float64, every token weighs the same), reported for the clean model, the base hooks (gates 1) and the gated model, on the calibration and the held-out split.
-"""
+"""Layer-wise FFN gate calibration (docs/gates.md): x^{l+1} = y + g_l Phi_l(y), i.e. ``hook_mlp_out *= g_l``."""
 
 import dataclasses
 import math

@@ -1,18 +1,5 @@
 """Prefix-indexed causal dynamics (docs/prefix.md): how a perturbation of token j travels to later tokens, and
-prefix-set diversity statistics as a function of the prefix length.
-
-* :func:`prefix_sensitivity`: perturb position j (noise on ``resid_pre`` of layer l0, or a replaced token) and
-  measure, per later position i >= j and layer l >= l0, the angle between the perturbed and clean ``resid_post``
-  directions and the next-token KL(p_clean || p_pert), against the distance i - j; positions i < j must not move
-  (causality; bit-exact or < 1e-6).
-* :func:`prefix_statistics`: mean pairwise cosine, mean resultant length, effective rank and participation ratio of
-  every prefix U_{1..t} (position 0 excluded) per layer, averaged over sequences (the causal version of the
-  diversity statistics, docs/geometry.md).
-
-Angles are :func:`tl_steering.geometry.angle`, θ = 2·atan2(||a - b||, ||a + b||) on unit vectors: exact 0 for
-identical directions and accurate for tiny angles, where arccos of a float64 cosine has an error of ~1e-8 rad.
-KL divergences are :func:`tl_steering.metrics.kl_divergence` (float64).
-"""
+prefix-set diversity statistics as a function of the prefix length."""
 
 import dataclasses
 import math
