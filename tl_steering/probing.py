@@ -272,7 +272,7 @@ class ProbeTrace:
         # pre-hooks that keep ours last) is undone by closing the stack, also when an interrupt lands here
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(self.ad.hook_guard())
+            stack.enter_context(self.ad.hook_guard("tl_steering.probe"))
             self._stack = stack
             hook_dict = self.model.hook_dict
             for layer in self.layers:

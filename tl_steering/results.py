@@ -79,7 +79,13 @@ class Provenance:
         model_revision: pinned package version or weight hash of the checkpoint, when known.
         tl_version: TransformerLens version string.
         backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
-        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (folded/centred weights).
+        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (weights processed by TransformerLens), read from
+            the model itself (docs/loading.md, "Weight processing"); ``"unknown"`` in files written before that.
+        processing_steps: what was done to the weights (``compatibility_mode``, ``fold_ln``,
+            ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``); ``center_writing_weights``
+            changes the residual stream's geometry.
+        user_hooks: hook points that carried hooks of the user while the numbers were measured (a ``hooks()``
+            context, permanent hooks): the numbers describe the model as those hooks change it (docs/hooks.md).
         corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
         n_sequences: number of token windows.
         n_tokens: number of tokens fed to the model.
@@ -93,13 +99,16 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
-    added_fields: ClassVar[tuple[str, ...]] = ("world_size",)  # torch.distributed runs: older files were one process
+    # world_size: torch.distributed runs (older files were one process); processing_steps, user_hooks: issue 28
+    added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks")
 
     model: str = "unknown"
     model_revision: str | None = None
     tl_version: str = "unknown"
     backend: str = "unknown"
     processing: str = "unknown"
+    processing_steps: list[str] = dataclasses.field(default_factory=list)
+    user_hooks: list[str] = dataclasses.field(default_factory=list)
     corpus: str = "unknown"
     n_sequences: int = 0
     n_tokens: int = 0

@@ -41,6 +41,7 @@ from transformer_lens.hook_points import HookPoint
 
 from .. import progress as _progress
 from . import interrupts as _interrupts
+from . import ownership as _ownership
 from .. import validation
 from ..errors import HookNotFoundError
 
@@ -76,6 +77,31 @@ def owned(fn: Callable) -> Callable:
 
 def is_owned(fn: Any) -> bool:
     return bool(getattr(fn, _OWNED_ATTR, False))
+
+
+def mark_owned(fn: Callable) -> Callable:
+    """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
+    takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
+    (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
+    try:
+        setattr(fn, _OWNED_ATTR, True)
+        return fn
+    except (AttributeError, TypeError):
+        return owned(fn)
+
+
+def is_ours(f: Any) -> bool:
+    """Whether torch hook ``f`` is tagged as ours, or is TransformerLens's wrapper (``HookPoint.add_hook``'s
+    ``full_hook``) of a function tagged as ours."""
+    if is_owned(f):
+        return True
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            if is_owned(cell.cell_contents):
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False
 
 
 def shielded(restore: Callable[[], None]) -> None:
@@ -202,17 +228,33 @@ class HookGuard:
     KeyboardInterrupt inside the block then runs without the block's hooks).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, call: str = "tl_steering.hook_guard"):
         self.model = model
         self._snap: _Snapshot | None = None
+        self._claim: _ownership.claim | None = None
+        self.call = call
         self.interrupted = False
 
     def __enter__(self) -> "HookGuard":
         if self._snap is not None:
             raise RuntimeError("this HookGuard is active already; use a new one")
-        self._snap = _Snapshot(self.model)
-        _interrupts.register(self)
+        # one caller per model (ownership.py): another thread's call raises ModelBusyError before anything is read
+        claim = _ownership.claim(self.model, self.call)
+        claim.__enter__()
+        self._claim = claim
+        try:
+            self._snap = _Snapshot(self.model)
+            _interrupts.register(self)
+        except BaseException:
+            self._snap = None
+            self._release()
+            raise
         return self
+
+    def _release(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.__exit__(None, None, None)
 
     def restore(self) -> None:
         """Put the model's hook state back to the snapshot taken on entry (idempotent)."""
@@ -226,13 +268,16 @@ class HookGuard:
         finally:
             _interrupts.unregister(self)
             self._snap = None
+            self._release()
         return None
 
 
-def hook_guard(model: torch.nn.Module) -> HookGuard:
+def hook_guard(model: torch.nn.Module, call: str = "tl_steering.hook_guard") -> HookGuard:
     """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the
-    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring)."""
-    return HookGuard(model)
+    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring). The block holds
+    the model for this thread (``call`` names it in the error another thread gets: docs/hooks.md, "One caller
+    per model")."""
+    return HookGuard(model, call)
 
 
 class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silenced(block):``
@@ -297,7 +342,7 @@ def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) ->
     ``model.hook_dict`` (a bridge rebuilds it on every access; a caller adding many hooks takes it once)."""
     hp = (model.hook_dict if hook_dict is None else hook_dict)[name]
     before = {id(h) for h in hp.fwd_hooks}
-    model.add_hook(name, fn)
+    model.add_hook(name, mark_owned(fn))
     hook_ids = [h.hook.id for h in hp.fwd_hooks if id(h) not in before and hasattr(h, "hook")]
 
     def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
@@ -400,13 +445,18 @@ def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) ->
     removes itself (and its ordering pre-hook) by identity, as :func:`capture_input_once`."""
 
     def grab(mod: Any, args: Any, out: Any) -> None:
-        _detach(mod, "_forward_hooks", tagged)
+        # the ordering pre-hook first: an interrupt between the two leaves the capture, which fires once on the
+        # next forward and removes itself (a pre-hook left alone removes itself too, see ``last``)
         _detach(mod, "_forward_pre_hooks", tagged_last)
+        _detach(mod, "_forward_hooks", tagged)
         if isinstance(out, Tensor):
             store(out)
 
     def last(mod: Any, args: Any) -> None:
         hooks = mod._forward_hooks
+        if not any(f is tagged for f in hooks.values()):  # its capture is gone (an interrupt inside grab)
+            _detach(mod, "_forward_pre_hooks", tagged_last)
+            return
         if hasattr(hooks, "move_to_end"):
             for k in [k for k, f in hooks.items() if f is tagged]:
                 hooks.move_to_end(k)
@@ -450,7 +500,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
     if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
         n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
         validation.check_length(int(tokens.shape[-1]), n_ctx if isinstance(n_ctx, int) else None)
-    with hook_guard(model):
+    with hook_guard(model, "tl_steering run_with_hooks"):
         tl_hooks = model.hooks(fwd_hooks=list(fwd_hooks))  # a generator context, not started: changes nothing yet
         try:
             with (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
@@ -540,7 +590,9 @@ __all__ = [
     "hook_points",
     "hook_state",
     "hooks_silenced",
+    "is_ours",
     "is_owned",
+    "mark_owned",
     "orphan_safe",
     "owned",
     "owned_hooks",

@@ -41,6 +41,7 @@ from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
+from ..backends.ownership import exclusive
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
                                      "attribution_rms", "attribution_2nd", "attribution_fisher",
@@ -222,6 +223,7 @@ def _split(tokens: Tensor, held_out: Any) -> tuple[Tensor, Tensor]:
     return tokens[:cut], tokens[cut:]
 
 
+@exclusive
 def plan_parallel(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

@@ -40,6 +40,7 @@ from .result import (
     SuiteResult,
 )
 from .settings import STAGES, SuiteSettings
+from ..backends.ownership import exclusive
 
 Tick = Callable[[str], None]
 
@@ -435,6 +436,7 @@ def _model_summary(ad: Any) -> ModelSummary:
     )
 
 
+@exclusive
 def run_suite(
     model: Any,
     tokens: Tensor | TokenWindows,
