@@ -341,6 +341,7 @@ class ModelAdapter:
                 "(position 0 is excluded from statistics and a next-token loss needs two)"
             )
         validation.check_length(int(tokens.shape[1]), self.n_ctx)
+        validation.check_not_meta(tokens)
         if tokens.device != self.device:
             raise DeviceMismatchError(
                 f"tokens are on {tokens.device} but the model is on {self.device}; "

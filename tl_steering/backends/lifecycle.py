@@ -483,6 +483,17 @@ def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]
     raise ValueError(f"capture_site: site must be 'resid_pre' or 'resid_mid', got {site!r}")
 
 
+def refuse_meta_inputs(model: torch.nn.Module) -> Any:
+    """A forward-pre-hook on the whole model (tagged as ours: a guard removes it) that refuses tokens on the ``meta``
+    device with a clear :class:`~tl_steering.errors.DeviceMismatchError` before TransformerLens fails on them with a
+    bare RuntimeError. For the probe, whose forwards the user runs."""
+
+    def check(mod: Any, args: tuple, kwargs: dict) -> None:
+        validation.check_not_meta(args[0] if args else kwargs.get("input", kwargs.get("tokens")))
+
+    return model.register_forward_pre_hook(owned(check), with_kwargs=True)
+
+
 def remove_handles(handles: Sequence[Any]) -> None:
     shielded(lambda: [h.remove() for h in handles])
 
@@ -497,6 +508,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
     so its own cleanup sees the exception. Every hook is removed afterwards, also on error or interrupt.
     ``grad=True`` keeps autograd on (for ``torch.autograd.grad`` w.r.t. hooked activations; never
     ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
+    validation.check_not_meta(tokens)
     if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
         n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
         validation.check_length(int(tokens.shape[-1]), n_ctx if isinstance(n_ctx, int) else None)
@@ -596,6 +608,7 @@ __all__ = [
     "orphan_safe",
     "owned",
     "owned_hooks",
+    "refuse_meta_inputs",
     "remove_handles",
     "run_with_hooks",
     "shielded",

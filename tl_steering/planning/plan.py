@@ -301,7 +301,8 @@ def plan_parallel(
     cal, held = _split(tokens, held_out)
     sel = ad.layers(layers)
     cand = [lay for lay in sel if not ad.is_parallel(lay)]
-    k = st.check_k(k, len(cand))
+    already = [lay for lay in sel if ad.is_parallel(lay)]
+    k = st.check_k(k, len(cand), already)
     if strategy == "best":
         names = list(strategies) if strategies is not None else [
             s for s in DEFAULT_COMPARISON if fisher_samples or s not in FISHER_VARIANTS]
@@ -318,7 +319,7 @@ def plan_parallel(
                          f"{refit_crossfit!r}")
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
-    ks = sorted({st.check_k(int(j), len(cand)) for j in (k_values if k_values is not None
+    ks = sorted({st.check_k(int(j), len(cand), already) for j in (k_values if k_values is not None
                                                          else [j for j in st.default_k_values(len(cand)) if j <= k])}
                 | {k})
     kmax = max(ks)
