@@ -45,6 +45,9 @@ LABELS: dict[str, str] = {
     "plan (k lowest C)": "the plan: layers made parallel",
     "plan dCE": "the plan's ΔCE (nats)",
     "speedup estimate: speedup": "estimated speedup from sub-module median times (critical path, no interval)",
+    "n_candidates": "sequential layers (candidates for the plan)",
+    "k": "layers made parallel (k)",
+    "calibration / held-out windows": "calibration / held-out windows",
     "chosen layers": "chosen plan: layers made parallel",
     "chosen strategy": "chosen plan: planner strategy",
     "correction": "chosen plan: correction",
@@ -84,16 +87,24 @@ LABELS: dict[str, str] = {
 }
 
 
+#: raw key prefix -> label prefix (keys made per strategy, per variant, ...)
+PREFIXES: dict[str, str] = {
+    "held-out dCE, ": "held-out ΔCE (nats) of the plan of strategy ",
+}
+
+
 def labelled(summary: dict[str, Any]) -> dict[str, Any]:
     """``{label: value}`` of the keys of ``summary`` that have a label (a key ``"prefix: key"`` keeps its prefix),
-    in :data:`LABELS` order."""
+    in :data:`LABELS` order, then the keys with a labelled prefix (:data:`PREFIXES`)."""
     out: dict[str, Any] = {}
     for key, label in LABELS.items():
         for raw, value in summary.items():
             head, _, tail = raw.rpartition(": ")
             if raw == key or (head and tail == key):
                 out[f"{head}: {label}" if head else label] = value
+    for prefix, label in PREFIXES.items():
+        out.update({label + raw[len(prefix):]: v for raw, v in summary.items() if raw.startswith(prefix)})
     return out
 
 
-__all__ = ["LABELS", "labelled"]
+__all__ = ["LABELS", "PREFIXES", "labelled"]

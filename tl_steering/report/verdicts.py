@@ -116,11 +116,20 @@ def band_verdict(ours: Any, paper_range: Any = None, band: Any = None, paper_num
     return BandVerdict("outside band", "tolerance band", f"outside the tolerance band {span(*band)}{around}")
 
 
+#: published numbers that are a timing of ours with no interval: their band is shown for orientation, not judged
+UNJUDGED_TIMINGS = ("parallel_gpt2_large_speedup",)
+
+
 def row_verdict(row: dict[str, Any]) -> BandVerdict:
-    """:func:`band_verdict` of one row of :func:`tl_steering.suite.comparison_rows`."""
+    """:func:`band_verdict` of one row of :func:`tl_steering.suite.comparison_rows` (a timing estimate with no
+    interval, :data:`UNJUDGED_TIMINGS`, is "not judged": where it falls is said, for orientation)."""
     if not row.get("regress", True) or row.get("id") == "deficit_order_gpt2_llama":
         return BandVerdict("not judged", "", "not judged")
-    return band_verdict(row.get("ours"), row.get("paper_range"), row.get("band"), row.get("paper_number"))
+    v = band_verdict(row.get("ours"), row.get("paper_range"), row.get("band"), row.get("paper_number"))
+    if row.get("id") in UNJUDGED_TIMINGS and v.status != "not judged":
+        return BandVerdict("not judged", v.reference, f"not judged: one estimate from sub-module median times with "
+                                                      f"no interval ({v.text}, for orientation only)")
+    return v
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,14 +335,19 @@ def parallel_sentence(r: SuiteResult) -> str:
     v = executor_verdict(r.executor)
     out = (f"The paper: making 18 of GPT-2-large's 36 layers parallel would speed a forward up by about "
            f"{fmt(pub['value'])}x (an estimate from sub-module times on a GPU, not a measured forward); here, "
-           f"measured on {r.executor.device or 'this machine'} against the original, the lowest-C plan's whole "
-           f"forward is {_status_phrase(v)}")
+           f"measured on {r.executor.device or 'this machine'} against the original{_shape(r.executor)}, the "
+           f"lowest-C plan's whole forward is {_status_phrase(v)}")
     if r.executor_choice is not None:
         out += f", the chosen plan's {_status_phrase(executor_verdict(r.executor_choice))}"
     if r.speedup is not None and math.isfinite(_num(r.speedup.speedup)):
         out += (f", and the critical-path estimate from this machine's sub-module median times is "
                 f"{fmt(r.speedup.speedup)}x (a model, no interval)")
     return out + "."
+
+
+def _shape(ex: Any) -> str:
+    shape = list(getattr(ex, "timing_shape", []) or [])
+    return f" (forwards of {' x '.join(str(n) for n in shape)} tokens)" if shape else ""
 
 
 def _status_phrase(v: TimingVerdict) -> str:

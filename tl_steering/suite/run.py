@@ -189,7 +189,8 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
         # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
         res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
-                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w)
+                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w,
+                                    refit="none")  # the suite's plan runs uncorrected (its executor: layers only)
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
     if s.defect_timing:
@@ -261,7 +262,7 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k // 2, k})
     plan = plan_parallel(c.model, cal, k, strategy="best", held_out=held, strategies=names, seed=c.seed,
                          batch_size=s.batch_size, corpus=c.corpus, fisher_samples=fisher, refit=s.plan_choice_refit,
-                         k_values=ks)
+                         k_values=ks, uncorrected_curves=True)
     tick(f"chosen: {plan.strategy}")
     out = PlanChoice(plan=plan, fisher_samples=plan.options.get("fisher_samples", fisher))
     if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)
@@ -284,7 +285,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``).
     Every round times one forward of the original, of the original again (the control) and of every copy, the
     order rotated per round (:func:`tl_steering.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
-    after one warm-up call each): the copies share the sequential times and the control."""
+    after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
+    sequential times and the control."""
     plan = res.plan.layers if res.plan is not None else []
     strategy = res.plan.strategy if res.plan is not None else "lowest_C"
     runs = [_executor_copy(c, list(plan), strategy, {}, {})]
@@ -296,7 +298,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     tick("parallel copies")
     copies = [(info, par) for info, par in runs if par is not None]
     if copies:
-        sl = c.tokens[: c.s.batch_size]
+        sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
 
         def forward(mdl: Any) -> Callable[[], Any]:
             return lambda: mdl(sl, return_type="logits")
@@ -328,7 +330,7 @@ def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases:
         strategy=strategy,
         correction=correction,
         layers=list(plan),
-        timing_shape=list(c.tokens[: s.batch_size].shape),
+        timing_shape=list(c.tokens[: min(s.parallel_timing_windows, s.batch_size)].shape),
         device=str(ad.device),
     )
     if not plan:
