@@ -112,14 +112,17 @@ def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
 class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):``
     """Hold ``model`` for this thread while the block runs (a no-op when this thread holds it already); raise
     :class:`ModelBusyError` when another live thread holds it. ``record_hooks``: record the user's hook points at
-    entry (False for the pure sublayer calls, which add no hooks and run in tight loops)."""
+    entry of an outermost claim (False for the pure sublayer calls, which add no hooks and run in tight loops);
+    ``refresh``: record them again when nested in this thread's claim (a public call inside a probe: the user may
+    have added hooks since; not for the per-forward guards, whose scan would cost ~2 ms per forward on a bridge)."""
 
-    __slots__ = ("model", "call", "record_hooks", "_token", "_nested")
+    __slots__ = ("model", "call", "record_hooks", "refresh", "_token", "_nested")
 
-    def __init__(self, model: Any, call: str, record_hooks: bool = True):
+    def __init__(self, model: Any, call: str, record_hooks: bool = True, refresh: bool = False):
         self.model = _key(model)
         self.call = call
         self.record_hooks = record_hooks
+        self.refresh = refresh
         self._token: _Token | None = None
         self._nested: tuple[_Claim, tuple[str, ...]] | None = None
 
@@ -128,7 +131,7 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
         cur = _claims.get(model)
         me = threading.current_thread()
         if cur is not None and cur.thread is me:  # re-entrant: the outer call's claim covers this one
-            if self.record_hooks:
+            if self.refresh:  # a nested public call: the user's hooks as they are now (e.g. added inside a probe)
                 hooks = user_hook_points(model)
                 cur.user_hooks.append(hooks)
                 self._nested = (cur, hooks)
@@ -197,7 +200,7 @@ def exclusive(fn: F) -> F:
         model = find(args, kwargs)
         if model is None or not hasattr(_key(model), "modules"):  # not a model: the call's own checks say so
             return fn(*args, **kwargs)
-        with claim(model, name):
+        with claim(model, name, refresh=True):
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
