@@ -1,7 +1,7 @@
 """Every planner strategy, ours and the field's, at equal k: held-out dCE uncorrected and corrected, passes used.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_peers.py [--model smollm2-135m] [--k 15] [--ks 5,10,15]
-        [--no-sleb] [--default-cost 4] [--json out.json]
+        [--no-sleb] [--sleb-k 3] [--strategies C,attribution_abs,...] [--default-cost 4] [--json out.json]
 
 Windows: ``text_tokens(model, n_windows=8, length=128, seed=0)`` (``--windows``, ``--length``); the first half
 calibrates every plan AND every correction, the second half is held out and only reported (the windows of
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = plan_parser(__doc__)
     ap.add_argument("--ks", default="", help="k values (default L//6, L//3, k)")
     ap.add_argument("--no-sleb", action="store_true", help="leave out SLEB (sum_{j<k} (L - j) forwards)")
+    ap.add_argument("--sleb-k", type=int, default=None,
+                    help="run SLEB only up to this k (its own call; the larger k show no SLEB plan)")
+    ap.add_argument("--strategies", default="", help="the compared strategies (default FULL_COMPARISON)")
     ap.add_argument("--default-cost", type=int, default=4, help="windows of the default-cost call (0: skip)")
     ap.add_argument("--json", default=None)
     args, t0, model, ad, cand = start(ap, argv)
@@ -50,18 +53,34 @@ def main(argv: list[str] | None = None) -> dict:
     t1 = time.time()
     scores = ts.parallel_scores(model, cal, batch_size=bs, fisher_samples=8)
     print(f"# scores {time.time() - t1:.0f}s", flush=True)
-    names = list(FULL_COMPARISON) + ([] if args.no_sleb else ["sleb"])
+    base = [x for x in args.strategies.split(",") if x] or list(FULL_COMPARISON)
+    sleb_apart = not args.no_sleb and args.sleb_k is not None and args.sleb_k < max(ks)
+    names = base + ([] if args.no_sleb or sleb_apart else ["sleb"])
     t1 = time.time()
     plain = ts.plan_parallel(model, cal, max(ks), held_out=held, strategies=names, refit="none", k_values=ks,
                              scores=scores, batch_size=bs)
     print(f"# uncorrected comparison {time.time() - t1:.0f}s, {plain.total_cost}", flush=True)
+    if sleb_apart:  # SLEB at the k values up to --sleb-k only; NaN (no plan) above
+        t1 = time.time()
+        sk = [kk for kk in ks if kk <= args.sleb_k]
+        sl = ts.plan_parallel(model, cal, max(sk), held_out=held, strategy="sleb", refit="none", k_values=sk,
+                              scores=scores, batch_size=bs)
+        nan = float("nan")
+        plain.strategies.append("sleb")
+        names.append("sleb")
+        plain.plans["sleb"] = [sl.plans["sleb"][sk.index(kk)] if kk in sk else [] for kk in ks]
+        plain.held_out_curves["sleb"] = torch.tensor([float(sl.held_out_curves["sleb"][sk.index(kk)])
+                                                      if kk in sk else nan for kk in ks], dtype=torch.float64)
+        plain.strategy_costs["sleb"] = sl.strategy_costs["sleb"]
+        print(f"# SLEB up to k={max(sk)} {time.time() - t1:.0f}s, {sl.strategy_costs['sleb']}", flush=True)
 
     t1 = time.time()
     src = RefitLoss(model, cal, bs, refit="linear", crossfit=False)
     fitted = FittedLoss(model, held, bs, source=src)
     sets = [p for s in names for p in plain.plans[s]]
     fitted.prefetch([[]] + sets)
-    corrected = {s: [fitted.delta(p) for p in plain.plans[s]] for s in names}
+    corrected = {s: [fitted.delta(p) if len(p) == kk else float("nan") for p, kk in zip(plain.plans[s], ks)]
+                 for s in names}
     print(f"# corrected evaluation {time.time() - t1:.0f}s ({src.fit_passes} fits + {fitted.passes} held-out "
           "passes)", flush=True)
 
