@@ -185,6 +185,7 @@ def run_report(
     from .backends import adapt
     from .data import text_windows
     from .report import render_report
+    from .result_sidecar import sidecar_path
     from .scale import load_named
     from .sharding import world
     from .suite import RunArguments, StageTiming, default_settings, run_suite
@@ -202,6 +203,7 @@ def run_report(
     checkpoint = out_dir / "checkpoint.json"
     if not resume and world().rank == 0:
         checkpoint.unlink(missing_ok=True)
+        sidecar_path(checkpoint).unlink(missing_ok=True)
     if world().active:
         torch.distributed.barrier()  # no rank reads a checkpoint rank 0 is about to discard
     suite = run_suite(m, tokens, s, progress=progress, seed=seed, checkpoint=checkpoint)
@@ -223,6 +225,7 @@ def run_report(
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
     checkpoint.unlink(missing_ok=True)
+    sidecar_path(checkpoint).unlink(missing_ok=True)  # its tensors (tl_steering.result_sidecar)
     return render_report(suite, out_dir)
 
 

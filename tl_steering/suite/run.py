@@ -533,6 +533,9 @@ def _write_checkpoint(res: SuiteResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
     res.save(tmp)
+    from ..result_sidecar import move
+
+    move(tmp, path)  # the chosen plan's tensors (result_sidecar), checked by hash on load
     os.replace(tmp, path)
 
 
