@@ -79,13 +79,9 @@ class Provenance:
         model_revision: pinned package version or weight hash of the checkpoint, when known.
         tl_version: TransformerLens version string.
         backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
-        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (weights processed by TransformerLens), read from
-            the model itself (docs/loading.md, "Weight processing"); ``"unknown"`` in files written before that.
-        processing_steps: what was done to the weights (``compatibility_mode``, ``fold_ln``,
-            ``center_writing_weights``, ``center_unembed``, ``fold_value_biases``); ``center_writing_weights``
-            changes the residual stream's geometry.
-        user_hooks: hook points that carried hooks of the user while the numbers were measured (a ``hooks()``
-            context, permanent hooks): the numbers describe the model as those hooks change it (docs/hooks.md).
+        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (processed by TransformerLens), read from the
+            model; ``processing_steps``: which steps (docs/loading.md, "Weight processing").
+        user_hooks: hook points that carried the user's hooks during the call (docs/hooks.md).
         corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
         n_sequences: number of token windows.
         n_tokens: number of tokens fed to the model.
@@ -99,7 +95,6 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
-    # world_size: torch.distributed runs (older files were one process); processing_steps, user_hooks: issue 28
     added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks")
 
     model: str = "unknown"

@@ -10,7 +10,8 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 * dtype and device read from the parameters (``cfg.dtype`` can lie when a model was built with ``hf_model=``);
 * the residual-identity check that guards every decomposition against known bridge bugs;
 * :meth:`ModelAdapter.hook_guard`, which guarantees that every hook added during a call is gone afterwards,
-  also when the call raises (KeyboardInterrupt included).
+  also when the call raises (KeyboardInterrupt included), and holds the model for one thread (:mod:`.ownership`);
+* :meth:`ModelAdapter.provenance`: the weight processing read from the model, the user's hook points.
 """
 
 import contextlib

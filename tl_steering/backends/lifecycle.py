@@ -24,6 +24,9 @@ The guarantees (see docs/hooks.md, "Interrupts"; docs/architecture.md, the backe
   back, with the same discipline.
 * :func:`run_with_hooks` wraps TransformerLens's own ``hooks()`` context in an ExitStack inside a guard, so
   TransformerLens's cleanup sees the real exception.
+* A guard holds the model for its thread while it is active (:mod:`.ownership`, docs/hooks.md "One caller per
+  model"): another thread's guard, or public call, on the same model raises ``ModelBusyError`` before it reads or
+  changes anything; the same thread's are re-entrant.
 
 This module, with the rest of :mod:`tl_steering.backends`, is the only place that touches torch's private hook
 dicts.
