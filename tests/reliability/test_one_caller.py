@@ -151,3 +151,22 @@ def test_claim_of_an_ended_thread_is_taken_over(model):
     res = ts.angular_deficit(model, tokens_for(model), n_bootstrap=4)
     assert res.provenance.user_hooks == []
     assert ownership.holder(model) is None
+
+
+def test_probe_records_the_users_hooks_seen_during_its_forwards(model):
+    """A steered forward inside the probe (the user's hooks live only for that forward) is recorded, also when
+    ``result()`` is read after the hooks are gone; the probe's own hooks are not the user's."""
+    from tl_steering import hooks as H
+
+    tokens = tokens_for(model)
+    with ts.probe(model, metrics="resid_norm") as plain:
+        model(tokens)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert plain.result().provenance.user_hooks == []
+        with ts.probe(model, metrics="resid_norm") as steered:
+            model.run_with_hooks(tokens, fwd_hooks=H.ffn_gate(model, {1: 0.5}))
+        prov = steered.result().provenance
+    assert "blocks.1.hook_mlp_out" in prov.user_hooks
+    assert [x for x in w if "hooks of yours" in str(x.message) and "blocks.1.hook_mlp_out" in str(x.message)]
+    assert owned_hooks(model) == [] and ownership.holder(model) is None

@@ -444,9 +444,9 @@ class ModelAdapter:
                    **extra: Any):
         """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``: model,
         revision, TransformerLens version, backend, the weight processing read from the model
-        (:mod:`.processing`), the user's hook points active during the call (:mod:`.ownership`), corpus, seed,
-        dtype, device, world size and ``extra`` options. Warns once per model when the residual stream is
-        processed, and once per set of user hooks (see :mod:`.provenance`)."""
+        (:mod:`.processing`), the user's hook points during the call (:mod:`.ownership`; ``user_hooks=`` adds
+        those a probe saw), corpus, seed, dtype, device, world size and ``extra`` options. Warns once per model on
+        a processed residual stream and once per set of user hooks (:mod:`.provenance`)."""
         from .provenance import model_provenance
 
         return model_provenance(self, tokens, corpus, seed, extra)

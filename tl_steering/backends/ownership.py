@@ -206,33 +206,44 @@ def exclusive(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
+    """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
+    ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
+    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
+    from .lifecycle import hook_points
+
+    named = getattr(model, "hook_dict", None)
+    if not isinstance(named, dict) or not named:
+        return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
+    by_id: dict[int, tuple[Any, list[str]]] = {}
+    for name, hp in named.items():
+        by_id.setdefault(id(hp), (hp, []))[1].append(name)
+    return [(hp, tuple(names)) for hp, names in by_id.values()]
+
+
+def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
+    """The names (sorted) of the points in ``points`` (from :func:`named_hook_points`) that carry a hook not
+    tagged as tl_steering's."""
+    from .lifecycle import _SILENCED, is_ours
+
+    return tuple(sorted(n for hp, names in points if _carries_user_hook(hp, _SILENCED, is_ours) for n in names))
+
+
 def user_hook_points(model: Any) -> tuple[str, ...]:
     """Names of the hook points that carry hooks not tagged as tl_steering's (the user's: a ``hooks()`` context,
-    ``add_hook``, permanent hooks), sorted; on a bridge every name of such a point (``blocks.0.hook_in`` and its
-    legacy alias ``blocks.0.hook_resid_pre``). Hooks that TransformerLens or transformers wire on other modules (a
-    bridge's capture hooks) are not on hook points and are not counted."""
-    from .lifecycle import _SILENCED, hook_points, is_ours
-
-    names = []
-    named = getattr(model, "hook_dict", None)
-    points = dict(named.items()) if isinstance(named, dict) else {}
-    hooked: dict[int, bool] = {}
-    for name, hp in points.items():  # a bridge lists a hook point under its legacy alias too: both names count
-        if id(hp) not in hooked:
-            hooked[id(hp)] = _carries_user_hook(hp, _SILENCED, is_ours)
-        if hooked[id(hp)]:
-            names.append(name)
-    if not points:
-        for hp in hook_points(model):
-            if _carries_user_hook(hp, _SILENCED, is_ours):
-                names.append(str(getattr(hp, "name", "?")))
-    return tuple(sorted(set(names)))
+    ``add_hook``, permanent hooks), sorted; on a bridge every name of such a point. Hooks that TransformerLens or
+    transformers wire on other modules (a bridge's capture hooks) are not on hook points and are not counted."""
+    return user_hooks_among(named_hook_points(model))
 
 
 def _carries_user_hook(hp: Any, dicts: tuple[str, ...], is_ours: Callable[[Any], bool]) -> bool:
     """Whether a torch hook dict of ``hp`` holds a hook that is not ours (TransformerLens's ``add_hook`` registers
     every hook there, wrapped; its handle lists are bookkeeping of the same hooks)."""
-    return any(not is_ours(f) for attr in dicts for f in (getattr(hp, attr, None) or {}).values())
+    for attr in dicts:
+        d = getattr(hp, attr, None)
+        if d and any(not is_ours(f) for f in d.values()):
+            return True
+    return False
 
 
 def active_user_hooks(model: Any) -> tuple[str, ...]:
@@ -244,4 +255,5 @@ def active_user_hooks(model: Any) -> tuple[str, ...]:
     return user_hook_points(_key(model))
 
 
-__all__ = ["active_user_hooks", "claim", "exclusive", "held_here", "holder", "user_hook_points"]
+__all__ = ["active_user_hooks", "claim", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
+           "user_hooks_among"]

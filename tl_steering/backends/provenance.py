@@ -25,7 +25,8 @@ def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: i
     info = ad.info
     proc = ad.processing
     warn_if_processed(ad.model, proc)
-    user_hooks = list(_ownership.active_user_hooks(ad.model))
+    seen = extra.pop("user_hooks", None)  # a probe passes the user's hook points it saw during its forwards
+    user_hooks = sorted(set(_ownership.active_user_hooks(ad.model)) | set(seen or ()))
     if user_hooks:
         warn_once(ad.model, ("user_hooks", tuple(user_hooks)),
                   f"hooks of yours are active on {len(user_hooks)} hook point(s) of this model ({', '.join(user_hooks)}): "
