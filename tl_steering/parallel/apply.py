@@ -14,11 +14,13 @@ from ..backends import adapt
 from ..backends.copying import deepcopy_module
 from ..backends.executor import parallel_states, parallelize_blocks
 from ..errors import InputError, ParallelBlockError
+from ..backends.ownership import exclusive
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
 
 
+@exclusive
 def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:

@@ -24,6 +24,7 @@ from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
 from ..data.batching import iter_batches
 from ..stats import check_exclude_positions, position_mask
 from ..validation import as_int
+from ..backends.ownership import exclusive
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
     CURVE_STRATEGIES,
@@ -81,6 +82,7 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
 # the protocol
 
 
+@exclusive
 def parallel_defect(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

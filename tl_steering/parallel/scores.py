@@ -17,6 +17,7 @@ from ..results import Result, register
 from .attribution import attribution_scores
 from .defect import parallel_defect
 from .gold import PlanLoss, single_layer_delta, spearman
+from ..backends.ownership import exclusive
 
 
 @register
@@ -94,6 +95,7 @@ class ParallelScoresResult(Result):
         return fig
 
 
+@exclusive
 def parallel_scores(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

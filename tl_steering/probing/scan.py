@@ -19,6 +19,7 @@ from ..errors import InputError
 from .result import ProbeResult
 from .trace import probe
 from ..data.sharding import World, check_agreement, gather_objects, rank_device, world
+from ..backends.ownership import exclusive
 
 FORMAT = 1
 
@@ -56,6 +57,7 @@ def _save_atomic(res: ProbeResult, path: Path) -> None:
     os.replace(tmp, path)
 
 
+@exclusive
 def scan(
     model: Any,
     source: str | CorpusSpec = "pydoc",

@@ -18,6 +18,7 @@ from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
 from ..stats import bootstrap_ci
 from ..validation import as_int
+from ..backends.ownership import exclusive
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
@@ -118,6 +119,7 @@ class AblationResult(Result):
         return fig
 
 
+@exclusive
 def ffn_ablation(
     model: Any,
     tokens: Tensor,

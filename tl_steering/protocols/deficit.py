@@ -18,6 +18,7 @@ from ..data.batching import iter_batches
 from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
 from ._common import activation64
 from ..validation import as_int
+from ..backends.ownership import exclusive
 
 
 
@@ -140,6 +141,7 @@ class DeficitResult(Result):
         return fig
 
 
+@exclusive
 def angular_deficit(
     model: Any,
     tokens: Tensor,

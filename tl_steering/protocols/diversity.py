@@ -25,6 +25,7 @@ from ..stats import check_exclude_positions, finite_mean, position_mask
 from ._common import activation64
 from ..validation import as_int
 from .ablation import VARIANTS
+from ..backends.ownership import exclusive
 
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
                           "rank_collapse")
@@ -224,6 +225,7 @@ class DiversityResult(Result):
         return fig
 
 
+@exclusive
 def diversity(
     model: Any,
     tokens: Tensor,

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from .. import result_sidecar
 from ..backends import weights_fingerprint
 from ..errors import InputError
 from .result import SuiteResult
@@ -27,6 +28,7 @@ def write_checkpoint(res: SuiteResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
     res.save(tmp)
+    result_sidecar.move(tmp, path)  # the chosen plan's tensors (result_sidecar), checked by hash on load
     os.replace(tmp, path)
 
 

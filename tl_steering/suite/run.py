@@ -38,6 +38,7 @@ from .result import (
 from .checkpoint import resume, run_key, write_checkpoint
 from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
+from ..backends.ownership import exclusive
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -380,6 +381,7 @@ def _model_summary(ad: Any) -> ModelSummary:
     )
 
 
+@exclusive
 def run_suite(
     model: Any,
     tokens: Tensor | TokenWindows,
