@@ -24,52 +24,11 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
     from .numbers import NUMBERS, PINNED, PUBLISHED, pinned_values, published_value
-    from .result import (
-        Checks,
-        Environment,
-        ExecutorTiming,
-        ModelSummary,
-        PlanChoice,
-        PlanLosses,
-        RunArguments,
-        SpeedupEstimate,
-        StageTiming,
-        SuiteResult,
-    )
     from .progress import Progress, TqdmProgress
+    from .result import (Checks, Environment, ExecutorTiming, ModelSummary, PlanChoice, PlanLosses, RunArguments,
+                         SpeedupEstimate, StageTiming, SuiteResult)
     from .run import run_suite
-    from .settings import (
-        CRITICAL_METHODS,
-        PLAN_CHOICE_STRATEGIES,
-        STAGES,
-        SuiteSettings,
-        check_windows_length,
-        default_settings,
-    )
+    from .settings import (CRITICAL_METHODS, PLAN_CHOICE_STRATEGIES, STAGES, SuiteSettings, check_windows_length,
+                           default_settings)
 
-__all__ = [
-    "CRITICAL_METHODS",
-    "NUMBERS",
-    "PINNED",
-    "PLAN_CHOICE_STRATEGIES",
-    "PUBLISHED",
-    "STAGES",
-    "Checks",
-    "Environment",
-    "ExecutorTiming",
-    "ModelSummary",
-    "PlanChoice",
-    "PlanLosses",
-    "Progress",
-    "RunArguments",
-    "SpeedupEstimate",
-    "StageTiming",
-    "SuiteResult",
-    "SuiteSettings",
-    "TqdmProgress",
-    "check_windows_length",
-    "default_settings",
-    "pinned_values",
-    "published_value",
-    "run_suite",
-]
+__all__ = sorted(_LAZY)
