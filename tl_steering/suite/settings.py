@@ -34,6 +34,11 @@ STAGES: tuple[str, ...] = (
 #: code, before it fails fast on bad arguments).
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
 
+#: The field's one-shot layer-choice scores (``tl_steering.planning.peers``: ShortGPT's block influence, Gromov et
+#: al.'s angular distance, FFN Fusion's dependency), from the same forward as C. The ``plan_choice`` stage compares
+#: them beside ours by default (the report's plan table); ``tl_steering.planning.peers.PEER_SCORES`` is this tuple.
+PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
+
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point")
 
 
@@ -65,15 +70,19 @@ class SuiteSettings:
             refit=plan_choice_refit)`` at k = ``plan_k`` on the first half of the windows (calibration; the
             choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
             held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
-            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` (cheap one-shot scores);
-            an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"linear"``, ``"gate"``,
-            ``"none"``).
+            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` and the peers'
+            :data:`PEER_SCORES` (cheap one-shot scores); an empty list turns the stage off.
+        plan_choice_refit: the closed-form correction of the compared plans (``"linear"``, the default since
+            issue 30, ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected on
+            the held-out windows (``plan_parallel(..., uncorrected_curves=True)``, the report's plan table).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
         plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
             forward over the calibration and one over the held-out windows per distinct layer set).
-        parallel_repeats: timed whole forwards per model in the executor stage.
+        parallel_repeats: alternating timing rounds of the executor stage (each round: one whole forward of the
+            original, of the original again as the A/A control, and of every parallel copy; docs/suite.md).
+        parallel_timing_windows: windows of the timed forward (the first ones; at most ``batch_size``): a few
+            windows keep the rounds cheap (4 forwards a round), the loss still runs over every window.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
             (``critical_methods`` among ``"flow"`` (the default), ``"riemannian"`` and ``"fixed_point"``;
@@ -86,7 +95,9 @@ class SuiteSettings:
     kind: ClassVar[str] = "suite_settings"
     # 2026-12-04 (the plan_choice stage): older files read the defaults
     added_fields: ClassVar[tuple[str, ...]] = ("plan_strategy", "plan_choice_strategies", "plan_choice_refit",
-                                               "plan_choice_fisher_samples", "plan_choice_k_values")
+                                               "plan_choice_fisher_samples", "plan_choice_k_values",
+                                               # 2026-12-05 (alternating rounds): older files read 2 (their executor timed batch_size windows)
+                                               "parallel_timing_windows")
 
     stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
     quick: bool = False
@@ -106,11 +117,13 @@ class SuiteSettings:
     defect_gold_k_values: list[int] | None = None
     plan_k: int = 0
     plan_strategy: str = "lowest_C"
-    plan_choice_strategies: list[str] = dataclasses.field(default_factory=lambda: list(PLAN_CHOICE_STRATEGIES))
-    plan_choice_refit: str = "affine"
+    plan_choice_strategies: list[str] = dataclasses.field(
+        default_factory=lambda: list(PLAN_CHOICE_STRATEGIES + PEER_SCORES))
+    plan_choice_refit: str = "linear"
     plan_choice_fisher_samples: int = 4
     plan_choice_k_values: list[int] | None = None
-    parallel_repeats: int = 5
+    parallel_repeats: int = 7
+    parallel_timing_windows: int = 2
     gate_method: str = "closed_form"
     gate_steps: int = 0
     critical_layers: list[int] = dataclasses.field(default_factory=list)
@@ -147,7 +160,8 @@ class SuiteSettings:
             raise InputError(
                 f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}"
             )
-        for name in ("batch_size", "parallel_repeats", "timing_repeats", "critical_n_starts"):
+        for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
+                     "critical_n_starts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"SuiteSettings.{name} must be an int >= 1, got {v!r}")
@@ -203,7 +217,8 @@ def default_settings(
         defect_timing=True,
         timing_repeats=3,
         plan_k=half,
-        parallel_repeats=3,
+        parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
+        parallel_timing_windows=1 if quick else 2,  # 4 forwards a round of 1 x 64 / 2 x 128 tokens
         gate_method="closed_form",
         gate_steps=0,
         critical_layers=crit,
