@@ -171,6 +171,16 @@ def one_shot(args, t0, model, cal, held, ks) -> dict:
           f"uncorrected ({low_c:+.4f}); layers {dflt[k]['layers']}")
     out = {"model": args.model, "ks": p.k_values, "rows": rows, "default": dflt, "total_cost": p.total_cost,
            "calibration": {s: v.tolist() for s, v in p.calibration_curves.items()}}
+    if args.json:
+        finish(out, args.json, t0)
+    if args.default_cost:
+        toks = torch.cat([cal, held])[: args.default_cost]
+        t1 = time.time()
+        d = ts.plan_parallel(model, toks, k, batch_size=args.batch_size)
+        out["default_small"] = {"windows": args.default_cost, "total_cost": d.total_cost,
+                                "seconds": time.time() - t1, "strategy": d.strategy, "layers": d.layers}
+        print(f"# default call on {args.default_cost} x {args.length}: {d.total_cost} ({time.time() - t1:.0f}s), "
+              f"chose {d.strategy} {d.layers}", flush=True)
     return finish(out, args.json, t0)
 
 

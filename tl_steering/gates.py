@@ -34,6 +34,7 @@ from .hooks import HookList, ffn_gate, parallel_blocks
 from .metrics import next_token_loss
 from .results import Result, register
 from .validation import as_choice, as_int
+from .backends.ownership import exclusive
 
 Method = Literal["loss", "closed_form"]
 
@@ -181,6 +182,7 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
     return {layer: num[layer] / den[layer] if den[layer] > 0 else 1.0 for layer in plan}
 
 
+@exclusive
 def calibrate_gates(
     model: Any,
     tokens: Tensor,

@@ -66,6 +66,7 @@ from .backends.copying import deepcopy_module
 from .backends.decoding import route_cache_keyword
 from .backends.executor import parallel_states, parallelize_blocks
 from .errors import InputError, ParallelBlockError
+from .backends.ownership import exclusive
 
 if TYPE_CHECKING:
     from .planning.plan import ParallelPlan
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
 # public API
 
 
+@exclusive
 def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:

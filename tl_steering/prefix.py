@@ -31,6 +31,7 @@ from .metrics import kl_divergence
 from .results import Result, register
 from .stats import check_exclude_positions, position_mask
 from .validation import as_choice, as_int
+from .backends.ownership import exclusive
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
@@ -133,6 +134,7 @@ class PrefixSensitivityResult(Result):
         return fig
 
 
+@exclusive
 def prefix_sensitivity(
     model: Any,
     tokens: Int[Tensor, "batch pos"],
@@ -303,6 +305,7 @@ class PrefixStatisticsResult(Result):
         return fig
 
 
+@exclusive
 def prefix_statistics(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

@@ -50,6 +50,7 @@ the with-block (``model.run_with_hooks(tokens, fwd_hooks=ffn_component(...))`` i
 """
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,8 @@ from torch import Tensor
 
 from . import validation
 from .backends import adapt
-from .backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions
+from .backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions, refuse_meta_inputs
+from .backends.ownership import named_hook_points, user_hooks_among
 from .errors import InputError, NonFiniteError
 from .probe_kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
                             token_quantities)
@@ -128,6 +130,10 @@ class ProbeTrace:
         self.n_tokens = 0
         self.n_sequences = 0
         self.n_forwards = 0
+        self._longest = 0  # the longest window seen, and the most positions one left after exclude_positions
+        self._most_kept = 0
+        self._points = named_hook_points(self.model)  # the user's hooks seen during forwards go into provenance
+        self._user_hooks: set[str] = set()
         self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
@@ -213,7 +219,31 @@ class ProbeTrace:
     def _count_forward(self, act: Tensor) -> None:
         self.n_forwards += 1
         self.n_sequences += int(act.shape[0])
-        self.n_tokens += int(act.shape[0] * act.shape[1])
+        n = int(act.shape[1])
+        self.n_tokens += int(act.shape[0]) * n
+        self._user_hooks.update(user_hooks_among(self._points))  # e.g. run_with_hooks(..., ffn_component(...))
+        if n > self._longest:
+            self._longest = n
+            self._most_kept = n - len({p % n for p in self.exclude_positions if -n <= p < n})
+
+    def _check_positions(self) -> None:
+        """Refuse windows that left no position for statistics (every number would be NaN); warn when the
+        per-sequence metrics had fewer than two positions in every window."""
+        excl = list(self.exclude_positions)
+        if self._most_kept == 0:
+            raise InputError(
+                f"the probe saw {self.n_forwards} forward pass(es) but no position was left for statistics: the "
+                f"longest window has {self._longest} position(s) and exclude_positions={excl} excludes them all "
+                "(position 0, the attention sink, is excluded by default). Statistics need at least 2 positions "
+                "per window once position 0 is excluded (one per token metric, two for the per-sequence ones): "
+                "use longer windows (e.g. ts.text_tokens(model, length=16)), or exclude_positions=() to include "
+                "position 0.")
+        seq = [m for m in self.metrics if m in SEQUENCE_METRICS]
+        if seq and self._most_kept < 2:
+            warnings.warn(
+                f"probe: {', '.join(seq)} need at least 2 positions per window after exclude_positions={excl}, "
+                f"and the longest window left {self._most_kept}: those metrics are NaN. Use windows of length >= "
+                f"{self._longest - self._most_kept + 2}.", UserWarning, stacklevel=3)
 
     def _make_hooks(self, layer: int) -> list[tuple[str, Callable]]:
         state: dict[str, Any] = {}
@@ -272,8 +302,9 @@ class ProbeTrace:
         # pre-hooks that keep ours last) is undone by closing the stack, also when an interrupt lands here
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(self.ad.hook_guard())
+            stack.enter_context(self.ad.hook_guard("tl_steering.probe"))
             self._stack = stack
+            refuse_meta_inputs(self.model)  # the user's forwards: a clear error for meta tokens (removed on exit)
             hook_dict = self.model.hook_dict
             for layer in self.layers:
                 for name, fn in self._make_hooks(layer):
@@ -393,6 +424,7 @@ class ProbeTrace:
             raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
                              "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "
                              "trace.add_cache(cache)")
+        self._check_positions()
         acc = self._acc
         sums: dict[str, Tensor] = {}
         counts: dict[str, Tensor] = {}
@@ -406,7 +438,8 @@ class ProbeTrace:
         prov = self.ad.provenance(None, corpus=self.corpus or "unknown (pass corpus= to probe)",
                                   metrics=list(self.metrics), layers=list(self.layers),
                                   exclude_positions=list(self.exclude_positions),
-                                  position_bins=self.position_bins, n_forwards=self.n_forwards)
+                                  position_bins=self.position_bins, n_forwards=self.n_forwards,
+                                  user_hooks=sorted(self._user_hooks))
         prov.n_sequences, prov.n_tokens = self.n_sequences, self.n_tokens
         return ProbeResult(provenance=prov, metrics=list(self.metrics), layers=list(self.layers),
                            parallel=[self.ad.is_parallel(lay) for lay in self.layers],

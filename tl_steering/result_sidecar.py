@@ -3,13 +3,17 @@
 A result class lists the tensor fields that go to the sidecar in ``sidecar_fields`` (a ClassVar; e.g.
 ``ParallelPlan``: its gates, biases and ``[k, d_model, d_model]`` linear maps). :func:`split` replaces those
 tensor records, wherever such a record sits in the saved tree (a suite result holds plans), by references and
-returns the tensors; ``Result.save`` writes them to ``<stem>.tensors.safetensors`` and names the file in the
-JSON (``"__sidecar__"``); ``Result.load`` reads them back (exact: safetensors stores the raw bytes). A JSON file
+returns the tensors; ``Result.save`` writes them to ``<stem>.tensors.safetensors`` and names the file and its
+SHA-256 in the JSON (``"__sidecar__"``); ``Result.load`` reads them back (exact: safetensors stores the raw bytes)
+from the named file, or from ``<stem>.tensors.safetensors`` of the JSON's own name when that one is gone (a JSON
+renamed with its sidecar), and refuses a sidecar whose hash differs (one written by another save). A JSON file
 without ``"__sidecar__"`` (every file written before) loads as before.
 """
 
 from pathlib import Path
 from typing import Any
+
+import hashlib
 
 import torch
 
@@ -59,8 +63,25 @@ def save(data: dict, path: Path) -> dict:
 
         side = sidecar_path(path)
         save_file(tensors, str(side), metadata={"tl_steering": "sidecar of " + path.name})
-        data[KEY] = side.name
+        data[KEY] = {"file": side.name, "sha256": _sha256(side)}
     return data
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def move(src: Path, dst: Path) -> None:
+    """Rename the sidecar of the JSON ``src`` to that of ``dst`` (when there is one), before ``src`` itself is
+    renamed to ``dst`` (an atomic checkpoint write); the hash in the JSON still holds."""
+    import os
+
+    if sidecar_path(src).exists():
+        os.replace(sidecar_path(src), sidecar_path(dst))
 
 
 def load(data: Any, path: Path) -> Any:
@@ -71,11 +92,19 @@ def load(data: Any, path: Path) -> Any:
 
     from .results import Result
 
-    name = data.pop(KEY)
-    side = path.parent / str(name)
-    if Path(str(name)).name != str(name) or not side.exists():
-        raise ResultFileError(f"its tensors are in a sidecar file {name!r} that is not beside it ({side}); copy "
-                              "the .tensors.safetensors file with the JSON")
+    ref = data.pop(KEY)
+    name, digest = (ref.get("file"), ref.get("sha256")) if isinstance(ref, dict) else (None, None)
+    if not isinstance(name, str) or Path(name).name != name or not isinstance(digest, str):
+        raise ResultFileError(f"malformed {KEY} record {ref!r}")
+    side = path.parent / name
+    if not side.exists():
+        side = sidecar_path(path)
+    if not side.exists():
+        raise ResultFileError(f"its tensors are in a sidecar file {name!r} that is not beside it ({path.parent}); "
+                              "copy the .tensors.safetensors file with the JSON")
+    if _sha256(side) != digest:
+        raise ResultFileError(f"the sidecar {side.name} is not the one saved with this JSON (SHA-256 differs): "
+                              "another save overwrote it; save the result again")
     try:
         with safe_open(str(side), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -88,4 +117,4 @@ def load(data: Any, path: Path) -> Any:
         raise ResultFileError(f"tensor {e} named in the JSON is missing from the sidecar {side.name}") from None
 
 
-__all__ = ["KEY", "SUFFIX", "load", "save", "sidecar_path", "split"]
+__all__ = ["KEY", "SUFFIX", "load", "move", "save", "sidecar_path", "split"]

@@ -79,7 +79,9 @@ class Provenance:
         model_revision: pinned package version or weight hash of the checkpoint, when known.
         tl_version: TransformerLens version string.
         backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
-        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (folded/centred weights).
+        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (processed by TransformerLens), read from the
+            model; ``processing_steps``: which steps (docs/loading.md, "Weight processing").
+        user_hooks: hook points that carried the user's hooks during the call (docs/hooks.md).
         corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
         n_sequences: number of token windows.
         n_tokens: number of tokens fed to the model.
@@ -93,13 +95,15 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
-    added_fields: ClassVar[tuple[str, ...]] = ("world_size",)  # torch.distributed runs: older files were one process
+    added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks")
 
     model: str = "unknown"
     model_revision: str | None = None
     tl_version: str = "unknown"
     backend: str = "unknown"
     processing: str = "unknown"
+    processing_steps: list[str] = dataclasses.field(default_factory=list)
+    user_hooks: list[str] = dataclasses.field(default_factory=list)
     corpus: str = "unknown"
     n_sequences: int = 0
     n_tokens: int = 0

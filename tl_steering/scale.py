@@ -38,6 +38,7 @@ from .errors import InputError
 from .probe_result import ProbeResult
 from .probing import probe
 from .sharding import World, check_agreement, gather_objects, rank_device, world
+from .backends.ownership import exclusive
 
 FORMAT = 1
 
@@ -75,6 +76,7 @@ def _save_atomic(res: ProbeResult, path: Path) -> None:
     os.replace(tmp, path)
 
 
+@exclusive
 def scan(
     model: Any,
     source: str | CorpusSpec = "pydoc",

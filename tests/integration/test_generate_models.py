@@ -6,8 +6,11 @@ tokens (one full forward per token, no cache).
 Integration backend (bridge on TL 4.3, HookedTransformer on TL 3.9; the TL 3.9 bridge is covered on the tiny models
 of tests/unit/test_generate.py). Cost: one extra Hugging Face model per architecture, 2 x 20 cached steps, 20
 surrogate forwards of <= 27 tokens, one correction fit on 2 x 64 tokens, one parallelized copy (Gemma ~50 s, SmolLM2
-~25 s on the shared 2-core machine, contaminated).
+~25 s on the shared 2-core machine, contaminated). Memory: at most one extra copy of the model at a time (the
+Hugging Face reference is freed before the parallelized copy is made, and that one before the surrogate runs).
 """
+
+import gc
 
 import pytest
 import torch
@@ -30,10 +33,14 @@ def _greedy(model, prompt: torch.Tensor, cache: bool) -> torch.Tensor:
 
 
 def _hf_greedy(name: str, prompt: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens of a fresh Hugging Face model, freed before returning (Gemma: ~1 GB per float32 copy)."""
     hf = _offline_hf(name, torch.float32)[0]
     with torch.no_grad():
-        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
-                           do_sample=False)
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
+                          do_sample=False)
+    del hf
+    gc.collect()
+    return out
 
 
 def _surrogate_greedy(model, prompt: torch.Tensor, layers, gates, biases, linears) -> torch.Tensor:
@@ -54,8 +61,10 @@ def _check(model, name: str, tokens: torch.Tensor, layers: list[int], answer: st
     lin: dict = {}
     gates, biases, _ = fit_corrections(model, tokens, layers, refit="linear", batch_size=2, linears=lin)
     par = parallelize(model, layers, gates=gates, biases=biases, linears=lin)
-    sur = _surrogate_greedy(model, prompt, layers, gates, biases, lin)
-    assert torch.equal(_greedy(par, prompt, True), sur)
+    got = _greedy(par, prompt, True)
+    del par  # one extra copy of the model at a time
+    gc.collect()
+    assert torch.equal(got, _surrogate_greedy(model, prompt, layers, gates, biases, lin))
     assert_no_hooks(model)
 
 

@@ -33,7 +33,7 @@ def test_linear_plan_round_trip_is_exact(linear_plan, tmp_path):
     side = sidecar_path(path)
     assert side.name == "plan.tensors.safetensors" and side.exists()
     data = json.loads(path.read_text())
-    assert data["__sidecar__"] == side.name
+    assert data["__sidecar__"]["file"] == side.name
     assert all("__tensor_ref__" in data[name] for name in ("gates", "biases", "linears"))  # not in the JSON
     back = ts.ParallelPlan.load(path)
     _same(p, back)
@@ -59,3 +59,24 @@ def test_old_plan_files_still_load(linear_plan, tmp_path):
     back = ts.ParallelPlan.load(old)
     _same(linear_plan, back)
     assert back.held_out_curves_uncorrected == {}
+
+
+def test_sidecar_moved_and_overwritten(linear_plan, tmp_path):
+    """An atomic write (save to a temporary name, move the sidecar, rename the JSON) loads; a sidecar of another
+    save is refused by its hash."""
+    import os
+
+    from tl_steering.result_sidecar import move
+
+    tmp, final = tmp_path / ".plan.tmp.json", tmp_path / "plan.json"
+    linear_plan.save(tmp)
+    move(tmp, final)
+    os.replace(tmp, final)
+    _same(linear_plan, ts.ParallelPlan.load(final))
+    other = tmp_path / "other.json"
+    linear_plan.save(other)
+    data = json.loads(other.read_text())
+    data["__sidecar__"]["sha256"] = "0" * 64
+    other.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="SHA-256"):
+        ts.ParallelPlan.load(other)

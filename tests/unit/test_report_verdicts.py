@@ -160,3 +160,14 @@ def test_labels_lead_raw_keys_follow():
     assert out == {"R² of the block's velocity explained by attention alone": 0.5,
                    "one-step angular error with attention + FFN, e_AF (rad)": 0.3,
                    "flow: distinct equilibria found": 3, "held-out ΔCE (nats) of the plan of strategy C": 0.2}
+
+
+def test_a_result_missing_a_number_says_so():
+    """An ablation with no variants is not judged; a sentence that cannot read its numbers says so on the page."""
+    assert "not judged (a variant was not run)" in ablation_sentence(SuiteResult(ablation=AblationResult()))
+    broken = SuiteResult(gates=GateResult())
+    broken.gates.summary = lambda: {"n_gates": 2}  # what an older or foreign result could hold
+    out = section_verdicts(broken)["gates"]
+    assert "not judged" in out or out.startswith("No verdict: this result lacks")
+    broken.gates.summary = lambda: None
+    assert section_verdicts(broken)["gates"].startswith("No verdict: this result lacks what the verdict reads")

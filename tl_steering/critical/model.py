@@ -32,6 +32,7 @@ from ..errors import InputError
 from .finder import find_equilibria
 from .results import CriticalPointsResult, EquilibriaResult
 from .spectrum import DENSE_MAX_DIM, LABELS
+from ..backends.ownership import exclusive
 
 FieldKind = Literal["ffn", "attention", "block"]
 FIELDS: tuple[str, ...] = ("ffn", "attention", "block")
@@ -163,6 +164,7 @@ def _build_field(ad: ModelAdapter, layer: int, kind: str, radius: Any, acts: Ten
     return CriticalField(block, kind, rho, prefix=prefix, token_index=i, sequence=sequence), mode
 
 
+@exclusive
 def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str | float = "median",
                    tokens: Tensor | None = None, token_index: int | None = None, sequence: int = 0
                    ) -> CriticalField:
@@ -224,6 +226,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
     return res
 
 
+@exclusive
 def critical_points(
     model: Any,
     layers: Sequence[int] | int | None = None,
@@ -311,6 +314,7 @@ def critical_points(
     )
 
 
+@exclusive
 def critical_points_all_layers(model: Any, layers: Sequence[int] | int | None = None, field: FieldKind = "ffn",
                                tokens: Int[Tensor, "batch pos"] | None = None, **kwargs: Any) -> CriticalPointsResult:
     """Deprecated alias of :func:`critical_points` (which takes ``layers=`` itself)."""

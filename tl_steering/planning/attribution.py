@@ -45,6 +45,7 @@ from ..backends import adapt
 from ..errors import InputError
 from ..hooks import parallel_blocks
 from ..metrics import next_token_loss
+from ..backends.ownership import exclusive
 
 ATTRIBUTION_VARIANTS: tuple[str, ...] = ("attribution", "attribution_abs", "attribution_rms")
 """Keys of :func:`attribution_scores` (first order; always computed)."""
@@ -52,6 +53,7 @@ FISHER_VARIANTS: tuple[str, ...] = ("attribution_fisher", "attribution_2nd", "at
 """Keys added by :func:`attribution_scores` with ``fisher_samples > 0`` (second order)."""
 
 
+@exclusive
 def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], base: Sequence[int] = (),
                        batch_size: int = 8, fisher_samples: int = 0,
                        seed: int = 0) -> tuple[dict[str, Tensor], float]:

@@ -46,6 +46,7 @@ from .peers import PEER_SCORES
 from .plan_result import ParallelPlan
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
+from ..backends.ownership import exclusive
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
                                      "attribution_rms", "attribution_2nd", "attribution_fisher",
@@ -89,6 +90,7 @@ def _split(tokens: Tensor, held_out: Any) -> tuple[Tensor, Tensor]:
     return tokens[:cut], tokens[cut:]
 
 
+@exclusive
 def plan_parallel(
     model: Any,
     tokens: Int[Tensor, "batch pos"],
@@ -183,7 +185,8 @@ def plan_parallel(
     cal, held = _split(tokens, held_out)
     sel = ad.layers(layers)
     cand = [lay for lay in sel if not ad.is_parallel(lay)]
-    k = st.check_k(k, len(cand))
+    already = [lay for lay in sel if ad.is_parallel(lay)]
+    k = st.check_k(k, len(cand), already)
     if strategy == "best":
         names = list(strategies) if strategies is not None else [
             s for s in ONE_SHOT_COMPARISON if fisher_samples or s not in FISHER_VARIANTS]
@@ -203,7 +206,7 @@ def plan_parallel(
     if k_values is None:
         k_values = [0, k // 2] if strategy == "best" and strategies is None else \
             [j for j in st.default_k_values(len(cand)) if j <= k]
-    ks = sorted({st.check_k(int(j), len(cand)) for j in k_values} | {k})
+    ks = sorted({st.check_k(int(j), len(cand), already) for j in k_values} | {k})
     kmax = max(ks)
     if refit == "none":
         cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)

@@ -24,6 +24,7 @@ from ..errors import InputError
 from ..results import Result, register
 from .attribution import attribution_scores
 from .gold import PlanLoss, single_layer_delta, spearman
+from ..backends.ownership import exclusive
 
 
 @register
@@ -101,6 +102,7 @@ class ParallelScoresResult(Result):
         return fig
 
 
+@exclusive
 def parallel_scores(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

@@ -13,11 +13,20 @@ import numpy as np
 from ..errors import InputError
 
 
-def check_k(k: object, n_candidates: int) -> int:
-    """``k`` as an int in ``[0, n_candidates]``, else :class:`InputError`."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= int(k) <= n_candidates:
+def check_k(k: object, n_candidates: int, parallel: Sequence[int] = ()) -> int:
+    """``k`` as an int in ``[0, n_candidates]``, else :class:`InputError`. ``parallel``: the selected layers that
+    are parallel blocks already (not candidates), named in the message."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise InputError(f"k must be an int (the number of sequential layers to make parallel), got {k!r}")
+    if n_candidates == 0 and parallel and int(k) != 0:
+        raise InputError(f"k={k!r}: every selected block ({list(parallel)}) is a parallel attention/MLP block "
+                         "already (GPT-NeoX / Pythia / GPT-J style, x + A(x) + Phi(x)): there is no sequential block "
+                         "to make parallel, so nothing to plan. Plan on a model with sequential blocks, or select "
+                         "sequential layers with layers=.")
+    if not 0 <= int(k) <= n_candidates:
+        extra = f"; blocks {list(parallel)} are parallel already" if parallel else ""
         raise InputError(f"k must be an int in [0, {n_candidates}] (the number of sequential layers "
-                         f"analysed), got {k!r}")
+                         f"analysed{extra}), got {k!r}")
     return int(k)
 
 

@@ -36,6 +36,7 @@ from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
 from ..sharding import World, gather_rows, my_batches
 from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
+from ..backends.ownership import exclusive
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
@@ -136,6 +137,7 @@ class AblationResult(Result):
         return fig
 
 
+@exclusive
 def ffn_ablation(
     model: Any,
     tokens: Tensor,

@@ -71,6 +71,7 @@ from ..planning.speedup import SPEEDUP_LABEL, submodule_times
 from ..planning.strategies import default_k_values
 from ..sharding import World, broadcast_from_rank0, gather_rows, my_batches
 from ._common import check_batch_size, check_exclude_positions, check_seed, iter_batches, position_mask
+from ..backends.ownership import exclusive
 from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
     BRACKET_TERMS,
     CURVE_STRATEGIES,
@@ -128,6 +129,7 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
 # the protocol
 
 
+@exclusive
 def parallel_defect(
     model: Any,
     tokens: Int[Tensor, "batch pos"],

@@ -50,6 +50,7 @@ from ._common import (
     position_bins,
     position_mask,
 )
+from ..backends.ownership import exclusive
 
 
 def _f64(*shape: int):
@@ -177,6 +178,7 @@ class DeficitResult(Result):
         return fig
 
 
+@exclusive
 def angular_deficit(
     model: Any,
     tokens: Tensor,

@@ -48,6 +48,7 @@ from ._common import (
     single_threaded,
 )
 from .ablation import VARIANTS
+from ..backends.ownership import exclusive
 
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
                           "rank_collapse")
@@ -250,6 +251,7 @@ class DiversityResult(Result):
         return fig
 
 
+@exclusive
 def diversity(
     model: Any,
     tokens: Tensor,

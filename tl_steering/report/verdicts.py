@@ -429,12 +429,16 @@ _NEEDS = {"parallel": "executor"}
 
 
 def section_verdicts(r: SuiteResult) -> dict[str, str]:
-    """``{section: sentence}`` for every section whose stage ran (plain text; see :data:`SENTENCES`)."""
+    """``{section: sentence}`` for every section whose stage ran (plain text; see :data:`SENTENCES`); a result that
+    lacks a number a sentence reads gets a sentence saying so, never a page that fails to render."""
     out = {}
     for key, fn in SENTENCES.items():
         if getattr(r, _NEEDS.get(key, key), None) is None:
             continue
-        out[key] = fn(r)
+        try:
+            out[key] = fn(r)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:  # a result saved without a field
+            out[key] = f"No verdict: this result lacks what the verdict reads ({type(e).__name__}: {e})."
     return out
 
 

@@ -40,6 +40,7 @@ from .result import (
     SuiteResult,
 )
 from .settings import STAGES, SuiteSettings
+from ..backends.ownership import exclusive
 
 Tick = Callable[[str], None]
 
@@ -436,6 +437,7 @@ def _model_summary(ad: Any) -> ModelSummary:
     )
 
 
+@exclusive
 def run_suite(
     model: Any,
     tokens: Tensor | TokenWindows,
@@ -531,6 +533,9 @@ def _write_checkpoint(res: SuiteResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
     res.save(tmp)
+    from ..result_sidecar import move
+
+    move(tmp, path)  # the chosen plan's tensors (result_sidecar), checked by hash on load
     os.replace(tmp, path)
 
 
