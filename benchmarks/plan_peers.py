@@ -36,8 +36,8 @@ import torch
 
 import tl_steering as ts
 from _common import cal_held, finish, plan_parser, start
-from tl_steering.planning.plan import FULL_COMPARISON, ONE_SHOT_COMPARISON
-from tl_steering.planning.refit import FittedLoss, RefitLoss
+from tl_steering.parallel.plan import FULL_COMPARISON, ONE_SHOT_COMPARISON
+from tl_steering.parallel.refit import FittedLoss, RefitLoss
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def one_shot(args, t0, model, cal, held, ks) -> dict:
-    from tl_steering.planning.peers import PEER_SCORES
+    from tl_steering.parallel.peers import PEER_SCORES
 
     t1 = time.time()
     names = list(ONE_SHOT_COMPARISON) + list(PEER_SCORES)
@@ -186,7 +186,7 @@ def one_shot(args, t0, model, cal, held, ks) -> dict:
 
 def plain_held(plain, layers, model, held, bs) -> float:
     """Held-out dCE of ``layers`` without correction (from the uncorrected comparison when it measured them)."""
-    from tl_steering.planning.gold import PlanLoss
+    from tl_steering.parallel.gold import PlanLoss
 
     for s in plain.strategies:
         for j, p in enumerate(plain.plans[s]):

@@ -183,11 +183,11 @@ def run_report(
     import torch
 
     from .backends import adapt
-    from .data import text_windows
+    from .data.windows import text_windows
     from .report import render_report
+    from .probing.scan import load_named
+    from .data.sharding import world
     from .result_sidecar import sidecar_path
-    from .scale import load_named
-    from .sharding import world
     from .suite import RunArguments, StageTiming, default_settings, run_suite
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -231,8 +231,8 @@ def run_report(
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["scan"]:  # its own parser (tl_steering.scale), options and all
-        from .scale import main as scan_main
+    if argv[:1] == ["scan"]:  # its own parser (tl_steering.probing.scan), options and all
+        from .probing.scan import main as scan_main
 
         return scan_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -268,8 +268,8 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
     """
     import torch
 
-    from .scale import init_from_env
-    from .sharding import rank_device, world
+    from .probing.scan import init_from_env
+    from .data.sharding import rank_device, world
 
     created = init_from_env(args.device)
     try:

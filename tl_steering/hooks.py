@@ -170,8 +170,8 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
     biases, ``[d_model, d_model]`` float64 linear maps of ``refit="linear"``, keys valid layers among ``layers``);
     shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`. Some parts of a plan's correction
     without the others (``plan.corrections()`` of a ``refit="linear"`` plan without ``plan.linear_maps()``) are an
-    error naming what is missing (:func:`tl_steering.planning.plan_parts.check_complete`)."""
-    from .planning.plan_parts import check_complete
+    error naming what is missing (:func:`tl_steering.parallel.plan_parts.check_complete`)."""
+    from .parallel.plan_parts import check_complete
 
     check_complete(caller, gates, biases, linears,
                    "plan.hooks(model)" if caller == "parallel_blocks" else "parallelize(model, plan)")
@@ -218,7 +218,7 @@ def parallel_blocks(
     ``gates`` / ``biases`` (``{layer: g}``, ``{layer: b}`` with ``b`` a ``[d_model]`` tensor): the corrected
     parallel write ``g_l Phi(x) + b_l`` (a layer missing from a dict: g = 1, b = 0), still parallel (no
     dependence on the attention write), computed in float64 and cast to the activation dtype;
-    :func:`tl_steering.planning.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
+    :func:`tl_steering.parallel.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
     ``linears`` (``{layer: W}``, ``[d_model, d_model]``): adds ``a W_l``, a linear map of the same block's
     attention write ``a`` (``hook_attn_out``), which a parallel block computes beside Phi(x), so the block stays
     parallel (``refit="linear"``; in the executor it folds into the attention output projection).
@@ -254,7 +254,7 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: "Write") -> HookLis
     ``write(layer, sequential_write, parallel_write, attn_write)``: ``sequential_write`` is the block's own
     ``hook_mlp_out`` (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype), ``attn_write`` the
     block's ``hook_attn_out`` a in this forward (after every other hook on it). The building block of the fitted
-    corrections (:mod:`tl_steering.planning.refit`); most callers want :func:`parallel_blocks`."""
+    corrections (:mod:`tl_steering.parallel.refit`); most callers want :func:`parallel_blocks`."""
     ad = adapt(model)
     hooks: HookList = []
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)

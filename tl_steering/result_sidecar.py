@@ -10,6 +10,7 @@ renamed with its sidecar), and refuses a sidecar whose hash differs (one written
 without ``"__sidecar__"`` (every file written before) loads as before.
 """
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,41 +24,45 @@ KEY = "__sidecar__"
 SUFFIX = ".tensors.safetensors"
 
 
+#: what the codec (tl_steering.results) gives this module: a record's kind -> its sidecar fields; a tensor
+#: record -> the tensor; a tree with ``{"__tensor_ref__"}`` references + the tensors -> the tree with records
+FieldsOf = Callable[[str], tuple[str, ...]]
+Decode = Callable[[dict], torch.Tensor]
+Join = Callable[[Any, dict[str, torch.Tensor]], Any]
+
+
 def sidecar_path(path: Path) -> Path:
     """``dir/name.json`` -> ``dir/name.tensors.safetensors``."""
     return path.with_name(path.stem + SUFFIX)
 
 
-def split(node: Any, out: dict[str, torch.Tensor], prefix: str = "") -> Any:
+def split(node: Any, out: dict[str, torch.Tensor], fields_of: FieldsOf, decode: Decode, prefix: str = "") -> Any:
     """``node`` (a ``Result.to_dict()`` tree) with the sidecar fields' tensor records replaced by
     ``{"__tensor_ref__": name, ...}``; the tensors are added to ``out`` under ``name``."""
-    from .results import _REGISTRY, _decode
-
     if isinstance(node, list):
-        return [split(v, out, f"{prefix}.{i}") for i, v in enumerate(node)]
+        return [split(v, out, fields_of, decode, f"{prefix}.{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    cls = _REGISTRY.get(node.get("__kind__", ""))
-    fields = getattr(cls, "sidecar_fields", ()) if cls is not None else ()
+    fields = fields_of(node.get("__kind__", ""))
     new = {}
     for k, v in node.items():
         name = f"{prefix}.{k}" if prefix else k
         if k in fields and isinstance(v, dict) and v.get("__tensor__"):
-            t = _decode(v)
+            t = decode(v)
             if t.is_complex():
                 t = torch.view_as_real(t)
             out[name] = t.contiguous()
             new[k] = {"__tensor_ref__": name, "complex": v["complex"], "dtype": v["dtype"]}
         else:
-            new[k] = split(v, out, name)
+            new[k] = split(v, out, fields_of, decode, name)
     return new
 
 
-def save(data: dict, path: Path) -> dict:
+def save(data: dict, path: Path, fields_of: FieldsOf, decode: Decode) -> dict:
     """Write the sidecar of ``data`` (a to_dict tree) beside ``path`` when it holds sidecar tensors; returns the
     tree to write as JSON (with ``"__sidecar__"`` naming the file)."""
     tensors: dict[str, torch.Tensor] = {}
-    data = split(data, tensors)
+    data = split(data, tensors, fields_of, decode)
     if tensors:
         from safetensors.torch import save_file
 
@@ -84,13 +89,11 @@ def move(src: Path, dst: Path) -> None:
         os.replace(sidecar_path(src), sidecar_path(dst))
 
 
-def load(data: Any, path: Path) -> Any:
+def load(data: Any, path: Path, join: Join) -> Any:
     """``data`` (a loaded JSON tree) with the sidecar's tensors joined back in (unchanged without ``"__sidecar__"``)."""
     if not isinstance(data, dict) or KEY not in data:
         return data
     from safetensors import safe_open
-
-    from .results import Result
 
     ref = data.pop(KEY)
     name, digest = (ref.get("file"), ref.get("sha256")) if isinstance(ref, dict) else (None, None)
@@ -112,7 +115,7 @@ def load(data: Any, path: Path) -> Any:
         raise ResultFileError(f"sidecar {side.name}: not a readable safetensors file ({type(e).__name__}: {e})"
                               ) from None
     try:
-        return Result._join_tensors(data, tensors)
+        return join(data, tensors)
     except KeyError as e:
         raise ResultFileError(f"tensor {e} named in the JSON is missing from the sidecar {side.name}") from None
 

@@ -358,7 +358,7 @@ class ModelAdapter:
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
         """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
         ``hooks()`` context runs inside an ExitStack, so its cleanup sees the exception). ``grad=True`` keeps
-        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.planning.attribution)."""
+        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.parallel.attribution)."""
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from transformer_lens.hook_points import HookPoint
 
-from .. import progress as _progress
+from .._util import progress as _progress
 from . import interrupts as _interrupts
 from . import ownership as _ownership
 from .. import validation
@@ -365,7 +365,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
         finally:
             shielded(lambda: close_suspended(tl_hooks))
         drop_identity_conversions(conversion_records(model))
-    _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (progress.py)
+    _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (_util/progress.py)
     return out
 
 

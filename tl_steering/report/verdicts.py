@@ -121,7 +121,7 @@ UNJUDGED_TIMINGS = ("parallel_gpt2_large_speedup",)
 
 
 def row_verdict(row: dict[str, Any]) -> BandVerdict:
-    """:func:`band_verdict` of one row of :func:`tl_steering.suite.comparison_rows` (a timing estimate with no
+    """:func:`band_verdict` of one row of :func:`tl_steering.report.comparison.comparison_rows` (a timing estimate with no
     interval, :data:`UNJUDGED_TIMINGS`, is "not judged": where it falls is said, for orientation)."""
     if not row.get("regress", True) or row.get("id") == "deficit_order_gpt2_llama":
         return BandVerdict("not judged", "", "not judged")
