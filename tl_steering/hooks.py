@@ -170,8 +170,8 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
     biases, ``[d_model, d_model]`` float64 linear maps of ``refit="linear"``, keys valid layers among ``layers``);
     shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`. Some parts of a plan's correction
     without the others (``plan.corrections()`` of a ``refit="linear"`` plan without ``plan.linear_maps()``) are an
-    error naming what is missing (:func:`tl_steering.parallel.plan_parts.check_complete`)."""
-    from .parallel.plan_parts import check_complete
+    error naming what is missing (:func:`tl_steering._util.plan_parts.check_complete`)."""
+    from ._util.plan_parts import check_complete
 
     check_complete(caller, gates, biases, linears,
                    "plan.hooks(model)" if caller == "parallel_blocks" else "parallelize(model, plan)")

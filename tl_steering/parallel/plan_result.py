@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..results import Result, register
-from .plan_parts import PlanPart
+from .._util.plan_parts import PlanPart
 
 
 @register
