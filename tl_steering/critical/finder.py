@@ -18,14 +18,15 @@ from ..geometry import angle
 from ..results import Provenance
 from .fields import Field, _FieldAdapter, _normalize, relative_residual
 from .dynamics import edge_track, power_iterate
+from .reflected import reflected_finder
 from .firstorder import _fixed_point, _newton, _riemannian_descent
 from .results import EquilibriaResult, PointClassification
 from .solver import GAUSS_NEWTON_BELOW, lm_solve
 from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 
-Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm"]
+Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected"]
 Eigensolver = Literal["auto", "dense", "arpack"]
-METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm")
+METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected")
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -187,6 +188,7 @@ def find_equilibria(
     label_tol: float = 1e-6,
     rot_ratio: float = 0.1,
     edge_pairs: int = 8,
+    landscape: bool = True,
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
@@ -212,7 +214,9 @@ def find_equilibria(
         max_iter: LM iterations per start.
         method: "lm", "riemannian", "fixed_point", "flow" (power iteration of both signs + edge tracking between
             basins, :mod:`tl_steering.critical.dynamics`; 2 rows per start + ``edge_pairs`` rows) or "flow+lm"
-            (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields).
+            (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields) or
+            "reflected" (reflected flow, every hyperbolic equilibrium an attractor: no bias toward stability;
+            ``max_iter`` is its step limit per row; :mod:`tl_steering.critical.reflected`).
         deflation: deflate the points found by earlier rounds.
         resolve: solve the starts that failed under deflation once more without it (they then converge to an
             already known point or to a new one; ``options["converged_deflated"]`` counts the first kind of success).
@@ -227,6 +231,8 @@ def find_equilibria(
         label_tol: labels use tol = label_tol · max|eig|.
         rot_ratio: an eigenvalue is rotational when |Im| > rot_ratio · |Re|.
         edge_pairs: "flow" / "flow+lm": pairs of basins whose boundary saddle is tracked (half per sign).
+        landscape: "reflected": also run the solution-landscape searches next to every point found
+            (:mod:`tl_steering.critical.reflected`; 4 rows per point).
 
     Returns:
         An :class:`EquilibriaResult` (empty tensors when no start converged); ``options["start_status"]`` holds the
@@ -284,6 +290,13 @@ def find_equilibria(
     known = torch.zeros(0, dim, dtype=dtype, device=device)
     flow_info: dict[str, Any] = {}
     flow_rows: tuple | None = None
+    if method == "reflected":
+        if solver != "dense":
+            raise InputError(f"method='reflected' needs dense spectra (d <= {DENSE_MAX_DIM}); use method='lm' with "
+                             "eigensolver='arpack' above that")
+        u, rel, iters, status, kinds, flow_info = reflected_finder(fld, u0, kinds, tol, int(max_iter),
+                                                                   bool(landscape), dedup_angle)
+        n_run = u.shape[0]
     if method in ("flow", "flow+lm"):
         if solver != "dense":
             raise InputError(f"method={method!r} needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
@@ -297,7 +310,7 @@ def find_equilibria(
             flow_rows = (uf, relf, itf, stf, kindf)
             known = _add_distinct(known, uf[stf.to(uf.device) == 0], dedup_angle)
             kinds = [f"{k}/lm" for k in kinds]
-    for lo in range(0, n_run if method != "flow" else 0, int(batch_size)):
+    for lo in range(0, n_run if method not in ("flow", "reflected") else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
         if solver == "dense":
             ub, rb, ib, sb = lm_solve(fld, u0[sl], known if deflation else known[:0], tol, int(max_iter),
@@ -313,7 +326,7 @@ def find_equilibria(
         known = _add_distinct(known, ub[sb.to(ub.device) == 0].detach(), dedup_angle)
     n_deflated = int((status == 0).sum())
     failed = (status != 0).nonzero().flatten()
-    if method != "flow" and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
+    if method not in ("flow", "reflected") and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
         # a deflated start that stalls has usually only known roots nearby: solve it again without deflation, so
         # that the converged count measures the solver, not how many roots were left to find
         ub, rb, ib, sb = lm_solve(fld, u0[failed.to(device)], known[:0], tol, int(max_iter),
@@ -369,7 +382,7 @@ def find_equilibria(
                "rot_ratio": rot_ratio, "field_mode": fld.mode, "dense_max_dim": DENSE_MAX_DIM,
                "start_status": outcome, "converged_deflated": n_deflated, "resolve": bool(resolve), "iterations": iters.tolist(),
                "start_residuals": [float(x) for x in rel.cpu()],
-               "edge_pairs": int(edge_pairs), **flow_info}
+               "edge_pairs": int(edge_pairs), "landscape": bool(landscape), **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()
