@@ -132,12 +132,40 @@ def bootstrap_ci(
     return out.reshape(*point.shape, 2)
 
 
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
+    """The median of ``values`` and its distribution-free order-statistic confidence interval.
+
+    The interval is ``[x_(j), x_(n+1-j)]`` of the sorted finite values with the largest ``j`` whose coverage
+    ``1 - 2 P(Binomial(n, 1/2) <= j - 1)`` is at least ``level``; with too few values for ``level`` it is the
+    whole range ``[min, max]`` (coverage ``1 - 2^(1-n)``). No assumption on the distribution (timings are
+    skewed), only independence of the values.
+
+    Returns:
+        ``(median, low, high, coverage)``; all NaN without a finite value; one value gives ``low = high`` and
+        coverage 0.
+    """
+    x = sorted(float(v) for v in values if math.isfinite(float(v)))
+    n = len(x)
+    if n == 0:
+        return math.nan, math.nan, math.nan, math.nan
+    median = x[n // 2] if n % 2 else 0.5 * (x[n // 2 - 1] + x[n // 2])
+
+    def coverage(j: int) -> float:  # of [x_(j), x_(n+1-j)], j >= 1
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(j)) / 2.0**n
+
+    j = 1
+    while j + 1 <= (n + 1) // 2 and coverage(j + 1) >= level:
+        j += 1
+    return median, x[j - 1], x[n - j], max(0.0, coverage(j))
+
+
 __all__ = [
     "bin_labels",
     "bootstrap_ci",
     "check_exclude_positions",
     "finite_mean",
     "masked_mean",
+    "median_interval",
     "position_bin_edges",
     "position_bin_index",
     "position_bins",

@@ -1,5 +1,6 @@
 """The one timing primitive (see docs/statistics.md, "Timing"): wall and CPU time of a block, and the median
-wall time of a repeated call (CUDA events on a GPU, ``time.perf_counter`` on a CPU).
+wall time of a repeated call, and the times of several calls in alternating rounds for a paired comparison
+(CUDA events on a GPU, ``time.perf_counter`` on a CPU).
 
 Timings are never part of a pinned or compared number: they depend on the machine and its load.
 """
@@ -8,7 +9,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +40,21 @@ def timed() -> Iterator[Stopwatch]:
         sw.cpu_s = time.process_time() - c0
 
 
+def _call_seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall seconds of one ``fn()``: CUDA events on a CUDA device (the device time of the queued work), else
+    ``time.perf_counter``."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2,
                    repeats: int = 5) -> float:
     """Median wall time in seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
@@ -47,26 +63,42 @@ def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", wa
     queued work); elsewhere by ``time.perf_counter``.
     """
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    times: list[float] = []
     with torch.no_grad():
         for _ in range(warmup):
             fn()
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
-        for _ in range(max(1, repeats)):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+        times = [_call_seconds(fn, device) for _ in range(max(1, repeats))]
     return float(statistics.median(times))
 
 
-__all__ = ["Stopwatch", "median_seconds", "timed"]
+def alternating_seconds(fns: Sequence[Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1,
+                        rounds: int = 5) -> list[list[float]]:
+    """Wall seconds of every call of ``fns`` timed in alternating rounds (A B A B ..., see docs/statistics.md).
+
+    ``warmup`` untimed calls of each function first; then round ``r`` calls every function once, the order
+    rotated by ``r`` (A B C, B C A, C A B, ...), so that a drift of the machine's load or a position effect hits
+    every function alike and the times of one round can be compared pairwise (``times[a][r] / times[b][r]``).
+    Give the same function twice for an A/A control: its ratio shows the noise of the comparison itself.
+    Runs under ``torch.no_grad()``; each call is timed like :func:`median_seconds`.
+
+    Returns:
+        ``times[i][r]``: seconds of ``fns[i]`` in round ``r``.
+    """
+    device = torch.device(device)
+    n = len(fns)
+    times: list[list[float]] = [[] for _ in range(n)]
+    with torch.no_grad():
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for r in range(max(1, rounds)):
+            for j in range(n):
+                i = (j + r) % n
+                times[i].append(_call_seconds(fns[i], device))
+    return times
+
+
+__all__ = ["Stopwatch", "alternating_seconds", "median_seconds", "timed"]

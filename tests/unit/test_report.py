@@ -56,7 +56,6 @@ def suite_inputs(tmp_path_factory):
     s.n_bootstrap = 20
     s.critical_n_starts = 2
     s.critical_methods = ["flow", "fixed_point"]  # the default finder and the second slot of the report
-    s.parallel_repeats = 1
     s.timing_repeats = 1
     tokens = text_windows(model, source=str(text), n_windows=4, length=16, seed=0)
     return model, tokens, s
@@ -212,6 +211,28 @@ def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
     assert (page.parent / "figures" / "plotly.min.js").exists()
     # the numbers on the page are the result's
     assert f"{suite.checks.clean_loss:.4g}" in text
+
+
+def test_every_section_opens_with_a_verdict_and_hides_raw_keys(rendered):
+    """Each section: one verdict sentence (computed: docs/suite.md "Verdicts") before its explanation, labelled
+    numbers up front, the raw keys in a collapsed table; the executor's timing as median and interval of
+    alternating rounds beside the A/A control."""
+    page, loaded = rendered
+    text = page.read_text()
+    for key, *_ in SECTIONS + [("parallel",)]:
+        tag = f"<h2 id='{key}'>" if key != "parallel" else "<h3 id='parallel'>"
+        body = text.split(tag)[1]
+        assert body.split("</h", 1)[1].split("<p", 1)[1].startswith(" class='verdict'>"), key
+    for raw in ("error_parallel_mean", "r2_attention_mean", "delta_ce_base_heldout", "frac_layers_ffn_diversifies"):
+        first = text.index(f"<th>{raw}</th>")
+        assert text.rfind("<details class='raw'>", 0, first) > text.rfind("</details>", 0, first), raw
+    assert "one-step angular error with attention + FFN, e_AF (rad)" in text
+    ex = loaded.executor
+    assert ex.rounds == 7 and len(ex.timing_sequential_s) == len(ex.timing_control_s) == len(ex.timing_parallel_s) == 7
+    assert ex.timing_shape == [1, 16]  # --quick times one window
+    assert ex.speedup_interval[0] <= ex.measured_speedup <= ex.speedup_interval[1]
+    assert loaded.executor_choice.timing_sequential_s == ex.timing_sequential_s  # timed in the same rounds
+    assert "A/A control" in text and "alternating rounds" in text
 
 
 def test_page_is_self_contained_and_escaped(rendered):

@@ -74,3 +74,27 @@ def test_timers():
     calls = []
     t = timing.median_seconds(lambda: calls.append(time.sleep(0.005)), "cpu", warmup=2, repeats=3)
     assert len(calls) == 5 and 0.004 < t < 5
+
+
+def test_median_interval_order_statistics():
+    """The distribution-free interval of the median: the largest symmetric order statistics with coverage >= 95%."""
+    m, lo, hi, cov = stats.median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5])
+    assert (m, lo, hi) == (5, 2, 8) and cov == pytest.approx(1 - 2 * 10 / 512)  # 96.1%; [3, 7] would be 82%
+    assert stats.median_interval([1, 2, 3, 4, 5, 6, 7]) == (4, 1, 7, pytest.approx(1 - 2 / 128))  # too few: range
+    assert stats.median_interval([3.0, 1.0, math.nan, 2.0, 4.0])[:3] == (2.5, 1.0, 4.0)  # NaN dropped, even n
+    assert stats.median_interval([2.0]) == (2.0, 2.0, 2.0, 0.0)
+    assert all(math.isnan(v) for v in stats.median_interval([]))
+    m, lo, hi, cov = stats.median_interval(list(range(100)), level=0.99)
+    assert lo < m < hi and 0.99 <= cov < 0.995
+
+
+def test_alternating_seconds_rotates_the_order():
+    """Round r calls the functions in the order rotated by r, after one warm-up call each; times[i] has a time per
+    round; the same function given twice (an A/A control) is timed twice per round."""
+    calls = []
+    fns = [lambda: calls.append("A"), lambda: calls.append("B"), lambda: calls.append("C")]
+    times = timing.alternating_seconds(fns, "cpu", warmup=1, rounds=3)
+    assert "".join(calls) == "ABC" + "ABC" + "BCA" + "CAB"
+    assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
+    slow = timing.alternating_seconds([lambda: time.sleep(0.004), lambda: None], "cpu", warmup=0, rounds=2)
+    assert min(slow[0]) >= 0.004 and len(slow[1]) == 2  # the sleeping function's times are in its own slot

@@ -14,6 +14,8 @@ from ..results import _encode
 from ..suite import SuiteResult, comparison_rows, headline
 from .critical_table import critical_layer_table
 from .figures import figure_html
+from .labels import labelled
+from .verdicts import executor_verdict, median_spread, row_verdict, section_verdicts, span
 
 
 @lru_cache(maxsize=1)
@@ -50,6 +52,18 @@ def _fmt(x: Any) -> str:
 def _kv_table(d: dict[str, Any]) -> str:
     rows = "".join(f"<tr><th>{_esc(k)}</th><td class='num'>{_fmt(v)}</td></tr>" for k, v in d.items())
     return f"<table>{rows}</table>"
+
+
+def _numbers(d: dict[str, Any]) -> str:
+    """The labelled numbers of a summary up front, every raw key below in a collapsed table."""
+    head = labelled(d)
+    return ((_kv_table(head) if head else "")
+            + "<details class='raw'><summary>All numbers of this section (raw keys of results.json)</summary>"
+            + _kv_table(d) + "</details>")
+
+
+def _verdict(text: str | None) -> str:
+    return f"<p class='verdict'>{_esc(text)}</p>" if text else ""
 
 
 def _asdict(x: Any) -> dict[str, Any]:
@@ -158,12 +172,13 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
         summary_section(suite),
     ]
+    verdicts = section_verdicts(suite)
     for key, title, text, names in SECTIONS:
         result = getattr(suite, key)
         if result is None:
             parts.append(f"<h2 id='{key}'>{title}</h2><p class='muted'>This stage was not run.</p>")
             continue
-        parts.append(f"<h2 id='{key}'>{title}</h2><p>{text}</p>")
+        parts.append(f"<h2 id='{key}'>{title}</h2>{_verdict(verdicts.get(key))}<p>{text}</p>")
         summ = result.summary()
         if key == "critical" and suite.critical_fixed_point is not None:
             fp = suite.critical_fixed_point.summary()
@@ -183,12 +198,12 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                 )
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
-        parts.append(_kv_table(summ))
+        parts.append(_numbers(summ))
         if key == "critical" and getattr(result, "results", None):
             parts.append(critical_layer_table(result))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
-            parts.append(parallel_section(suite))
+            parts.append(parallel_section(suite, verdicts.get("parallel")))
     parts.append(provenance_section(suite))
     parts.append(
         "<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
@@ -204,19 +219,20 @@ def summary_section(suite: SuiteResult) -> str:
     model = _esc(suite.model.name)
     rows = []
     for r in comparison_rows(suite):
-        band = r["in_paper_band"]
-        mark = (
-            "—"
-            if band is None
-            else ("<span class='ok'>inside</span>" if band else "<span class='off'>outside</span>")
-        )
-        cls = " class='lowtrust'" if not r["regress"] else ""
+        v = row_verdict(r)
+        cls = {True: "ok", False: "off"}.get(v.ok, "muted")
+        uses = f" <span class='muted'>(against the {_esc(v.reference)})</span>" if v.reference else ""
+        band = r.get("band")
+        band_txt = "—" if band is None else f"{_esc(span(*band))}<br><span class='muted'>{_esc(r.get('tolerance', ''))}</span>"
+        lowtrust = " class='lowtrust'" if not r["regress"] else ""
         rows.append(
-            f"<tr{cls}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
-            f"<td class='num'>{_esc(r['paper_value'])}</td><td><span class='tag'>[{_esc(r['certainty'])}]</span></td>"
+            f"<tr{lowtrust}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
+            f"<td class='num'>{_esc(r['paper_value'])}</td><td class='num'>{band_txt}</td>"
+            f"<td><span class='tag'>[{_esc(r['certainty'])}]</span></td>"
             f"<td class='num'>{_fmt(r['ours'])}</td><td>{_esc(r['ours_note'])}</td><td>{_esc(r['relation'])}</td>"
-            f"<td>{mark}</td></tr>"
+            f"<td><span class='{cls}'>{_esc(v.text)}</span>{uses}</td></tr>"
         )
+    est = h.get("speedup_estimate")
     key = {
         "clean CE (nats)": h.get("clean_loss"),
         "angular deficit (mean)": h.get("deficit_mean"),
@@ -224,8 +240,10 @@ def summary_section(suite: SuiteResult) -> str:
         "ΔCE radial-only": h.get("ablation_delta_loss_radial"),
         "ΔCE zero FFN": h.get("ablation_delta_loss_zero"),
         f"plan: {h.get('plan_k', '?')} lowest-C layers, ΔCE": h.get("plan_delta_ce"),
-        "speedup estimate (sub-module times)": h.get("speedup_estimate"),
-        "parallel executor: measured forward speedup": h.get("parallel_measured_speedup"),
+        "speedup estimate (sub-module times)": None if est is None else
+        f"{_fmt(est)} (critical-path estimate from sub-module median times: a model, no interval)",
+        "parallel executor: measured forward speedup": None if suite.executor is None else
+        executor_verdict(suite.executor).text,
         **_choice_rows(suite),
         "critical points: saddle fraction": h.get("critical_saddle_fraction"),
         "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal"),
@@ -236,11 +254,16 @@ def summary_section(suite: SuiteResult) -> str:
         f"<b>{model}</b>, so most rows are <i>the same protocol on another model</i>: they show where this model "
         "sits, not whether the package reproduces the paper (that is <code>pytest -m published</code>, on the "
         "paper's models). Certainty: [P] the paper says it, [S] only the summary we started from, [I] our "
-        'inference. "Band" is the regression band of the paper\'s number (tl_steering/reference/published.json), '
-        "shown for orientation.</div>"
+        "inference. <b>Verdict</b>: where the paper publishes a range (over its models), ours is judged against "
+        "that range and a value outside it says \"outside the paper's range\", whatever the tolerance band; "
+        "where it publishes one number or a threshold, against the tolerance band around it "
+        "(tl_steering/reference/published.json, docs/published.md); a shape target holds or does not. The column "
+        "says which one each verdict used. Timings: the median of paired ratios over alternating rounds with its "
+        "interval, beside an A/A control (the original timed against itself); \"within noise\" where the interval "
+        "holds 1 or overlaps the control's.</div>"
         + _kv_table(key)
-        + "<table><tr><th>claim</th><th>paper model</th><th>paper value</th><th>certainty</th><th>ours</th>"
-        "<th>how ours was measured</th><th>relation</th><th>in the paper's band?</th></tr>"
+        + "<table><tr><th>claim</th><th>paper model</th><th>paper value</th><th>tolerance band</th>"
+        "<th>certainty</th><th>ours</th><th>how ours was measured</th><th>relation</th><th>verdict</th></tr>"
         + "".join(rows)
         + "</table>"
     )
@@ -275,27 +298,55 @@ def _choice_rows(suite: SuiteResult) -> dict[str, Any]:
     }
     ex = suite.executor_choice
     if ex is not None:
-        rows["parallel executor, chosen plan: measured forward speedup"] = (
-            ex.measured_speedup if ex.status == "ok" else f"{ex.status}: {ex.reason}"
-        )
+        rows["parallel executor, chosen plan: measured forward speedup"] = executor_verdict(ex).text
     return rows
 
 
-def parallel_section(suite: SuiteResult) -> str:
+def _executor_rows(ex: Any) -> dict[str, Any]:
+    """The labelled numbers of one executor run: the plan, its loss, its times and the timing verdict."""
+    rows: dict[str, Any] = {
+        "plan": f"{ex.strategy} ({_layers_text(list(ex.layers))})"
+        + (f", {ex.correction} correction" if ex.correction != "none" else ""),
+        "ΔCE over all windows (nats)": ex.delta_ce,
+    }
+    if ex.status != "ok":
+        rows["status"] = f"{ex.status}: {ex.reason}"
+        return rows
+    n = getattr(ex, "rounds", 0)
+    if n:
+        rows.update({
+            "sequential forward: median [interval]": median_spread(ex.timing_sequential_s),
+            "A/A control (the sequential forward again)": median_spread(ex.timing_control_s),
+            "parallel forward: median [interval]": median_spread(ex.timing_parallel_s),
+        })
+    else:
+        rows.update({"sequential forward: median (s)": ex.t_forward_sequential_s,
+                     "parallel forward: median (s)": ex.t_forward_parallel_s})
+    rows["speedup, sequential / parallel: verdict"] = executor_verdict(ex).text
+    return rows
+
+
+def parallel_section(suite: SuiteResult, verdict: str | None = None) -> str:
+    ex = suite.executor
+    n = getattr(ex, "rounds", 0)
+    how = (f"in {n} alternating rounds (each times one forward of the original, of the original again as the A/A "
+           "control, and of every parallel copy, the order rotated per round), shown as median and order-statistic "
+           "interval" if n else "as one median per model (a result from before the alternating rounds: no verdict)")
     out = (
-        "<h3 id='parallel'>The plans run by the parallel executor</h3><p>The low-C plan made parallel for real "
-        "(<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole forward on this "
-        "machine; the estimate above is the critical-path model of the paper.</p>"
-        + _kv_table(_asdict(suite.executor))
+        f"<h3 id='parallel'>The plans run by the parallel executor</h3>{_verdict(verdict)}<p>The low-C plan made "
+        "parallel for real (<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole "
+        f"forward on this machine {how}; the estimate above is the critical-path model of the paper.</p>"
+        + _kv_table(_executor_rows(ex))
     )
     if suite.executor_choice is not None:
         out += (
-            "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, its fitted "
-            "corrections g<sub>l</sub>Φ(x) + b<sub>l</sub> folded into the fused weights "
-            "(<code>parallelize(model, layers, gates=, biases=)</code>); the sequential time is the same "
-            "measurement as above.</p>" + _kv_table(_asdict(suite.executor_choice))
+            "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, in the same "
+            "rounds, its fitted corrections folded into the fused weights "
+            "(<code>parallelize(model, layers, gates=, biases=)</code>).</p>" + _kv_table(_executor_rows(suite.executor_choice))
         )
-    return out
+    raw = _kv_table(_asdict(ex)) + (_kv_table(_asdict(suite.executor_choice)) if suite.executor_choice else "")
+    return out + ("<details class='raw'><summary>All numbers of the executor runs (raw keys of results.json)"
+                  "</summary>" + raw + "</details>")
 
 
 def provenance_section(suite: SuiteResult) -> str:

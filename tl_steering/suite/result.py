@@ -143,17 +143,29 @@ class SpeedupEstimate:
 @register
 @dataclasses.dataclass
 class ExecutorTiming:
-    """The plan run by the real parallel executor: its loss and the median whole-forward time vs the original.
+    """The plan run by the real parallel executor: its loss and its whole-forward time against the original.
 
     ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why). ``strategy``
     and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
-    ``g_l Phi(x) + b_l`` folded into the fused weights). ``t_forward_sequential_s`` is the defect stage's
-    whole-forward median on the same slice when that stage timed it (``defect.t_forward``), else measured here.
+    ``g_l Phi(x) + b_l`` folded into the fused weights).
+
+    The timing (docs/suite.md, "Verdicts"): ``rounds`` alternating rounds
+    (:func:`tl_steering.timing.alternating_seconds`), each timing one whole forward of the original model
+    (``timing_sequential_s``), of the original again (``timing_control_s``: the A/A control) and of every parallel
+    copy of the stage, the order rotated per round. ``measured_speedup`` is the median over rounds of the
+    paired ratio sequential / parallel, ``speedup_interval`` its order-statistic interval
+    (:func:`tl_steering.stats.median_interval`, coverage ``speedup_coverage``); ``speedup_control`` and
+    ``speedup_control_interval`` the same for sequential / control, whose spread is the noise of the comparison itself.
+    ``t_forward_sequential_s`` / ``t_forward_parallel_s`` are the medians of the times. Results from before
+    2026-12-05 hold one median per model and no rounds (``rounds = 0``: no interval, no verdict).
     """
 
     kind: ClassVar[str] = "suite_executor"
-    # 2026-12-04: older files ran the lowest-C plan uncorrected, which the defaults say
-    added_fields: ClassVar[tuple[str, ...]] = ("strategy", "correction")
+    # 2026-12-04: older files ran the lowest-C plan uncorrected, which the defaults say;
+    # 2026-12-05: the alternating rounds and the A/A control (older files: no rounds)
+    added_fields: ClassVar[tuple[str, ...]] = (
+        "strategy", "correction", "rounds", "timing_sequential_s", "timing_control_s", "timing_parallel_s",
+        "speedup_interval", "speedup_control", "speedup_control_interval", "speedup_coverage")
 
     status: str = "ok"
     reason: str = ""
@@ -168,6 +180,32 @@ class ExecutorTiming:
     measured_speedup: float = math.nan
     loss: float = math.nan
     delta_ce: float = math.nan
+    rounds: int = 0
+    timing_sequential_s: list[float] = dataclasses.field(default_factory=list)
+    timing_control_s: list[float] = dataclasses.field(default_factory=list)
+    timing_parallel_s: list[float] = dataclasses.field(default_factory=list)
+    speedup_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    speedup_control: float = math.nan
+    speedup_control_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    speedup_coverage: float = math.nan
+
+    def set_times(self, sequential: list[float], control: list[float], parallel: list[float],
+                  level: float = 0.95) -> None:
+        """Fill the timing fields from the per-round seconds of the original, the A/A control and the copy."""
+        from ..stats import median_interval
+
+        self.rounds = len(parallel)
+        self.timing_sequential_s = [float(t) for t in sequential]
+        self.timing_control_s = [float(t) for t in control]
+        self.timing_parallel_s = [float(t) for t in parallel]
+        self.t_forward_sequential_s = median_interval(sequential, level)[0]
+        self.t_forward_parallel_s = median_interval(parallel, level)[0]
+        speed = [a / b if b > 0 else math.nan for a, b in zip(sequential, parallel)]
+        ctrl = [a / b if b > 0 else math.nan for a, b in zip(sequential, control)]
+        self.measured_speedup, lo, hi, self.speedup_coverage = median_interval(speed, level)
+        self.speedup_interval = [lo, hi]
+        self.speedup_control, clo, chi, _ = median_interval(ctrl, level)
+        self.speedup_control_interval = [clo, chi]
 
 
 @register

@@ -26,7 +26,7 @@ from ..batching import mean_loss
 from ..data import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
 from ..sharding import World, broadcast_from_rank0, check_agreement, world
-from ..timing import median_seconds, timed
+from ..timing import alternating_seconds, timed
 from .result import (
     Checks,
     DistributedRun,
@@ -276,70 +276,70 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 
 def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    """The plans run by the real parallel executor: loss and median whole-forward time against the original.
+    """The plans run by the real parallel executor: loss over the tokens, and whole-forward time against the
+    original in alternating rounds beside an A/A control (the original against itself; docs/suite.md, "Verdicts").
 
     ``executor``: the lowest-C plan (uncorrected); ``executor_choice``: the ``plan_choice`` stage's chosen plan
-    with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=)``)."""
+    with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``).
+    Every round times one forward of the original, of the original again (the control) and of every copy, the
+    order rotated per round (:func:`tl_steering.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
+    after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
+    sequential times and the control."""
     plan = res.plan.layers if res.plan is not None else []
     strategy = res.plan.strategy if res.plan is not None else "lowest_C"
-    # the original model's whole-forward median on the first batch: the defect stage timed exactly that (a hook-free
-    # forward of tokens[:batch_size], after a warm-up) when its timing ran; else it is measured here
-    d = res.defect
-    sl_shape = list(c.tokens[: c.s.batch_size].shape)
-    same = d is not None and math.isfinite(d.t_forward) and list(d.timing_shape) == sl_shape
-    res.executor, t_seq = _run_executor(c, res, list(plan), strategy, {}, {}, d.t_forward if same else None)
-    tick("the suite's plan")
+    runs = [_executor_copy(c, list(plan), strategy, {}, {})]
     pc = res.plan_choice
     if pc is not None and pc.plan is not None:
         gates, biases = pc.plan.corrections()
-        res.executor_choice, _ = _run_executor(c, res, list(pc.plan.layers), pc.plan.strategy, gates, biases, t_seq,
-                                               correction=pc.plan.refit, linears=pc.plan.linear_maps())
-    tick("chosen plan")
+        runs.append(_executor_copy(c, list(pc.plan.layers), pc.plan.strategy, gates, biases,
+                                   correction=pc.plan.refit, linears=pc.plan.linear_maps()))
+    tick("parallel copies")
+    copies = [(info, par) for info, par in runs if par is not None]
+    if copies:
+        sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
+
+        def forward(mdl: Any) -> Callable[[], Any]:
+            return lambda: mdl(sl, return_type="logits")
+
+        fns = [forward(c.model), forward(c.model)] + [forward(par) for _, par in copies]
+        times = alternating_seconds(fns, c.ad.device, warmup=1, rounds=c.s.parallel_repeats)
+        clean = _clean_loss(c, res)
+        for (info, par), t_par in zip(copies, times[2:]):
+            info.set_times(times[0], times[1], t_par)
+            info.loss = mean_loss(par, c.tokens, [], c.s.batch_size)  # rank 0 alone runs this stage
+            info.delta_ce = info.loss - clean
+    del copies
+    res.executor = runs[0][0]
+    res.executor_choice = runs[1][0] if len(runs) > 1 else None
+    tick("timed")
 
 
-def _run_executor(c: _Ctx, res: SuiteResult, plan: list[int], strategy: str, gates: dict, biases: dict,
-                  t_seq: float | None, correction: str = "none", linears: dict | None = None
-                  ) -> tuple[ExecutorTiming, float | None]:
-    """One plan made parallel by :func:`tl_steering.parallel.parallelize` and timed; ``t_seq``: the original
-    model's median forward time when already measured (else measured here). Returns the timing and ``t_seq``."""
+def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases: dict, correction: str = "none",
+                   linears: dict | None = None) -> tuple[ExecutorTiming, Any]:
+    """One plan made parallel by :func:`tl_steering.parallel.parallelize`: its (unfilled) timing record and the
+    parallel copy (None when the plan is empty or the model is not supported; the record says why)."""
     from ..parallel import parallelize
 
     ad, s = c.ad, c.s
-    sl = c.tokens[: s.batch_size]
     what = f"the {strategy} plan" + (f" with the {correction} correction" if correction != "none" else "")
     info = ExecutorTiming(
         label=f"measured on this machine: {what}, whole forward, fused parallel blocks "
-        "(tl_steering.parallel.parallelize), median wall time",
+        f"(tl_steering.parallel.parallelize), {s.parallel_repeats} alternating rounds with an A/A control",
         strategy=strategy,
         correction=correction,
         layers=list(plan),
-        timing_shape=list(sl.shape),
+        timing_shape=list(c.tokens[: min(s.parallel_timing_windows, s.batch_size)].shape),
         device=str(ad.device),
     )
     if not plan:
         info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
-        return info, t_seq
+        return info, None
     try:
         par = parallelize(c.model, plan, gates=gates or None, biases=biases or None, linears=linears or None)
     except (ModelNotSupportedError, ParallelBlockError) as e:
         info.status, info.reason = "not supported", f"{type(e).__name__}: {e}"
-        return info, t_seq
-
-    def median_time(mdl: Any) -> float:
-        return median_seconds(
-            lambda: mdl(sl, return_type="logits"), ad.device, warmup=1, repeats=s.parallel_repeats
-        )
-
-    if t_seq is None:
-        t_seq = median_time(c.model)
-    t_par = median_time(par)
-    par_loss = mean_loss(par, c.tokens, [], s.batch_size)  # rank 0 alone runs this stage
-    del par
-    clean = _clean_loss(c, res)
-    info.t_forward_sequential_s, info.t_forward_parallel_s = t_seq, t_par
-    info.measured_speedup = t_seq / t_par if t_par > 0 else math.nan
-    info.loss, info.delta_ce = par_loss, par_loss - clean
-    return info, t_seq
+        return info, None
+    return info, par
 
 
 def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:

@@ -73,7 +73,10 @@ class SuiteSettings:
             0 drops the second-order strategies from the comparison.
         plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
             forward over the calibration and one over the held-out windows per distinct layer set).
-        parallel_repeats: timed whole forwards per model in the executor stage.
+        parallel_repeats: alternating timing rounds of the executor stage (each round: one whole forward of the
+            original, of the original again as the A/A control, and of every parallel copy; docs/suite.md).
+        parallel_timing_windows: windows of the timed forward (the first ones; at most ``batch_size``): a few
+            windows keep the rounds cheap (4 forwards a round), the loss still runs over every window.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
             (``critical_methods`` among ``"flow"`` (the default), ``"riemannian"`` and ``"fixed_point"``;
@@ -86,7 +89,9 @@ class SuiteSettings:
     kind: ClassVar[str] = "suite_settings"
     # 2026-12-04 (the plan_choice stage): older files read the defaults
     added_fields: ClassVar[tuple[str, ...]] = ("plan_strategy", "plan_choice_strategies", "plan_choice_refit",
-                                               "plan_choice_fisher_samples", "plan_choice_k_values")
+                                               "plan_choice_fisher_samples", "plan_choice_k_values",
+                                               # 2026-12-05 (alternating rounds): older files read 2 (their executor timed batch_size windows)
+                                               "parallel_timing_windows")
 
     stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
     quick: bool = False
@@ -110,7 +115,8 @@ class SuiteSettings:
     plan_choice_refit: str = "affine"
     plan_choice_fisher_samples: int = 4
     plan_choice_k_values: list[int] | None = None
-    parallel_repeats: int = 5
+    parallel_repeats: int = 7
+    parallel_timing_windows: int = 2
     gate_method: str = "closed_form"
     gate_steps: int = 0
     critical_layers: list[int] = dataclasses.field(default_factory=list)
@@ -147,7 +153,8 @@ class SuiteSettings:
             raise InputError(
                 f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}"
             )
-        for name in ("batch_size", "parallel_repeats", "timing_repeats", "critical_n_starts"):
+        for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
+                     "critical_n_starts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"SuiteSettings.{name} must be an int >= 1, got {v!r}")
@@ -203,7 +210,8 @@ def default_settings(
         defect_timing=True,
         timing_repeats=3,
         plan_k=half,
-        parallel_repeats=3,
+        parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
+        parallel_timing_windows=1 if quick else 2,  # 4 forwards a round of 1 x 64 / 2 x 128 tokens
         gate_method="closed_form",
         gate_steps=0,
         critical_layers=crit,
