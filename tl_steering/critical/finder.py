@@ -106,6 +106,12 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     starts = torch.cat([u0, u0])
     clock = time.perf_counter()
     up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
+    shift = torch.zeros(2 * n, dtype=dt, device=dev)
+    for half in (slice(0, n), slice(n, 2 * n)):  # no fixed point with sλ > 0: the shifted map (damped rotation)
+        lam_s = sign[half] * (up[half] * fld.many_no_grad(up[half])).sum(-1)
+        if not bool(((relp[half] < 1e-2) & (lam_s > 0)).any()):
+            shift[half] = fld.many_no_grad(u0).norm(dim=-1).median()
+            up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
     seconds = {"power": time.perf_counter() - clock}
 
     def finish(u: Tensor, rel: Tensor, near: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -138,12 +144,12 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     pairs = plus + minus
     row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
     info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
-            "fixed_points_of_map": points.shape[0]}
+            "fixed_points_of_map": points.shape[0], "shift": [float(shift[0]), float(shift[-1])]}
     if pairs:
         ia = torch.tensor([a for a, _ in pairs], device=dev)
         ib_ = torch.tensor([b for _, b in pairs], device=dev)
         clock = time.perf_counter()
-        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia])
+        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia], shift=shift[ia])
         seconds["edge"] = time.perf_counter() - clock
         clock = time.perf_counter()
         ue, rele, ie, se = finish(ue, rele, 5e-2)

@@ -47,6 +47,8 @@ GROWTH = 1.5
 RETRIES = 6
 #: a row that stops (stalled or at the step limit) below this relative residual is still handed to LM
 FINISH_BELOW = 5e-2
+#: the ordered Schur form is recomputed every REFRESH steps; in between the subspace is carried along
+REFRESH = 1
 #: a row has stalled when its relative residual has not halved over this many steps
 STALL_STEPS = 40
 
@@ -85,7 +87,8 @@ def _sorted_schur(dw: np.ndarray, target: int | None) -> tuple[np.ndarray, int]:
 class _System:
     """The reflected linear system at one row: (I/dt - S·DW) s = S·W in the tangent basis of ``u``."""
 
-    def __init__(self, u: Tensor, f: Tensor, jac: Tensor, target: int | None) -> None:
+    def __init__(self, u: Tensor, f: Tensor, jac: Tensor, target: int | None,
+                 carried: np.ndarray | None = None) -> None:
         fn = float(f.norm())
         self.u, self.h = u, _Householder(u)
         lam = float(u @ f)
@@ -95,7 +98,16 @@ class _System:
         grad_norm = (self.h.qt(jac.T @ f) / fn**2).cpu().numpy()  # tangent gradient of ||F||, over ||F||
         dw = m.cpu().numpy() - np.outer(g, grad_norm)  # exact tangent Jacobian of W = P F / ||F||
         self.dw = dw
-        v, self.k = _sorted_schur(dw, target)
+        if carried is None:
+            v, self.k = _sorted_schur(dw, target)
+        else:  # the previous step's subspace (ambient columns), carried to this tangent space and re-orthonormalised
+            amb = torch.as_tensor(carried, dtype=u.dtype, device=u.device)
+            amb = amb - u[:, None] * (u @ amb)[None]
+            v = np.linalg.qr((amb - self.h.beta * self.h.w[:, None] * (self.h.w @ amb)[None])[1:].cpu().numpy())[0]
+            self.k = v.shape[1]
+        w = self.h.w.cpu().numpy()
+        x = np.concatenate([np.zeros((1, v.shape[1])), v])
+        self.ambient = x - self.h.beta * np.outer(w, w @ x)  # Q v: the subspace as ambient columns
         self.sg = g - 2.0 * v @ (v.T @ g)
         self.sdw = dw - 2.0 * v @ (v.T @ dw)
 
@@ -114,7 +126,7 @@ class _System:
 
 
 def reflected_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, dt0: float = 0.5,
-                    max_step: float = 0.3, switch: float = 1e-2, target_index: list[int | None] | None = None,
+                    max_step: float = 0.3, switch: float = 1e-4, target_index: list[int | None] | None = None,
                     finish_iter: int = 30, patience: int = 8) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
     """Rows of ``u0`` (unit) driven by the reflected flow to equilibria of any index, then finished by LM.
 
@@ -132,6 +144,7 @@ def reflected_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, d
     steps = torch.zeros(n, dtype=torch.long)
     status = torch.full((n,), -1, dtype=torch.long)
     k_last = [-1] * n
+    carried: list[np.ndarray | None] = [None] * n
     targets = list(target_index) if target_index is not None else [None] * n
     history: list[Tensor] = [rel.detach().cpu().clone()]
     n_jac = 0
@@ -147,7 +160,9 @@ def reflected_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, d
         n_jac += len(jacs)
         for j, row in enumerate(idx.tolist()):
             jac = jacs[j] if jacs[j] is not None else fld.jacobian(ua[j])
-            system = _System(ua[j], fa[j], jac.detach(), targets[row])
+            fresh = int(steps[row]) % REFRESH == 0 or carried[row] is None
+            system = _System(ua[j], fa[j], jac.detach(), targets[row], None if fresh else carried[row])
+            carried[row] = system.ambient
             k_last[row] = system.k
             old = float(rel[row])
             for _try in range(RETRIES):  # the Jacobian and Schur form serve every retry: one F per try
@@ -159,7 +174,8 @@ def reflected_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, d
                 dt[row] = max(float(dt[row]) / 4.0, 1e-6 * dt0)
                 radius[row] = float(radius[row]) / 2.0
             else:
-                continue  # no acceptable step: stay (the stall test ends the row)
+                carried[row] = None  # no acceptable step: stay, with a fresh Schur form next time
+                continue
             u[row], rel[row] = cand, rc
             grow = old / max(rc, 1e-300)
             dt[row] = min(max(float(dt[row]) * grow, dt0), 1e12)  # SER, never below dt0: a climb stays a flow
