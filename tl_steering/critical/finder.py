@@ -27,6 +27,8 @@ from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected"]
 Eigensolver = Literal["auto", "dense", "arpack"]
 METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected")
+#: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
+SHIFTS = (1.0, 4.0)
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -108,9 +110,11 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
     shift = torch.zeros(2 * n, dtype=dt, device=dev)
     for half in (slice(0, n), slice(n, 2 * n)):  # no fixed point with sλ > 0: the shifted map (damped rotation)
-        lam_s = sign[half] * (up[half] * fld.many_no_grad(up[half])).sum(-1)
-        if not bool(((relp[half] < 1e-2) & (lam_s > 0)).any()):
-            shift[half] = fld.many_no_grad(u0).norm(dim=-1).median()
+        for factor in SHIFTS:
+            lam_s = sign[half] * (up[half] * fld.many_no_grad(up[half])).sum(-1)
+            if bool(((relp[half] < 1e-2) & (lam_s > 0)).any()):
+                break
+            shift[half] = factor * fld.many_no_grad(u0).norm(dim=-1).median()
             up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
     seconds = {"power": time.perf_counter() - clock}
 
