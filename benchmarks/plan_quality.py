@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
+from tl_steering.planning.plan import FULL_COMPARISON  # noqa: E402
 from _common import cal_held, finish, plan_parser, start  # noqa: E402
 from tl_steering.planning.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     ks = [int(v) for v in args.k_values.split(",")] if args.k_values else None
     t1 = time.time()
-    strategies = args.strategies.split(",") if args.strategies else None
+    # the searching comparison (plan_parallel's default before issue 30; the default is now the one-shot one)
+    strategies = args.strategies.split(",") if args.strategies else list(FULL_COMPARISON)
     plan = ts.plan_parallel(model, cal, k, held_out=held, k_values=ks, shortlist=args.shortlist,
                             strategies=strategies, batch_size=args.batch_size, scores=sc,
                             fisher_samples=args.fisher_samples, refit=args.refit, refit_order=args.refit_order)

@@ -419,8 +419,10 @@ class Result:
             tensors: dict[str, torch.Tensor] = {}
             meta = self._split_tensors(self.to_dict(), tensors, prefix="")
             save_file(tensors, str(path), metadata={"tl_steering": json.dumps(meta)})
-        else:
-            path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False))
+        else:  # the classes' sidecar_fields go to <stem>.tensors.safetensors (tl_steering.result_sidecar)
+            from . import result_sidecar
+
+            path.write_text(json.dumps(result_sidecar.save(self.to_dict(), path), indent=1, allow_nan=False))
         return path
 
     @classmethod
@@ -442,6 +444,9 @@ class Result:
                                           "file is truncated or corrupted; save the result again") from None
                 except (OSError, UnicodeDecodeError) as e:
                     raise ResultFileError(f"cannot read it ({type(e).__name__}: {e})") from None
+                from . import result_sidecar
+
+                data = result_sidecar.load(data, path)
             return cls.from_dict(data)
         except ResultFileError as e:
             raise ResultFileError(f"{path}: {e}") from None
@@ -489,7 +494,7 @@ class Result:
                 t = tensors[node["__tensor_ref__"]]
                 if node.get("complex"):
                     t = torch.view_as_complex(t.contiguous())
-                return _encode(t)
+                return t  # the stored bytes as they are (_decode keeps a tensor)
             return {k: Result._join_tensors(v, tensors) for k, v in node.items()}
         if isinstance(node, list):
             return [Result._join_tensors(v, tensors) for v in node]

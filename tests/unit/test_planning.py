@@ -20,6 +20,7 @@ from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
 from tl_steering.planning import strategies as st
 from tl_steering.planning.attribution import attribution_scores
+from tl_steering.planning.plan import FULL_COMPARISON
 
 
 def _mean_loss(model, tokens, layers) -> float:
@@ -138,8 +139,10 @@ def test_parallel_scores(planner_model, planner_tokens, tmp_path):
 @pytest.fixture(scope="module")
 def plan(planner_model, planner_tokens):
     cal, held = planner_tokens[:2], planner_tokens[2:]
+    # the searching comparison, uncorrected (the default is the one-shot comparison with the linear correction),
+    # with the peers' scores and SLEB
     return ts.plan_parallel(planner_model, cal, 2, held_out=held, k_values=[0, 1, 2, 3], shortlist=None,
-                            batch_size=2)
+                            batch_size=2, strategies=FULL_COMPARISON + ("sleb",), refit="none")
 
 
 def test_greedy_choices_rechecked(planner_model, planner_tokens, plan):
@@ -162,6 +165,8 @@ def test_greedy_choices_rechecked(planner_model, planner_tokens, plan):
         order.append(added)
     assert plan.strategy_costs["greedy"]["backward"] == 3 and plan.strategy_costs["greedy_measured"]["forward"] == (
         5 + 4 + 3)
+    # SLEB is greedy_measured over every remaining layer: here (shortlist=None) the same search
+    assert plan.plans["sleb"] == plan.plans["greedy_measured"] and plan.strategy_costs["sleb"]["forward"] == 12
     # "measured": the k layers of lowest measured single-layer calibration loss
     single = {lay: _mean_loss(planner_model, cal, [lay]) for lay in range(5)}
     assert plan.plan_of("measured") == sorted(sorted(single, key=single.get)[:2])
@@ -174,7 +179,7 @@ def test_greedy_measured_shortlist(planner_model, planner_tokens, plan):
 
     cal = planner_tokens[:2]
     p2 = ts.plan_parallel(planner_model, cal, 3, held_out=planner_tokens[2:], strategy="greedy_measured",
-                          k_values=[1, 2, 3], shortlist=2, batch_size=2)
+                          k_values=[1, 2, 3], shortlist=2, batch_size=2, refit="none")
     scores = ts.parallel_scores(planner_model, cal, batch_size=2).score_of(SHORTLIST_SCORE)
     ranked = st.rank(list(range(5)), scores)
     order = []
@@ -212,7 +217,7 @@ def test_reported_losses_and_best(planner_model, planner_tokens, plan):
 def test_plans_deterministic_for_a_seed(planner_model, planner_tokens, plan, tmp_path):
     redo = ("attribution_2nd", "attribution_fisher", "greedy", "greedy_measured", "random")  # the seeded / greedy ones
     again = ts.plan_parallel(planner_model, planner_tokens[:2], 2, held_out=planner_tokens[2:],
-                             k_values=[0, 1, 2, 3], shortlist=None, batch_size=2, strategies=redo)
+                             k_values=[0, 1, 2, 3], shortlist=None, batch_size=2, strategies=redo, refit="none")
     for s in redo:
         assert again.plans[s] == plan.plans[s], s
         torch.testing.assert_close(again.held_out_curves[s], plan.held_out_curves[s], rtol=0, atol=0)
@@ -261,3 +266,28 @@ def test_strategies_on_hand_made_scores():
     for bad in (-1, 6, 1.5, True):
         with pytest.raises(InputError):
             st.check_k(bad, 5)
+
+
+def test_the_default_call(planner_model):
+    """plan_parallel(model, tokens, k) alone: the one-shot comparison with the cross-fitted linear correction at
+    k = 0, k // 2, k on the first half of the windows; the choice is the strategy of lowest out-of-fold
+    calibration dCE, its held-out dCE is its corrections run as hooks on the second half, and total_cost counts
+    the passes the call ran."""
+    from tl_steering.batching import mean_loss
+    from tl_steering.planning.plan import ONE_SHOT_COMPARISON
+
+    toks = torch.randint(1, 257, (8, 12), generator=torch.Generator().manual_seed(7))
+    p = ts.plan_parallel(planner_model, toks, 3)
+    assert p.strategies == list(ONE_SHOT_COMPARISON) and p.refit == "linear" and p.options["refit_crossfit"]
+    assert p.k_values == [0, 1, 3] and (p.n_calibration, p.n_held_out) == (4, 4)
+    cal_at_k = p.at_k("calibration")
+    assert p.strategy == min(p.strategies, key=lambda s: (cal_at_k[s], p.strategies.index(s)))
+    held = toks[4:]
+    direct = mean_loss(planner_model, held, p.hooks(planner_model), 8) - mean_loss(planner_model, held, [], 8)
+    assert direct == pytest.approx(p.held_out_delta_ce, abs=1e-9, rel=0)
+    assert p.linears.shape == (3, 32, 32) and p.held_out_curves_uncorrected == {}
+    # the scores (2 forwards + 1 + 8 backwards) and a few passes per distinct plan: tens, not hundreds
+    n_plans = len({tuple(q) for s in p.strategies for q in p.plans[s] if q})
+    assert p.total_cost["backward"] == 9
+    assert 2 + 3 * n_plans <= p.total_cost["forward"] <= 2 + 6 * n_plans + 4, (p.total_cost, n_plans)
+    assert_no_hooks(planner_model)

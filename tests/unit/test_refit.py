@@ -179,7 +179,7 @@ def test_plan_parallel_refit(planner_model, planner_tokens, tmp_path):
     cal, held = planner_tokens[:4], planner_tokens[4:]
     kw = {"held_out": held, "strategies": ["C", "attribution_abs", "greedy_measured", "contiguous"],
           "batch_size": 4, "fisher_samples": 0}
-    none = ts.plan_parallel(planner_model, cal, 2, **kw)
+    none = ts.plan_parallel(planner_model, cal, 2, refit="none", **kw)
     aff = ts.plan_parallel(planner_model, cal, 2, refit="affine", **kw)
     again = ts.plan_parallel(planner_model, cal, 2, refit="affine", **kw)
     gate = ts.plan_parallel(planner_model, cal, 2, refit="gate", refit_order="joint", **kw)
@@ -412,8 +412,9 @@ def test_crossfit_loss_is_out_of_fold(planner_model, planner_tokens):
         assert rl._cost(tuple(plan)) == 2 and rl(plan) == got  # memoised
     assert RefitLoss(planner_model, toks, 4, refit="linear").crossfit  # on by default for linear only
     assert not RefitLoss(planner_model, toks, 4, refit="affine").crossfit
-    with pytest.raises(InputError, match="at least 2"):
-        RefitLoss(planner_model, toks[:1], 4, refit="linear")
+    with pytest.raises(InputError, match="at least 2"):  # asked for, cross-fitting needs two windows
+        RefitLoss(planner_model, toks[:1], 4, refit="linear", crossfit=True)
+    assert not RefitLoss(planner_model, toks[:1], 4, refit="linear").crossfit  # the default: in-sample then
     with pytest.raises(InputError, match="refit_crossfit"):
         ts.plan_parallel(planner_model, toks, 1, refit="linear", refit_crossfit="yes", strategies=["C"])
     assert_no_hooks(planner_model)

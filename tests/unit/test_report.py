@@ -108,21 +108,24 @@ def test_every_stage_fills_its_fields(suite):
 
 
 def test_plan_choice_is_re_measurable(suite, suite_inputs):
-    """The chosen plan (plan_choice stage): the cheap strategies compared with the affine refit, chosen by
-    calibration dCE on windows 0-1; its held-out dCE on windows 2-3 is exactly ParallelPlan.hooks(model) on them,
-    the lowest-C comparison is the uncorrected lowest-C plan there, and the executor runs the corrected plan."""
+    """The chosen plan (plan_choice stage): the cheap strategies and the peers' scores compared with the linear
+    refit, chosen by cross-fitted calibration dCE on windows 0-1; its held-out dCE on windows 2-3 is exactly
+    ParallelPlan.hooks(model) on them, every compared plan is also measured uncorrected there, the lowest-C
+    comparison is the uncorrected lowest-C plan there, and the executor runs the corrected plan (maps folded)."""
     from tl_steering.batching import mean_loss
     from tl_steering.data import token_source
     from tl_steering.hooks import parallel_blocks
     from tl_steering.suite import PLAN_CHOICE_STRATEGIES
+    from tl_steering.suite.settings import PEER_SCORES
 
     model, tokens, s = suite_inputs
     tokens = token_source(tokens, None)[0]
     cal, held = tokens[:2], tokens[2:]
     pc = suite.plan_choice
     p = pc.plan
-    assert p.strategies == list(PLAN_CHOICE_STRATEGIES) == s.plan_choice_strategies
-    assert p.requested == "best" and p.strategy in p.strategies and p.refit == "affine"
+    assert p.strategies == list(PLAN_CHOICE_STRATEGIES + PEER_SCORES) == s.plan_choice_strategies
+    assert p.requested == "best" and p.strategy in p.strategies and p.refit == "linear"
+    assert p.options["refit_crossfit"] and p.linears.shape[0] == p.k
     assert p.k == suite.plan.k == 1 and (p.n_calibration, p.n_held_out) == (2, 2) and p.k_values == [0, 1]
     assert p.options["fisher_samples"] == pc.fisher_samples == s.plan_choice_fisher_samples > 0
     # chosen by calibration dCE among the compared strategies
@@ -133,8 +136,13 @@ def test_plan_choice_is_re_measurable(suite, suite_inputs):
     direct = mean_loss(model, held, p.hooks(model), s.batch_size) - clean_held
     assert math.isfinite(p.held_out_delta_ce)
     assert direct == pytest.approx(p.held_out_delta_ce, abs=1e-9, rel=0)
-    direct_cal = mean_loss(model, cal, p.hooks(model), s.batch_size) - mean_loss(model, cal, [], s.batch_size)
-    assert direct_cal == pytest.approx(p.calibration_delta_ce, abs=1e-9, rel=0)
+    # every compared plan uncorrected on the held-out windows (the report's plan table)
+    assert set(p.held_out_curves_uncorrected) == set(p.strategies)
+    for strat in p.strategies:
+        layers = p.plan_of(strat)
+        plain = mean_loss(model, held, parallel_blocks(model, layers), s.batch_size) - clean_held
+        assert float(p.held_out_curves_uncorrected[strat][-1]) == pytest.approx(plain, abs=1e-9, rel=0), strat
+    assert p.held_out_delta_ce_uncorrected == float(p.held_out_curves_uncorrected[p.strategy][-1])
     # the lowest-C plan, uncorrected, on the same held-out windows, and the ratio
     assert pc.lowest_c_layers == suite.plan.layers
     low = mean_loss(model, held, parallel_blocks(model, suite.plan.layers), s.batch_size) - clean_held
@@ -142,7 +150,7 @@ def test_plan_choice_is_re_measurable(suite, suite_inputs):
     assert pc.ratio_to_lowest_c == pytest.approx(p.held_out_delta_ce / low, rel=1e-12)
     # the executor ran the chosen plan with its corrections folded in: its loss over all windows is the hooks'
     ex = suite.executor_choice
-    assert ex.status == "ok" and ex.layers == p.layers and ex.strategy == p.strategy and ex.correction == "affine"
+    assert ex.status == "ok" and ex.layers == p.layers and ex.strategy == p.strategy and ex.correction == "linear"
     assert math.isfinite(ex.measured_speedup) and ex.t_forward_sequential_s == suite.executor.t_forward_sequential_s
     assert ex.delta_ce == pytest.approx(mean_loss(model, tokens, p.hooks(model), s.batch_size)
                                         - suite.checks.clean_loss, abs=1e-4)
@@ -169,8 +177,12 @@ def test_plan_choice_off_and_bad_settings():
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_suite_result_round_trips_exactly(suite, tmp_path, suffix):
-    loaded = SuiteResult.load(suite.save(tmp_path / f"suite{suffix}"))
+    path = suite.save(tmp_path / f"suite{suffix}")
+    loaded = SuiteResult.load(path)
     assert isinstance(loaded, SuiteResult)
+    if suffix == ".json":  # the chosen plan's corrections in the safetensors sidecar, not in the JSON
+        assert json.loads(path.read_text())["plan_choice"]["plan"]["linears"]["__tensor_ref__"]
+        assert (tmp_path / "suite.tensors.safetensors").exists()
     assert loaded.to_dict() == suite.to_dict()  # every field, tensors with dtype, shape and values
     assert torch.equal(loaded.defect.score, suite.defect.score)
     assert loaded.defect.score.dtype == suite.defect.score.dtype
@@ -199,7 +211,11 @@ def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
     for row in ("chosen plan: strategy, correction", "chosen / lowest-C held-out ΔCE",
                 "parallel executor, chosen plan: measured forward speedup"):
         assert row in text, row
-    assert f"{suite.plan_choice.plan.strategy}, affine (sequential)" in text
+    assert f"{suite.plan_choice.plan.strategy}, linear (sequential)" in text
+    # the plan table: every compared strategy, uncorrected and corrected at every k, and its passes
+    table = text.split("<h3 id='plan_table'>")[1].split("</table>")[0]
+    assert table.count("<tr>") == 1 + len(suite.plan_choice.plan.strategies)
+    assert "block_influence" in table and "k = 1: linear" in table
     assert f"chosen plan: 1 layers</th><td class='num'>{suite.plan_choice.plan.layers[0]}</td>" in text
     assert f"{suite.plan_choice.ratio_to_lowest_c:.4g}" in text
     # every figure embedded once and written as JSON + standalone HTML

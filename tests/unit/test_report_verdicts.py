@@ -17,6 +17,7 @@ from tl_steering.report.verdicts import (
     executor_verdict,
     gates_sentence,
     parallel_sentence,
+    row_verdict,
     section_verdicts,
     timing_verdict,
 )
@@ -48,6 +49,16 @@ def test_band_decides_for_one_number_or_a_threshold():
     for nothing in (None, math.nan, "x"):
         assert band_verdict(nothing, [0, 1], [0, 2]).status == "not judged"
     assert band_verdict(0.5).status == "not judged"  # no range, no band
+
+
+def test_a_timing_estimate_without_interval_is_not_judged():
+    row = {"id": "parallel_gpt2_large_speedup", "regress": True, "ours": 1.296, "paper_range": None,
+           "band": [1.15, 1.35], "paper_number": 1.24}
+    v = row_verdict(row)
+    assert v.status == "not judged" and v.ok is None
+    assert v.text == ("not judged: one estimate from sub-module median times with no interval (inside the tolerance "
+                      "band 1.15–1.35 around the paper's 1.24, for orientation only)")
+    assert row_verdict({**row, "id": "parallel_gpt2_large_delta_ce"}).status == "inside band"
 
 
 def _ablation_suite(tan: float, rad: float = 8.1, zero: float = 8.5) -> SuiteResult:

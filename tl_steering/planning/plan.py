@@ -4,7 +4,8 @@ Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a se
 
 * one-shot by a score (``"C"``, ``"C1"``, ``"C_phi"``, ``"C_tan"`` [paper]; ``"attribution"``,
   ``"attribution_abs"``, ``"attribution_rms"``, ``"attribution_2nd"``, ``"attribution_fisher"``,
-  ``"attribution_fisher_diag"`` [ours]): the k lowest-scored layers (:func:`tl_steering.parallel_scores`);
+  ``"attribution_fisher_diag"`` [ours]; ``"block_influence"``, ``"angular_distance"``, ``"ffn_fusion"`` [the
+  field's scores, :mod:`tl_steering.planning.peers`]): the k lowest-scored layers (:func:`tl_steering.parallel_scores`);
 * ``"measured"`` [ours]: the k layers of lowest measured single-layer calibration dCE (L + 1 forwards; taken
   from ``scores=`` when that result carries the gold, ``parallel_scores(..., gold=True)``);
 * ``"greedy"`` [ours]: add, one at a time, the layer with the lowest ``attribution_abs`` (:data:`GREEDY_SCORE`)
@@ -12,12 +13,15 @@ Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a se
 * ``"greedy_measured"`` [ours, SLEB-style]: add, one at a time, the layer whose addition gives the lowest
   measured calibration loss, among the ``shortlist`` remaining layers ranked lowest by the one-shot
   :data:`SHORTLIST_SCORE` (``shortlist=None``: every remaining layer, SLEB proper: sum_{j<k} (L - j) forwards);
+* ``"sleb"`` [SLEB, Song et al. 2024, arXiv:2402.09025]: ``"greedy_measured"`` with ``shortlist=None``
+  whatever ``shortlist`` says (every remaining layer measured at every step);
 * ``"contiguous"`` [ours]: the window of k consecutive candidate layers with the lowest measured
   calibration loss;
 * ``"random"``: a seeded random k-set (a baseline, never chosen by ``"best"``).
 
-``strategy="best"`` runs every strategy and keeps the plan with the lowest CALIBRATION dCE at k; the held-out
-dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
+``strategy="best"`` runs the strategies compared (default :data:`ONE_SHOT_COMPARISON` with the cross-fitted
+linear correction; :data:`FULL_COMPARISON` by argument) and keeps the plan with the lowest CALIBRATION dCE at k;
+the held-out dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
 """
 
 import dataclasses
@@ -33,31 +37,36 @@ from torch import Tensor
 from ..backends import adapt
 from ..data import token_source
 from ..errors import InputError
-from ..results import Result, register
 from ..sharding import broadcast_from_rank0
 from ..suite.settings import PLAN_CHOICE_STRATEGIES
 from . import strategies as st
 from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
+from .peers import PEER_SCORES
+from .plan_result import ParallelPlan
 from .refit import FITS, REFITS, FittedLoss, RefitLoss
 from .scores import ParallelScoresResult, parallel_scores
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
                                      "attribution_rms", "attribution_2nd", "attribution_fisher",
-                                     "attribution_fisher_diag")
+                                     "attribution_fisher_diag") + PEER_SCORES
 """One-shot strategies: the k layers with the lowest value of that score."""
-PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("measured", "greedy", "greedy_measured", "contiguous",
-                                                       "random")
+PLAN_STRATEGIES: tuple[str, ...] = SCORE_STRATEGIES + ("measured", "greedy", "greedy_measured", "sleb",
+                                                       "contiguous", "random")
 """Every strategy :func:`plan_parallel` knows."""
-DEFAULT_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "attribution_2nd",
-                                       "attribution_fisher", "measured", "greedy", "greedy_measured",
-                                       "contiguous", "random")
-"""Strategies compared by ``strategy="best"`` (``random`` only as a baseline)."""
+FULL_COMPARISON: tuple[str, ...] = ("C", "C1", "attribution", "attribution_abs", "attribution_2nd",
+                                    "attribution_fisher", "measured", "greedy", "greedy_measured",
+                                    "contiguous", "random") + PEER_SCORES
+"""The searching comparison (``strategies=FULL_COMPARISON``; the default before issue 30): every one-shot
+score, the measured / greedy / contiguous searches (hundreds of forwards) and the ``random`` baseline. ``"sleb"``
+(hundreds more) is left to be asked for by name."""
+DEFAULT_COMPARISON = FULL_COMPARISON  # the name before issue 30
 ONE_SHOT_COMPARISON: tuple[str, ...] = PLAN_CHOICE_STRATEGIES
-"""The cheap comparison (one forward + backwards for the scores, then one forward per plan and curve point), and
-the recommended one with a fitted correction: ``plan_parallel(model, cal, k, strategies=ONE_SHOT_COMPARISON,
-refit="linear")``. The measured / greedy searches choose among hundreds of plans on the calibration windows'
-loss and, with a few calibration windows, pick plans that fit those windows' noise (docs/parallel.md)."""
+"""The default comparison of ``strategy="best"``: the cheap one-shot scores (one parallel_scores call: 2 forwards
++ 1 + ``fisher_samples`` backwards) then a few corrected forwards per plan and curve point. With the cross-fitted
+linear correction (the default ``refit="linear"``) it is the best plan we measured held out on SmolLM2 and
+Gemma-3-270M (docs/parallel.md "Planners against the field"); the measured / greedy searches choose among hundreds
+of plans on the calibration windows' loss and, with a few calibration windows, pick plans that fit their noise."""
 GREEDY_SCORE = "attribution_abs"
 """The score the greedy planners re-compute. Not the signed first-order ``attribution``: on a trained model
 the loss sits near a minimum, the first-order term of a large defect can even be negative (SmolLM2 layers 0
@@ -67,148 +76,6 @@ second-order scores are not re-computed per step (``fisher_samples`` more backwa
 SHORTLIST_SCORE = "attribution_2nd"
 """The one-shot score whose ranking gives ``greedy_measured`` its shortlist of layers to measure at each step
 (the second-order loss change; docs/defect.md "Second order")."""
-
-
-@register
-@dataclasses.dataclass(kw_only=True)
-class ParallelPlan(Result):
-    """A set of layers to make parallel, how it was chosen and what it costs (loss and planner passes).
-
-    Attributes:
-        layers: the chosen layers (sorted).
-        k: ``len(layers)``.
-        strategy: the strategy that produced :attr:`layers`.
-        requested: the ``strategy`` argument (``"best"`` or a strategy name).
-        candidates: the sequential layers that could be chosen.
-        calibration_delta_ce / held_out_delta_ce: CE(plan) - CE(clean) on the calibration / held-out windows.
-        clean_loss_calibration / clean_loss_held_out: the clean mean next-token CE on each.
-        cost: passes over the calibration windows the chosen strategy needed on its own (``forward``,
-            ``backward``, ``seconds``); total_cost: of the whole call (every strategy and every curve point).
-        k_values: the k of the curves; strategies: the strategies compared.
-        calibration_curves / held_out_curves: per strategy, dCE at each k (float64).
-        plans: per strategy, the layer set at each k.
-        strategy_costs: per strategy, its own cost (as :attr:`cost`).
-        n_calibration / n_held_out: token windows in each set.
-        options: the call's options.
-        refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``,
-            ``"linear"``;
-            :mod:`tl_steering.planning.refit`), fitted on the calibration windows for EVERY plan measured (so
-            every dCE above, and the choice, is of the corrected plans); refit_order: ``"sequential"`` or
-            ``"joint"``.
-        gates: ``[k]`` float64, the fitted g_l of :attr:`layers` (in that order; ones for ``"none"``).
-        biases: ``[k, d_model]`` float64, the fitted b_l (zeros unless ``"affine"`` or ``"linear"``).
-        linears: ``[k, d_model, d_model]`` float64, the fitted W_l of ``refit="linear"`` (the write adds a W_l,
-            a the block's attention write); ``[0, 0, 0]`` for the other refits.
-        calibration_delta_ce_uncorrected / held_out_delta_ce_uncorrected: the chosen layers' dCE without the
-            correction (equal to the corrected ones for ``"none"``).
-    """
-
-    layers: list[int] = dataclasses.field(default_factory=list)
-    k: int = 0
-    strategy: str = ""
-    requested: str = ""
-    candidates: list[int] = dataclasses.field(default_factory=list)
-    calibration_delta_ce: float = math.nan
-    held_out_delta_ce: float = math.nan
-    clean_loss_calibration: float = math.nan
-    clean_loss_held_out: float = math.nan
-    cost: dict[str, float] = dataclasses.field(default_factory=dict)
-    total_cost: dict[str, float] = dataclasses.field(default_factory=dict)
-    k_values: list[int] = dataclasses.field(default_factory=list)
-    strategies: list[str] = dataclasses.field(default_factory=list)
-    calibration_curves: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
-    held_out_curves: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
-    plans: dict[str, list] = dataclasses.field(default_factory=dict)
-    strategy_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
-    n_calibration: int = 0
-    n_held_out: int = 0
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    refit: str = "none"
-    refit_order: str = "sequential"
-    gates: Float[Tensor, " k"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    biases: Float[Tensor, "k d_model"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, dtype=torch.float64))
-    linears: Float[Tensor, "k2 d_model2 d_model3"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, 0, dtype=torch.float64))
-    calibration_delta_ce_uncorrected: float = math.nan
-    held_out_delta_ce_uncorrected: float = math.nan
-
-    kind = "parallel_plan"
-    # the closed-form corrections (refit) came after the first plans: older files load uncorrected
-    added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
-                    "held_out_delta_ce_uncorrected")
-
-    def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
-        """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`
-        and :func:`tl_steering.parallel.parallelize` (empty dicts for ``refit="none"``)."""
-        if self.refit == "none":
-            return {}, {}
-        gates = {lay: float(g) for lay, g in zip(self.layers, self.gates.tolist())}
-        biases = {lay: self.biases[i].clone() for i, lay in enumerate(self.layers)} \
-            if self.refit in ("affine", "linear") else {}
-        return gates, biases
-
-    def linear_maps(self) -> dict[int, Tensor]:
-        """``{layer: W}`` of ``refit="linear"`` (empty otherwise), for ``parallel_blocks(..., linears=)`` and
-        ``parallelize(..., linears=)``."""
-        if self.refit != "linear":
-            return {}
-        return {lay: self.linears[i].clone() for i, lay in enumerate(self.layers)}
-
-    def hooks(self, model: Any) -> list:
-        """``fwd_hooks`` that run the chosen plan with its corrections (the exact surrogate)."""
-        from ..hooks import parallel_blocks
-
-        gates, biases = self.corrections()
-        return parallel_blocks(model, self.layers, gates, biases, self.linear_maps())
-
-    def plan_of(self, strategy: str, k: int | None = None) -> list[int]:
-        """The layer set ``strategy`` chose at ``k`` (default :attr:`k`)."""
-        k = self.k if k is None else k
-        if strategy not in self.plans or k not in self.k_values:
-            raise InputError(f"no {strategy!r} plan at k={k}; strategies {self.strategies}, k {self.k_values}")
-        return list(self.plans[strategy][self.k_values.index(k)])
-
-    def at_k(self, curves: str = "held_out", k: int | None = None) -> dict[str, float]:
-        """Every strategy's dCE at ``k`` (default :attr:`k`) on ``"held_out"`` or ``"calibration"`` windows."""
-        k = self.k if k is None else k
-        c = self.held_out_curves if curves == "held_out" else self.calibration_curves
-        j = self.k_values.index(k)
-        return {s: float(v[j]) for s, v in c.items()}
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
-                               "refit": self.refit,
-                               "calibration_delta_ce": self.calibration_delta_ce,
-                               "held_out_delta_ce": self.held_out_delta_ce,
-                               "cost_forward": self.cost.get("forward"), "cost_backward": self.cost.get("backward"),
-                               "total_forward": self.total_cost.get("forward"),
-                               "total_backward": self.total_cost.get("backward"),
-                               "held_out_delta_ce_uncorrected": self.held_out_delta_ce_uncorrected}
-        if self.k in self.k_values:
-            out.update({f"held_out_delta_ce_{s}": v for s, v in self.at_k().items()})
-        return out
-
-    def plot(self, title: str | None = None):
-        """Loss increase vs k for every strategy: held-out (solid) and calibration (dotted); plotly Figure."""
-        import plotly.graph_objects as go
-
-        fig = go.Figure()
-        palette = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                   "#bcbd22", "#17becf", "#000000"]
-        for i, s in enumerate(self.strategies):
-            color = palette[i % len(palette)]
-            width = 4 if s == self.strategy else 2
-            fig.add_trace(go.Scatter(x=self.k_values, y=self.held_out_curves[s].tolist(), mode="lines+markers",
-                                     name=f"{s} (held-out)", line={"color": color, "width": width},
-                                     legendgroup=s))
-            fig.add_trace(go.Scatter(x=self.k_values, y=self.calibration_curves[s].tolist(), mode="lines",
-                                     name=f"{s} (calibration)", line={"color": color, "dash": "dot"},
-                                     legendgroup=s, showlegend=False))
-        fig.update_layout(title=title or f"Loss increase vs parallel layers, chosen: {self.strategy} at k={self.k} "
-                                         f"({self.provenance.model})",
-                          xaxis_title="k (layers made parallel)", yaxis_title="ΔCE (nats)", template="plotly_white")
-        return fig
 
 
 def _split(tokens: Tensor, held_out: Any) -> tuple[Tensor, Tensor]:
@@ -238,11 +105,21 @@ def plan_parallel(
     scores: ParallelScoresResult | None = None,
     fisher_samples: int = 8,
     world: Any = None,
-    refit: str = "none",
+    refit: str = "linear",
     refit_order: str = "sequential",
     refit_crossfit: bool | None = None,
+    uncorrected_curves: bool = False,
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
+
+    The default call, ``plan_parallel(model, tokens, k)``, is the best plan we measured held out (docs/parallel.md
+    "Planners against the field"): the one-shot scores of :data:`ONE_SHOT_COMPARISON` compared by their
+    cross-fitted calibration loss with the linear correction, at k = 0, k // 2 and k. It costs one
+    :func:`parallel_scores` call (2 forwards + 1 + ``fisher_samples`` = 9 backwards over the calibration windows)
+    plus, per distinct plan of the curves, one fitting and one measuring pass over each half of the calibration
+    windows, one fit on all of them and one held-out pass: about 40 passes in all on SmolLM2 at k = 15
+    (``total_cost`` says what a call ran). The uncorrected surrogate is ``refit="none"``; the searching comparison
+    (hundreds of forwards) ``strategies=FULL_COMPARISON``.
 
     Args:
         model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
@@ -253,9 +130,12 @@ def plan_parallel(
             :data:`PLAN_STRATEGIES` (see the module docstring).
         held_out: held-out windows (never used to choose).
         layers: blocks that may be chosen (default all).
-        k_values: k of the comparison curves (default: :func:`default_k_values` up to k, and k).
-        strategies: strategies compared by ``"best"`` (default :data:`DEFAULT_COMPARISON`).
-        shortlist: candidates measured per greedy_measured step (``None``: all remaining).
+        k_values: k of the comparison curves (default: 0, k // 2 and k for the default comparison, else
+            :func:`default_k_values` up to k, and k).
+        strategies: strategies compared by ``"best"`` (default :data:`ONE_SHOT_COMPARISON`, less the
+            second-order scores with ``fisher_samples=0``).
+        shortlist: candidates measured per greedy_measured step (``None``: all remaining; ``"sleb"`` always
+            measures all).
         seed: seed of the ``random`` baseline and of the sampled labels of the second-order scores (every plan
             is deterministic for a seed; ties go to the lower layer).
         batch_size: sequences per forward pass.
@@ -268,7 +148,7 @@ def plan_parallel(
             (single layers, greedy_measured candidates, contiguous windows, every curve point) are split over the
             ranks, one pass per plan; the scores and the greedy re-scoring (forward + backward) run on rank 0 and
             are handed to the others, so every rank takes the same decisions; the same plan on every rank.
-        refit: ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)), ``"affine"``
+        refit: ``"linear"`` (default), ``"none"`` (the plain parallel surrogate), ``"gate"`` (g_l Phi(x)), ``"affine"``
             (g_l Phi(x) + b_l) or ``"linear"`` (g_l Phi(x) + b_l + a W_l, a the block's attention write, W_l a
             ridge-regularised ``[d_model, d_model]`` map; still parallel): closed-form corrections of the parallel
             FFN writes (:mod:`tl_steering.planning.refit`) fitted on the calibration windows for every plan
@@ -280,11 +160,15 @@ def plan_parallel(
             or ``"joint"`` (every layer from the uncorrected plan's forward; one more pass per plan).
         refit_crossfit: compare plans by their out-of-fold calibration loss (corrections fitted on one half of
             the calibration windows, measured on the other, both ways;
-            :class:`~tl_steering.planning.refit.RefitLoss`) instead of the in-sample one. Default (None): on for ``"linear"`` (whose d_model^2 entries per layer
+            :class:`~tl_steering.planning.refit.RefitLoss`) instead of the in-sample one. Default (None): on for
+            ``"linear"`` with at least 2 calibration windows (with one, in-sample: pass more windows) (whose d_model^2 entries per layer
             fit the calibration noise: in-sample, ``"best"`` picked a plan 0.09 nats BELOW the clean loss on
             calibration and 2x the lowest-C plan's loss held out on SmolLM2), off for the others. The stored
             corrections are then fitted on all the calibration windows, and ``calibration_delta_ce`` is the
             out-of-fold value.
+        uncorrected_curves: with a refit, also measure every compared plan WITHOUT its correction on the
+            held-out windows (:attr:`ParallelPlan.held_out_curves_uncorrected`; one held-out pass per distinct
+            plan), so a table can show what the correction adds to every strategy.
 
     Returns:
         A :class:`ParallelPlan`.
@@ -302,7 +186,7 @@ def plan_parallel(
     k = st.check_k(k, len(cand))
     if strategy == "best":
         names = list(strategies) if strategies is not None else [
-            s for s in DEFAULT_COMPARISON if fisher_samples or s not in FISHER_VARIANTS]
+            s for s in ONE_SHOT_COMPARISON if fisher_samples or s not in FISHER_VARIANTS]
     else:
         names = [strategy]
     unknown = [s for s in names if s not in PLAN_STRATEGIES]
@@ -316,9 +200,10 @@ def plan_parallel(
                          f"{refit_crossfit!r}")
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
-    ks = sorted({st.check_k(int(j), len(cand)) for j in (k_values if k_values is not None
-                                                         else [j for j in st.default_k_values(len(cand)) if j <= k])}
-                | {k})
+    if k_values is None:
+        k_values = [0, k // 2] if strategy == "best" and strategies is None else \
+            [j for j in st.default_k_values(len(cand)) if j <= k]
+    ks = sorted({st.check_k(int(j), len(cand)) for j in k_values} | {k})
     kmax = max(ks)
     if refit == "none":
         cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
@@ -329,7 +214,7 @@ def plan_parallel(
     costs: dict[str, dict[str, float]] = {}
     extra = {"passes": 0}  # attribution passes of the greedy steps after the first
     sets: dict[str, list[list[int]]] = {}
-    need = any(s in SCORE_STRATEGIES or s.startswith("greedy") for s in names)
+    need = any(s in SCORE_STRATEGIES or s.startswith("greedy") or s == "sleb" for s in names)
     given = scores is not None
     if given and (scores.layers != sel or scores.provenance.n_sequences != int(cal.shape[0])):
         raise InputError("scores= must come from parallel_scores on the same calibration windows and layers")
@@ -347,16 +232,19 @@ def plan_parallel(
         if name in SCORE_STRATEGIES:
             so = scores.score_of(name)
             sets[name] = [st.one_shot(cand, so, j) for j in ks]
-            n_bwd = 0.0 if name.startswith("C") else 1.0 + (fisher_samples if name in FISHER_VARIANTS else 0.0)
+            # C and the peers' scores come from parallel_defect's forward; the attribution scores from a backward
+            n_bwd = 0.0 if name.startswith("C") or name in PEER_SCORES else \
+                1.0 + (fisher_samples if name in FISHER_VARIANTS else 0.0)
             cost = {"forward": 1.0, "backward": n_bwd}
         elif name == "greedy":
             order, cost = _greedy(model, cal, sel, cand, kmax, scores.score_of(GREEDY_SCORE), batch_size, extra,
                                   world)
             sets[name] = [sorted(order[:j]) for j in ks]
-        elif name == "greedy_measured":
+        elif name in ("greedy_measured", "sleb"):
             rank_by = SHORTLIST_SCORE if SHORTLIST_SCORE in scores.scores else GREEDY_SCORE
-            order, cost = _greedy_measured(cand, kmax, scores.score_of(rank_by), cal_loss, shortlist)
-            if shortlist is not None:  # the ranking's own passes (1 forward, 1 + S backwards)
+            short = None if name == "sleb" else shortlist
+            order, cost = _greedy_measured(cand, kmax, scores.score_of(rank_by), cal_loss, short)
+            if short is not None:  # the ranking's own passes (1 forward, 1 + S backwards)
                 cost = {"forward": cost["forward"] + 1.0,
                         "backward": 1.0 + (fisher_samples if rank_by in FISHER_VARIANTS else 0.0)}
             sets[name] = [sorted(order[:j]) for j in ks]
@@ -390,6 +278,12 @@ def plan_parallel(
     held_loss.prefetch(every_set)
     cal_curves = {s: torch.tensor([cal_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     held_curves = {s: torch.tensor([held_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
+    plain_held = held_loss if refit == "none" else PlanLoss(model, held, batch_size, world)
+    plain_held.memo[()] = held_loss.clean  # the same clean forward
+    held_unc: dict[str, Tensor] = {}
+    if uncorrected_curves and refit != "none":
+        plain_held.prefetch(every_set)
+        held_unc = {s: torch.tensor([plain_held.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     j = ks.index(k)
     selectable = [s for s in names if s != "random"] or names
     chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
@@ -409,20 +303,21 @@ def plan_parallel(
         biases = torch.stack([b_of[lay].to(torch.float64).cpu() if lay in b_of else
                               torch.zeros(ad.d_model, dtype=torch.float64) for lay in chosen_layers]) \
             if chosen_layers else torch.zeros(0, ad.d_model, dtype=torch.float64)
-        plain_cal, plain_held = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
-        plain_cal.memo[()], plain_held.memo[()] = cal_loss.clean, held_loss.clean  # the same clean forwards
+        plain_cal = PlanLoss(model, cal, batch_size, world)
+        plain_cal.memo[()] = cal_loss.clean  # the same clean forward
         plain_cal.prefetch([chosen_layers])
         plain_held.prefetch([chosen_layers])
         unc_cal, unc_held = plain_cal.delta(chosen_layers), plain_held.delta(chosen_layers)
         extra["plain"] = plain_cal.passes + plain_held.passes
     total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]
-                              + extra.get("plain", 0)),
+                              + extra.get("plain", 0) + getattr(cal_loss, "fit_passes", 0)),
              "backward": float((1 + fisher_samples if fresh else 0) + extra["passes"]),
              "seconds": time.perf_counter() - t0}
     options = {"k": k, "strategy": strategy, "layers": sel, "k_values": ks, "strategies": names,
                "shortlist": shortlist, "batch_size": batch_size, "fisher_samples": fisher_samples,
                "held_out": "given" if held_out is not None else "second half of tokens", "refit": refit,
-               "refit_order": refit_order, "refit_crossfit": getattr(cal_loss, "crossfit", False)}
+               "refit_order": refit_order, "refit_crossfit": getattr(cal_loss, "crossfit", False),
+               "uncorrected_curves": bool(uncorrected_curves)}
     return ParallelPlan(
         provenance=ad.provenance(cal, corpus=corpus, seed=seed, **options),
         layers=chosen_layers, k=k, strategy=chosen, requested=strategy, candidates=cand,
@@ -432,7 +327,7 @@ def plan_parallel(
         held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
         n_held_out=int(held.shape[0]), options=options, refit=refit, refit_order=refit_order, gates=gates,
         biases=biases, linears=linears, calibration_delta_ce_uncorrected=unc_cal,
-        held_out_delta_ce_uncorrected=unc_held)
+        held_out_delta_ce_uncorrected=unc_held, held_out_curves_uncorrected=held_unc)
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
@@ -470,4 +365,4 @@ def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_
     return order, {"forward": fwd, "backward": 0.0}
 
 
-__all__ = ["DEFAULT_COMPARISON", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]
+__all__ = ["DEFAULT_COMPARISON", "FULL_COMPARISON", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]

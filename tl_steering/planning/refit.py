@@ -302,7 +302,7 @@ class RefitLoss(PlanLoss):
     counts every forward, fitting included). :meth:`corrections` gives the fitted ``(gates, biases)``, fitted on
     all the windows.
 
-    ``crossfit`` (default: on for ``refit="linear"`` only): the loss of a plan is measured out of fold: the windows
+    ``crossfit`` (default: on for ``refit="linear"`` only, given at least 2 windows): the loss of a plan is measured out of fold: the windows
     are split in two halves, the corrections fitted on each half are applied to the other, and the two halves'
     CE are averaged (token-weighted). An in-sample loss rewards a correction that fits the calibration windows'
     noise: a ``[d_model, d_model]`` map per layer fitted on a few hundred tokens can push a plan's calibration
@@ -316,7 +316,11 @@ class RefitLoss(PlanLoss):
         _check(refit, fit)
         self.refit, self.fit = refit, fit
         self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
-        self.crossfit = (refit == "linear") if crossfit is None else bool(crossfit)
+        # default: on for "linear" when there are two windows to split (one window: in-sample, as the others)
+        self.crossfit = (refit == "linear" and int(tokens.shape[0]) >= 2) if crossfit is None else bool(crossfit)
+        #: passes of the fits on all the windows that no measurement ran (the stored corrections of a cross-fitted
+        #: loss, or of a plan measured on another rank)
+        self.fit_passes = 0
         self._folds: list[RefitLoss] | None = None
         if self.crossfit and refit != "none":
             n = int(tokens.shape[0])
@@ -368,8 +372,9 @@ class RefitLoss(PlanLoss):
         key = self._key(layers)
         if key not in self.fitted:  # measured on another rank: refit here (deterministic)
             w: dict[int, Tensor] = {}
-            g, b, _ = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit, self.batch_size,
-                                      linears=w)
+            g, b, passes = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit,
+                                           self.batch_size, linears=w)
+            self.fit_passes += passes
             self.fitted[key] = (g, b, w)
         return self.fitted[key]
 

@@ -3,7 +3,8 @@
 ``scores`` holds the paper's defect scores (``C`` and its variants ``C_phi``, ``C1``, ``C_tan`` from
 :func:`tl_steering.protocols.parallel_defect`) and the loss-aware attribution scores
 (:mod:`tl_steering.planning.attribution`, with the sampled-label second-order scores when
-``fisher_samples > 0``). Every score is "lower = safer to make parallel". With
+``fisher_samples > 0``) and the field's scores (``block_influence``, ``angular_distance``, ``ffn_fusion``:
+:mod:`tl_steering.planning.peers`, from the same forward as C). Every score is "lower = safer to make parallel". With
 ``gold=True`` the measured single-layer dCE of every layer and each score's Spearman rho with it are added.
 """
 
@@ -37,7 +38,7 @@ class ParallelScoresResult(Result):
         scores: ``C``, ``C_phi``, ``C1``, ``C_tan`` (relative defect) and ``attribution`` (first-order dCE,
             nats), ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0``
             ``attribution_fisher``, ``attribution_2nd`` (second-order dCE, nats), ``attribution_fisher_diag``;
-            float64.
+            and the peers' ``block_influence``, ``angular_distance``, ``ffn_fusion`` (:mod:`.peers`); float64.
         clean_loss: mean next-token CE of the model on the tokens.
         evaluated: whether the measured gold (``delta_ce``) was computed.
         delta_ce: per layer, measured CE with that layer alone parallel minus clean CE (NaN unless evaluated).
@@ -126,7 +127,7 @@ def parallel_scores(
         seed: seed of the sampled labels (the scores are deterministic for a seed).
 
     Returns:
-        A :class:`ParallelScoresResult`; cost in passes: 1 forward (C) + 1 forward and
+        A :class:`ParallelScoresResult`; cost in passes: 1 forward (C and the peers' scores) + 1 forward and
         ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
     """
     from ..protocols.defect import parallel_defect  # the paper's scores (imported late: defect uses planning)
@@ -139,7 +140,8 @@ def parallel_scores(
     sel = defect.layers
     attr, clean = attribution_scores(model, tokens, sel, batch_size=batch_size, fisher_samples=fisher_samples,
                                      seed=seed)
-    scores = {**{k: v.clone() for k, v in defect.scores.items()}, **attr}
+    scores = {**{k: v.clone() for k, v in defect.scores.items()}, **attr,
+              **{k: v.clone() for k, v in defect.peer_scores.items()}}
     cost = {"forward": 2.0, "backward": 1.0 + fisher_samples}
     delta = torch.full((len(sel),), math.nan, dtype=torch.float64)
     rho: dict[str, float] = {}

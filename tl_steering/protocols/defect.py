@@ -63,6 +63,7 @@ from .. import geometry as geo
 from ..backends import check_finite
 from ..data import model_tokens
 from ..errors import InputError, ResidualIdentityError
+from ..planning import peers as _peers
 from ..planning import strategies as _strategies
 from ..planning.gold import PlanLoss, single_layer_delta
 from ..planning.gold import spearman as _spearman
@@ -200,6 +201,7 @@ def parallel_defect(
     n = len(sel)
     n_seq = tokens.shape[0]
     sums = _Sums(n_seq, n)
+    peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in _peers.PEER_SCORES}
     phi_rows = torch.zeros(n_seq, n, dtype=torch.float64)  # per sequence: its batch's Phi check error
     t_attn = [math.nan] * n
     t_ffn = [math.nan] * n
@@ -246,6 +248,9 @@ def parallel_defect(
                 # counterfactual: the sequential ordering at this block, d = Phi(x + a) - Phi(x)
                 cf = act if not parallel[i] else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
                 dx = geo.to64(g["resid_post"]) - geo.to64(x)
+                # the peers' scores (planning.peers): block input vs output, FFN write with vs without a
+                for name, v in _peers.peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
+                    peer_sums[name][rows, i] = v.cpu()
                 for prefix, terms in (("", act), ("cf_", cf)):
                     sums.add(prefix + "d", rows, i, terms["d"][:, keep])
                     sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
@@ -262,8 +267,10 @@ def parallel_defect(
             del cache
     if world is not None and world.active:  # the other ranks' windows, in window order
         keys = sorted(sums.v)
-        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows}, mine, world)
+        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows,
+                           **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
         phi_rows = got.pop("__phi_check")
+        peer_sums = {k: got.pop("__peer_" + k) for k in list(peer_sums)}
         sums.v = got
     phi_check = phi_rows.max(0).values.tolist() if n_seq else [0.0] * n
 
@@ -343,6 +350,7 @@ def parallel_defect(
         rms=rms,
         phi_check=torch.tensor(phi_check, dtype=torch.float64),
         brackets=bracket_rms,
+        peer_scores=_peers.pooled(peer_sums, n_tokens),
         n_tokens=n_tokens,
         evaluated=bool(evaluate),
         clean_loss=clean_loss,

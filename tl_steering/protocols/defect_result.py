@@ -58,6 +58,9 @@ class DefectResult(Result):
         phi_check: per layer, max |Phi(ffn input) - hook_mlp_out| / max |hook_mlp_out| (our FFN callable
             reproduces the model's FFN write; rounding level).
         brackets: RMS per token of ``DPhi_A``, ``DA_Phi``, ``bracket`` (empty unless ``brackets=True``).
+        peer_scores: the field's layer-choice scores from the same forward, keys
+            :data:`tl_steering.planning.peers.PEER_SCORES` (``block_influence``, ``angular_distance``,
+            ``ffn_fusion``; token means, float64, lower = safer; docs/defect.md "Peer scores").
         n_tokens: tokens pooled per layer (non-excluded positions of every sequence).
         evaluated: whether the gold-standard losses were computed.
         clean_loss: mean next-token CE of the unmodified model (NaN unless evaluated).
@@ -88,6 +91,7 @@ class DefectResult(Result):
     rms: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     phi_check: Float[Tensor, " layer"] = dataclasses.field(default_factory=_nan_vec())
     brackets: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    peer_scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     n_tokens: int = 0
     evaluated: bool = False
     clean_loss: float = math.nan
@@ -106,6 +110,8 @@ class DefectResult(Result):
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "defect"
+    # 2026-12-05 (issue 30): the peers' scores came after the first defect files, which load without them
+    added_fields = ("peer_scores",)
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -122,7 +128,7 @@ class DefectResult(Result):
                                      "nonlinearity": self.nonlinearity, "phi_check": self.phi_check,
                                      "delta_ce": self.delta_ce, "t_attn": self.t_attn, "t_ffn": self.t_ffn,
                                      "counterfactual_nonlinearity": self.counterfactual_nonlinearity}
-        for group in ("scores", "counterfactual_scores", "rms", "brackets"):
+        for group in ("scores", "counterfactual_scores", "rms", "brackets", "peer_scores"):
             per_layer.update({f"{group}[{k!r}]": v for k, v in getattr(self, group).items()})
         for name, value in per_layer.items():
             if len(value) != n:

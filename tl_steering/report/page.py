@@ -15,6 +15,7 @@ from ..suite import SuiteResult, comparison_rows, headline
 from .critical_table import critical_layer_table
 from .figures import figure_html
 from .labels import labelled
+from .plan_table import plan_table
 from .verdicts import executor_verdict, median_spread, row_verdict, section_verdicts, span
 
 
@@ -199,6 +200,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_numbers(summ))
+        if key == "plan_choice":  # every strategy at equal k, uncorrected and corrected (report.plan_table)
+            parts.append(plan_table(getattr(result, "plan", None)))
         if key == "critical" and getattr(result, "results", None):
             parts.append(critical_layer_table(result))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
@@ -342,7 +345,7 @@ def parallel_section(suite: SuiteResult, verdict: str | None = None) -> str:
         out += (
             "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, in the same "
             "rounds, its fitted corrections folded into the fused weights "
-            "(<code>parallelize(model, layers, gates=, biases=)</code>).</p>" + _kv_table(_executor_rows(suite.executor_choice))
+            "(<code>parallelize(model, layers, gates=, biases=, linears=)</code>).</p>" + _kv_table(_executor_rows(suite.executor_choice))
         )
     raw = _kv_table(_asdict(ex)) + (_kv_table(_asdict(suite.executor_choice)) if suite.executor_choice else "")
     return out + ("<details class='raw'><summary>All numbers of the executor runs (raw keys of results.json)"

@@ -188,7 +188,8 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
         # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
         res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
-                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w)
+                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w,
+                                    refit="none")  # the suite's plan runs uncorrected (its executor: layers only)
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
     if s.defect_timing:
@@ -260,7 +261,7 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k // 2, k})
     plan = plan_parallel(c.model, cal, k, strategy="best", held_out=held, strategies=names, seed=c.seed,
                          batch_size=s.batch_size, corpus=c.corpus, fisher_samples=fisher, refit=s.plan_choice_refit,
-                         k_values=ks)
+                         k_values=ks, uncorrected_curves=True)
     tick(f"chosen: {plan.strategy}")
     out = PlanChoice(plan=plan, fisher_samples=plan.options.get("fisher_samples", fisher))
     if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)

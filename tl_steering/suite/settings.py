@@ -34,6 +34,11 @@ STAGES: tuple[str, ...] = (
 #: code, before it fails fast on bad arguments).
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
 
+#: The field's one-shot layer-choice scores (``tl_steering.planning.peers``: ShortGPT's block influence, Gromov et
+#: al.'s angular distance, FFN Fusion's dependency), from the same forward as C. The ``plan_choice`` stage compares
+#: them beside ours by default (the report's plan table); ``tl_steering.planning.peers.PEER_SCORES`` is this tuple.
+PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
+
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point", "reflected")
 
 
@@ -65,10 +70,11 @@ class SuiteSettings:
             refit=plan_choice_refit)`` at k = ``plan_k`` on the first half of the windows (calibration; the
             choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
             held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
-            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` (cheap one-shot scores);
-            an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (``"affine"``, ``"linear"``, ``"gate"``,
-            ``"none"``).
+            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` and the peers'
+            :data:`PEER_SCORES` (cheap one-shot scores); an empty list turns the stage off.
+        plan_choice_refit: the closed-form correction of the compared plans (``"linear"``, the default since
+            issue 30, ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected on
+            the held-out windows (``plan_parallel(..., uncorrected_curves=True)``, the report's plan table).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
         plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
@@ -112,8 +118,9 @@ class SuiteSettings:
     defect_gold_k_values: list[int] | None = None
     plan_k: int = 0
     plan_strategy: str = "lowest_C"
-    plan_choice_strategies: list[str] = dataclasses.field(default_factory=lambda: list(PLAN_CHOICE_STRATEGIES))
-    plan_choice_refit: str = "affine"
+    plan_choice_strategies: list[str] = dataclasses.field(
+        default_factory=lambda: list(PLAN_CHOICE_STRATEGIES + PEER_SCORES))
+    plan_choice_refit: str = "linear"
     plan_choice_fisher_samples: int = 4
     plan_choice_k_values: list[int] | None = None
     parallel_repeats: int = 7
