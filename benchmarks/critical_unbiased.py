@@ -106,13 +106,13 @@ def main() -> None:
     p.add_argument("--no-landscape", action="store_true")
     p.add_argument("--seeds", type=int, nargs="*", default=[0])
     p.add_argument("--dims", type=int, nargs="*", default=[12, 576])
-    p.add_argument("--starts-576", type=int, default=32, help="coverage: random starts at d = 576 (128 at d = 12)")
+    p.add_argument("--starts-576", type=int, default=32, help="coverage: random starts at d = 576 (48 at d = 12)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the points, indices and labels per layer here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.sample == "coverage":
-        coverage(a.dims, {12: 128, 576: a.starts_576}, a.seeds, a.max_iter)
+        coverage(a.dims, {12: 48, 576: a.starts_576}, a.seeds, a.max_iter)
         return
     out: dict = {}
     for name in a.models:

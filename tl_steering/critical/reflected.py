@@ -245,10 +245,10 @@ def reflected_rows(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float,
 
 
 
-def _neighbour_starts(fld: _FieldAdapter, x: Tensor, eps: float) -> list[tuple[Tensor, int, str]]:
-    """Starts of the solution-landscape searches next to the equilibrium ``x`` (index k): x ± eps·v along the
-    unstable direction of smallest real part (target k - 1, or k - 2 for a complex pair: downward search) and
-    along the stable direction of largest real part (target k + 1, or k + 2 for a pair: upward search)."""
+def _neighbour_starts(fld: _FieldAdapter, x: Tensor, eps: float, depth: int) -> list[tuple[Tensor, int, str]]:
+    """Starts of the solution-landscape searches next to the equilibrium ``x`` (index k): for j = 1..``depth``,
+    x ± eps·v_j along the eigenvector of the j-th least unstable eigenvalue (target k - j: downward search) and of
+    the j-th least stable one (target k + j: upward search); a complex pair counts as two eigenvalues."""
     with torch.no_grad():
         f = fld.one(x)
     jac = fld.jacobians(x[None])[0]
@@ -258,29 +258,29 @@ def _neighbour_starts(fld: _FieldAdapter, x: Tensor, eps: float) -> list[tuple[T
     m = (h.conjugate(jac.detach())[1:, 1:] - float(x @ f) * torch.eye(d1, dtype=jac.dtype, device=jac.device))
     vals, vecs = np.linalg.eig(m.cpu().numpy())
     k = int((vals.real > 0).sum())
+    up = np.nonzero(vals.real > 0)[0]
+    down = np.nonzero(vals.real <= 0)[0]
+    order = {"down": up[np.argsort(vals.real[up], kind="stable")],
+             "up": down[np.argsort(-vals.real[down], kind="stable")]}
     out = []
-    for side in ("down", "up"):
-        pool = np.nonzero(vals.real > 0)[0] if side == "down" else np.nonzero(vals.real <= 0)[0]
-        if pool.size == 0:
-            continue
-        j = pool[np.argmin(vals.real[pool])] if side == "down" else pool[np.argmax(vals.real[pool])]
-        width = 2 if abs(vals.imag[j]) > 1e-12 * max(1.0, abs(vals[j])) else 1
-        target = k - width if side == "down" else k + width
-        if not 0 <= target <= d1:
-            continue
-        v = h.q(torch.as_tensor(vecs[:, j].real.copy(), dtype=x.dtype, device=x.device))
-        v = v / v.norm().clamp_min(1e-300)
-        for sgn in (1.0, -1.0):
-            out.append((_normalize(x + sgn * eps * v), target, f"landscape{side}"))
+    for side, pool in order.items():
+        for j in range(1, min(depth, pool.size) + 1):
+            target = k - j if side == "down" else k + j
+            vec = vecs[:, pool[j - 1]]
+            v = h.q(torch.as_tensor((vec.real if j % 2 or not abs(vals[pool[j - 1]].imag) else vec.imag).copy(),
+                                    dtype=x.dtype, device=x.device))
+            v = v / v.norm().clamp_min(1e-300)
+            for sgn in (1.0, -1.0):
+                out.append((_normalize(x + sgn * eps * v), target, f"landscape{side}"))
     return out
 
 
 def landscape_rows(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: int, eps: float = 0.05,
-                   **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
+                   depth: int = 3, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
     """Solution-landscape searches (Yin et al. 2020, Phys. Rev. Lett. 124, 090601) from each row of ``points``
     (distinct equilibria): index-fixed reflected searches started next to the point along its least unstable /
-    least stable eigendirection, one index down and one up (two for a complex pair). Four rows per point."""
-    starts = [s for x in points for s in _neighbour_starts(fld, x, eps)]
+    least stable eigendirections, 1..``depth`` indices down and up. 4·depth rows per point."""
+    starts = [s for x in points for s in _neighbour_starts(fld, x, eps, depth)]
     if not starts:
         empty = points[:0]
         return empty, empty[:, 0], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], {}
