@@ -100,19 +100,22 @@ def test_result_carries_index_histogram_and_sample_and_the_report_renders_them()
 
 
 def test_flow_finder_shifts_the_map_where_the_power_iteration_fixes_nothing():
-    """Linear field, d = 6: ±e1 is the only attractor (λ = 1, tangent spectrum -0.5 ± 1.5i, -0.75, -5, -6), but
-    the plain map u <- normalize(F(u)) has |1 + μ/λ| = 1.58 > 1 there and no other stable fixed point of s = +1;
-    the shifted map normalize(F + σu), σ = median ||F|| > |μ|²/(2|Re μ|) - λ = 1.5, holds it."""
+    """Linear field, d = 6: ±e1 is the only attractor (λ = 1, tangent spectrum -0.5 ± 1.5i, -0.75, -2.2, -2.3), and
+    the rotation pair 0.5 ± 1.5i dominates |eigenvalue|, so the plain map u <- normalize(±F(u)) only rotates (no
+    fixed point for either sign); the shifted map normalize(F + σu) holds ±e1 once 1 + σ > |μ|²/(2|Re μ|) = 2.5:
+    σ = 1·median ||F|| (~1.2) does not, σ = 4·median ||F|| does."""
     a = torch.zeros(6, 6, dtype=F64)
     a[0, 0] = 1.0
     a[1:3, 1:3] = torch.tensor([[0.5, 1.5], [-1.5, 0.5]], dtype=F64)
-    a[3, 3], a[4, 4], a[5, 5] = 0.25, -4.0, -5.0
+    a[3, 3], a[4, 4], a[5, 5] = 0.25, -1.2, -1.3
     q = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(0), dtype=F64))[0]
     m = q @ a @ q.T
     r = find_equilibria(lambda u: u @ m.T, 6, n_starts=8, seed=0, method="flow")
-    assert r.options["shift"][0] > 1.5 and r.options["shift"][1] == 0.0  # s = -1 fixes repellers unshifted
+    assert r.options["shift"][0] > 2.5
+    assert r.options["power_converged"] >= 8 and "lm_rows" not in r.options  # the power rows, not the LM fallback
     e1 = q[:, 0]
     for x in (e1, -e1):
         dist = (r.points - x).norm(dim=-1)
         j = int(dist.argmin())
         assert float(dist[j]) < 1e-8 and r.labels[j] == "attractor" and abs(float(r.lambdas[j]) - 1.0) < 1e-9
+        assert r.start_kind[j] == "random/power+"
