@@ -53,7 +53,7 @@ else
 fi
 set -x
 # 1) equivalence on CUDA: the gpu-marked unit tests (tiny models, streams on/off)
-timeout 240 "$py" -m pytest tests/unit/test_parallel.py -q -p no:cacheprovider -m gpu -x 2>&1 | tail -5
+timeout 240 "$py" -m pytest tests/unit/parallel/test_apply.py -q -p no:cacheprovider -m gpu -x 2>&1 | tail -5
 # 2) protocols on the device equal the CPU, parallelize equals the hook surrogate, forward times (no weights needed)
 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout 200 "$py" benchmarks/gpu_shape_check.py --device cuda --repeats 20 --json "$out/gpu_shape_check.json" 2>&1 | tail -30
 # 3) the speedup benchmark on CUDA: TL model vs the executor's sequential model vs the parallel model

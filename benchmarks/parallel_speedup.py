@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tl_steering as ts  # noqa: E402
 from tl_steering.backends import (adapt, cache_routing, decode_step, freeze_kv_cache, hooked_available,  # noqa: E402
                                   hooks_silenced, kv_cache, next_token_loss)
-from tl_steering.parallel import _lean_sequential_copy, parallelize  # noqa: E402
+from tl_steering.parallel.apply import _lean_sequential_copy, parallelize  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="comma list: time this plan (k = its length, plus the k = 0 control) instead of planning")
     ap.add_argument("--refit", default="none", choices=["none", "gate", "affine", "linear"],
                     help="fit the plan's closed-form FFN corrections on the calibration windows "
-                         "(tl_steering.planning.refit.fit_corrections) and fold them into the parallel model "
+                         "(tl_steering.parallel.refit.fit_corrections) and fold them into the parallel model "
                          "(parallelize(..., gates=, biases=)): the dCE column is then the corrected plan's, held out")
     args = ap.parse_args(argv)
     backend = args.backend or ("hooked" if hooked_available() else "bridge")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     fitted: dict[int, tuple[dict, dict, dict]] = {}
     for k in ks:
         if args.refit != "none" and plans[k]:
-            from tl_steering.planning.refit import fit_corrections
+            from tl_steering.parallel.refit import fit_corrections
 
             lin: dict = {}
             g, bias, _ = fit_corrections(model, calib, plans[k], refit=args.refit, batch_size=4, linears=lin)

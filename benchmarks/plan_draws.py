@@ -17,7 +17,7 @@ Plans:
 
 Corrections, fitted on the calibration windows:
 * ``none``: the plain parallel surrogate;
-* ``affine``: the library's ``g_l Phi(x) + b_l`` (``planning.refit.fit_corrections``, sequential);
+* ``affine``: the library's ``g_l Phi(x) + b_l`` (``parallel.refit.fit_corrections``, sequential);
 * ``linear``: ``g_l Phi(x) + b_l + a W_l`` (``refit="linear"``): ``a`` the block's attention write, ``W_l`` a
   ``d x d`` ridge regression of the affine fit's residual on ``a``, fitted sequentially in one forward. The block
   stays parallel (the executor folds W_l into ``W_O -> W_O (I + W_l)``).
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
 from _common import cal_held, finish, plan_parser, start  # noqa: E402
-from tl_steering.batching import mean_loss  # noqa: E402
+from tl_steering.data.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
-from tl_steering.planning import strategies as st  # noqa: E402
-from tl_steering.planning.refit import fit_corrections  # noqa: E402
+from tl_steering.parallel import strategies as st  # noqa: E402
+from tl_steering.parallel.refit import fit_corrections  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict:
     ap = plan_parser(__doc__)

@@ -36,8 +36,8 @@ import torch
 
 import tl_steering as ts
 from _common import cal_held, finish, plan_parser, start
-from tl_steering.planning.plan import FULL_COMPARISON, ONE_SHOT_COMPARISON
-from tl_steering.planning.refit import FittedLoss, RefitLoss
+from tl_steering.parallel.plan import FULL_COMPARISON, ONE_SHOT_COMPARISON
+from tl_steering.parallel.refit import FittedLoss, RefitLoss
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def one_shot(args, t0, model, cal, held, ks) -> dict:
-    from tl_steering.planning.peers import PEER_SCORES
+    from tl_steering.parallel.peers import PEER_SCORES
 
     t1 = time.time()
     names = list(ONE_SHOT_COMPARISON) + list(PEER_SCORES)
@@ -171,12 +171,22 @@ def one_shot(args, t0, model, cal, held, ks) -> dict:
           f"uncorrected ({low_c:+.4f}); layers {dflt[k]['layers']}")
     out = {"model": args.model, "ks": p.k_values, "rows": rows, "default": dflt, "total_cost": p.total_cost,
            "calibration": {s: v.tolist() for s, v in p.calibration_curves.items()}}
+    if args.json:
+        finish(out, args.json, t0)
+    if args.default_cost:
+        toks = torch.cat([cal, held])[: args.default_cost]
+        t1 = time.time()
+        d = ts.plan_parallel(model, toks, k, batch_size=args.batch_size)
+        out["default_small"] = {"windows": args.default_cost, "total_cost": d.total_cost,
+                                "seconds": time.time() - t1, "strategy": d.strategy, "layers": d.layers}
+        print(f"# default call on {args.default_cost} x {args.length}: {d.total_cost} ({time.time() - t1:.0f}s), "
+              f"chose {d.strategy} {d.layers}", flush=True)
     return finish(out, args.json, t0)
 
 
 def plain_held(plain, layers, model, held, bs) -> float:
     """Held-out dCE of ``layers`` without correction (from the uncorrected comparison when it measured them)."""
-    from tl_steering.planning.gold import PlanLoss
+    from tl_steering.parallel.gold import PlanLoss
 
     for s in plain.strategies:
         for j, p in enumerate(plain.plans[s]):

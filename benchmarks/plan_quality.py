@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
-from tl_steering.planning.plan import FULL_COMPARISON  # noqa: E402
+from tl_steering.parallel.plan import FULL_COMPARISON  # noqa: E402
 from _common import cal_held, finish, plan_parser, start  # noqa: E402
-from tl_steering.planning.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
+from tl_steering.parallel.gold import PlanLoss, single_layer_delta, spearman  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "dCE (deterministic) instead of 2 x L forwards")
     ap.add_argument("--refit", default="none", choices=("none", "gate", "affine", "linear"),
                     help="plan with the closed-form FFN correction re-fitted on the calibration windows for every "
-                         "plan measured (tl_steering.planning.refit; docs/parallel.md 'Refit')")
+                         "plan measured (tl_steering.parallel.refit; docs/parallel.md 'Refit')")
     ap.add_argument("--refit-order", default="sequential", choices=("sequential", "joint"))
     ap.add_argument("--json", default=None)
     args, t0, model, ad, cand = start(ap, argv)

@@ -8,7 +8,7 @@ calibrate (every plan AND every correction is chosen / fitted on them), the othe
 reported. For the plans {lowest C (paper), attribution_2nd, best uncorrected (lowest calibration dCE of the
 one-shot score plans and greedy_measured)} and for greedy_measured re-run with the correction re-fitted at every
 candidate, prints the held-out dCE with no correction, the scalar gate g_l Phi(x) and the affine g_l Phi(x) + b_l
-(tl_steering.planning.refit), fitted sequentially along the plan or jointly on the uncorrected plan's forward,
+(tl_steering.parallel.refit), fitted sequentially along the plan or jointly on the uncorrected plan's forward,
 and the ratios to the lowest-C plan without and with the same correction.
 """
 
@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
 from _common import cal_held, finish, plan_parser, start  # noqa: E402
-from tl_steering.batching import mean_loss  # noqa: E402
+from tl_steering.data.batching import mean_loss  # noqa: E402
 from tl_steering.hooks import parallel_blocks  # noqa: E402
-from tl_steering.planning import strategies as st  # noqa: E402
-from tl_steering.planning.gold import PlanLoss  # noqa: E402
-from tl_steering.planning.plan import _greedy_measured  # noqa: E402
-from tl_steering.planning.refit import RefitLoss  # noqa: E402
+from tl_steering.parallel import strategies as st  # noqa: E402
+from tl_steering.parallel.gold import PlanLoss  # noqa: E402
+from tl_steering.parallel.plan import _greedy_measured  # noqa: E402
+from tl_steering.parallel.refit import RefitLoss  # noqa: E402
 
 ONE_SHOT = ("C", "C1", "attribution_abs", "attribution_2nd", "attribution_fisher")
 

@@ -83,7 +83,7 @@ def _setup(backend: str, threads: int | None = None, model_name: str = "smollm2-
 
     import tl_steering as ts
     from tl_steering.backends import adapt
-    from tl_steering.probing import probe
+    from tl_steering.probing.trace import probe
 
     model = ts.load_model(model_name, backend=backend)
     tokens = ts.text_tokens(model, n_windows=windows, length=length)

@@ -1,9 +1,9 @@
-"""Tokens/s of the resumable probe scan (tl_steering.scale) against the number of processes.
+"""Tokens/s of the resumable probe scan (tl_steering.probing.scan) against the number of processes.
 
     python benchmarks/scale_scan.py --model smollm2-135m --nprocs 1,2 --windows 64 --length 128
     python benchmarks/scale_scan.py --device cuda --nprocs 1,2,4,8 ...     (a GPU machine: NCCL, one GPU a rank)
 
-Each row runs ``torchrun --standalone --nproc_per_node=N -m tl_steering.scale`` (N = 1 runs it without torchrun)
+Each row runs ``torchrun --standalone --nproc_per_node=N -m tl_steering.probing.scan`` (N = 1 runs it without torchrun)
 in a fresh output directory, with OMP_NUM_THREADS = cores / N on CPU so that the processes share the cores
 instead of oversubscribing them, and reports the wall time of the whole command (model load included) and of
 the scan alone (from the result's token count and the scan's own time stamps), tokens/s and the speedup over
@@ -24,13 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tl_steering.probing import ProbeResult  # noqa: E402
+from tl_steering.probing.trace import ProbeResult  # noqa: E402
 
 
 def run(n: int, args: argparse.Namespace, out: Path) -> tuple[float, ProbeResult]:
-    cmd = ([sys.executable, "-m", "tl_steering.scale"] if n == 1 else
+    cmd = ([sys.executable, "-m", "tl_steering.probing.scan"] if n == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            "-m", "tl_steering.scale"])
+            "-m", "tl_steering.probing.scan"])
     cmd += ["--model", args.model, "--source", args.source, "--windows", str(args.windows), "--length",
             str(args.length), "--shard-windows", str(args.shard_windows), "--batch-size", str(args.batch_size),
             "--out", str(out), "--no-progress"]

@@ -59,11 +59,12 @@ def _normalise_old(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _normalise_new(path: Path) -> dict[str, Any]:
     from tl_steering.results import _encode
-    from tl_steering.suite import SuiteResult, comparison_rows, headline
+    from tl_steering.report.comparison import comparison_rows
+    from tl_steering.suite import SuiteResult
 
     suite = SuiteResult.load(path)
     out = {k: v for k, v in suite.to_dict().items() if not k.startswith("__")}
-    out["headline"] = _encode(headline(suite))
+    out["headline"] = _encode(suite.summary())
     out["comparison"] = {
         r["id"]: {"ours": _encode(r["ours"]), "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
         for r in comparison_rows(suite)

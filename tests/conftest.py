@@ -15,7 +15,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering.backends import hooked_available
-from tl_steering.protocols._common import single_threaded
+from tl_steering._util.threads import single_threaded
 
 BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]
 ARCHS = ["gpt2", "llama", "neox"]

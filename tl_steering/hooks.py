@@ -212,7 +212,7 @@ def parallel_blocks(
     ``gates`` / ``biases`` (``{layer: g}``, ``{layer: b}`` with ``b`` a ``[d_model]`` tensor): the corrected
     parallel write ``g_l Phi(x) + b_l`` (a layer missing from a dict: g = 1, b = 0), still parallel (no
     dependence on the attention write), computed in float64 and cast to the activation dtype;
-    :func:`tl_steering.planning.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
+    :func:`tl_steering.parallel.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
     ``linears`` (``{layer: W}``, ``[d_model, d_model]``): adds ``a W_l``, a linear map of the same block's
     attention write ``a`` (``hook_attn_out``), which a parallel block computes beside Phi(x), so the block stays
     parallel (``refit="linear"``; in the executor it folds into the attention output projection).
@@ -248,7 +248,7 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: "Write") -> HookLis
     ``write(layer, sequential_write, parallel_write, attn_write)``: ``sequential_write`` is the block's own
     ``hook_mlp_out`` (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype), ``attn_write`` the
     block's ``hook_attn_out`` a in this forward (after every other hook on it). The building block of the fitted
-    corrections (:mod:`tl_steering.planning.refit`); most callers want :func:`parallel_blocks`."""
+    corrections (:mod:`tl_steering.parallel.refit`); most callers want :func:`parallel_blocks`."""
     ad = adapt(model)
     hooks: HookList = []
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)

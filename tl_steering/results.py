@@ -6,25 +6,26 @@ dtype); ``to_dict()`` turns them into nested lists tagged with dtype and shape s
 them exactly. Complex tensors are stored as ``[..., 2]`` real views.
 """
 
-import collections.abc
 import dataclasses
 import datetime as _dt
 import json
 import math
 import platform
-import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import jaxtyping
 import torch
+from beartype import BeartypeConf
+from beartype.door import is_bearable
 
+from . import result_sidecar
 from .errors import InputError, ResultFileError
 
 # kind -> class. A file names its record by kind and format version ("__kind__", "__format__"), never by a
 # Python path: no import by string, no pickle.
 _REGISTRY: dict[str, type] = {}
-_BY_CLASS_NAME: dict[str, type] = {}  # read-only fallback for files written before kinds ("__dataclass__")
 
 T = TypeVar("T", bound="Result")
 
@@ -65,7 +66,6 @@ def register(cls: type) -> type:
         if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
             raise TypeError(f"{cls.__qualname__}.added_fields names {name!r}, which is not a field with a default")
     _REGISTRY[key] = cls
-    _BY_CLASS_NAME[cls.__name__] = cls
     return cls
 
 
@@ -79,7 +79,9 @@ class Provenance:
         model_revision: pinned package version or weight hash of the checkpoint, when known.
         tl_version: TransformerLens version string.
         backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
-        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (folded/centred weights).
+        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (processed by TransformerLens), read from the
+            model; ``processing_steps``: which steps (docs/loading.md, "Weight processing").
+        user_hooks: hook points that carried the user's hooks during the call (docs/hooks.md).
         corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
         n_sequences: number of token windows.
         n_tokens: number of tokens fed to the model.
@@ -93,13 +95,15 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
-    added_fields: ClassVar[tuple[str, ...]] = ("world_size",)  # torch.distributed runs: older files were one process
+    added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks")
 
     model: str = "unknown"
     model_revision: str | None = None
     tl_version: str = "unknown"
     backend: str = "unknown"
     processing: str = "unknown"
+    processing_steps: list[str] = dataclasses.field(default_factory=list)
+    user_hooks: list[str] = dataclasses.field(default_factory=list)
     corpus: str = "unknown"
     n_sequences: int = 0
     n_tokens: int = 0
@@ -117,9 +121,16 @@ class Provenance:
 
     def __post_init__(self) -> None:
         if not self.package_version:
-            from . import __version__
+            from ._util import __version__
 
             self.package_version = __version__
+
+
+def tensor_field(*shape: int, dtype: torch.dtype = torch.float64) -> Any:
+    """A dataclass field whose default is a new tensor of ``shape`` and ``dtype`` (float64 by default), NaN-filled
+    when floating (not measured), else zero."""
+    fill = math.nan if dtype.is_floating_point else 0
+    return dataclasses.field(default_factory=lambda: torch.full(shape, fill, dtype=dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,7 +206,7 @@ def _decode(value: Any, where: str = "") -> Any:
         if "__complex__" in value:
             re, im = value["__complex__"]
             return complex(re, im)
-        if "__kind__" in value or "__dataclass__" in value:
+        if "__kind__" in value:
             return _decode_record(value, where)
         return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, list):
@@ -223,8 +234,10 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
 
 # Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
 # name a kind whose module has not been imported yet: it is imported on first need.
-RESULT_MODULES = ("tl_steering.protocols", "tl_steering.planning", "tl_steering.critical", "tl_steering.probing", "tl_steering.probe_result",
-                  "tl_steering.gates", "tl_steering.prefix", "tl_steering.suite")
+RESULT_MODULES = ("tl_steering.critical.results", "tl_steering.parallel.defect_result", "tl_steering.parallel.plan_result",
+                  "tl_steering.parallel.scores", "tl_steering.probing.result", "tl_steering.protocols.ablation",
+                  "tl_steering.protocols.deficit", "tl_steering.protocols.diversity", "tl_steering.protocols.gates",
+                  "tl_steering.protocols.prefix", "tl_steering.suite.result", "tl_steering.suite.settings")
 
 
 def _import_result_modules() -> None:
@@ -235,32 +248,22 @@ def _import_result_modules() -> None:
 
 
 def _decode_record(value: dict, where: str) -> Any:
-    if "__kind__" in value or "__dataclass__" in value:
-        key = value.get("__kind__", value.get("__dataclass__"))
-        if isinstance(key, str) and key not in _REGISTRY and key not in _BY_CLASS_NAME:
-            _import_result_modules()
-    if "__kind__" in value:
-        kind = value["__kind__"]
-        cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
-        if cls is None:
-            raise ResultFileError(f"{where or 'file'}: unknown result kind {kind!r}; known kinds: "
-                                  f"{sorted(_REGISTRY)} (saved by another tl_steering version?)")
-        version = value.get("__format__", 1)
-        have = format_version_of(cls)
-        if version != have:
-            newer = isinstance(version, int) and version > have
-            raise ResultFileError(
-                f"{where or 'file'}: {kind!r} record has format version {version!r}; this tl_steering reads version "
-                f"{have}" + (" (the file was written by a newer tl_steering: upgrade)" if newer else ""))
-    else:  # files written before explicit kinds
-        name = value["__dataclass__"]
-        cls = _BY_CLASS_NAME.get(name) if isinstance(name, str) else None
-        if cls is None:
-            raise ResultFileError(f"{where or 'file'}: unknown result type {name!r} in file; was it saved by a "
-                                  "newer tl_steering?")
-        kind = kind_of(cls)
+    kind = value["__kind__"]
+    if isinstance(kind, str) and kind not in _REGISTRY:
+        _import_result_modules()
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ResultFileError(f"{where or 'file'}: unknown result kind {kind!r}; known kinds: "
+                              f"{sorted(_REGISTRY)} (saved by another tl_steering version?)")
+    version = value.get("__format__", 1)
+    have = format_version_of(cls)
+    if version != have:
+        newer = isinstance(version, int) and version > have
+        raise ResultFileError(
+            f"{where or 'file'}: {kind!r} record has format version {version!r}; this tl_steering reads version "
+            f"{have}" + (" (the file was written by a newer tl_steering: upgrade)" if newer else ""))
     label = where or kind
-    data = {k: v for k, v in value.items() if k not in ("__kind__", "__format__", "__dataclass__")}
+    data = {k: v for k, v in value.items() if k not in ("__kind__", "__format__")}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -292,78 +295,22 @@ def _type_hints(cls: type) -> dict[str, Any]:
         return {}
 
 
+# a decoded value against its field's annotation, by beartype (jaxtyping's tensor annotations are classes it
+# checks with isinstance); the PEP 484 tower lets an int stand for a float (JSON writes 2.0 as 2 only if it was 2)
+_TOWER = BeartypeConf(is_pep484_tower=True)
+
+
 def _has_type(v: Any, tp: Any) -> bool:
-    """A light structural check of a decoded value against a field annotation (unknown annotations pass)."""
-    if tp is Any or tp is object:
-        return True
-    if tp is type(None) or tp is None:
-        return v is None
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        return any(_has_type(v, a) for a in args)
-    if origin is typing.Literal:
-        return v in args
-    if origin is typing.ClassVar:
-        return True
-    if tp is bool:
-        return isinstance(v, bool)
-    if tp is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if tp is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if tp is str:
-        return isinstance(v, str)
-    if tp is complex:
-        return isinstance(v, (int, float, complex)) and not isinstance(v, bool)
-    if origin in (list, collections.abc.Sequence) or tp in (list, tuple):
-        if not isinstance(v, (list, tuple)):
-            return False
-        return not args or all(_has_type(x, args[0]) for x in v)
-    if origin is tuple:
-        if not isinstance(v, (list, tuple)):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_has_type(x, args[0]) for x in v)
-        return not args or (len(args) == len(v) and all(_has_type(x, a) for x, a in zip(v, args)))
-    if origin in (dict, collections.abc.Mapping) or tp is dict:
-        if not isinstance(v, dict):
-            return False
-        return len(args) != 2 or all(_has_type(x, args[1]) for x in v.values())
-    if isinstance(tp, type):
-        if issubclass(tp, torch.Tensor) or _is_jaxtyping(tp):
-            if not isinstance(v, torch.Tensor):
-                return False
-            if _is_jaxtyping(tp):
-                try:
-                    return isinstance(v, tp)
-                except Exception:  # noqa: BLE001
-                    return True
-            return True
-        if dataclasses.is_dataclass(tp):
-            return isinstance(v, tp)
-        try:
-            return isinstance(v, tp)
-        except TypeError:
-            return True
-    return True
-
-
-def _is_jaxtyping(tp: Any) -> bool:
     try:
-        import jaxtyping
-
-        return isinstance(tp, type) and issubclass(tp, jaxtyping.AbstractArray)
-    except Exception:  # noqa: BLE001
-        return False
+        return is_bearable(v, tp, conf=_TOWER)
+    except Exception:  # noqa: BLE001 - an annotation beartype cannot check: check nothing rather than fail to load
+        return True
 
 
 def _type_name(tp: Any) -> str:
-    if _is_jaxtyping(tp):
-        return f"a tensor {tp.__name__}" if hasattr(tp, "__name__") else "a tensor"
-    if typing.get_origin(tp) is not None:
-        return str(tp).replace("typing.", "").replace("torch.Tensor", "Tensor")
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if isinstance(tp, type) and issubclass(tp, jaxtyping.AbstractArray):
+        return f"a tensor {tp.__name__}"
+    return str(tp).replace("typing.", "").replace("torch.Tensor", "Tensor") if typing.get_origin(tp) else tp.__name__
 
 
 def _value_desc(v: Any) -> str:
@@ -371,6 +318,10 @@ def _value_desc(v: Any) -> str:
         return f"a {str(v.dtype).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
     r = repr(v)
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
+
+
+def _sidecar_fields(kind: str) -> tuple[str, ...]:
+    return tuple(getattr(_REGISTRY.get(kind), "sidecar_fields", ()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -399,7 +350,7 @@ class Result:
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         """Rebuild a result from :meth:`to_dict` output. Strict: an unknown kind or format version, a missing,
         unknown or wrong-typed field raises :class:`~tl_steering.errors.ResultFileError` naming it."""
-        if not isinstance(data, dict) or not ("__kind__" in data or "__dataclass__" in data):
+        if not isinstance(data, dict) or "__kind__" not in data:
             raise ResultFileError(f"not a tl_steering result record (expected a dict with '__kind__', got "
                                   f"{type(data).__name__})")
         obj = _decode(data)
@@ -420,9 +371,8 @@ class Result:
             meta = self._split_tensors(self.to_dict(), tensors, prefix="")
             save_file(tensors, str(path), metadata={"tl_steering": json.dumps(meta)})
         else:  # the classes' sidecar_fields go to <stem>.tensors.safetensors (tl_steering.result_sidecar)
-            from . import result_sidecar
-
-            path.write_text(json.dumps(result_sidecar.save(self.to_dict(), path), indent=1, allow_nan=False))
+            data = result_sidecar.save(self.to_dict(), path, _sidecar_fields, _decode)
+            path.write_text(json.dumps(data, indent=1, allow_nan=False))
         return path
 
     @classmethod
@@ -444,9 +394,7 @@ class Result:
                                           "file is truncated or corrupted; save the result again") from None
                 except (OSError, UnicodeDecodeError) as e:
                     raise ResultFileError(f"cannot read it ({type(e).__name__}: {e})") from None
-                from . import result_sidecar
-
-                data = result_sidecar.load(data, path)
+                data = result_sidecar.load(data, path, cls._join_tensors)
             return cls.from_dict(data)
         except ResultFileError as e:
             raise ResultFileError(f"{path}: {e}") from None
@@ -511,4 +459,4 @@ class Result:
 
 register(Result)
 
-__all__ = ["Provenance", "Result", "register"]
+__all__ = ["Provenance", "Result", "register", "tensor_field"]

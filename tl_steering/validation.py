@@ -172,6 +172,19 @@ def check_length(n_pos: int, n_ctx: int | None, what: str = "tokens") -> None:
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 
 
+def check_not_meta(tokens: Any, what: str = "tokens") -> None:
+    """Refuse a tensor on the ``meta`` device (shapes, no values: built under ``torch.device("meta")`` or
+    accelerate's ``init_empty_weights``); a forward on it fails deep inside the model with a bare RuntimeError."""
+    from .errors import DeviceMismatchError
+
+    if isinstance(tokens, torch.Tensor) and tokens.device.type == "meta":
+        raise DeviceMismatchError(
+            f"{what} are on the 'meta' device: a meta tensor has a shape but no values, so no model can run on it. "
+            f"Build them on a real device (torch.tensor(ids) or model.to_tokens(text), then .to(the model's "
+            "device)); a tensor created under `with torch.device('meta')` or accelerate's init_empty_weights() is "
+            "meta")
+
+
 def as_device(value: Any, name: str = "device") -> torch.device:
     """A device that exists here: ``None`` -> cpu; unknown strings (``"tpu"``, ``"bogus"``) and devices this
     machine does not have (``"cuda"`` without a GPU, ``"cuda:3"`` with one GPU) are errors, raised before any

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
-from tl_steering.critical import critical_points_all_layers
-from tl_steering.gates import calibrate_gates
-from tl_steering.prefix import prefix_sensitivity
+from tl_steering.critical import critical_points
+from tl_steering.protocols.gates import calibrate_gates
+from tl_steering.protocols.prefix import prefix_sensitivity
 
 # one torch thread for the critical-point tests only (small dense eigenproblems spin on a shared runner); the
 # prefix and gate tests run full SmolLM2 forwards/backwards, which use both cores
@@ -83,7 +83,7 @@ def test_critical_points_every_layer(smollm2):
     ad = adapt(smollm2)
     fp = weights_fingerprint(smollm2)
     t0 = time.perf_counter()
-    s = critical_points_all_layers(smollm2)  # tokens: text_tokens(model, n_windows=4, length=64); 16 starts
+    s = critical_points(smollm2)  # tokens: text_tokens(model, n_windows=4, length=64); 16 starts
     elapsed = time.perf_counter() - t0
     summ = s.summary()
     print("\ncritical points per layer [attractor, repeller, saddle, degenerate]:", s.counts.tolist())

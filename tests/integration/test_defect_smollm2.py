@@ -29,7 +29,7 @@ import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
-from tl_steering.protocols.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
+from tl_steering.parallel.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
 
 pytestmark = pytest.mark.integration
 
@@ -146,15 +146,15 @@ def test_speedup_estimate(defect, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# layer planning (tl_steering.planning, docs/defect.md "Layer planning"): the loss-aware attribution score and
+# layer planning (tl_steering.parallel, docs/defect.md "Layer planning"): the loss-aware attribution score and
 # a planner chosen on the same 4 calibration windows, reported on the other 4 (held out). Cost on an idle
 # 2-core machine: one forward + backward (attribution) reusing the gold of the `defect` fixture, then
 # plan_parallel with C / attribution_abs at k = 15 (about 8 forward + 1 backward passes of 4 x 128).
 
 
 def test_attribution_ranks_single_layer_damage(smollm2, smollm2_tokens, defect):
-    from tl_steering.planning.attribution import attribution_scores
-    from tl_steering.planning.gold import spearman
+    from tl_steering.parallel.attribution import attribution_scores
+    from tl_steering.parallel.gold import spearman
 
     scores, clean = attribution_scores(smollm2, smollm2_tokens[:4], list(range(30)), batch_size=4)
     assert clean == pytest.approx(CLEAN_LOSS, abs=2e-3)

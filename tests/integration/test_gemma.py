@@ -14,7 +14,7 @@ import tl_steering as ts
 from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 from tl_steering.hooks import attention_gain, ffn_component, ffn_gate, parallel_blocks
-from tl_steering.parallel import parallelize
+from tl_steering.parallel.apply import parallelize
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ import torch
 
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
-from tl_steering.parallel import parallelize
+from tl_steering.parallel.apply import parallelize
 
 pytestmark = pytest.mark.integration
 

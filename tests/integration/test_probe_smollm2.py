@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.unit.test_probe import assert_matches, assert_no_hooks, cache_for, reference_metrics
-from tl_steering.probing import ALL_QUANTITIES, probe
+from tl_steering.probing.trace import ALL_QUANTITIES, probe
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ HookedTransformer. About 10 forwards of 4 x 128 tokens (slow-marked: 42 s on TL 
 import pytest
 
 from tests.helpers import assert_no_hooks
-from tl_steering.batching import mean_loss
+from tl_steering.data.batching import mean_loss
 from tl_steering.hooks import parallel_blocks
-from tl_steering.planning.refit import corrected_loss
+from tl_steering.parallel.refit import corrected_loss
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,8 +50,8 @@ def test_linear_refit_held_out_and_executor(smollm2, smollm2_tokens):
     ATTR_ABS is the plan ``plan_parallel(cal, 15, strategies=ONE_SHOT_COMPARISON, refit="linear")`` chose on one
     thread (at two threads it chose the lowest-C variant 6-10, 20-29 by a near-tie of the cross-fitted calibration
     loss; both stay below half of the C plan held out, docs/parallel.md). The executor folds W into W_O."""
-    from tl_steering.parallel import parallelize
-    from tl_steering.planning.refit import fit_corrections
+    from tl_steering.parallel.apply import parallelize
+    from tl_steering.parallel.refit import fit_corrections
 
     cal, held = smollm2_tokens[:4], smollm2_tokens[4:]
     clean_h = mean_loss(smollm2, held, [], 4)

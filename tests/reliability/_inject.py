@@ -33,7 +33,7 @@ _TRACED = (
     f"{_SEP}tl_steering{_SEP}backends{_SEP}lifecycle.py",
     f"{_SEP}tl_steering{_SEP}backends{_SEP}interrupts.py",
     f"{_SEP}tl_steering{_SEP}hooks.py",
-    f"{_SEP}tl_steering{_SEP}probing.py",
+    f"{_SEP}tl_steering{_SEP}probing{_SEP}trace.py",
     f"{_SEP}transformer_lens{_SEP}hook_points.py",
     f"{_SEP}transformer_lens{_SEP}model_bridge{_SEP}bridge_core.py",  # TL 4.x: the bridge's hooks() / add_hook
     f"{_SEP}transformer_lens{_SEP}model_bridge{_SEP}bridge.py",  # TL 3.x: the same

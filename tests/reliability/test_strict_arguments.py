@@ -166,7 +166,7 @@ def test_probe_without_forward_is_an_error(model):
 
 
 def test_nested_parallelize_reports_every_parallel_block():
-    from tl_steering.parallel import parallel_layers
+    from tl_steering.parallel.apply import parallel_layers
 
     m = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=3)
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import torch
 
 from tl_steering import metrics
 from tl_steering.backends import adapt
-from tl_steering.batching import mean_loss
+from tl_steering.data.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
 

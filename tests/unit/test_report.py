@@ -17,17 +17,17 @@ import torch
 import tl_steering as ts
 from tl_steering.backends import ModelInfo
 from tl_steering.cli import build_parser, check_report_args
-from tl_steering.data import text_windows
+from tl_steering.data.windows import text_windows
 from tl_steering.reference import published_numbers
 from tests.helpers import assert_no_hooks
 from tl_steering.report import SECTIONS, figures, render_report
+from tl_steering.report.comparison import comparison_rows
 from tl_steering.suite import (
     PINNED,
     PUBLISHED,
     STAGES,
     SuiteResult,
     SuiteSettings,
-    comparison_rows,
     default_settings,
     published_value,
     run_suite,
@@ -116,8 +116,8 @@ def test_plan_choice_is_re_measurable(suite, suite_inputs):
     refit, chosen by cross-fitted calibration dCE on windows 0-1; its held-out dCE on windows 2-3 is exactly
     ParallelPlan.hooks(model) on them, every compared plan is also measured uncorrected there, the lowest-C
     comparison is the uncorrected lowest-C plan there, and the executor runs the corrected plan (maps folded)."""
-    from tl_steering.batching import mean_loss
-    from tl_steering.data import token_source
+    from tl_steering.data.batching import mean_loss
+    from tl_steering.data.windows import token_source
     from tl_steering.hooks import parallel_blocks
     from tl_steering.suite import PLAN_CHOICE_STRATEGIES
     from tl_steering.suite.settings import PEER_SCORES

@@ -1,4 +1,4 @@
-"""Unit tests of tl_steering.stats (position masks and bins, masked means, bootstrap) and tl_steering.timing.
+"""Unit tests of tl_steering.stats (position masks and bins, masked means, bootstrap) and tl_steering._util.timing.
 
 Exact expectations from docs/statistics.md; no model.
 """
@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tl_steering import stats, timing
+from tl_steering import stats
+from tl_steering._util import timing
 from tl_steering.errors import InputError
 
 

@@ -10,7 +10,8 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 * dtype and device read from the parameters (``cfg.dtype`` can lie when a model was built with ``hf_model=``);
 * the residual-identity check that guards every decomposition against known bridge bugs;
 * :meth:`ModelAdapter.hook_guard`, which guarantees that every hook added during a call is gone afterwards,
-  also when the call raises (KeyboardInterrupt included).
+  also when the call raises (KeyboardInterrupt included), and holds the model for one thread (:mod:`.ownership`);
+* :meth:`ModelAdapter.provenance`: the weight processing read from the model, the user's hook points.
 """
 
 import contextlib
@@ -60,6 +61,8 @@ from .lifecycle import (  # noqa: E402  (hook lifecycle lives in its own module)
     hooks_silenced,
 )
 from . import lifecycle as _lifecycle  # noqa: E402
+from . import ownership as _ownership  # noqa: E402
+from .processing import WeightProcessing, weight_processing  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,11 +99,16 @@ class ModelAdapter:
     @property
     def info(self) -> ModelInfo:
         info = getattr(self.model, "_tl_steering_info", None)
-        if isinstance(info, ModelInfo):
-            return info
+        if isinstance(info, ModelInfo):  # the loader's name and revision; the processing as the model is now
+            return dataclasses.replace(info, processing=self.processing.label)
         name = getattr(self.cfg, "model_name", None) or type(self.model).__name__
-        return ModelInfo(name=str(name), processing="unknown", prepend_bos=bool(
+        return ModelInfo(name=str(name), processing=self.processing.label, prepend_bos=bool(
             getattr(self.cfg, "default_prepend_bos", True)))
+
+    @property
+    def processing(self) -> "WeightProcessing":
+        """What TransformerLens did to the weights, read from the model (:func:`.processing.weight_processing`)."""
+        return weight_processing(self.model)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,11 +228,12 @@ class ModelAdapter:
         """
         blk = self.model.blocks[self.check_layer(layer)]
         norms = sublayer_norms(blk)
+        model = self.model
 
         def phi(x: Tensor) -> Tensor:
             shape = x.shape
             x3 = x if x.dim() == 3 else x.reshape(1, -1, shape[-1])
-            with hooks_silenced(blk):
+            with _ownership.claim(model, "ModelAdapter.ffn", record_hooks=False), hooks_silenced(blk):
                 out = ffn_apply(blk, norms, x3)
             return out.reshape(shape)
 
@@ -246,7 +255,7 @@ class ModelAdapter:
         def attn(x: Tensor) -> Tensor:
             if x.dim() != 3:
                 raise InputError(f"attention expects [batch, pos, d_model], got shape {tuple(x.shape)}")
-            with hooks_silenced(model):
+            with _ownership.claim(model, "ModelAdapter.attention", record_hooks=False), hooks_silenced(model):
                 return attention_apply(model, blk, norms, self.backend, x)
 
         return attn
@@ -274,7 +283,8 @@ class ModelAdapter:
             raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
                              f"{tuple(x.shape)}")
         chosen = set(int(v) for v in parallel)
-        with hooks_silenced(self.model):
+        with _ownership.claim(self.model, "ModelAdapter.run_blocks", record_hooks=False), \
+                hooks_silenced(self.model):
             for lay in range(start, self.n_layers):
                 blk = self.model.blocks[lay]
                 norms = sublayer_norms(blk)
@@ -296,8 +306,10 @@ class ModelAdapter:
         return logits
 
     # -- running -----------------------------------------------------------------------------------------
-    def hook_guard(self) -> contextlib.AbstractContextManager[None]:
-        return hook_guard(self.model)
+    def hook_guard(self, call: str = "tl_steering.hook_guard") -> contextlib.AbstractContextManager[None]:
+        """Every hook added inside is gone on exit; the block holds the model for this thread (``call`` names it
+        in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
+        return hook_guard(self.model, call)
 
     @contextlib.contextmanager
     def mlp_in_enabled(self) -> Iterator[None]:
@@ -330,6 +342,7 @@ class ModelAdapter:
                 "(position 0 is excluded from statistics and a next-token loss needs two)"
             )
         validation.check_length(int(tokens.shape[1]), self.n_ctx)
+        validation.check_not_meta(tokens)
         if tokens.device != self.device:
             raise DeviceMismatchError(
                 f"tokens are on {tokens.device} but the model is on {self.device}; "
@@ -345,7 +358,7 @@ class ModelAdapter:
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
         """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
         ``hooks()`` context runs inside an ExitStack, so its cleanup sees the exception). ``grad=True`` keeps
-        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.planning.attribution)."""
+        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.parallel.attribution)."""
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 
@@ -429,29 +442,14 @@ class ModelAdapter:
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
                    **extra: Any):
-        from ..results import Provenance
+        """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``: model,
+        revision, TransformerLens version, backend, the weight processing read from the model
+        (:mod:`.processing`), the user's hook points during the call (:mod:`.ownership`; ``user_hooks=`` adds
+        those a probe saw), corpus, seed, dtype, device, world size and ``extra`` options. Warns once per model on
+        a processed residual stream and once per set of user hooks (:mod:`.provenance`)."""
+        from .provenance import model_provenance
 
-        info = self.info
-        # provenance is passed explicitly (corpus=, or a data.TokenWindows unpacked by the caller); tensors
-        # carry no tags of ours
-        corpus = corpus or "user tokens (pass corpus= or TokenWindows)"
-        world_size = (torch.distributed.get_world_size()
-                      if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
-        return Provenance(
-            model=info.name,
-            model_revision=info.revision,
-            tl_version=tl_version(),
-            backend=self.backend,
-            processing=info.processing,
-            corpus=str(corpus),
-            n_sequences=int(tokens.shape[0]) if tokens is not None else 0,
-            n_tokens=int(tokens.numel()) if tokens is not None else 0,
-            seed=seed,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            world_size=world_size,
-            extra=extra,
-        )
+        return model_provenance(self, tokens, corpus, seed, extra)
 
 
 def check_finite(x: Tensor, layer: int | None, site: str) -> None:

@@ -1,4 +1,4 @@
-"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.parallelize`).
+"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`).
 
 Everything that knows TransformerLens block classes or Hugging Face module names lives here: weight extraction
 from a block, the ``HookedParallelBlock`` subclass (TL 3.9), the replacement forward of a Hugging Face decoder
@@ -54,7 +54,7 @@ class _ParallelState(torch.nn.Module):
         self.force_unfused = False
         self.lean_sequential = False  # benchmark control: same kernels, SEQUENTIAL block (not parallel!)
         self._streams = _Streams()
-        # fitted correction of the FFN write, g Phi(x) + b (+ a W) (tl_steering.planning.refit); folded into the
+        # fitted correction of the FFN write, g Phi(x) + b (+ a W) (tl_steering.parallel.refit); folded into the
         # fused weights, applied by correct() on the unfused paths
         self.ffn_gate = 1.0
         self.register_buffer("ffn_bias", None, persistent=False)

@@ -24,6 +24,9 @@ The guarantees (see docs/hooks.md, "Interrupts"; docs/architecture.md, the backe
   back, with the same discipline.
 * :func:`run_with_hooks` wraps TransformerLens's own ``hooks()`` context in an ExitStack inside a guard, so
   TransformerLens's cleanup sees the real exception.
+* A guard holds the model for its thread while it is active (:mod:`.ownership`, docs/hooks.md "One caller per
+  model"): another thread's guard, or public call, on the same model raises ``ModelBusyError`` before it reads or
+  changes anything; the same thread's are re-entrant.
 
 This module, with the rest of :mod:`tl_steering.backends`, is the only place that touches torch's private hook
 dicts.
@@ -39,8 +42,9 @@ from torch import Tensor
 
 from transformer_lens.hook_points import HookPoint
 
-from .. import progress as _progress
+from .._util import progress as _progress
 from . import interrupts as _interrupts
+from . import ownership as _ownership
 from .. import validation
 from ..errors import HookNotFoundError
 
@@ -76,6 +80,31 @@ def owned(fn: Callable) -> Callable:
 
 def is_owned(fn: Any) -> bool:
     return bool(getattr(fn, _OWNED_ATTR, False))
+
+
+def mark_owned(fn: Callable) -> Callable:
+    """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
+    takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
+    (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
+    try:
+        setattr(fn, _OWNED_ATTR, True)
+        return fn
+    except (AttributeError, TypeError):
+        return owned(fn)
+
+
+def is_ours(f: Any) -> bool:
+    """Whether torch hook ``f`` is tagged as ours, or is TransformerLens's wrapper (``HookPoint.add_hook``'s
+    ``full_hook``) of a function tagged as ours."""
+    if is_owned(f):
+        return True
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            if is_owned(cell.cell_contents):
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False
 
 
 def shielded(restore: Callable[[], None]) -> None:
@@ -202,17 +231,34 @@ class HookGuard:
     KeyboardInterrupt inside the block then runs without the block's hooks).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, call: str = "tl_steering.hook_guard", record_hooks: bool = True):
         self.model = model
+        self.record_hooks = record_hooks
         self._snap: _Snapshot | None = None
+        self._claim: _ownership.claim | None = None
+        self.call = call
         self.interrupted = False
 
     def __enter__(self) -> "HookGuard":
         if self._snap is not None:
             raise RuntimeError("this HookGuard is active already; use a new one")
-        self._snap = _Snapshot(self.model)
-        _interrupts.register(self)
+        # one caller per model (ownership.py): another thread's call raises ModelBusyError before anything is read
+        claim = _ownership.claim(self.model, self.call, record_hooks=self.record_hooks)
+        claim.__enter__()
+        self._claim = claim
+        try:
+            self._snap = _Snapshot(self.model)
+            _interrupts.register(self)
+        except BaseException:
+            self._snap = None
+            self._release()
+            raise
         return self
+
+    def _release(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.__exit__(None, None, None)
 
     def restore(self) -> None:
         """Put the model's hook state back to the snapshot taken on entry (idempotent)."""
@@ -226,13 +272,17 @@ class HookGuard:
         finally:
             _interrupts.unregister(self)
             self._snap = None
+            self._release()
         return None
 
 
-def hook_guard(model: torch.nn.Module) -> HookGuard:
+def hook_guard(model: torch.nn.Module, call: str = "tl_steering.hook_guard", record_hooks: bool = True) -> HookGuard:
     """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the
-    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring)."""
-    return HookGuard(model)
+    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring). The block holds
+    the model for this thread (``call`` names it in the error another thread gets: docs/hooks.md, "One caller
+    per model"; ``record_hooks``: record the user's hook points for a result's provenance, see
+    :class:`.ownership.claim`)."""
+    return HookGuard(model, call, record_hooks)
 
 
 class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silenced(block):``
@@ -287,157 +337,6 @@ def _get_use_hook_mlp_in(model: Any) -> bool | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# hooks of ours on torch modules
-
-
-def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
-    """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook
-    of that point, also hooks added later (e.g. by ``run_with_hooks`` inside a probe). Returns the torch handles
-    to remove (the TL handle is removed by a guard or ``reset_hooks``). ``hook_dict``: a snapshot of
-    ``model.hook_dict`` (a bridge rebuilds it on every access; a caller adding many hooks takes it once)."""
-    hp = (model.hook_dict if hook_dict is None else hook_dict)[name]
-    before = {id(h) for h in hp.fwd_hooks}
-    model.add_hook(name, fn)
-    hook_ids = [h.hook.id for h in hp.fwd_hooks if id(h) not in before and hasattr(h, "hook")]
-
-    def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
-        hooks = module._forward_hooks
-        if hasattr(hooks, "move_to_end"):
-            for i in hook_ids:
-                if i in hooks:
-                    hooks.move_to_end(i)
-
-    return [hp.register_forward_pre_hook(owned(last))]
-
-
-def _wraps(f: Any, fn: Callable) -> bool:
-    """Whether torch hook ``f`` is ``fn`` or TransformerLens's wrapper of it (``HookPoint.add_hook``'s
-    ``full_hook`` closes over the user's function)."""
-    if f is fn:
-        return True
-    for cell in getattr(f, "__closure__", None) or ():
-        try:
-            if cell.cell_contents is fn:
-                return True
-        except ValueError:  # an empty cell
-            continue
-    return False
-
-
-def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
-    """Remove from ``hp``'s torch forward hooks every wrapper of ``fn`` that TransformerLens does not list in
-    ``hp.fwd_hooks``; True when there was one."""
-    d = hp._forward_hooks
-    listed = {getattr(getattr(h, "hook", None), "id", None) for h in hp.fwd_hooks}
-    orphans = [k for k, f in list(d.items()) if k not in listed and _wraps(f, fn)]
-    for k in orphans:
-        d.pop(k, None)
-        for attr in _FLAG_DICTS["_forward_hooks"]:
-            fd = getattr(hp, attr, None)
-            if fd is not None:
-                fd.pop(k, None)
-    return bool(orphans)
-
-
-def orphan_safe(fn: Callable) -> Callable:
-    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of removes
-    itself at its first firing and leaves the activation unchanged (docs/hooks.md, "Interrupts").
-
-    ``HookPoint.add_hook`` registers the torch hook, then appends its handle to ``hp.fwd_hooks``; a Ctrl-C
-    between the two, inside TransformerLens's own ``run_with_hooks`` / ``hooks()`` (no guard of ours runs
-    there), leaves a torch hook that ``reset_hooks()`` cannot see and that would run the factory on every later
-    forward (``parallel_blocks`` then raised "did not fire" on every plain forward: issue 16). When the wrapped
-    function fires and finds such unlisted copies of itself on its hook point, it removes them and returns
-    ``None`` for this firing: torch runs the hooks of a forward from a snapshot of the dict, so every listed copy
-    still runs in this forward, and the first copy to fire is the oldest (an orphan is registered before any
-    copy added since). Cost: one scan of the point's few hooks per firing."""
-
-    def hook_fn(act: Any, hook: Any) -> Any:
-        hp = getattr(hook, "_target", hook)  # TransformerLens's _AliasedHookPoint delegates to the point
-        if isinstance(hp, HookPoint) and _drop_orphans(hp, hook_fn):
-            return None
-        return fn(act, hook)
-
-    hook_fn.__name__ = getattr(fn, "__name__", "hook")
-    hook_fn.__qualname__ = getattr(fn, "__qualname__", hook_fn.__name__)
-    hook_fn.__wrapped__ = fn  # type: ignore[attr-defined]
-    return hook_fn
-
-
-def _detach(module: torch.nn.Module, attr: str, fn: Callable) -> None:
-    """Remove every entry of ``fn`` from ``module``'s torch hook dict ``attr`` (and its flag dicts)."""
-    d = getattr(module, attr, None) or {}
-    for k in [k for k, f in list(d.items()) if f is fn]:
-        d.pop(k, None)
-        for f in _FLAG_DICTS[attr]:
-            fd = getattr(module, f, None)
-            if fd is not None:
-                fd.pop(k, None)
-
-
-def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None]) -> Any:
-    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store``
-    and removes itself. Used by hook factories to read the value a sublayer really receives (after every
-    user hook upstream). Tagged as ours: a guard removes it if the forward never reaches ``module``.
-
-    It removes itself by identity, not through the handle returned by the registration: a Ctrl-C right after the
-    registration (inside TransformerLens's own ``run_with_hooks``, where no guard of ours runs) must not leave a
-    capture that can never remove itself (docs/hooks.md, "Interrupts")."""
-
-    def grab(mod: Any, args: tuple, kwargs: dict) -> None:
-        _detach(mod, "_forward_pre_hooks", tagged)
-        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x", kwargs.get("input")))
-        if isinstance(x, Tensor):
-            store(x)
-
-    tagged = owned(grab)
-    return module.register_forward_pre_hook(tagged, with_kwargs=True)
-
-
-def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) -> list[Any]:
-    """Register a one-shot forward hook on hook point ``hp`` that always runs after every other hook of that
-    point and hands ``store`` the point's final output (the value the model goes on with). Tagged as ours; it
-    removes itself (and its ordering pre-hook) by identity, as :func:`capture_input_once`."""
-
-    def grab(mod: Any, args: Any, out: Any) -> None:
-        _detach(mod, "_forward_hooks", tagged)
-        _detach(mod, "_forward_pre_hooks", tagged_last)
-        if isinstance(out, Tensor):
-            store(out)
-
-    def last(mod: Any, args: Any) -> None:
-        hooks = mod._forward_hooks
-        if hasattr(hooks, "move_to_end"):
-            for k in [k for k, f in hooks.items() if f is tagged]:
-                hooks.move_to_end(k)
-
-    tagged, tagged_last = owned(grab), owned(last)
-    fwd = hp.register_forward_hook(tagged)
-    return [fwd, hp.register_forward_pre_hook(tagged_last)]
-
-
-def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]) -> list[Any]:
-    """Arm a one-shot capture of the value block ``layer`` really uses at ``site`` in the running forward:
-    after every hook on that point, whatever their order (a user's steering hook listed after ours included).
-
-    ``site="resid_pre"``: the input of the block's first norm (``ln1``), which receives hook_resid_pre's final
-    output on both backends. ``site="resid_mid"``: the final output of the resid_mid hook point (on bridges an
-    alias of ``ln2.hook_in``, inside ``ln2``), kept last among its hooks. Arm it from a hook that fires earlier
-    in the same forward (e.g. on hook_resid_pre): the capture fires once and removes itself.
-    """
-    blk = ad.model.blocks[layer]
-    if site == "resid_pre":
-        return [capture_input_once(blk.ln1, store)]
-    if site == "resid_mid":
-        return capture_output_once(ad.model.hook_dict[ad.hook_name(layer, "resid_mid")], store)
-    raise ValueError(f"capture_site: site must be 'resid_pre' or 'resid_mid', got {site!r}")
-
-
-def remove_handles(handles: Sequence[Any]) -> None:
-    shielded(lambda: [h.remove() for h in handles])
-
-
-# ----------------------------------------------------------------------------------------------------------
 # running
 
 
@@ -447,10 +346,11 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
     so its own cleanup sees the exception. Every hook is removed afterwards, also on error or interrupt.
     ``grad=True`` keeps autograd on (for ``torch.autograd.grad`` w.r.t. hooked activations; never
     ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
+    validation.check_not_meta(tokens)
     if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
         n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
         validation.check_length(int(tokens.shape[-1]), n_ctx if isinstance(n_ctx, int) else None)
-    with hook_guard(model):
+    with hook_guard(model, "tl_steering run_with_hooks", record_hooks=False):  # one forward, no provenance
         tl_hooks = model.hooks(fwd_hooks=list(fwd_hooks))  # a generator context, not started: changes nothing yet
         try:
             with (torch.enable_grad() if grad else torch.no_grad()), contextlib.ExitStack() as stack:
@@ -465,7 +365,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
         finally:
             shielded(lambda: close_suspended(tl_hooks))
         drop_identity_conversions(conversion_records(model))
-    _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (progress.py)
+    _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (_util/progress.py)
     return out
 
 
@@ -528,6 +428,20 @@ def owned_hooks(model: torch.nn.Module) -> list[str]:
             if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
 
 
+# hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
+from .captures import (  # noqa: E402
+    _detach,
+    _drop_orphans,
+    _wraps,
+    add_hook_last,
+    capture_input_once,
+    capture_output_once,
+    capture_site,
+    orphan_safe,
+    refuse_meta_inputs,
+    remove_handles,
+)
+
 __all__ = [
     "HookGuard",
     "add_hook_last",
@@ -540,10 +454,13 @@ __all__ = [
     "hook_points",
     "hook_state",
     "hooks_silenced",
+    "is_ours",
     "is_owned",
+    "mark_owned",
     "orphan_safe",
     "owned",
     "owned_hooks",
+    "refuse_meta_inputs",
     "remove_handles",
     "run_with_hooks",
     "shielded",

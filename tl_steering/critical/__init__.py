@@ -10,7 +10,7 @@
 
 from .fields import relative_residual, tangent_basis
 from .finder import METHODS, classify_point, find_equilibria
-from .model import FIELDS, CriticalField, critical_field, critical_points, critical_points_all_layers
+from .model import FIELDS, CriticalField, critical_field, critical_points
 from .results import CriticalPointsResult, EquilibriaResult, PointClassification, clopper_pearson, saddle_verdict
 from .spectrum import DENSE_MAX_DIM, LABELS
 
@@ -27,7 +27,6 @@ __all__ = [
     "clopper_pearson",
     "critical_field",
     "critical_points",
-    "critical_points_all_layers",
     "find_equilibria",
     "relative_residual",
     "saddle_verdict",

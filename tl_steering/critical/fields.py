@@ -175,7 +175,7 @@ class _FieldAdapter:
 
     def many_no_grad(self, u: Tensor) -> Tensor:
         """F at rows without autograd: the field's own ``evaluate_no_grad`` where it has one (e.g. the model
-        fields of :func:`tl_steering.critical_field`), else :meth:`many` under ``torch.no_grad``."""
+        fields of :func:`tl_steering.critical.critical_field`), else :meth:`many` under ``torch.no_grad``."""
         fast = getattr(self.field, "evaluate_no_grad", None)
         if self.mode == "batched" and callable(fast) and u.shape[0]:
             return fast(u).to(self.dtype)

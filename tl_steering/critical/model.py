@@ -17,7 +17,6 @@ fires. The equilibria are found and classified by :func:`tl_steering.critical.fi
 
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -27,11 +26,12 @@ from torch import Tensor
 
 from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
-from ..data import token_source
+from ..data.windows import token_source
 from ..errors import InputError
 from .finder import find_equilibria
 from .results import CriticalPointsResult, EquilibriaResult
 from .spectrum import DENSE_MAX_DIM, LABELS
+from ..backends.ownership import exclusive
 
 FieldKind = Literal["ffn", "attention", "block"]
 FIELDS: tuple[str, ...] = ("ffn", "attention", "block")
@@ -97,7 +97,7 @@ def _check_field(field: Any) -> str:
 
 
 def _default_tokens(model: Any) -> Tensor:
-    from ..data import text_tokens
+    from ..data.windows import text_tokens
 
     return text_tokens(model, n_windows=4, length=64)
 
@@ -163,6 +163,7 @@ def _build_field(ad: ModelAdapter, layer: int, kind: str, radius: Any, acts: Ten
     return CriticalField(block, kind, rho, prefix=prefix, token_index=i, sequence=sequence), mode
 
 
+@exclusive
 def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str | float = "median",
                    tokens: Tensor | None = None, token_index: int | None = None, sequence: int = 0
                    ) -> CriticalField:
@@ -224,6 +225,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
     return res
 
 
+@exclusive
 def critical_points(
     model: Any,
     layers: Sequence[int] | int | None = None,
@@ -254,7 +256,7 @@ def critical_points(
         n_starts: starts per layer; ``n_starts // 2`` are token directions of that site (seeded choice), the rest
             random.
         tokens: calibration tokens (default ``text_tokens(model, n_windows=4, length=64)``), a tensor or a
-            :class:`~tl_steering.data.TokenWindows` (its corpus label goes into the provenance).
+            :class:`~tl_steering.data.windows.TokenWindows` (its corpus label goes into the provenance).
         token_index: token i of the attention/block field (default: the last position).
         seed: seed of the token-start choice and of the random starts.
         eigensolver: "auto" | "dense" | "arpack" (see :func:`find_equilibria`).
@@ -311,13 +313,4 @@ def critical_points(
     )
 
 
-def critical_points_all_layers(model: Any, layers: Sequence[int] | int | None = None, field: FieldKind = "ffn",
-                               tokens: Int[Tensor, "batch pos"] | None = None, **kwargs: Any) -> CriticalPointsResult:
-    """Deprecated alias of :func:`critical_points` (which takes ``layers=`` itself)."""
-    warnings.warn("critical_points_all_layers is deprecated; call critical_points(model, layers=...)",
-                  DeprecationWarning, stacklevel=2)
-    return critical_points(model, layers, field=field, tokens=tokens, **kwargs)
-
-
-__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points",
-           "critical_points_all_layers"]
+__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points"]

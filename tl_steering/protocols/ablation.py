@@ -1,23 +1,4 @@
-"""Radial / tangential FFN ablation (protocol 2 of the paper; specification: docs/ablation.md).
-
-Each variant replaces every chosen layer's FFN write phi = hook_mlp_out by one of its parts, with
-u = normalize(FFN input) read from the same patched forward (resid_mid for sequential blocks, resid_pre for
-parallel ones; :func:`tl_steering.hooks.ffn_component`):
-
-* ``tangential``: phi - <u, phi> u;  ``radial``: <u, phi> u;  ``zero``: 0 (the FFN removed);
-* ``random_tangent``: a random tangent vector with the norm of the tangential part (a chance control).
-
-Metrics against the clean forward, over ALL predicted tokens (every position 0..pos-2 predicts the next token;
-the loss excludes nothing, unlike the geometric protocols, which drop position 0 from their statistics):
-
-* ``delta_loss``: mean next-token cross-entropy (nats) of the patched model minus the clean one;
-* ``ratio_to_zero``: ``delta_loss[v] / delta_loss["zero"]`` (the zero-FFN control is always run);
-* ``kl``: mean next-token ``KL(p_clean || p_patched)`` (nats; float64, :func:`tl_steering.metrics.kl_divergence`);
-* ``top1_agreement``: fraction of predicted positions where the patched argmax equals the clean argmax.
-
-``ablate_position_0=False`` leaves the FFN write of position 0 intact (``skip_positions=(0,)``): position 0 is the
-attention sink, whose huge norm most later positions read; ablating it changes every position's context.
-"""
+"""Radial / tangential FFN ablation (protocol 2 of the paper; specification: docs/ablation.md)."""
 
 import dataclasses
 import math
@@ -28,14 +9,16 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..errors import InputError
 from .. import validation
 from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
-from ._common import bootstrap_ci, check_batch_size, check_n_bootstrap, check_seed
+from ..data.sharding import World, gather_rows, my_batches
+from ..stats import bootstrap_ci
+from ..validation import as_int
+from ..backends.ownership import exclusive
 
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
@@ -136,6 +119,7 @@ class AblationResult(Result):
         return fig
 
 
+@exclusive
 def ffn_ablation(
     model: Any,
     tokens: Tensor,
@@ -165,14 +149,14 @@ def ffn_ablation(
         seed: seed of the random-tangent control and of the bootstrap.
         batch_size: sequences per forward pass.
         n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
-        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
-    n_bootstrap = check_n_bootstrap(n_bootstrap)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
     if scope not in ("all", "per_layer"):
         raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
     variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS)))

@@ -1,27 +1,5 @@
 """Angular-deficit diagnostic: how well the attention-only update aligns with the real block update
-(protocol 1 of the paper; specification: docs/deficit.md).
-
-Per layer l, sequence b and position i (position 0 excluded by default), with x = resid_pre, a = attn_out,
-Dx = resid_post - resid_pre, u = x / ||x|| and P_u v = v - <u, v> u:
-
-* primary [I]: ``align_A = cos(P_u a, P_u Dx)``; ``deficit_l = 1 - mean align_A`` (mean over the valid tokens
-  of each sequence, then over sequences); ``mean`` = uniform mean over the selected layers;
-* (a) untangented: ``1 - mean cos(a, Dx)``;
-* (b) angle form: ``mean angle(P_u a, P_u Dx) / pi`` (= ``arccos(align_A) / pi``, computed with
-  :func:`tl_steering.geometry.angle`, exact at 0 and pi);
-* (c) one-step angular prediction errors: ``e_A = angle(x + a, x^{l+1})`` and
-  ``e_AF = angle(x + a + Phi(x), x^{l+1})`` with ``Phi(x) = MLP(LN2(x))`` evaluated at the block input (the
-  parallel surrogate, i.e. the ODE field at the current state); FFN contribution ``(e_A - e_AF) / e_A`` from the
-  per-layer means. For a parallel block (GPT-NeoX/Pythia) ``x + a + Phi(x)`` IS the block output, so e_AF is
-  exactly 0 (numerically: float32 rounding, ~1e-7 rad) and the FFN contribution is 1: nothing is tested there;
-* (d) velocity-field R^2, pooled over the valid tokens of a layer, on the angular velocities v = P_u(.) / ||x||
-  (dividing by ||x|| makes every token count by its direction change, not by its norm) [I]:
-  ``R^2_A = 1 - sum ||v_Dx - v_a||^2 / sum ||v_Dx||^2``, and the same with ``a + Phi(x)``.
-
-Degenerate tokens (||x||, ||P_u a|| or ||P_u Dx|| equal to 0 or below 1e-8 of the per-sequence median,
-:func:`tl_steering.geometry.degenerate_mask`) are dropped from every statistic and counted in ``n_masked``.
-Every vector operation is a :mod:`tl_steering.geometry` function in float64.
-"""
+(protocol 1 of the paper; specification: docs/deficit.md)."""
 
 import dataclasses
 import math
@@ -33,27 +11,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..data import model_tokens
-from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
-from ._common import (
-    activation64,
-    bin_labels,
-    bootstrap_ci,
-    check_batch_size,
-    check_exclude_positions,
-    check_n_bootstrap,
-    check_seed,
-    finite_mean,
-    iter_batches,
-    masked_mean,
-    position_bins,
-    position_mask,
-)
+from ..data.windows import model_tokens
+from ..results import Result, register, tensor_field
+from ..data.sharding import World, gather_rows, my_batches
+from ..data.batching import iter_batches
+from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
+from ._common import activation64
+from ..validation import as_int
+from ..backends.ownership import exclusive
 
-
-def _f64(*shape: int):
-    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
 @register
@@ -88,29 +54,27 @@ class DeficitResult(Result):
 
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
-    deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    deficit_ci: Float[Tensor, "layer 2"] = dataclasses.field(default_factory=_f64(0, 2))
-    deficit_median: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    per_sequence_alignment: Float[Tensor, "seq layer"] = dataclasses.field(default_factory=_f64(0, 0))
+    deficit: Float[Tensor, " layer"] = tensor_field(0)
+    deficit_ci: Float[Tensor, "layer 2"] = tensor_field(0, 2)
+    deficit_median: Float[Tensor, " layer"] = tensor_field(0)
+    per_sequence_alignment: Float[Tensor, "seq layer"] = tensor_field(0, 0)
     mean: float = math.nan
     mean_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
     mean_excluding_first: float = math.nan
     mean_excluding_first_ci: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
-    untangented_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    angle_deficit: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    error_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    error_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    ffn_contribution: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    untangented_deficit: Float[Tensor, " layer"] = tensor_field(0)
+    angle_deficit: Float[Tensor, " layer"] = tensor_field(0)
+    error_attention: Float[Tensor, " layer"] = tensor_field(0)
+    error_parallel: Float[Tensor, " layer"] = tensor_field(0)
+    ffn_contribution: Float[Tensor, " layer"] = tensor_field(0)
     ffn_contribution_mean: float = math.nan
-    r2_attention: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
-    r2_parallel: Float[Tensor, " layer"] = dataclasses.field(default_factory=_f64(0))
+    r2_attention: Float[Tensor, " layer"] = tensor_field(0)
+    r2_parallel: Float[Tensor, " layer"] = tensor_field(0)
     position_bin_edges: list[int] = dataclasses.field(default_factory=list)
-    deficit_by_position: Float[Tensor, "layer bin"] = dataclasses.field(default_factory=_f64(0, 0))
-    position_bin_counts: Int[Tensor, "layer bin"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))
-    n_tokens_used: Int[Tensor, " layer"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-    n_masked: Int[Tensor, " layer"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    deficit_by_position: Float[Tensor, "layer bin"] = tensor_field(0, 0)
+    position_bin_counts: Int[Tensor, "layer bin"] = tensor_field(0, 0, dtype=torch.int64)
+    n_tokens_used: Int[Tensor, " layer"] = tensor_field(0, dtype=torch.int64)
+    n_masked: Int[Tensor, " layer"] = tensor_field(0, dtype=torch.int64)
     residual_identity_error: list[float] = dataclasses.field(default_factory=list)
     exclude_positions: list[int] = dataclasses.field(default_factory=list)
     seq_len: int = 0
@@ -177,6 +141,7 @@ class DeficitResult(Result):
         return fig
 
 
+@exclusive
 def angular_deficit(
     model: Any,
     tokens: Tensor,
@@ -198,7 +163,7 @@ def angular_deficit(
         n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
         seed: seed of the bootstrap generator.
         batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
+        world: a :class:`tl_steering.data.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
             each rank runs its batches, the per-window values are gathered; the same result on every rank.
 
     Returns:
@@ -208,9 +173,9 @@ def angular_deficit(
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
-    n_bootstrap = check_n_bootstrap(n_bootstrap)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
+    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
 
     n_seq, n_pos = tokens.shape
     n_lay = len(layer_list)

@@ -1,23 +1,5 @@
 """Spherical diversity of token directions before and after attention and the FFN (protocol 3 of the paper;
-specification: docs/diversity.md).
-
-For each sequence, the set of valid directions U = {u_j} (position 0 and degenerate tokens excluded) at
-resid_pre, resid_mid and resid_post of each layer gives the statistics of :func:`tl_steering.geometry.
-diversity_stats` (uncentered): mean pairwise cosine m (1 = full cluster, ~0 = isotropic), mean resultant length R,
-effective rank, participation ratio and the rank-collapse residual. Each is averaged over sequences.
-
-* Attention effect ``D(mid) - D(pre)`` and FFN effect ``D(post) - D(mid)`` per layer (raw differences: for the
-  pairwise cosine and R a positive value means MORE clustered). Parallel blocks (GPT-NeoX/Pythia) have no
-  resid_mid: their resid_mid column is NaN, and their effects use the virtual state ``x + a``
-  (resid_pre + attn_out) [ours].
-* Under ablation: the same table in the forward where every layer's FFN write keeps only one component
-  (:func:`tl_steering.hooks.ffn_component`, all layers, all positions).
-* Output diversity [P, ambiguous]: the statistics of the last layer's resid_post (the input of ln_final) and the
-  mean entropy of the next-token distribution over the predicted positions 0..pos-2, clean and per ablation.
-* Aggregation pressure [I, speculative]: attention writes scaled by a gain on every layer
-  (:func:`tl_steering.hooks.attention_gain`); final-layer pairwise cosine, effective rank, entropy and loss per
-  gain.
-"""
+specification: docs/diversity.md)."""
 
 import dataclasses
 import math
@@ -30,32 +12,25 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import ModelAdapter
-from ..data import model_tokens
+from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
-from ..probe_kernels import in_halves, splits
-from ..results import Result, register
-from ..sharding import World, gather_rows, my_batches
-from ._common import (
-    activation64,
-    check_batch_size,
-    check_exclude_positions,
-    check_seed,
-    finite_mean,
-    iter_batches,
-    position_mask,
-    single_threaded,
-)
+from ..probing.kernels import in_halves, splits
+from ..results import Result, register, tensor_field
+from ..data.sharding import World, gather_rows, my_batches
+from .._util.threads import single_threaded
+from ..data.batching import iter_batches
+from ..stats import check_exclude_positions, finite_mean, position_mask
+from ._common import activation64
+from ..validation import as_int
 from .ablation import VARIANTS
+from ..backends.ownership import exclusive
 
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
                           "rank_collapse")
 SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post")
 
-
-def _f64(*shape: int):
-    return lambda: torch.full(shape, math.nan, dtype=torch.float64)
 
 
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
@@ -94,7 +69,7 @@ class _Run:
         return int(self.masked_rows.sum())
 
     def arrays(self) -> dict[tuple[str, ...], Tensor]:
-        """Every per-sequence array (what :func:`tl_steering.sharding.gather_rows` completes)."""
+        """Every per-sequence array (what :func:`tl_steering.data.sharding.gather_rows` completes)."""
         out = {("site", k): v for k, v in self.site.items()}
         out.update({("final", k): v for k, v in self.final.items()})
         out.update({("entropy",): self.entropy, ("loss",): self.loss, ("masked",): self.masked_rows})
@@ -181,11 +156,11 @@ class DiversityResult(Result):
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
     sites: list[str] = dataclasses.field(default_factory=lambda: list(SITES))
-    pairwise_cosine: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    resultant_length: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    effective_rank: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    participation_ratio: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
-    rank_collapse: Float[Tensor, "layer site"] = dataclasses.field(default_factory=_f64(0, 3))
+    pairwise_cosine: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    resultant_length: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    effective_rank: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    participation_ratio: Float[Tensor, "layer site"] = tensor_field(0, 3)
+    rank_collapse: Float[Tensor, "layer site"] = tensor_field(0, 3)
     attention_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     ffn_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     under_ablation: dict[str, Float[Tensor, "layer site"]] = dataclasses.field(default_factory=dict)
@@ -250,6 +225,7 @@ class DiversityResult(Result):
         return fig
 
 
+@exclusive
 def diversity(
     model: Any,
     tokens: Tensor,
@@ -274,14 +250,14 @@ def diversity(
         gains: attention-output gains for the sweep (empty: no sweep).
         seed: seed of the random-tangent control.
         batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.sharding.World` (every rank calls): each rank runs its batches, the
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
             per-sequence values are gathered in window order; the same result on every rank.
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)
-    seed = check_seed(seed)
-    batch_size = check_batch_size(batch_size)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
     if isinstance(ablations, str):
         ablations = (ablations,)
     ablations = list(dict.fromkeys(ablations))

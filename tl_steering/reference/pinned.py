@@ -140,7 +140,7 @@ def compute_pinned(
     of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
     Timing-dependent quantities are never pinned.
     """
-    from ..data import text_windows
+    from ..data.windows import text_windows
     from ..suite import pinned_values, run_suite
 
     s = PINNED_SETTINGS if settings is None else settings

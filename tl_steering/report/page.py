@@ -11,7 +11,8 @@ from importlib import resources
 from typing import Any
 
 from ..results import _encode
-from ..suite import SuiteResult, comparison_rows, headline
+from ..suite import SuiteResult
+from .comparison import comparison_rows
 from .critical_table import critical_layer_table
 from .figures import figure_html
 from .labels import labelled
@@ -218,7 +219,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
 
 def summary_section(suite: SuiteResult) -> str:
     """The paper's published numbers beside ours, after the headline table."""
-    h = headline(suite)
+    h = suite.summary()
     model = _esc(suite.model.name)
     rows = []
     for r in comparison_rows(suite):

@@ -121,7 +121,7 @@ UNJUDGED_TIMINGS = ("parallel_gpt2_large_speedup",)
 
 
 def row_verdict(row: dict[str, Any]) -> BandVerdict:
-    """:func:`band_verdict` of one row of :func:`tl_steering.suite.comparison_rows` (a timing estimate with no
+    """:func:`band_verdict` of one row of :func:`tl_steering.report.comparison.comparison_rows` (a timing estimate with no
     interval, :data:`UNJUDGED_TIMINGS`, is "not judged": where it falls is said, for orientation)."""
     if not row.get("regress", True) or row.get("id") == "deficit_order_gpt2_llama":
         return BandVerdict("not judged", "", "not judged")
@@ -429,12 +429,16 @@ _NEEDS = {"parallel": "executor"}
 
 
 def section_verdicts(r: SuiteResult) -> dict[str, str]:
-    """``{section: sentence}`` for every section whose stage ran (plain text; see :data:`SENTENCES`)."""
+    """``{section: sentence}`` for every section whose stage ran (plain text; see :data:`SENTENCES`); a result that
+    lacks a number a sentence reads gets a sentence saying so, never a page that fails to render."""
     out = {}
     for key, fn in SENTENCES.items():
         if getattr(r, _NEEDS.get(key, key), None) is None:
             continue
-        out[key] = fn(r)
+        try:
+            out[key] = fn(r)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:  # a result saved without a field
+            out[key] = f"No verdict: this result lacks what the verdict reads ({type(e).__name__}: {e})."
     return out
 
 

@@ -8,69 +8,27 @@
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_attributes
+from .._util.lazy import lazy_attributes
 
 # lazy (PEP 562): the CLI reads .settings to check arguments without importing the protocols
 _LAZY = {
-    **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "comparison_rows", "headline", "pinned_values",
-                               "published_value")},
+    **{n: ".numbers" for n in ("NUMBERS", "PINNED", "PUBLISHED", "pinned_values", "published_value")},
     **{n: ".result" for n in ("Checks", "Environment", "ExecutorTiming", "ModelSummary", "PlanChoice",
                               "PlanLosses", "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult")},
-    **{n: ".run" for n in ("Progress", "TqdmProgress", "run_suite")},
+    **{n: ".progress" for n in ("Progress", "TqdmProgress")},
+    "run_suite": ".run",
     **{n: ".settings" for n in ("CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length",
                                 "default_settings")},
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
-    from .numbers import NUMBERS, PINNED, PUBLISHED, comparison_rows, headline, pinned_values, published_value
-    from .result import (
-        Checks,
-        Environment,
-        ExecutorTiming,
-        ModelSummary,
-        PlanChoice,
-        PlanLosses,
-        RunArguments,
-        SpeedupEstimate,
-        StageTiming,
-        SuiteResult,
-    )
-    from .run import Progress, TqdmProgress, run_suite
-    from .settings import (
-        CRITICAL_METHODS,
-        PLAN_CHOICE_STRATEGIES,
-        STAGES,
-        SuiteSettings,
-        check_windows_length,
-        default_settings,
-    )
+    from .numbers import NUMBERS, PINNED, PUBLISHED, pinned_values, published_value
+    from .progress import Progress, TqdmProgress
+    from .result import (Checks, Environment, ExecutorTiming, ModelSummary, PlanChoice, PlanLosses, RunArguments,
+                         SpeedupEstimate, StageTiming, SuiteResult)
+    from .run import run_suite
+    from .settings import (CRITICAL_METHODS, PLAN_CHOICE_STRATEGIES, STAGES, SuiteSettings, check_windows_length,
+                           default_settings)
 
-__all__ = [
-    "CRITICAL_METHODS",
-    "NUMBERS",
-    "PINNED",
-    "PLAN_CHOICE_STRATEGIES",
-    "PUBLISHED",
-    "STAGES",
-    "Checks",
-    "Environment",
-    "ExecutorTiming",
-    "ModelSummary",
-    "PlanChoice",
-    "PlanLosses",
-    "Progress",
-    "RunArguments",
-    "SpeedupEstimate",
-    "StageTiming",
-    "SuiteResult",
-    "SuiteSettings",
-    "TqdmProgress",
-    "check_windows_length",
-    "comparison_rows",
-    "default_settings",
-    "headline",
-    "pinned_values",
-    "published_value",
-    "run_suite",
-]
+__all__ = sorted(_LAZY)

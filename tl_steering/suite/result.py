@@ -12,12 +12,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..gates import GateResult
+from ..protocols.gates import GateResult
 
 from ..critical import CriticalPointsResult as CriticalResult
-from ..prefix import PrefixSensitivityResult
+from ..protocols.prefix import PrefixSensitivityResult
 from ..protocols.ablation import AblationResult
-from ..protocols.defect import DefectResult
+from ..parallel.defect import DefectResult
 from ..protocols.deficit import DeficitResult
 from ..protocols.diversity import DiversityResult
 from ..results import Result, register
@@ -59,7 +59,7 @@ class Environment:
 
     @classmethod
     def here(cls, tl_version: str) -> "Environment":
-        from .. import __version__
+        from .._util import __version__
 
         return cls(
             tl_steering=__version__,
@@ -150,7 +150,7 @@ class ExecutorTiming:
     ``g_l Phi(x) + b_l`` folded into the fused weights).
 
     The timing (docs/suite.md, "Verdicts"): ``rounds`` alternating rounds
-    (:func:`tl_steering.timing.alternating_seconds`), each timing one whole forward of the original model
+    (:func:`tl_steering._util.timing.alternating_seconds`), each timing one whole forward of the original model
     (``timing_sequential_s``), of the original again (``timing_control_s``: the A/A control) and of every parallel
     copy of the stage, the order rotated per round. ``measured_speedup`` is the median over rounds of the
     paired ratio sequential / parallel, ``speedup_interval`` its order-statistic interval
@@ -216,7 +216,7 @@ class PlanChoice:
     the first half of the windows, reported on the second half (held out), beside the paper's lowest-C plan.
 
     Attributes:
-        plan: the ``tl_steering.planning.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
+        plan: the ``tl_steering.parallel.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
             ``biases``, ``calibration_delta_ce``, ``held_out_delta_ce``, every strategy's curves, ``plot()``;
             ``plan.hooks(model)`` runs it exactly).
         lowest_c_layers: the k lowest-C layers of the defect scores (``SuiteResult.plan.layers`` with the default
@@ -265,7 +265,7 @@ class PlanChoice:
 class StageTiming:
     """Wall and CPU seconds of one stage, and the forward passes it ran (this process): ``forwards`` counts every
     model forward (hooked or cached, any batch) and every run of a plan from a shared clean prefix
-    (``planning.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
+    (``parallel.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
     added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # 2026-12-04: older files read -1
@@ -321,7 +321,7 @@ class SuiteResult(Result):
     """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
 
     A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
-    ``tl_steering.planning.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
+    ``tl_steering.parallel.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
     the cheap strategy comparison of the ``plan_choice`` stage and ``executor_choice`` its chosen plan run by the
     parallel executor (``executor``: the lowest-C plan). Timings are the only numbers that
     change between identical runs.
@@ -377,9 +377,67 @@ class SuiteResult(Result):
         return out
 
     def summary(self) -> dict[str, Any]:
-        from .numbers import headline
-
-        return headline(self)
+        """The headline: the scalars the report leads with (each also inside a field of the result); stages not
+        run are left out."""
+        out: dict[str, Any] = {}
+        if self.checks is not None:
+            out.update(clean_loss=self.checks.clean_loss,
+                       max_residual_identity_error=self.checks.max_residual_identity_error)
+        if self.deficit is not None:
+            d = self.deficit
+            out.update(
+                deficit_mean=d.mean,
+                deficit_mean_ci=list(d.mean_ci),
+                deficit_mean_excluding_first=d.mean_excluding_first,
+                ffn_contribution_mean=d.ffn_contribution_mean,
+            )
+        if self.ablation is not None:
+            out.update({f"ablation_delta_loss_{k}": val for k, val in self.ablation.delta_loss.items()})
+            out["ablation_ratio_to_zero_radial"] = self.ablation.ratio_to_zero.get("radial", math.nan)
+        if self.diversity is not None:
+            vs = self.diversity.summary()
+            out.update(
+                diversity_frac_layers_attention_concentrates=vs["frac_layers_attention_concentrates"],
+                diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"],
+            )
+        if self.defect is not None:
+            cs = self.defect.summary()
+            out.update(
+                defect_C_min=cs.get("C_min", math.nan),
+                defect_C_max=cs.get("C_max", math.nan),
+                defect_spearman_C=self.defect.spearman.get("C", math.nan),
+            )
+        if self.plan is not None:
+            out.update(plan_k=self.plan.k, plan_layers=self.plan.layers, plan_delta_ce=self.plan.delta_ce_lowest)
+        if self.speedup is not None:
+            out.update(speedup_estimate=self.speedup.speedup,
+                       speedup_estimate_with_other=self.speedup.speedup_with_other)
+        if self.executor is not None:
+            out.update(
+                parallel_measured_speedup=self.executor.measured_speedup,
+                parallel_executor_delta_ce=self.executor.delta_ce,
+            )
+        if self.gates is not None:
+            gs = self.gates.summary()
+            out.update(
+                gates_delta_ce_base_heldout=gs["delta_ce_base_heldout"],
+                gates_delta_ce_gated_heldout=gs["delta_ce_gated_heldout"],
+            )
+        if self.critical is not None:
+            cr = self.critical
+            out.update(
+                critical_n_points=int(cr.n_points.sum()),
+                critical_saddle_fraction=cr.saddle_fraction(),
+                critical_rotational_points=int(cr.rotational.sum()),
+                critical_converged_starts=int(cr.n_converged.sum()),
+            )
+        out["critical_fixed_point_counts"] = (
+            self.critical_fixed_point.totals() if self.critical_fixed_point is not None else None
+        )
+        if self.prefix is not None:
+            out.update(prefix_max_angle=self.prefix.prefix_max_angle,
+                       prefix_bitwise_equal=self.prefix.prefix_bitwise_equal)
+        return out
 
 
 __all__ = [

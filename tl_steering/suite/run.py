@@ -8,25 +8,21 @@ plans shared forward passes, or shards windows across ranks, replaces one stage 
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import math
-import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor
 
-from .. import progress as _progress
-from ..backends import adapt, tl_version, weights_fingerprint
-from ..batching import mean_loss
-from ..data import TokenWindows, token_source
+from .._util import progress as _progress
+from ..backends import adapt, tl_version
+from ..data.batching import mean_loss
+from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
-from ..sharding import World, broadcast_from_rank0, check_agreement, world
-from ..timing import alternating_seconds, timed
+from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
+from .._util.timing import alternating_seconds, timed
 from .result import (
     Checks,
     DistributedRun,
@@ -39,61 +35,10 @@ from .result import (
     StageTiming,
     SuiteResult,
 )
+from .checkpoint import resume, run_key, write_checkpoint
+from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
-
-Tick = Callable[[str], None]
-
-
-class Progress(Protocol):
-    """What run_suite reports progress to: ``with progress.stage(name, total) as tick: tick(note)``."""
-
-    def stage(self, name: str, total: int = 1) -> Any: ...
-
-
-class TqdmProgress:
-    """One tqdm bar per stage on stderr (``enabled=False``: silent)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    @contextmanager
-    def stage(self, name: str, total: int = 1) -> Iterator[Tick]:
-        from tqdm.auto import tqdm
-
-        i = STAGES.index(name) + 1 if name in STAGES else 0
-        bar = tqdm(
-            total=total,
-            desc=f"[{i}/{len(STAGES)}] {name:<9}",
-            unit="step",
-            leave=True,
-            file=sys.stderr,
-            disable=not self.enabled,
-            dynamic_ncols=True,
-        )
-        t0 = time.perf_counter()
-        notes = {"step": "", "fwd": ""}
-
-        def show(refresh: bool) -> None:
-            bar.set_postfix_str(" | ".join(v for v in notes.values() if v), refresh=refresh)
-
-        def tick(note: str = "") -> None:
-            if note:
-                notes["step"] = note
-                show(False)
-            bar.update(1)
-
-        def forwards(stats: _progress.ForwardStats) -> None:  # every adapter forward of the stage
-            notes["fwd"] = stats.note()
-            show(True)
-
-        try:
-            with _progress.reporting(forwards, min_interval=1.0):
-                yield tick
-            if bar.n < total:
-                bar.update(total - bar.n)
-        finally:
-            bar.set_postfix_str(f"{time.perf_counter() - t0:.1f}s", refresh=True)
-            bar.close()
+from ..backends.ownership import exclusive
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -102,7 +47,7 @@ class TqdmProgress:
 
 class _Ctx:
     """What every stage reads: the model, the tokens and their corpus label, the settings, the seed and the
-    process group (:class:`~tl_steering.sharding.World`; one process when none is initialized)."""
+    process group (:class:`~tl_steering.data.sharding.World`; one process when none is initialized)."""
 
     def __init__(self, model: Any, tokens: Tensor, corpus: str | None, s: SuiteSettings, seed: int, w: World):
         self.model, self.tokens, self.corpus, self.s, self.seed, self.w = model, tokens, corpus, s, seed, w
@@ -150,7 +95,7 @@ def stage_diversity(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """Defect scores (and the gold standard when asked), the plan and its loss, the speedup estimate."""
-    from ..protocols.defect import parallel_defect
+    from ..parallel.defect import parallel_defect
 
     s = c.s
     defect = parallel_defect(
@@ -178,13 +123,13 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             **c.common(),
         )
     # ---- the plan: the k lowest-C sequential layers (the default, the report's numbers), or a planner strategy
-    # of tl_steering.planning (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
+    # of tl_steering.parallel (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
     # one; its ParallelPlan is kept in SuiteResult.planner and PlanLosses.strategy records which strategy chose.
     k = min(s.plan_k, len(defect.candidates))
     if s.plan_strategy == "lowest_C":
         layers, strategy = defect.plan(k), "lowest_C"
     else:
-        from ..planning import plan_parallel
+        from ..parallel import plan_parallel
 
         # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
         res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
@@ -239,10 +184,10 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """A cheap comparison of planner strategies (``settings.plan_choice_strategies``, one-shot scores by default)
     with the closed-form correction ``settings.plan_choice_refit``, chosen by calibration dCE on the first half of
     the windows, reported on the second half, beside the lowest-C plan (uncorrected) on the same held-out windows."""
-    from ..batching import mean_loss as _mean_loss
+    from ..data.batching import mean_loss as _mean_loss
     from ..hooks import parallel_blocks
-    from ..planning import plan_parallel
-    from ..planning.attribution import FISHER_VARIANTS
+    from ..parallel import plan_parallel
+    from ..parallel.attribution import FISHER_VARIANTS
 
     s = c.s
     fisher = s.plan_choice_fisher_samples
@@ -283,7 +228,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     ``executor``: the lowest-C plan (uncorrected); ``executor_choice``: the ``plan_choice`` stage's chosen plan
     with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``).
     Every round times one forward of the original, of the original again (the control) and of every copy, the
-    order rotated per round (:func:`tl_steering.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
+    order rotated per round (:func:`tl_steering._util.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
     after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
     sequential times and the control."""
     plan = res.plan.layers if res.plan is not None else []
@@ -319,7 +264,7 @@ def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases:
                    linears: dict | None = None) -> tuple[ExecutorTiming, Any]:
     """One plan made parallel by :func:`tl_steering.parallel.parallelize`: its (unfilled) timing record and the
     parallel copy (None when the plan is empty or the model is not supported; the record says why)."""
-    from ..parallel import parallelize
+    from ..parallel.apply import parallelize
 
     ad, s = c.ad, c.s
     what = f"the {strategy} plan" + (f" with the {correction} correction" if correction != "none" else "")
@@ -344,7 +289,7 @@ def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases:
 
 
 def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    from ..gates import calibrate_gates
+    from ..protocols.gates import calibrate_gates
 
     plan = res.plan.layers if res.plan is not None else []
     res.gates = calibrate_gates(
@@ -386,7 +331,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 
 def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    from ..prefix import prefix_sensitivity
+    from ..protocols.prefix import prefix_sensitivity
 
     res.prefix = prefix_sensitivity(
         c.model,
@@ -436,6 +381,7 @@ def _model_summary(ad: Any) -> ModelSummary:
     )
 
 
+@exclusive
 def run_suite(
     model: Any,
     tokens: Tensor | TokenWindows,
@@ -449,7 +395,7 @@ def run_suite(
 
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
-        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.TokenWindows` (its corpus label
+        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.windows.TokenWindows` (its corpus label
             goes into every result's provenance; ``corpus=`` wins).
         settings: :class:`SuiteSettings` (:func:`~tl_steering.suite.default_settings` sizes them for a model).
         progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
@@ -472,7 +418,7 @@ def run_suite(
     tokens = ad.validate_tokens(tokens)
     w = world()
     # what the numbers depend on; hashing every weight costs a pass over them, so only when it is compared
-    key = _run_key(model, ad.info.name, tokens, settings, seed) if w.active or checkpoint is not None else None
+    key = run_key(model, ad.info.name, tokens, settings, seed) if w.active or checkpoint is not None else None
     if w.active:  # every rank must run the same model, tokens and settings (else: an error on every rank)
         check_agreement(key, w)
         if w.rank != 0 and isinstance(progress, bool):
@@ -495,7 +441,7 @@ def run_suite(
     ran = [name for name in STAGES if settings.runs(name)]
     done: set[str] = set()
     if checkpoint is not None and Path(checkpoint).exists():
-        res, done = _resume(Path(checkpoint), key, res, ran)
+        res, done = resume(Path(checkpoint), key, res, ran)
     res.distributed = DistributedRun(
         world_size=w.size,
         backend=w.backend,
@@ -514,43 +460,9 @@ def run_suite(
                 res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
         if checkpoint is not None and w.rank == 0:
-            _write_checkpoint(res, Path(checkpoint))
+            write_checkpoint(res, Path(checkpoint))
     res.total_wall_s = time.perf_counter() - t_start
     return res
-
-
-def _run_key(model: Any, name: str, tokens: Tensor, settings: SuiteSettings, seed: int) -> dict[str, Any]:
-    """What a run's numbers depend on (ranks must agree on it; a checkpoint must match it)."""
-    return {"model": name, "weights": weights_fingerprint(model),
-            "settings": hashlib.sha256(repr(settings).encode()).hexdigest()[:16], "seed": seed,
-            "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16], "shape": list(tokens.shape)}
-
-
-def _write_checkpoint(res: SuiteResult, path: Path) -> None:
-    """Write ``res`` to ``path`` atomically (a temporary file renamed into place: a kill never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
-    res.save(tmp)
-    os.replace(tmp, path)
-
-
-def _resume(path: Path, key: dict[str, Any], fresh: SuiteResult, ran: list[str]) -> tuple[SuiteResult, set[str]]:
-    """The checkpointed result and its finished stages, after checking it belongs to this run."""
-    old = SuiteResult.load(path)
-    theirs = old.provenance.extra.get("run_key", {})
-    bad = sorted(k for k in key if theirs.get(k) != key[k])
-    if bad:
-        raise InputError(f"checkpoint {path} was written by another run: it differs in {', '.join(bad)} "
-                         f"({'; '.join(f'{k}: {theirs.get(k)!r} there, {key[k]!r} here' for k in bad)}); "
-                         "resume with the same model, tokens, settings and seed, or use a new checkpoint path")
-    done = {name for name in old.timings if name in ran}
-    # this run's identity (world size, environment, start) with the finished stages' fields and timings
-    for f in dataclasses.fields(SuiteResult):
-        if f.name in ("provenance", "environment", "distributed", "started", "arguments", "total_wall_s"):
-            continue
-        setattr(fresh, f.name, getattr(old, f.name))
-    fresh.provenance.extra["resumed_stages"] = sorted(done, key=ran.index)
-    return fresh, done
 
 
 def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: SuiteResult, tick: Tick) -> SuiteResult:
@@ -558,4 +470,4 @@ def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: Suit
     return res
 
 
-__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "Progress", "TqdmProgress", "run_suite"]
+__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "run_suite"]

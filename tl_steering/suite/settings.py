@@ -8,6 +8,7 @@ import dataclasses
 from typing import ClassVar
 
 from ..errors import InputError
+from ..parallel.strategies import ONE_SHOT_COMPARISON, PEER_SCORES
 from ..results import register
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
@@ -26,18 +27,9 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-#: The strategies the ``plan_choice`` stage compares by default: the one-shot scores of
-#: ``tl_steering.planning.plan_parallel`` that cost one forward + one backward (+ ``plan_choice_fisher_samples``
-#: sampled-label backwards for ``attribution_2nd``) over the calibration windows, plus one forward per curve point;
-#: the measured / greedy / contiguous planners (tens to hundreds of forwards) are left to ``strategy="best"``.
-#: ``tl_steering.planning.ONE_SHOT_COMPARISON`` is this tuple (kept here: the CLI imports this module, not torch
-#: code, before it fails fast on bad arguments).
-PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ("C", "attribution", "attribution_abs", "attribution_2nd")
-
-#: The field's one-shot layer-choice scores (``tl_steering.planning.peers``: ShortGPT's block influence, Gromov et
-#: al.'s angular distance, FFN Fusion's dependency), from the same forward as C. The ``plan_choice`` stage compares
-#: them beside ours by default (the report's plan table); ``tl_steering.planning.peers.PEER_SCORES`` is this tuple.
-PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
+#: The strategies the ``plan_choice`` stage compares by default (the cheap one-shot scores,
+#: :data:`tl_steering.parallel.strategies.ONE_SHOT_COMPARISON`), beside the field's :data:`PEER_SCORES`.
+PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ONE_SHOT_COMPARISON
 
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point", "reflected")
 
@@ -65,7 +57,7 @@ class SuiteSettings:
             ``SuiteResult.defect_gold``.
         plan_k: layers made parallel by the plan (capped at the sequential candidates).
         plan_strategy: ``"lowest_C"`` (the k lowest-C layers of the defect scores) or a strategy of
-            ``tl_steering.planning.plan_parallel`` (``"best"`` or one name), kept as ``SuiteResult.planner``.
+            ``tl_steering.parallel.plan_parallel`` (``"best"`` or one name), kept as ``SuiteResult.planner``.
         plan_choice_strategies: the ``plan_choice`` stage: ``plan_parallel(..., strategy="best", strategies=these,
             refit=plan_choice_refit)`` at k = ``plan_k`` on the first half of the windows (calibration; the
             choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
@@ -146,8 +138,8 @@ class SuiteSettings:
                 raise InputError(f"SuiteSettings.stages: {need!r} runs on the defect plan: add 'defect'")
         if not isinstance(self.plan_strategy, str) or not self.plan_strategy:
             raise InputError(f"SuiteSettings.plan_strategy must be a strategy name, got {self.plan_strategy!r}")
-        from ..planning.plan import PLAN_STRATEGIES
-        from ..planning.refit import REFITS
+        from ..parallel.plan import PLAN_STRATEGIES
+        from ..parallel.refit import REFITS
 
         if not isinstance(self.plan_choice_strategies, list) or any(
                 s not in PLAN_STRATEGIES for s in self.plan_choice_strategies):

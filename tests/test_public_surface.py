@@ -1,0 +1,42 @@
+"""tl_steering's public surface: one list (``tl_steering.PUBLIC``), named in docs/index.md, every name resolving."""
+
+import ast
+import re
+from pathlib import Path
+
+import tl_steering as ts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented() -> set[str]:
+    text = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    section = text.split("## The public surface", 1)[1].split("\n## ", 1)[0]
+    section = re.sub(r"\([^)]*\.md\)", "", section)  # links are not names
+    return set(re.findall(r"`([A-Za-z_]\w*)`", section)) - {"tl_steering"}
+
+
+def test_all_is_the_one_list():
+    assert ts.__all__ == list(ts.PUBLIC) and len(set(ts.__all__)) == len(ts.__all__)
+
+
+def test_docs_index_lists_the_public_surface():
+    assert documented() == set(ts.__all__)
+
+
+def test_every_public_name_resolves_and_results_are_classes():
+    for name in ts.__all__:
+        value = getattr(ts, name)
+        assert value is not None, name
+        if name.endswith("Result") or name in ("ParallelPlan", "SuiteSettings", "Provenance", "TokenWindows"):
+            assert isinstance(value, type), name
+    for name in ("run_suite", "SuiteSettings", "SuiteResult"):
+        assert name in ts.__all__
+
+
+def test_static_imports_name_the_same_surface():
+    """The TYPE_CHECKING imports (for static tools) import exactly the public names."""
+    tree = ast.parse((ROOT / "tl_steering" / "__init__.py").read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    names = {a.asname or a.name for n in block.body for a in n.names}
+    assert names == set(ts.PUBLIC)

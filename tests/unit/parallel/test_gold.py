@@ -1,0 +1,97 @@
+"""Prefix sharing of the plan losses (tl_steering.parallel.gold.PlanLoss): a plan run from the clean residual
+entering its first parallel layer gives the same mean CE as the whole hooked forward, on every tiny architecture and
+backend; it turns itself off where it would be wrong (a hook of the user's on the model) or too big."""
+
+import pytest
+import torch
+
+from tl_steering.backends import adapt
+from tl_steering.parallel import gold
+from tl_steering.parallel.gold import PlanLoss
+from tl_steering.parallel.refit import FittedLoss, RefitLoss
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PLANS = [[], [0], [1], [0, 1], [1, 0]]
+
+
+def _tokens(n: int = 5, pos: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 257, (n, pos), generator=g)
+
+
+def test_shared_prefix_equals_the_hooked_forward(tiny):
+    toks = _tokens()
+    shared, plain = PlanLoss(tiny, toks, batch_size=2), PlanLoss(tiny, toks, batch_size=2, share_prefix=False)
+    for plan in PLANS:
+        # same sublayers, same order of operations: equal to float32 roundoff of the CE (in practice bit-equal)
+        assert shared(plan) == pytest.approx(plain(plan), abs=1e-6)
+    assert shared.prefix_note == "" and shared._prefix is not None
+    assert plain._prefix is None
+    assert shared.passes == plain.passes == len({tuple(sorted(p)) for p in PLANS})
+    # the suffix really runs: a plan that changes the model changes the loss (NeoX: parallel already, no change)
+    if not adapt(tiny).any_parallel:
+        assert abs(shared.delta([0])) > 1e-6
+
+
+def test_clean_pass_builds_the_prefix_once(tiny):
+    pl = PlanLoss(tiny, _tokens(), batch_size=4)
+    pl([1])  # builds the prefix: the clean CE comes with it
+    assert () in pl.memo and pl.passes == 2
+    assert pl.clean == pytest.approx(PlanLoss(tiny, _tokens(), batch_size=4, share_prefix=False).clean, abs=1e-7)
+    assert pl.passes == 2  # the clean plan was not run again
+
+
+def test_a_user_hook_turns_sharing_off(tiny):
+    """The shared path calls sublayers with hooks silenced: with a hook of the user's on the model, every plan runs
+    the hooked forward, so the user's hook acts (here: it scales the embedding output)."""
+    ad = adapt(tiny)
+    name = ad.hook_name(0, "resid_pre")
+    toks = _tokens()
+    with ad.hook_guard():  # removes the hook again on exit
+        tiny.add_hook(name, lambda act, hook: act * 0.5)
+        pl = PlanLoss(tiny, toks, batch_size=2)
+        with_hook = pl([1])
+        assert "hooks of its own" in pl.prefix_note and pl._prefix is None
+    assert with_hook != pytest.approx(PlanLoss(tiny, toks, batch_size=2)([1]), abs=1e-4)
+
+
+def test_too_big_turns_sharing_off(tiny, monkeypatch):
+    monkeypatch.setattr(gold, "PREFIX_CACHE_BYTES", 1024)
+    pl = PlanLoss(tiny, _tokens(), batch_size=2)
+    ref = PlanLoss(tiny, _tokens(), batch_size=2, share_prefix=False)
+    assert pl([0, 1]) == ref([0, 1])
+    assert "PREFIX_CACHE_BYTES" in pl.prefix_note
+
+
+@pytest.mark.parametrize("fit", ["sequential", "joint"])
+def test_refit_losses_share_the_prefix(tiny, fit):
+    """The corrected plans (fitted on one set of windows, measured there and on others) through the shared prefix
+    equal the hooked forwards: the same gates and biases, the same losses."""
+    cal, held = _tokens(4, 16), _tokens(3, 16)[:, :16]
+    a = RefitLoss(tiny, cal, batch_size=4, fit=fit)
+    b = RefitLoss(tiny, cal, batch_size=4, fit=fit, share_prefix=False)
+    for plan in ([1], [0, 1]):
+        assert a(plan) == pytest.approx(b(plan), abs=1e-6)
+        ga, ba = a.corrections(plan)
+        gb, bb = b.corrections(plan)
+        assert ga.keys() == gb.keys() and all(abs(ga[k] - gb[k]) < 1e-5 for k in ga)
+        assert all(torch.allclose(ba[k], bb[k], rtol=1e-4, atol=1e-6) for k in ba)
+        fa, fb = FittedLoss(tiny, held, 4, source=a), FittedLoss(tiny, held, 4, source=b, share_prefix=False)
+        assert fa(plan) == pytest.approx(fb(plan), abs=1e-6)
+
+
+def test_run_blocks_and_batch_slices_refuse_bad_input(tiny):
+    from tl_steering.errors import InputError, LayerIndexError
+    from tl_steering.data.sharding import batch_slices
+
+    ad = adapt(tiny)
+    x = torch.zeros(1, 4, ad.d_model)
+    with pytest.raises((InputError, LayerIndexError), match="start"):
+        ad.run_blocks(x, ad.n_layers)
+    with pytest.raises(InputError, match="d_model"):
+        ad.run_blocks(x[0], 0)
+    assert batch_slices(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    for bad in (0, 1.5, True):
+        with pytest.raises(InputError, match="batch_size"):
+            batch_slices(5, bad)

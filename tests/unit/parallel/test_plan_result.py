@@ -1,0 +1,82 @@
+"""A ParallelPlan's tensors in a safetensors sidecar beside its JSON (tl_steering.result_sidecar): exact round
+trip of a linear-corrected plan, inside a suite-like container too, and plan files written before still load."""
+
+import json
+
+import pytest
+import torch
+
+import tl_steering as ts
+from tl_steering.errors import ResultFileError
+from tl_steering.result_sidecar import sidecar_path
+
+
+@pytest.fixture(scope="module")
+def linear_plan(planner_model):
+    toks = torch.randint(1, 257, (4, 12), generator=torch.Generator().manual_seed(5))
+    return ts.plan_parallel(planner_model, toks[:2], 2, held_out=toks[2:], strategies=["C", "attribution_abs"],
+                            k_values=[2], batch_size=2, fisher_samples=0, refit="linear")
+
+
+def _same(a, b) -> None:
+    for name in ("gates", "biases", "linears"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype == torch.float64 and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.int64), y.view(torch.int64)), name  # bit for bit
+    assert a.layers == b.layers and a.held_out_delta_ce == b.held_out_delta_ce and a.plans == b.plans
+
+
+def test_linear_plan_round_trip_is_exact(linear_plan, tmp_path):
+    p = linear_plan
+    assert p.refit == "linear" and p.linears.shape == (2, 32, 32) and float(p.linears.abs().max()) > 0
+    path = p.save(tmp_path / "plan.json")
+    side = sidecar_path(path)
+    assert side.name == "plan.tensors.safetensors" and side.exists()
+    data = json.loads(path.read_text())
+    assert data["__sidecar__"]["file"] == side.name
+    assert all("__tensor_ref__" in data[name] for name in ("gates", "biases", "linears"))  # not in the JSON
+    back = ts.ParallelPlan.load(path)
+    _same(p, back)
+    # the loaded plan runs: its maps are the plan's, ready for parallelize(..., linears=)
+    assert back.linear_maps().keys() == p.linear_maps().keys()
+    # the whole-file safetensors format keeps working, exactly
+    _same(p, ts.ParallelPlan.load(p.save(tmp_path / "plan.safetensors")))
+
+
+def test_sidecar_missing_is_a_clear_error(linear_plan, tmp_path):
+    path = linear_plan.save(tmp_path / "plan.json")
+    sidecar_path(path).unlink()
+    with pytest.raises(ResultFileError, match="sidecar"):
+        ts.ParallelPlan.load(path)
+
+
+def test_old_plan_files_still_load(linear_plan, tmp_path):
+    """A plan file of before issue 30: tensors inline in the JSON, no held_out_curves_uncorrected."""
+    data = linear_plan.to_dict()
+    del data["held_out_curves_uncorrected"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    back = ts.ParallelPlan.load(old)
+    _same(linear_plan, back)
+    assert back.held_out_curves_uncorrected == {}
+
+
+def test_sidecar_moved_and_overwritten(linear_plan, tmp_path):
+    """An atomic write (save to a temporary name, move the sidecar, rename the JSON) loads; a sidecar of another
+    save is refused by its hash."""
+    import os
+
+    from tl_steering.result_sidecar import move
+
+    tmp, final = tmp_path / ".plan.tmp.json", tmp_path / "plan.json"
+    linear_plan.save(tmp)
+    move(tmp, final)
+    os.replace(tmp, final)
+    _same(linear_plan, ts.ParallelPlan.load(final))
+    other = tmp_path / "other.json"
+    linear_plan.save(other)
+    data = json.loads(other.read_text())
+    data["__sidecar__"]["sha256"] = "0" * 64
+    other.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="SHA-256"):
+        ts.ParallelPlan.load(other)

@@ -1,0 +1,259 @@
+"""One caller per model at a time (docs/hooks.md, "One caller per model").
+
+A tl_steering call adds hooks to the model it measures and reads them back; a second thread calling into the same
+model meanwhile would snapshot the first call's hooks as if they were the user's, remove them half-way through its
+forwards or add its own to them: wrong numbers, ``HookNotFoundError`` and hooks left on the model. So a call claims
+the model for its thread:
+
+* :func:`exclusive` (a decorator on every public entry point: the protocols, probe, gates, prefix, critical points,
+  the planner, ``parallelize``, the suite, the scan) and :class:`~tl_steering.backends.lifecycle.HookGuard` /
+  the adapter's ``run_with_hooks``, ``ffn``, ``attention``, ``run_blocks`` (which every entry point reaches the model
+  through, so a call that is not decorated is covered too) claim the model on entry;
+* a claim by the thread that holds the model already is a no-op (re-entrant: a protocol calling another, a user's
+  ``with model.hooks(...)`` around our call, a probe around a protocol);
+* a claim while another live thread holds the model raises :class:`~tl_steering.errors.ModelBusyError` at once,
+  before anything touches the model, naming the call in progress (function, thread, how long it has run); the
+  call in progress goes on undisturbed;
+* the outermost claim records the hook points that carry the user's hooks at entry (a user's ``hooks()`` context
+  or permanent hooks), which :meth:`ModelAdapter.provenance` writes into the result (``Provenance.user_hooks``).
+
+Interrupt safety: the claim is registered with :mod:`~tl_steering.backends.interrupts` before it is recorded, and
+releasing is idempotent, so a Ctrl-C at any bytecode leaves no claim behind. A claim left by a thread that ended
+(an exception injected by other means) is taken over.
+
+Only tl_steering's own calls take claims: a forward the user runs from another thread (``model(tokens)``, TL's own
+``run_with_hooks``) is not seen.
+"""
+
+import functools
+import inspect
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import interrupts as _interrupts
+from ..errors import ModelBusyError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.RLock()  # re-entrant: the signal handler may release a claim while its thread holds the lock
+_claims: "weakref.WeakKeyDictionary[Any, _Claim]" = weakref.WeakKeyDictionary()
+
+
+class _Claim:
+    """Who holds a model: the thread, the call, since when, and the user's hook points at entry."""
+
+    __slots__ = ("thread", "call", "since", "user_hooks")
+
+    def __init__(self, call: str, user_hooks: tuple[str, ...]):
+        self.thread = threading.current_thread()
+        self.call = call
+        self.since = time.monotonic()
+        # the user's hook points at the entry of the outermost call, then of each nested call that records them
+        # (a protocol inside a probe sees the hooks the user added after the probe opened)
+        self.user_hooks: list[tuple[str, ...]] = [user_hooks]
+
+    def describe(self) -> str:
+        return (f"{self.call} on thread {self.thread.name!r} (ident {self.thread.ident}), running for "
+                f"{time.monotonic() - self.since:.1f} s")
+
+
+class _Token:
+    """One outermost claim, registered with the interrupt registry: ``restore`` releases it (idempotent)."""
+
+    __slots__ = ("model", "claim", "interrupted")
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.claim: _Claim | None = None
+        self.interrupted = False
+
+    def restore(self) -> None:
+        claim = self.claim
+        if claim is None:
+            return
+        with _lock:
+            if _claims.get(self.model) is claim:
+                del _claims[self.model]
+
+
+def _key(model: Any) -> Any:
+    """The object claims are keyed by: the TransformerLens model behind an adapter."""
+    inner = getattr(model, "model", None)
+    if type(model).__name__ == "ModelAdapter" and inner is not None:
+        return inner
+    return model
+
+
+def holder(model: Any) -> _Claim | None:
+    """The live claim on ``model`` (None when no tl_steering call is using it)."""
+    c = _claims.get(_key(model))
+    if c is not None and not c.thread.is_alive():
+        return None
+    return c
+
+
+def held_here(model: Any) -> bool:
+    """Whether this thread holds ``model`` now (inside one of its tl_steering calls)."""
+    c = _claims.get(_key(model))
+    return c is not None and c.thread is threading.current_thread()
+
+
+def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
+    return ModelBusyError(
+        f"{call}: this {type(model).__name__} is in use by {cur.describe()}. tl_steering runs one call per model at "
+        "a time (a call adds hooks to the model and reads them back; two at once would measure each other's "
+        "hooks). Wait for that call to return (join its thread), or give each thread its own model (load it "
+        "again, or copy.deepcopy(model)).")
+
+
+class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):``
+    """Hold ``model`` for this thread while the block runs (a no-op when this thread holds it already); raise
+    :class:`ModelBusyError` when another live thread holds it. ``record_hooks``: record the user's hook points at
+    entry of an outermost claim (False for the pure sublayer calls, which add no hooks and run in tight loops);
+    ``refresh``: record them again when nested in this thread's claim (a public call inside a probe: the user may
+    have added hooks since; not for the per-forward guards, whose scan would cost ~2 ms per forward on a bridge)."""
+
+    __slots__ = ("model", "call", "record_hooks", "refresh", "_token", "_nested")
+
+    def __init__(self, model: Any, call: str, record_hooks: bool = True, refresh: bool = False):
+        self.model = _key(model)
+        self.call = call
+        self.record_hooks = record_hooks
+        self.refresh = refresh
+        self._token: _Token | None = None
+        self._nested: tuple[_Claim, tuple[str, ...]] | None = None
+
+    def __enter__(self) -> "claim":
+        model = self.model
+        cur = _claims.get(model)
+        me = threading.current_thread()
+        if cur is not None and cur.thread is me:  # re-entrant: the outer call's claim covers this one
+            if self.refresh:  # a nested public call: the user's hooks as they are now (e.g. added inside a probe)
+                hooks = user_hook_points(model)
+                cur.user_hooks.append(hooks)
+                self._nested = (cur, hooks)
+            return self
+        if cur is not None and cur.thread.is_alive():
+            raise _busy(model, self.call, cur)
+        hooks = user_hook_points(model) if self.record_hooks else ()
+        token = _Token(model)
+        _interrupts.register(token)  # before the claim is recorded: a Ctrl-C from here on releases it
+        try:
+            with _lock:
+                cur = _claims.get(model)
+                if cur is not None and cur.thread is not me and cur.thread.is_alive():
+                    raise _busy(model, self.call, cur)
+                if cur is not None and cur.thread is me:  # pragma: no cover - taken between the two checks
+                    _interrupts.unregister(token)
+                    return self
+                token.claim = _Claim(self.call, hooks)  # before the store: a restore finds what to release
+                _claims[model] = token.claim
+        except BaseException:
+            token.restore()
+            _interrupts.unregister(token)
+            raise
+        self._token = token
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        nested, self._nested = self._nested, None
+        if nested is not None:
+            stack = nested[0].user_hooks
+            if len(stack) > 1 and stack[-1] is nested[1]:
+                stack.pop()
+        token, self._token = self._token, None
+        if token is not None:
+            try:
+                token.restore()
+            finally:
+                _interrupts.unregister(token)
+        return None
+
+
+def _model_argument(fn: Callable) -> Callable[[tuple, dict], Any]:
+    """How to find the model among a call's arguments: the parameter named ``model``, else the first one."""
+    params = list(inspect.signature(fn).parameters)
+    name = "model" if "model" in params else (params[0] if params else None)
+    index = params.index(name) if name is not None else None
+
+    def find(args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        if index is not None and index < len(args):
+            return args[index]
+        return None
+
+    return find
+
+
+def exclusive(fn: F) -> F:
+    """Decorate a public entry point that takes a model: the call holds the model for its thread (see
+    :class:`claim`); another thread's call into the same model meanwhile raises :class:`ModelBusyError`."""
+    find = _model_argument(fn)
+    name = f"tl_steering.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = find(args, kwargs)
+        if model is None or not hasattr(_key(model), "modules"):  # not a model: the call's own checks say so
+            return fn(*args, **kwargs)
+        with claim(model, name, refresh=True):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
+    """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
+    ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
+    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
+    from .lifecycle import hook_points
+
+    named = getattr(model, "hook_dict", None)
+    if not isinstance(named, dict) or not named:
+        return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
+    by_id: dict[int, tuple[Any, list[str]]] = {}
+    for name, hp in named.items():
+        by_id.setdefault(id(hp), (hp, []))[1].append(name)
+    return [(hp, tuple(names)) for hp, names in by_id.values()]
+
+
+def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
+    """The names (sorted) of the points in ``points`` (from :func:`named_hook_points`) that carry a hook not
+    tagged as tl_steering's."""
+    from .lifecycle import _SILENCED, is_ours
+
+    return tuple(sorted(n for hp, names in points if _carries_user_hook(hp, _SILENCED, is_ours) for n in names))
+
+
+def user_hook_points(model: Any) -> tuple[str, ...]:
+    """Names of the hook points that carry hooks not tagged as tl_steering's (the user's: a ``hooks()`` context,
+    ``add_hook``, permanent hooks), sorted; on a bridge every name of such a point. Hooks that TransformerLens or
+    transformers wire on other modules (a bridge's capture hooks) are not on hook points and are not counted."""
+    return user_hooks_among(named_hook_points(model))
+
+
+def _carries_user_hook(hp: Any, dicts: tuple[str, ...], is_ours: Callable[[Any], bool]) -> bool:
+    """Whether a torch hook dict of ``hp`` holds a hook that is not ours (TransformerLens's ``add_hook`` registers
+    every hook there, wrapped; its handle lists are bookkeeping of the same hooks)."""
+    for attr in dicts:
+        d = getattr(hp, attr, None)
+        if d and any(not is_ours(f) for f in d.values()):
+            return True
+    return False
+
+
+def active_user_hooks(model: Any) -> tuple[str, ...]:
+    """The user's hook points for a result's provenance: those recorded when this thread's call claimed the model
+    (before any hook of ours), else the ones on the model now."""
+    c = _claims.get(_key(model))
+    if c is not None and c.thread is threading.current_thread():
+        return c.user_hooks[-1]
+    return user_hook_points(_key(model))
+
+
+__all__ = ["active_user_hooks", "claim", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
+           "user_hooks_among"]

@@ -1,0 +1,80 @@
+"""Running a model over token batches: activation collection and the token-weighted mean loss
+(see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only.
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ..backends import ModelAdapter, adapt, check_finite
+from ..metrics import next_token_loss
+from .sharding import batch_slices
+
+HookList = list[tuple[str, Callable[..., Any]]]
+
+
+def iter_batches(
+    ad: ModelAdapter,
+    tokens: Int[Tensor, "batch pos"],
+    names: Sequence[str],
+    batch_size: int,
+    fwd_hooks: HookList = (),
+    first_names: Sequence[str] = (),
+    rows: Sequence[slice] | None = None,
+) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
+    """Forward ``tokens`` in batches of ``batch_size`` sequences with :meth:`ModelAdapter.run_with_cache`.
+
+    Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
+    collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names` for the residual check).
+    Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
+    these batches (a rank's share, :func:`tl_steering.data.sharding.my_batches`); default every batch.
+    """
+    n = tokens.shape[0]
+    batches = batch_slices(n, batch_size) if rows is None else rows
+    for sl in batches:
+        wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
+        logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))
+        yield sl, logits, cache
+
+
+def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = (), batch_size: int = 8,
+              world: Any = None) -> float:
+    """Mean next-token cross-entropy (nats) over every predicted token of ``tokens``, with ``hooks``.
+
+    ``sum over windows of sum_i loss_i / number of predicted tokens``: every token weighs the same, whatever
+    the batching; accumulated in float64 (:func:`tl_steering.metrics.next_token_loss`). Raises
+    :class:`~tl_steering.errors.NonFiniteError` if a loss is NaN/Inf. ``model`` may be a model or its adapter.
+    ``world`` (a :class:`tl_steering.data.sharding.World`): each rank runs its batches, the per-window sums are
+    gathered and added in window order (the same number on one rank or many).
+    """
+    from .sharding import gather_rows, my_batches
+
+    ad = adapt(model)
+    n = tokens.shape[0]
+    mine = my_batches(n, batch_size, world)
+    per_row = torch.zeros(n, dtype=torch.float64)
+    for rows in mine:
+        per_row[rows] = loss_row_sums(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"),
+                                      tokens[rows])
+    per_row = gather_rows({"s": per_row}, mine, world)["s"]
+    return token_mean(per_row, tokens)
+
+
+def loss_row_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Tensor:
+    """Per window, the next-token CE summed over its predicted positions: float64 ``[batch]`` on the CPU
+    (:func:`tl_steering.metrics.next_token_loss`). Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    lt = next_token_loss(logits, tokens)
+    check_finite(lt, None, "next-token loss")
+    return lt.to(torch.float64).sum(-1).cpu()
+
+
+def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
+    """The token-weighted mean CE from per-window sums ``per_row`` (:func:`loss_row_sums`) of ``tokens``:
+    ``sum / (windows x (pos - 1))``, every predicted token weighing the same."""
+    return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+__all__ = ["HookList", "iter_batches", "loss_row_sums", "mean_loss", "token_mean"]

@@ -1,0 +1,142 @@
+"""Sharding work over the ranks of a ``torch.distributed`` job: the collect -> gather -> reduce pattern of the
+distributed report (docs/scale_out.md, "The sharded report")."""
+
+import dataclasses
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "rank_device", "split_map", "world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place in a ``torch.distributed`` job (rank 0 of 1 when there is no process group)."""
+
+    rank: int = 0
+    size: int = 1
+    backend: str = "none"
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """The current process group, if one is initialized (``torch.distributed``), else a single process."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+    return World()
+
+
+def rank_device(device: str | None, w: World | None = None) -> str | None:
+    """The device this rank runs on: under a process group a CUDA request becomes the rank's own GPU (the one
+    :func:`tl_steering.probing.scan.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
+    w = world() if w is None else w
+    if device is not None and str(device).startswith("cuda") and w.active:
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def _w(w: World | None) -> World:
+    return World() if w is None else w
+
+
+def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (``all_gather_object``; ``[obj]`` alone)."""
+    w = _w(w)
+    if not w.active:
+        return [obj]
+    out: list[Any] = [None] * w.size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def batch_slices(n: int, batch_size: int) -> list[slice]:
+    """Every row slice of ``n`` windows in batches of ``batch_size`` consecutive windows (the last one shorter)."""
+    try:
+        size = operator.index(batch_size)  # any integer (numpy and torch integers too), not a float or bool
+    except TypeError:
+        size = 0
+    if isinstance(batch_size, bool) or size < 1:
+        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
+    """The row slices (batches of ``batch_size`` consecutive windows of ``n``) this rank processes."""
+    w = _w(w)
+    return batch_slices(n, batch_size)[w.rank::w.size]
+
+
+def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:
+    """Complete per-window arrays (first dimension = window) from every rank's rows ``mine``.
+
+    ``arrays`` holds this rank's values in its rows (the other rows are placeholders); the result holds every
+    rank's values in their rows, the same on every rank. The arrays are moved to the CPU for the exchange.
+    """
+    w = _w(w)
+    if not w.active:
+        return arrays
+    keys = list(arrays)
+    mine_payload = [(s.start, s.stop, [arrays[k][s].detach().cpu() for k in keys]) for s in mine]
+    out = {k: v.detach().cpu().clone() for k, v in arrays.items()}
+    for part in gather_objects(mine_payload, w):
+        for start, stop, vals in part:
+            for k, v in zip(keys, vals):
+                out[k][start:stop] = v
+    return out
+
+
+def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None) -> list[Any]:
+    """``[fn(x) for x in items]`` with item ``i`` computed on rank ``i % world_size``, the list on every rank."""
+    w = _w(w)
+    if not w.active:
+        return [fn(x) for x in items]
+    mine = {i: fn(x) for i, x in enumerate(items) if i % w.size == w.rank}
+    merged: dict[int, Any] = {}
+    for part in gather_objects(mine, w):
+        merged.update(part)
+    return [merged[i] for i in range(len(items))]
+
+
+def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
+    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``).
+
+    An exception on rank 0 is re-raised on every rank (the others would otherwise wait forever).
+    """
+    w = _w(w)
+    if not w.active:
+        return fn()
+    box: list[Any] = [None]
+    if w.rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the other ranks, re-raised here too
+            box[0] = ("error", e)
+    torch.distributed.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def check_agreement(settings: dict[str, Any], w: World | None = None) -> None:
+    """Raise :class:`InputError` on every rank when the ranks were started with different settings/models."""
+    w = w or world()
+    everyone = gather_objects(settings, w)
+    bad = sorted({k for other in everyone for k in set(other) | set(settings) if other.get(k) != everyone[0].get(k)})
+    if bad:
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}={everyone[r].get(k)!r}" for r in range(w.size))
+                           for k in bad)
+        raise InputError(f"the {w.size} ranks disagree on {', '.join(bad)} ({detail}); start every rank with the "
+                         "same model, weights, corpus and settings")

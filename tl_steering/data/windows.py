@@ -1,0 +1,172 @@
+"""Token windows of real English text with no network: Python's own ``pydoc_data`` (the language reference,
+about 100k tokens, on every install), a local text file, or a Hugging Face dataset (optional extra)."""
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ..backends import adapt
+from ..errors import InputError
+
+
+@functools.lru_cache(maxsize=1)
+def pydoc_text() -> str:
+    """The text of ``pydoc_data.topics`` in a fixed order (sorted topic names)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k].strip() for k in sorted(topics))
+
+
+def _source_text(source: str) -> tuple[str, str]:
+    if source == "pydoc":
+        return pydoc_text(), "pydoc"
+    if source.startswith("hf:"):
+        try:
+            import datasets  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise InputError("source='hf:NAME[:CONFIG]:SPLIT' needs the datasets extra: pip install 'tl-steering[datasets]'") from e
+        parts = source[3:].split(":")
+        name, config, split = (parts + [None, None])[:3] if len(parts) >= 3 else (parts[0], None, parts[-1] if len(parts) > 1 else "test")
+        ds = datasets.load_dataset(name, config, split=split)
+        col = "text" if "text" in ds.column_names else ds.column_names[0]
+        return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), source
+    path = Path(source)
+    if not path.exists():
+        raise InputError(f"text source {source!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
+    return path.read_text(encoding="utf-8", errors="replace"), f"file:{path.name}"
+
+
+@functools.lru_cache(maxsize=8)
+def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list[int], str]:
+    text, label = _source_text(source)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids, label
+
+
+def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
+                seed: int = 0) -> Int[Tensor, "batch pos"]:
+    """Deterministic windows of real text, tokenized for ``model``.
+
+    Windows are non-overlapping chunks of the token stream chosen by a seeded permutation. When the model's
+    convention is to prepend BOS (GPT-2, Gemma), each window is ``[BOS] + length - 1`` text tokens; SmolLM2
+    (trained without BOS) gets ``length`` text tokens.
+
+    Args:
+        model: a TransformerLens model (its tokenizer and BOS convention are used).
+        source: ``"pydoc"`` (default, offline), a path to a UTF-8 text file, or ``"hf:NAME[:CONFIG]:SPLIT"``.
+        n_windows: number of sequences.
+        length: tokens per sequence (BOS included).
+        seed: chooses which windows.
+
+    Returns:
+        ``[n_windows, length]`` long tensor on the model's device.
+    """
+    ad = adapt(model)
+    if n_windows < 1 or length < 2:
+        raise InputError(f"need n_windows >= 1 and length >= 2, got {n_windows} and {length}")
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise InputError("the model has no tokenizer; pass token ids yourself")
+    bos = ad.info.prepend_bos and tok.bos_token_id is not None
+    body = length - 1 if bos else length
+    key = f"{getattr(tok, 'name_or_path', '')}:{len(tok)}"
+    ids, label = _token_stream(key, source, tok)
+    n_chunks = len(ids) // body
+    if n_chunks < n_windows:
+        raise InputError(f"{label} gives {len(ids)} tokens: only {n_chunks} windows of {body}; ask for fewer or shorter")
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(n_chunks, generator=g)[:n_windows].sort().values.tolist()
+    rows = [ids[c * body:(c + 1) * body] for c in chosen]
+    if bos:
+        rows = [[tok.bos_token_id] + r for r in rows]
+    return torch.tensor(rows, dtype=torch.long, device=ad.device)
+
+
+def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, seed: int = 0) -> str:
+    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``: pass it as ``corpus=``.
+
+    Example: ``"pydoc:8x128:seed0"``; a file source is labelled by its file name (``"file:NAME:..."``).
+    """
+    label = source if source == "pydoc" or source.startswith("hf:") else f"file:{Path(source).name}"
+    return f"{label}:{n_windows}x{length}:seed{seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWindows:
+    """Token ids together with the label of the corpus they came from; provenance that survives slicing.
+
+    Every public call that takes ``tokens`` also takes a ``TokenWindows``: its ``corpus`` then goes into the
+    result's provenance (an explicit ``corpus=`` argument wins). Slicing, ``split`` and ``to`` keep the label
+    (a slice records which rows: ``"pydoc:8x128:seed0[0:2]"``). ``windows.tokens`` is the plain tensor to feed
+    a model.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    corpus: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tokens.shape
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __getitem__(self, rows: Any) -> "TokenWindows":
+        sub = self.tokens[rows]
+        if sub.ndim == 1:
+            sub = sub.unsqueeze(0)
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(len(self))
+            where = f"{start}:{stop}" + (f":{step}" if step != 1 else "")
+        else:
+            where = str(rows.tolist() if isinstance(rows, Tensor) else rows)
+        return TokenWindows(sub, f"{self.corpus}[{where}]")
+
+    def split(self, size: int) -> list["TokenWindows"]:
+        """Consecutive row batches of ``size`` windows (the last may be smaller), each labelled."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InputError(f"TokenWindows.split: size must be a positive int, got {size!r}")
+        return [self[i:i + size] for i in range(0, len(self), size)]
+
+    def to(self, device: Any) -> "TokenWindows":
+        return TokenWindows(self.tokens.to(device), self.corpus)
+
+
+def text_windows(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
+                 seed: int = 0) -> TokenWindows:
+    """:func:`text_tokens` with its corpus label attached (a :class:`TokenWindows`)."""
+    return TokenWindows(text_tokens(model, source, n_windows, length, seed),
+                        corpus_label(source, n_windows, length, seed))
+
+
+def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | None]:
+    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``.
+
+    An explicit ``corpus`` wins over a :class:`TokenWindows` label. The tensor is NOT validated here (the
+    adapter's ``validate_tokens`` does that); anything that is not a ``TokenWindows`` passes through as is.
+    """
+    if corpus is not None and not isinstance(corpus, str):
+        raise InputError(f"corpus must be a str label (e.g. 'pydoc:8x128:seed0'), got {type(corpus).__name__}")
+    if isinstance(tokens, TokenWindows):
+        return tokens.tokens, corpus if corpus is not None else tokens.corpus
+    return tokens, corpus
+
+
+def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[Any, Tensor, str | None]:
+    """What every public call does first: ``(adapter, validated token tensor, corpus label or None)``.
+
+    ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
+    checks dtype, shape, range and length with errors that name the problem.
+    """
+    ad = adapt(model)
+    tokens, corpus = token_source(tokens, corpus)
+    return ad, ad.validate_tokens(tokens), corpus
+
+
+__all__ = ["TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
+           "token_source"]

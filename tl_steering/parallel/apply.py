@@ -1,0 +1,151 @@
+"""The public API of the parallel executor, :func:`parallelize` (the fused block, its hooks and masks:
+docs/parallel.md; the block surgery: :mod:`tl_steering.backends.executor`)."""
+
+import contextlib
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import validation
+from ..backends import adapt
+from ..backends.copying import deepcopy_module
+from ..backends.executor import parallel_states, parallelize_blocks
+from ..errors import InputError, ParallelBlockError
+from ..backends.ownership import exclusive
+
+# ----------------------------------------------------------------------------------------------------------
+# public API
+
+
+@exclusive
+def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, streams: bool = False,
+                verify: bool = True, gates: Mapping[int, float] | None = None,
+                biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
+    """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
+
+    Args:
+        model: a TransformerLens ``HookedTransformer`` (TL 3.9) or ``TransformerBridge`` (TL 3.9 / 4.x) with
+            GPT-2-style or Llama-style blocks. It is deep-copied and never modified.
+        layers: block indices to parallelize (an empty list gives an unchanged copy). Blocks that are
+            parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
+        fuse: fold each norm's affine into the input projections and run the block as two GEMMs (one for
+            Q/K/V + MLP in/gate, one for [z, h] @ [W_O; W_out]). ``False``: the unfused parallel block
+            attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every inner hook fires).
+        streams: on CUDA, run the attention core on a side stream concurrently with the MLP branch.
+        verify: run the new model once on 8 random tokens fused and unfused and raise
+            :class:`ParallelBlockError` if they disagree (guards against weight layouts this fold does not
+            understand). Cheap; turn off only when timing the call itself.
+        gates / biases: ``{layer: g}`` / ``{layer: b}`` (``b`` a ``[d_model]`` tensor): the parallel block's FFN
+            write becomes g Phi(x) + b, the fitted corrections of ``plan_parallel(..., refit=...)``
+            (``parallelize(model, plan.layers, gates=g, biases=b)`` with ``g, b = plan.corrections()``; the same
+            as ``hooks.parallel_blocks(model, layers, g, b)``). Folded into the fused weights (no run-time cost);
+            on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
+            shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
+        linears: ``{layer: W}`` (``[d_model, d_model]``, ``plan.linear_maps()`` of ``refit="linear"``): the FFN write
+            also adds a W, a the block's attention write (as ``hooks.parallel_blocks(..., linears=)``); folded into
+            the attention output projection, W_O -> W_O (I + W) (sandwich-norm blocks: one extra [d, d] product
+            after the post-attention norm).
+
+    Returns:
+        The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
+        ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block.
+    """
+    ad = adapt(model)
+    # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
+    chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
+    ad.require_resident(range(ad.n_layers), "parallelize (a copy of the model)")
+    already = [lay for lay in chosen if ad.is_parallel(lay)]
+    if already:
+        warnings.warn(f"blocks {already} are parallel attention/MLP blocks already; parallelize leaves them as "
+                      "they are", stacklevel=2)
+    todo = [lay for lay in chosen if not ad.is_parallel(lay)]
+    validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
+    corrections = _corrections(ad, todo, gates, biases, linears)
+    new = deepcopy_module(model)
+    if not todo:
+        return new
+    with torch.no_grad():
+        notes = parallelize_blocks(new, ad.backend, todo, fuse, streams, corrections)
+    for n in notes:
+        warnings.warn(n, stacklevel=2)
+    # parallelize(parallelize(m, [1, 2]), [0]) reports [0, 1, 2]: the copy keeps the earlier surgery
+    done = sorted(set(parallel_layers(model)) | set(todo))
+    new._tl_steering_parallel = {"layers": done, "fuse": fuse, "streams": streams, "notes": notes,
+                                 "corrected": sorted(corrections)}
+    if verify and fuse and len(notes) < len(todo):
+        _verify(new)
+    return new
+
+
+def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, biases: Mapping[int, Tensor] | None,
+                 linears: Mapping[int, Tensor] | None = None
+                 ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
+    """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
+    from ..hooks import checked_corrections
+
+    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
+    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
+            for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
+
+
+def _is_empty(layers: Any) -> bool:
+    return isinstance(layers, (list, tuple, range)) and len(layers) == 0
+
+
+def _lean_sequential_copy(model: Any, layers: Sequence[int]) -> Any:
+    """Benchmark CONTROL, not a parallel model: a copy whose chosen blocks stay SEQUENTIAL but run on the same
+    lean kernels as the fused parallel blocks (folded norms, SDPA, addmm). Comparing it with the original
+    isolates the implementation gain; comparing the parallel model with it isolates the parallel structure's."""
+    new = parallelize(model, layers, verify=False)
+    for st in _states(new):
+        st.lean_sequential = True
+    return new
+
+
+def parallel_layers(model: Any) -> list[int]:
+    """The blocks :func:`parallelize` turned parallel in ``model`` (empty for any other model)."""
+    info = getattr(model, "_tl_steering_parallel", None)
+    return list(info["layers"]) if info else []
+
+
+def _states(model: Any) -> list[Any]:
+    return parallel_states(model)
+
+
+@contextlib.contextmanager
+def unfused(model: Any):
+    """Inside the block, every parallelized block of ``model`` runs the unfused parallel path."""
+    states = _states(model)
+    before = [s.force_unfused for s in states]
+    for s in states:
+        s.force_unfused = True
+    try:
+        yield model
+    finally:
+        for s, b in zip(states, before):
+            s.force_unfused = b
+
+
+def _verify(model: Any, rtol: float | None = None) -> float:
+    ad = adapt(model)
+    vocab = int(model.cfg.d_vocab)
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(1, vocab, (1, 8), generator=g).to(ad.device)
+    with torch.no_grad():
+        fused = model(tokens, return_type="logits")
+        with unfused(model):
+            ref = model(tokens, return_type="logits")
+    err = float((fused.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+    tol = rtol if rtol is not None else {torch.float64: 1e-9, torch.float32: 1e-4}.get(ad.dtype, 3e-2)
+    if not err <= tol:
+        raise ParallelBlockError(
+            f"the fused parallel blocks disagree with the unfused parallel reference (relative error {err:.3g} > "
+            f"{tol:g}); this model's weight layout is not what the fold expects. Use parallelize(..., fuse=False)."
+        )
+    return err
+
+
+__all__ = ["parallel_layers", "parallelize", "unfused"]

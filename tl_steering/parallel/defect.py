@@ -1,0 +1,337 @@
+"""The sequential-to-parallel defect, its Lie-bracket terms and the parallelization scores C_l, with the gold
+standard and the speedup estimate (protocol 4; specification: docs/defect.md)."""
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from .. import geometry as geo
+from ..backends import check_finite
+from ..data.windows import model_tokens
+from ..errors import InputError, ResidualIdentityError
+from . import peers as _peers
+from . import strategies as _strategies
+from .gold import PlanLoss, single_layer_delta
+from .gold import spearman as _spearman
+from .speedup import SPEEDUP_LABEL, submodule_times
+from .strategies import default_k_values
+from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
+from ..data.batching import iter_batches
+from ..stats import check_exclude_positions, position_mask
+from ..validation import as_int
+from ..backends.ownership import exclusive
+from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
+    BRACKET_TERMS,
+    CURVE_STRATEGIES,
+    DEFECT_RMS_TERMS,
+    DEFECT_VARIANTS,
+    DefectResult,
+)
+
+_PHI_CHECK_FACTOR = 10.0  # Phi(ffn input) vs hook_mlp_out may differ by kernel rounding: 10x the identity tol
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+class _Sums:
+    """Float64 sums of squared norms per sequence and layer over the valid tokens (``[n_seq, n_layer]``).
+
+    Kept per sequence so that the ranks of a distributed run can gather them in window order
+    (:func:`tl_steering.data.sharding.gather_rows`); :meth:`get` pools them over the sequences.
+    """
+
+    def __init__(self, n_seq: int, n: int) -> None:
+        self.v: dict[str, Tensor] = {}
+        self.n_seq, self.n = n_seq, n
+
+    def add(self, key: str, rows: slice, i: int, value: Tensor) -> None:
+        if key not in self.v:
+            self.v[key] = torch.zeros(self.n_seq, self.n, dtype=torch.float64)
+        self.v[key][rows, i] = (value * value).flatten(1).sum(-1).cpu()
+
+    def get(self, key: str) -> Tensor:
+        return self.v[key].sum(0) if key in self.v else torch.full((self.n,), math.nan, dtype=torch.float64)
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """sqrt(num / den) of summed squares; NaN where den is 0."""
+    out = torch.sqrt(num / den.clamp_min(1e-300))
+    return torch.where(den > 0, out, torch.full_like(out, math.nan))
+
+
+def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: Tensor, phi_in: Tensor,
+                  ffn_in: Tensor) -> dict[str, Tensor]:
+    """d = phi_in - phi_x, J_Phi(x) a (JVP in the model dtype), P_{u(ffn_in)} d; all float64."""
+    d = geo.to64(phi_in) - geo.to64(phi_x)
+    if bool((a == 0).all()):
+        ja = torch.zeros_like(d)
+    else:
+        _, ja = torch.func.jvp(phi, (x,), (a,))
+        ja = geo.to64(ja)
+    return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the protocol
+
+
+@exclusive
+def parallel_defect(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    brackets: bool = False,
+    evaluate: bool = False,
+    k_values: Sequence[int] | None = None,
+    n_random: int = 5,
+    seed: int = 0,
+    corpus: str | None = None,
+    timing: bool = False,
+    batch_size: int = 8,
+    timing_repeats: int = 7,
+    world: World | None = None,
+) -> DefectResult:
+    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); see the module docstring.
+
+    Layer planning beyond the paper's lowest-C choice (a loss-aware score, greedy and contiguous planners,
+    held-out evaluation) is :func:`tl_steering.plan_parallel` / :func:`tl_steering.parallel_scores`.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge). Never modified; every hook
+            added is removed before returning.
+        tokens: ``[batch, pos]`` token ids on the model's device (calibration text).
+        layers: blocks to analyse (default all). Curves and plans use the sequential ones among them.
+        exclude_positions: positions left out of every pooled statistic (default the BOS/sink position 0);
+            they stay in the forward pass.
+        brackets: also compute the RMS of DPhi.A, DA.Phi and the Lie bracket [A, Phi] (one JVP of each
+            attention sublayer over the whole sequence).
+        evaluate: compute the gold standard: clean CE, single-layer dCE_l, Spearman of every variant with it,
+            and the loss-vs-k curves.
+        k_values: k of the curves (default :func:`default_k_values`); each in ``[0, L]`` with L the number of
+            sequential layers analysed.
+        n_random: random layer sets per k (seeded by ``seed``).
+        seed: seed of the random layer sets.
+        timing: also measure per-submodule times for :meth:`DefectResult.speedup_estimate` (opt-in: off by
+            default so a scoring call is fast and deterministic; see
+            :func:`tl_steering.parallel.speedup.submodule_times`).
+        batch_size: sequences per forward pass (also the timed slice).
+        timing_repeats: timed calls per sub-module (median reported, after 1 warm-up call).
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches of the
+            scores (per-sequence sums gathered in window order), the gold-standard losses are split over the
+            ranks one plan each, the timing runs on rank 0; the same result on every rank.
+
+    Returns:
+        A :class:`DefectResult`.
+    """
+    t_start = time.perf_counter()
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
+    sel = ad.layers(layers)
+    ad.require_resident(sel, "parallel_defect")
+    exclude = check_exclude_positions(exclude_positions)
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    seed = as_int(seed, "seed")
+    if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 0:
+        raise InputError(f"n_random must be an int >= 0, got {n_random!r}")
+    if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
+        raise InputError(f"timing_repeats must be a positive int, got {timing_repeats!r}")
+    parallel = [ad.is_parallel(lay) for lay in sel]
+    candidates = [lay for lay, par in zip(sel, parallel) if not par]
+    if k_values is None:
+        ks = default_k_values(len(candidates))
+    else:
+        ks = sorted({int(k) for k in k_values})
+        bad = [k for k in ks if not 0 <= k <= len(candidates)]
+        if bad:
+            raise InputError(f"k_values {bad} are outside [0, {len(candidates)}] (the number of sequential "
+                             "layers analysed)")
+    keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
+    n = len(sel)
+    n_seq = tokens.shape[0]
+    sums = _Sums(n_seq, n)
+    peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in _peers.PEER_SCORES}
+    phi_rows = torch.zeros(n_seq, n, dtype=torch.float64)  # per sequence: its batch's Phi check error
+    t_attn = [math.nan] * n
+    t_ffn = [math.nan] * n
+    names = []
+    for lay in sel:
+        names += [ad.hook_name(lay, s) for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")]
+        if not ad.is_parallel(lay):
+            names.append(ad.hook_name(lay, "resid_mid"))
+    tol = ad.identity_tolerance()
+    n_tokens = int(n_seq * keep.sum())
+    mine = my_batches(n_seq, batch_size, world)
+
+    with torch.no_grad():
+        for rows, _, cache in iter_batches(ad, tokens, names, batch_size, rows=mine):
+            ad.check_residual_identity(cache, sel)
+            for i, lay in enumerate(sel):
+                g = {s: cache[ad.hook_name(lay, s)]
+                     for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")}
+                for site, act in g.items():
+                    check_finite(act, lay, site)
+                x, a, mlp_out = g["resid_pre"], g["attn_out"], g["mlp_out"]
+                phi = ad.ffn(lay)
+                phi_x = phi(x)
+                if parallel[i]:
+                    ffn_in, phi_in_ours = x, phi_x
+                    y_cf = x + a
+                    phi_cf = phi(y_cf)
+                else:
+                    ffn_in = cache[ad.hook_name(lay, "resid_mid")]
+                    phi_in_ours = phi(ffn_in)
+                    y_cf, phi_cf = ffn_in, mlp_out
+                scale = max(float(mlp_out.abs().max()), 1e-30)
+                err = float((geo.to64(phi_in_ours) - geo.to64(mlp_out)).abs().max()) / scale
+                phi_rows[rows, i] = err
+                if not err <= _PHI_CHECK_FACTOR * tol:
+                    raise ResidualIdentityError(
+                        f"layer {lay}: MLP(LN2(ffn input)) recomputed by tl_steering differs from "
+                        f"hook_mlp_out (relative error {err:.3g} > {_PHI_CHECK_FACTOR * tol:.1g}). A hook of "
+                        "yours may rewrite the FFN input or output, or this model's FFN is not what the "
+                        "adapter assumes."
+                    )
+                # actual block: d = hook_mlp_out - Phi(x); the FFN input moved by a (sequential) or not at all
+                act = _defect_terms(phi, x, torch.zeros_like(a) if parallel[i] else a, phi_x, mlp_out, ffn_in)
+                # counterfactual: the sequential ordering at this block, d = Phi(x + a) - Phi(x)
+                cf = act if not parallel[i] else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
+                dx = geo.to64(g["resid_post"]) - geo.to64(x)
+                # the peers' scores (planning.peers): block input vs output, FFN write with vs without a
+                for name, v in _peers.peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
+                    peer_sums[name][rows, i] = v.cpu()
+                for prefix, terms in (("", act), ("cf_", cf)):
+                    sums.add(prefix + "d", rows, i, terms["d"][:, keep])
+                    sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
+                    sums.add(prefix + "tan", rows, i, terms["tan"][:, keep])
+                    sums.add(prefix + "res", rows, i, (terms["d"] - terms["ja"])[:, keep])
+                    sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
+                sums.add("dx", rows, i, dx[:, keep])
+                if brackets:
+                    _, da_phi = torch.func.jvp(ad.attention(lay), (x,), (phi_x,))
+                    da_phi = geo.to64(da_phi)
+                    sums.add("DPhi_A", rows, i, cf["ja"][:, keep])
+                    sums.add("DA_Phi", rows, i, da_phi[:, keep])
+                    sums.add("bracket", rows, i, (cf["ja"] - da_phi)[:, keep])
+            del cache
+    if world is not None and world.active:  # the other ranks' windows, in window order
+        keys = sorted(sums.v)
+        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows,
+                           **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
+        phi_rows = got.pop("__phi_check")
+        peer_sums = {k: got.pop("__peer_" + k) for k in list(peer_sums)}
+        sums.v = got
+    phi_check = phi_rows.max(0).values.tolist() if n_seq else [0.0] * n
+
+    dx2 = sums.get("dx")
+
+    def variants(prefix: str) -> dict[str, Tensor]:
+        d2 = sums.get(prefix + "d")
+        return {"C": _ratio(d2, dx2), "C_phi": _ratio(d2, sums.get(prefix + "phi")),
+                "C1": _ratio(sums.get(prefix + "ja"), dx2), "C_tan": _ratio(sums.get(prefix + "tan"), dx2)}
+
+    scores = variants("")
+    cf_scores = variants("cf_")
+    par_mask = torch.tensor(parallel, dtype=torch.bool)
+    nonlin = torch.where(par_mask, torch.full((n,), math.nan, dtype=torch.float64),
+                         _ratio(sums.get("res"), sums.get("d")))
+    cf_nonlin = _ratio(sums.get("cf_res"), sums.get("cf_d"))
+    count = float(max(n_tokens, 1))
+    rms = {"defect": sums.get("d"), "update": dx2, "ffn_write": sums.get("phi"),
+           "first_order": sums.get("ja"), "defect_tangential": sums.get("tan"),
+           "first_order_error": sums.get("res")}
+    rms = {k: torch.sqrt(v / count) for k, v in rms.items()}
+    bracket_rms = {k: torch.sqrt(sums.get(k) / count) for k in BRACKET_TERMS} if brackets else {}
+
+    # -- timing (opt-in): sub-module and whole-forward times on the first batch ------------------------------
+    t_forward = t_other = math.nan
+    timing_shape: list[int] = []
+    if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
+        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
+        t_attn, t_ffn = tm["t_attn"].tolist(), tm["t_ffn"].tolist()
+        t_forward, t_other, timing_shape = tm["t_forward"], tm["t_other"], tm["timing_shape"]
+
+    # -- gold standard (tl_steering.parallel.gold) ----------------------------------------------------------
+    clean_loss = math.nan
+    delta_ce = torch.full((n,), math.nan, dtype=torch.float64)
+    spearman: dict[str, float] = {}
+    curves: dict[str, Tensor] = {}
+    curve_layers: dict[str, list] = {}
+    if evaluate:
+        loss = PlanLoss(model, tokens, batch_size, world=world)
+        score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
+        sets: dict[str, list] = {
+            "lowest": [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks],
+            "highest": [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks],
+            "contiguous": [_strategies.contiguous(candidates, score_of, k) for k in ks],
+            "random": _strategies.random_sets(candidates, ks, n_random, seed),
+        }
+        # every plan measured once (one pass over the windows each), split over the ranks of a process group
+        loss.prefetch([[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
+                      + [p for name in ("lowest", "highest", "contiguous") for p in sets[name]]
+                      + [p for draw in sets["random"] for p in draw])
+        clean_loss = loss.clean
+        delta_ce = single_layer_delta(loss, sel, parallel)
+        cidx = [i for i, par in enumerate(parallel) if not par]
+        spearman = {v: _spearman(s[cidx], delta_ce[cidx]) for v, s in scores.items()}
+        curves["k"] = torch.tensor(ks, dtype=torch.int64)
+        for name in ("lowest", "highest", "contiguous"):
+            curves[name] = torch.tensor([loss.delta(s) for s in sets[name]], dtype=torch.float64)
+        rnd = torch.tensor([[loss.delta(s) for s in draw] for draw in sets["random"]],
+                           dtype=torch.float64).reshape(n_random, len(ks))
+        curves["random"] = rnd
+        curves["random_mean"] = (rnd.mean(0) if n_random
+                                 else torch.full((len(ks),), math.nan, dtype=torch.float64))
+        curve_layers = sets
+
+    options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
+               "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
+               "batch_size": batch_size, "timing_repeats": timing_repeats}
+    return DefectResult(
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options),
+        layers=sel,
+        already_parallel=parallel,
+        score=scores["C"].clone(),
+        scores=scores,
+        nonlinearity=nonlin,
+        counterfactual_scores=cf_scores,
+        counterfactual_nonlinearity=cf_nonlin,
+        rms=rms,
+        phi_check=torch.tensor(phi_check, dtype=torch.float64),
+        brackets=bracket_rms,
+        peer_scores=_peers.pooled(peer_sums, n_tokens),
+        n_tokens=n_tokens,
+        evaluated=bool(evaluate),
+        clean_loss=clean_loss,
+        delta_ce=delta_ce,
+        spearman=spearman,
+        k_values=ks if evaluate else [],
+        curves=curves,
+        curve_layers=curve_layers,
+        t_attn=torch.tensor(t_attn, dtype=torch.float64),
+        t_ffn=torch.tensor(t_ffn, dtype=torch.float64),
+        t_forward=t_forward,
+        t_other=t_other,
+        timing_shape=timing_shape,
+        timing_device=str(ad.device) if timing else "",
+        seconds=time.perf_counter() - t_start,
+        options=options,
+    )
+
+
+__all__ = [
+    "BRACKET_TERMS",
+    "DefectResult",
+    "DEFECT_RMS_TERMS",
+    "SPEEDUP_LABEL",
+    "CURVE_STRATEGIES",
+    "DEFECT_VARIANTS",
+    "default_k_values",
+    "parallel_defect",
+]

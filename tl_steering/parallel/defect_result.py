@@ -1,0 +1,251 @@
+"""The result of :func:`tl_steering.parallel.parallel_defect`: :class:`DefectResult` (see docs/defect.md).
+
+The per-layer scores, the optional gold standard and curves, the opt-in sub-module times and the paper-style
+plan (:meth:`DefectResult.plan`, the k lowest-C layers) with its speedup estimate. Planners beyond the lowest-C
+choice live in :mod:`tl_steering.parallel`.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import InputError
+from . import strategies as _strategies
+from .speedup import estimate_speedup
+from ..results import Result, register, tensor_field
+
+DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")
+"""Score variants (keys of :attr:`DefectResult.scores`); ``"C"`` is the primary one."""
+CURVE_STRATEGIES: tuple[str, ...] = ("lowest", "highest", "random", "contiguous")
+"""Layer choices of the loss-vs-k curves."""
+BRACKET_TERMS: tuple[str, ...] = ("DPhi_A", "DA_Phi", "bracket")
+"""Keys of :attr:`DefectResult.brackets`: RMS of DPhi.A, DA.Phi and [A, Phi] = DPhi.A - DA.Phi."""
+DEFECT_RMS_TERMS: tuple[str, ...] = ("defect", "update", "ffn_write", "first_order", "defect_tangential",
+                              "first_order_error")
+"""Keys of :attr:`DefectResult.rms`: per-token RMS of d, Dx, Phi(ffn input), J a, P_u d and d - J a."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# result
+
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class DefectResult(Result):
+    """Per-layer sequential-to-parallel defect scores, optionally with the loss they predict and timings.
+
+    Every per-layer tensor is indexed like :attr:`layers` (entry i belongs to block ``layers[i]``).
+
+    Attributes:
+        layers: the analysed blocks (sorted).
+        already_parallel: per layer, whether the block is parallel already (NeoX/Pythia); see the module doc.
+        score: primary score C_l (float64), ``scores["C"]``.
+        scores: every variant, keys :data:`DEFECT_VARIANTS` (``C``, ``C_phi``, ``C1``, ``C_tan``).
+        nonlinearity: nu_l = ||d - J a|| / ||d|| (pooled RMS); NaN for already-parallel blocks.
+        counterfactual_scores: the variants of ``Phi(x + a) - Phi(x)`` with x = resid_pre, for every block
+            (equal to ``scores`` for sequential blocks).
+        counterfactual_nonlinearity: nu of that counterfactual defect.
+        rms: per-token RMS (absolute, float64) of the terms :data:`DEFECT_RMS_TERMS`.
+        phi_check: per layer, max |Phi(ffn input) - hook_mlp_out| / max |hook_mlp_out| (our FFN callable
+            reproduces the model's FFN write; rounding level).
+        brackets: RMS per token of ``DPhi_A``, ``DA_Phi``, ``bracket`` (empty unless ``brackets=True``).
+        peer_scores: the field's layer-choice scores from the same forward, keys
+            :data:`tl_steering.parallel.peers.PEER_SCORES` (``block_influence``, ``angular_distance``,
+            ``ffn_fusion``; token means, float64, lower = safer; docs/defect.md "Peer scores").
+        n_tokens: tokens pooled per layer (non-excluded positions of every sequence).
+        evaluated: whether the gold-standard losses were computed.
+        clean_loss: mean next-token CE of the unmodified model (NaN unless evaluated).
+        delta_ce: per layer, CE with that layer alone parallel minus clean CE (0 for already-parallel blocks).
+        spearman: Spearman rho of each variant with ``delta_ce`` over the candidate (sequential) layers; NaN
+            with fewer than 3 candidates or a constant input.
+        k_values: the k of the curves.
+        curves: ``k`` (int64), ``lowest``, ``highest``, ``contiguous``, ``random_mean`` (dCE per k, float64)
+            and ``random`` ([n_random, n_k]).
+        curve_layers: the layer sets behind every curve point (``random``: one list per draw).
+        t_attn / t_ffn: median seconds of LN1+attention / LN2+MLP per layer (NaN unless ``timing``).
+        t_forward: median seconds of a whole forward (no hooks) on the same slice.
+        t_other: ``t_forward - sum_l (t_attn + t_ffn)`` over all blocks, clamped at 0: embedding, final norm,
+            unembedding and framework overhead (NaN when only some layers were timed).
+        timing_shape: ``[batch, pos]`` of the timed slice.
+        timing_device: device the times were taken on.
+        seconds: wall time of the call.
+        options: every option of the call.
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    already_parallel: list[bool] = dataclasses.field(default_factory=list)
+    score: Float[Tensor, " layer"] = tensor_field(0)
+    scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    nonlinearity: Float[Tensor, " layer"] = tensor_field(0)
+    counterfactual_scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    counterfactual_nonlinearity: Float[Tensor, " layer"] = tensor_field(0)
+    rms: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    phi_check: Float[Tensor, " layer"] = tensor_field(0)
+    brackets: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    peer_scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    n_tokens: int = 0
+    evaluated: bool = False
+    clean_loss: float = math.nan
+    delta_ce: Float[Tensor, " layer"] = tensor_field(0)
+    spearman: dict[str, float] = dataclasses.field(default_factory=dict)
+    k_values: list[int] = dataclasses.field(default_factory=list)
+    curves: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    curve_layers: dict[str, list] = dataclasses.field(default_factory=dict)
+    t_attn: Float[Tensor, " layer"] = tensor_field(0)
+    t_ffn: Float[Tensor, " layer"] = tensor_field(0)
+    t_forward: float = math.nan
+    t_other: float = math.nan
+    timing_shape: list[int] = dataclasses.field(default_factory=list)
+    timing_device: str = ""
+    seconds: float = 0.0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    kind = "defect"
+    # 2026-12-05 (issue 30): the peers' scores came after the first defect files, which load without them
+    added_fields = ("peer_scores",)
+
+    def __post_init__(self) -> None:
+        n = len(self.layers)
+        # per-layer fields left at their (empty) defaults mean "not computed": NaN per layer
+        for name in ("score", "nonlinearity", "counterfactual_nonlinearity", "phi_check", "delta_ce",
+                     "t_attn", "t_ffn"):
+            if n and len(getattr(self, name)) == 0:
+                setattr(self, name, torch.full((n,), math.nan, dtype=torch.float64))
+        if n and not self.already_parallel:
+            self.already_parallel = [False] * n
+        if "C" in self.scores and len(self.score) == n and bool(torch.isnan(self.score).all()):
+            self.score = self.scores["C"].clone()
+        per_layer: dict[str, Any] = {"already_parallel": self.already_parallel, "score": self.score,
+                                     "nonlinearity": self.nonlinearity, "phi_check": self.phi_check,
+                                     "delta_ce": self.delta_ce, "t_attn": self.t_attn, "t_ffn": self.t_ffn,
+                                     "counterfactual_nonlinearity": self.counterfactual_nonlinearity}
+        for group in ("scores", "counterfactual_scores", "rms", "brackets", "peer_scores"):
+            per_layer.update({f"{group}[{k!r}]": v for k, v in getattr(self, group).items()})
+        for name, value in per_layer.items():
+            if len(value) != n:
+                raise InputError(f"DefectResult.{name} has {len(value)} entries for {n} layers; build it "
+                                 "with parallel_defect")
+
+    # -- layer selection ------------------------------------------------------------------------------------
+    @property
+    def candidates(self) -> list[int]:
+        """Layers that can be made parallel (the sequential ones among :attr:`layers`)."""
+        return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
+
+    def _variant(self, variant: str) -> Tensor:
+        if variant not in self.scores:
+            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
+        return self.scores[variant]
+
+    def plan(self, k: int, variant: str = "C") -> list[int]:
+        """The k sequential layers with the lowest score (ties: lower layer first), sorted by layer index.
+
+        Already-parallel blocks are never chosen (nothing would change). NaN scores rank last.
+        """
+        return _choose(self.layers, self.candidates, self._variant(variant), k, lowest=True)
+
+    # -- speedup --------------------------------------------------------------------------------------------
+    def speedup_estimate(self, layers: Sequence[int]) -> dict[str, Any]:
+        """Estimated speedup of making ``layers`` parallel, from the measured sub-module times.
+
+        ``T_seq = sum_l (t_attn,l + t_ffn,l)``; ``T_par = sum_{l not in S} (t_attn,l + t_ffn,l) +
+        sum_{l in S} max(t_attn,l, t_ffn,l)`` over the timed layers (already-parallel blocks count with
+        ``max`` in both, as the model has them). ``*_with_other`` adds :attr:`t_other` (embedding, final norm,
+        unembedding, overhead) to both totals. The ``label`` says what this is: an estimate of the critical
+        path if attention and FFN ran concurrently, not a measured kernel speedup.
+        """
+        if not torch.isfinite(self.t_attn).all() or not torch.isfinite(self.t_ffn).all() or not self.layers:
+            raise InputError("no sub-module times in this result: run parallel_defect(..., timing=True)")
+        return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
+                                t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
+
+    # -- display --------------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        cand = self.candidates
+        out: dict[str, Any] = {"n_layers": len(self.layers), "n_candidates": len(cand),
+                               "n_already_parallel": int(sum(self.already_parallel)),
+                               "n_tokens": self.n_tokens}
+        idx = [i for i, par in enumerate(self.already_parallel) if not par]
+        if idx:
+            c = self.score[idx]
+            out.update({"C_mean": float(c.mean()), "C_min": float(c.min()), "C_max": float(c.max()),
+                        "C_argmin_layer": cand[int(c.argmin())], "C_argmax_layer": cand[int(c.argmax())],
+                        "nonlinearity_median": float(self.nonlinearity[idx].nanmedian())})
+        half = len(cand) // 2
+        out["k_half"] = half
+        if self.evaluated:
+            out["clean_loss"] = self.clean_loss
+            out.update({f"spearman_{k}": v for k, v in self.spearman.items()})
+            if "k" in self.curves and half in self.k_values:
+                j = self.k_values.index(half)
+                for s in ("lowest", "highest", "contiguous", "random_mean"):
+                    out[f"dCE_{s}_half"] = float(self.curves[s][j])
+        if cand and torch.isfinite(self.t_attn).all() and torch.isfinite(self.t_ffn).all():
+            est = self.speedup_estimate(self.plan(half))
+            out["speedup_estimate_half"] = est["speedup"]
+            out["speedup_estimate_with_other_half"] = est["speedup_with_other"]
+        return out
+
+    def plot(self, title: str | None = None):
+        """Per-layer score variants (top) and, when computed, the bracket norms (bottom); plotly Figure."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        rows = 2 if self.brackets else 1
+        fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                            subplot_titles=["defect scores C_l"] + (["Lie-bracket terms (RMS per token)"]
+                                                                    if rows == 2 else []))
+        for name, val in self.scores.items():
+            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name),
+                          row=1, col=1)
+        par = [lay for lay, p in zip(self.layers, self.already_parallel) if p]
+        if par:
+            fig.add_trace(go.Scatter(x=par, y=[0.0] * len(par), mode="markers", name="already parallel",
+                                     marker={"symbol": "x", "size": 10, "color": "black"}), row=1, col=1)
+        for name, val in self.brackets.items():
+            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name),
+                          row=2, col=1)
+        fig.update_xaxes(title_text="layer", row=rows, col=1)
+        fig.update_yaxes(title_text="score", row=1, col=1)
+        fig.update_layout(title=title or f"Sequential-to-parallel defect ({self.provenance.model})",
+                          template="plotly_white")
+        return fig
+
+    def plot_curves(self, title: str | None = None):
+        """dCE vs number of parallelized layers k for each layer choice (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        if not self.evaluated:
+            raise InputError("no loss curves in this result: run parallel_defect(..., evaluate=True)")
+        fig = go.Figure()
+        k = self.curves["k"].tolist()
+        for name in ("lowest", "highest", "contiguous", "random_mean"):
+            fig.add_trace(go.Scatter(x=k, y=self.curves[name].tolist(), mode="lines+markers",
+                                     name={"lowest": "lowest C", "highest": "highest C",
+                                           "random_mean": "random (mean)"}.get(name, name)))
+        rnd = self.curves.get("random")
+        if rnd is not None and rnd.numel():
+            for r, row in enumerate(rnd.tolist()):
+                fig.add_trace(go.Scatter(x=k, y=row, mode="markers", name=f"random draw {r}",
+                                         showlegend=r == 0, legendgroup="draws",
+                                         marker={"color": "gray", "size": 5, "opacity": 0.5}))
+        fig.update_layout(title=title or f"Loss increase vs parallelized layers ({self.provenance.model})",
+                          xaxis_title="k (layers made parallel)", yaxis_title="ΔCE (nats)",
+                          template="plotly_white")
+        return fig
+
+
+def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: int,
+            lowest: bool) -> list[int]:
+    pos = {lay: i for i, lay in enumerate(layers)}
+    return _strategies.one_shot(candidates, {lay: float(score[pos[lay]]) for lay in candidates}, k, lowest)
+
+
+
+__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult"]

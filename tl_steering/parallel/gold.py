@@ -1,0 +1,176 @@
+"""The gold standard of layer planning: the measured loss of a plan (see docs/defect.md "Gold standard")."""
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..backends import adapt
+from ..data.batching import loss_row_sums, mean_loss, token_mean
+from ..hooks import Write, parallel_blocks, parallel_hooks
+from .._util.progress import forward_done
+from ..data.sharding import batch_slices
+
+#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
+#: layers x element size); above it every plan runs a whole forward.
+PREFIX_CACHE_BYTES = 1 << 30
+
+
+class PlanLoss:
+    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows.
+
+    ``loss(layers)`` runs ``ceil(batch / batch_size)`` hooked forwards the first time a set is asked for;
+    :attr:`passes` counts the passes over the windows actually run (the cost, over all ranks).
+    ``world`` (a :class:`tl_steering.data.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
+    per rank in turn and hands every value to every rank; the values are those of one process.
+    """
+
+    def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None,
+                 share_prefix: bool = True):
+        self.model = model
+        self.ad = adapt(model)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.world = world
+        self.memo: dict[tuple[int, ...], float] = {}
+        self._counted: dict[tuple[int, ...], int] = {}  # plan -> passes its measurement ran
+        self.share_prefix = share_prefix
+        #: why prefix sharing is off ("" while it is on or not tried yet)
+        self.prefix_note = ""
+        self._prefix: dict[int, Tensor] | None = None  # layer -> clean residual entering it, every window
+        self._clean_ce = math.nan
+
+    @staticmethod
+    def _key(layers: Sequence[int]) -> tuple[int, ...]:
+        return tuple(sorted(int(x) for x in layers))
+
+    def _measure(self, key: tuple[int, ...]) -> float:
+        return self.mean_ce(key)
+
+    def mean_ce(self, layers: Sequence[int], write: Write | None = None) -> float:
+        """Mean next-token CE over these windows with ``layers`` parallel (not memoised), their FFN writes
+        replaced by ``write(layer, sequential_write, parallel_write, attn_write)`` when given (as
+        :func:`tl_steering.hooks.parallel_hooks`); through the shared clean prefix when it is available."""
+        plan = sorted(lay for lay in set(int(v) for v in layers) if not self.ad.is_parallel(lay))
+        if self._prefix_ready():  # the clean pass that builds the prefix gives the clean CE
+            return self._suffix_ce(plan, write) if plan else self._clean_ce
+        hooks = parallel_blocks(self.model, plan) if write is None else parallel_hooks(self.model, plan, write)
+        return mean_loss(self.ad, self.tokens, hooks, self.batch_size)
+
+    def _prefix_ready(self) -> bool:
+        """Build the clean prefix on first use (one clean pass, which also fills the clean CE); False when
+        prefix sharing is off or cannot be used here (:attr:`prefix_note` says why)."""
+        if self._prefix is not None:
+            return True
+        if not self.share_prefix or self.prefix_note:
+            return False
+        ad, toks = self.ad, self.tokens
+        n, pos = int(toks.shape[0]), int(toks.shape[1])
+        size = n * pos * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
+        if size > PREFIX_CACHE_BYTES:
+            self.prefix_note = f"the clean residuals would take {size / 2**20:.0f} MiB (> PREFIX_CACHE_BYTES)"
+            return False
+        if ad.has_hooks():
+            self.prefix_note = "the model holds hooks of its own, which the shared prefix would bypass"
+            return False
+        names = [ad.hook_name(lay, "resid_pre") for lay in range(ad.n_layers)]
+        prefix: dict[int, Tensor] = {}
+        per_row = torch.zeros(n, dtype=torch.float64)
+        with torch.no_grad():
+            for i, rows in enumerate(batch_slices(n, self.batch_size)):
+                logits, cache = ad.run_with_cache(toks[rows], names)
+                per_row[rows] = loss_row_sums(logits, toks[rows])
+                if i == 0:  # the path against the model's own forward: the last block, final norm, unembedding
+                    last = ad.n_layers - 1
+                    ours = ad.run_blocks(cache[names[last]], last)
+                    err = float((ours - logits).abs().max()) / max(float(logits.abs().max()), 1e-30)
+                    if not err <= 10 * ad.identity_tolerance():
+                        self.prefix_note = (f"run_blocks differs from the model's forward by {err:.2g} (relative) "
+                                            "on this model")
+                        return False
+                for lay, name in enumerate(names):
+                    if lay not in prefix:
+                        prefix[lay] = torch.empty((n, *cache[name].shape[1:]), dtype=cache[name].dtype,
+                                                  device=cache[name].device)
+                    prefix[lay][rows] = cache[name]
+                del cache, logits
+        self._prefix = prefix
+        self._clean_ce = token_mean(per_row, toks)
+        self.memo.setdefault((), self._clean_ce)
+        self._counted.setdefault((), 1)
+        return True
+
+    def _suffix_ce(self, plan: list[int], write: Write | None) -> float:
+        """Mean CE of ``plan`` from the clean residual entering its first layer (blocks before it not re-run)."""
+        assert self._prefix is not None
+        start = plan[0]
+        per_row = torch.zeros(int(self.tokens.shape[0]), dtype=torch.float64)
+        with torch.no_grad():
+            for rows in batch_slices(int(self.tokens.shape[0]), self.batch_size):
+                logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
+                forward_done(int(self.tokens[rows].numel()))  # progress: a run from the prefix counts as a forward
+                per_row[rows] = loss_row_sums(logits, self.tokens[rows])
+        return token_mean(per_row, self.tokens)
+
+    def _cost(self, key: tuple[int, ...]) -> int:
+        """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
+        return 1
+
+    @property
+    def passes(self) -> int:
+        """Passes over the windows run so far (the clean pass that builds the shared prefix counts once, as the
+        clean plan's measurement; a plan run from the prefix counts as one pass)."""
+        return sum(self._counted.values())
+
+    def __call__(self, layers: Sequence[int]) -> float:
+        key = self._key(layers)
+        if key not in self.memo:
+            value = self._measure(key)
+            self._counted.setdefault(key, self._cost(key))
+            self.memo[key] = value
+        return self.memo[key]
+
+    def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
+        """Measure every plan of ``plans`` not known yet: split over the ranks of :attr:`world` (one pass over all
+        windows per plan, :func:`tl_steering.data.sharding.split_map`), in this process without one. Every rank must
+        call it with the same plans (the planners derive them from numbers every rank holds)."""
+        from ..data.sharding import split_map
+
+        keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
+        if not keys:
+            return
+        self.memo.update(zip(keys, split_map(self._measure, keys, self.world)))
+        for k in keys:
+            self._counted.setdefault(k, self._cost(k))
+
+    @property
+    def clean(self) -> float:
+        return self([])
+
+    def delta(self, layers: Sequence[int]) -> float:
+        """``CE(layers parallel) - CE(clean)``."""
+        return self(layers) - self.clean
+
+
+def single_layer_delta(loss: PlanLoss, layers: Sequence[int], already_parallel: Sequence[bool]) -> Tensor:
+    """Per layer, dCE with that layer alone parallel (0 for already-parallel blocks), float64."""
+    return torch.tensor([0.0 if par else loss.delta([lay]) for lay, par in zip(layers, already_parallel)],
+                        dtype=torch.float64)
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman rho (scipy); NaN with fewer than 3 points or a constant input."""
+    if x.numel() < 3:
+        return math.nan
+    from scipy.stats import spearmanr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rho = spearmanr(x.numpy(), y.numpy()).statistic
+    return float(rho)
+
+
+__all__ = ["PREFIX_CACHE_BYTES", "PlanLoss", "single_layer_delta", "spearman"]

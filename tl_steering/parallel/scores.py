@@ -1,0 +1,157 @@
+"""Every per-layer parallelization score in one call: :func:`parallel_scores` (see docs/defect.md "Scores")."""
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..backends import adapt
+from ..data.windows import token_source
+from ..errors import InputError
+from ..results import Result, register
+from .attribution import attribution_scores
+from .defect import parallel_defect
+from .gold import PlanLoss, single_layer_delta, spearman
+from ..backends.ownership import exclusive
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class ParallelScoresResult(Result):
+    """Per-layer scores of making each block parallel; every tensor is indexed like :attr:`layers`.
+
+    Attributes:
+        layers: the analysed blocks.
+        already_parallel: per layer, whether the block is parallel already (never a candidate; scores NaN
+            for the attribution variants, 0 defect for the C variants).
+        scores: ``C``, ``C_phi``, ``C1``, ``C_tan`` (relative defect) and ``attribution`` (first-order dCE,
+            nats), ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0``
+            ``attribution_fisher``, ``attribution_2nd`` (second-order dCE, nats), ``attribution_fisher_diag``;
+            and the peers' ``block_influence``, ``angular_distance``, ``ffn_fusion`` (:mod:`.peers`); float64.
+        clean_loss: mean next-token CE of the model on the tokens.
+        evaluated: whether the measured gold (``delta_ce``) was computed.
+        delta_ce: per layer, measured CE with that layer alone parallel minus clean CE (NaN unless evaluated).
+        spearman: Spearman rho of each score with ``delta_ce`` over the candidate layers.
+        cost: passes over the tokens: ``forward``, ``backward`` (and ``seconds`` of wall time).
+        options: the call's options.
+    """
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    already_parallel: list[bool] = dataclasses.field(default_factory=list)
+    scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
+    clean_loss: float = math.nan
+    evaluated: bool = False
+    delta_ce: Float[Tensor, " layer"] = dataclasses.field(
+        default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    spearman: dict[str, float] = dataclasses.field(default_factory=dict)
+    cost: dict[str, float] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    kind = "parallel_scores"
+
+    @property
+    def candidates(self) -> list[int]:
+        """Layers that can be made parallel (the sequential ones)."""
+        return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
+
+    def score_of(self, name: str) -> dict[int, float]:
+        """``{layer: score}`` over the candidates, for :mod:`tl_steering.parallel.strategies`."""
+        if name not in self.scores:
+            raise InputError(f"unknown score {name!r}; choose one of {sorted(self.scores)}")
+        pos = {lay: i for i, lay in enumerate(self.layers)}
+        return {lay: float(self.scores[name][pos[lay]]) for lay in self.candidates}
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n_layers": len(self.layers), "n_candidates": len(self.candidates),
+                               "clean_loss": self.clean_loss, **{f"cost_{k}": v for k, v in self.cost.items()}}
+        for name in self.scores:
+            so = self.score_of(name)
+            if so:
+                out[f"{name}_argmin_layer"] = min(so, key=lambda lay: (so[lay], lay))
+        out.update({f"spearman_{k}": v for k, v in self.spearman.items()})
+        return out
+
+    def plot(self, title: str | None = None):
+        """Each score per layer, scaled by its largest |value| (and the measured dCE when evaluated)."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        series = dict(self.scores)
+        if self.evaluated:
+            series["measured dCE"] = self.delta_ce
+        for name, val in series.items():
+            v = val.clone()
+            m = float(v[torch.isfinite(v)].abs().max()) if torch.isfinite(v).any() else 1.0
+            fig.add_trace(go.Scatter(x=self.layers, y=(v / (m or 1.0)).tolist(), mode="lines+markers",
+                                     name=name + (f" (rho {self.spearman[name]:.2f})" if name in self.spearman
+                                                  else "")))
+        fig.update_layout(title=title or f"Parallelization scores per layer ({self.provenance.model})",
+                          xaxis_title="layer", yaxis_title="score / max |score|", template="plotly_white")
+        return fig
+
+
+@exclusive
+def parallel_scores(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    gold: bool = False,
+    batch_size: int = 8,
+    corpus: str | None = None,
+    fisher_samples: int = 8,
+    seed: int = 0,
+) -> ParallelScoresResult:
+    """Every per-layer score of making a block parallel (module docstring; docs/defect.md "Scores").
+
+    Args:
+        model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
+        tokens: ``[batch, pos]`` token ids (calibration windows), or a ``TokenWindows``.
+        layers: blocks to score (default all).
+        exclude_positions: positions left out of the C statistics (the attribution and the loss use every
+            predicted position, as the loss does).
+        gold: also measure the single-layer dCE of every candidate (one forward pass per layer).
+        batch_size: sequences per forward pass.
+        corpus: provenance label of the tokens.
+        fisher_samples: sampled-label backward passes of the second-order scores (0: first order only).
+        seed: seed of the sampled labels (the scores are deterministic for a seed).
+
+    Returns:
+        A :class:`ParallelScoresResult`; cost in passes: 1 forward (C and the peers' scores) + 1 forward and
+        ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
+    """
+
+    t0 = time.perf_counter()
+    tokens, corpus = token_source(tokens, corpus)
+    tokens = adapt(model).validate_tokens(tokens)
+    defect = parallel_defect(model, tokens, layers=layers, exclude_positions=exclude_positions,
+                             batch_size=batch_size, corpus=corpus)
+    sel = defect.layers
+    attr, clean = attribution_scores(model, tokens, sel, batch_size=batch_size, fisher_samples=fisher_samples,
+                                     seed=seed)
+    scores = {**{k: v.clone() for k, v in defect.scores.items()}, **attr,
+              **{k: v.clone() for k, v in defect.peer_scores.items()}}
+    cost = {"forward": 2.0, "backward": 1.0 + fisher_samples}
+    delta = torch.full((len(sel),), math.nan, dtype=torch.float64)
+    rho: dict[str, float] = {}
+    if gold:
+        loss = PlanLoss(model, tokens, batch_size)
+        delta = single_layer_delta(loss, sel, defect.already_parallel)
+        cost["forward"] += loss.passes
+        cidx = [i for i, par in enumerate(defect.already_parallel) if not par]
+        rho = {k: spearman(v[cidx], delta[cidx]) for k, v in scores.items()}
+    cost["seconds"] = time.perf_counter() - t0
+    options = {"layers": sel, "exclude_positions": list(exclude_positions), "gold": bool(gold),
+               "batch_size": batch_size, "fisher_samples": fisher_samples, "seed": seed}
+    return ParallelScoresResult(
+        provenance=adapt(model).provenance(tokens, corpus=defect.provenance.corpus, **options),
+        layers=sel, already_parallel=list(defect.already_parallel), scores=scores, clean_loss=clean,
+        evaluated=bool(gold), delta_ce=delta, spearman=rho, cost=cost, options=options)
+
+
+__all__ = ["ParallelScoresResult", "parallel_scores"]

@@ -1,0 +1,344 @@
+"""Float64 kernels of the streaming probe (:func:`tl_steering.probe`, ``tl_steering/probing/trace.py``;
+docs/probe.md)."""
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..geometry import EPS_NORM, SINGULAR_REL
+
+F64 = torch.float64
+EPS64 = torch.finfo(torch.float64).eps
+SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
+
+
+def erank_from_eigvalsh(ev: Tensor) -> Tensor:
+    """Effective rank of unit-row matrices U from the eigenvalues ``[..., size]`` of their Gram matrix
+    ``U U^T`` (or ``U^T U``; ``torch.linalg.eigvalsh``), batched.
+
+    sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
+    Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
+    (geometry.SINGULAR_REL). For well-conditioned sets this equals ``geometry.effective_rank`` (an SVD) to
+    ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
+    almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
+    """
+    size = ev.shape[-1]
+    ev = ev.clamp_min(0.0)
+    ev_max = ev.amax(-1, keepdim=True)
+    floor = ev_max * max(size * EPS64, SINGULAR_REL**2)
+    sigma = torch.where(ev > floor, ev.sqrt(), torch.zeros_like(ev))
+    total = sigma.sum(-1, keepdim=True)
+    p = sigma / total.clamp_min(torch.finfo(F64).tiny)
+    return torch.exp(-torch.special.xlogy(p, p).sum(-1))
+
+
+def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], parallel: bool, has_mid: bool,
+                     has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
+    """Every token quantity of one layer from the per-token Gram matrix ``G`` ``[batch, pos, slots, slots]``
+    of the slot vectors (slot index of each site in ``k``): (names, values ``[q, batch, pos]``, valid mask).
+
+    Formulas of docs/probe.md, in dot products: with u = u(x), <u, a> = <x, a> / ||x||,
+    ||P_u a||^2 = ||a||^2 - <u, a>^2, Dx = z - x so <u, Dx> = (<x, z> - ||x||^2) / ||x|| and
+    ||P_u Dx||^2 = ||z||^2 - 2 <x, z> + ||x||^2 - <u, Dx>^2; a row is valid where every norm it divides by
+    exceeds ``EPS_NORM``."""
+    names: list[str] = []
+    values: list[Tensor] = []
+    valid: list[Tensor] = []
+    everywhere = None
+
+    def put(q: str, v: Tensor, ok: Tensor | None) -> None:
+        nonlocal everywhere
+        if ok is None:
+            if everywhere is None:
+                everywhere = torch.ones_like(v, dtype=torch.bool)
+            ok = everywhere
+        names.append(q)
+        values.append(v)
+        valid.append(ok)
+
+    def dot(s1: str, s2: str) -> Tensor:
+        return G[..., k[s1], k[s2]]
+
+    xx = dot("resid_pre", "resid_pre")
+    nx = xx.sqrt()
+    ok_x = nx > EPS_NORM
+    nxc = nx.clamp_min(EPS_NORM)
+    if "resid_norm" in metrics:
+        put("resid_norm_pre", nx, None)
+        if has_mid:
+            put("resid_norm_mid", dot("resid_mid", "resid_mid").sqrt(), None)
+        put("resid_norm_post", dot("resid_post", "resid_post").sqrt(), None)
+    if has_attn:
+        xa, aa = dot("resid_pre", "attn_out"), dot("attn_out", "attn_out")
+        ua = xa / nxc  # <u, a>
+        npa = (aa - ua * ua).clamp_min(0.0).sqrt()  # ||P_u a||
+        if "radial_coef" in metrics:
+            na = aa.sqrt()
+            put("radial_coef_attn", ua / na.clamp_min(EPS_NORM), ok_x & (na > EPS_NORM))
+        if "tangential_speed" in metrics:
+            put("tangential_speed_attn", npa / nxc, ok_x)
+        if "tangent_alignment" in metrics:
+            xz, az, zz = dot("resid_pre", "resid_post"), dot("attn_out", "resid_post"), \
+                dot("resid_post", "resid_post")
+            udx = (xz - xx) / nxc
+            npdx = (zz - 2 * xz + xx - udx * udx).clamp_min(0.0).sqrt()
+            cos = (az - xa - ua * udx) / (npa.clamp_min(EPS_NORM) * npdx.clamp_min(EPS_NORM))
+            put("tangent_alignment", cos, ok_x & (npa > EPS_NORM) & (npdx > EPS_NORM))
+    if has_mlp:
+        f = "resid_pre" if parallel else "resid_mid"
+        ff, fphi, pp = dot(f, f), dot(f, "mlp_out"), dot("mlp_out", "mlp_out")
+        nf = ff.sqrt()
+        nfc = nf.clamp_min(EPS_NORM)
+        ok_f = nf > EPS_NORM
+        if "radial_coef" in metrics:
+            nphi = pp.sqrt()
+            put("radial_coef_ffn", fphi / (nfc * nphi.clamp_min(EPS_NORM)), ok_f & (nphi > EPS_NORM))
+        if "tangential_speed" in metrics:
+            wphi = fphi / nfc
+            put("tangential_speed_ffn", (pp - wphi * wphi).clamp_min(0.0).sqrt() / nfc, ok_f)
+    if not values:
+        return names, G.new_zeros((0, *G.shape[:2])), torch.zeros((0, *G.shape[:2]), dtype=torch.bool)
+    return names, torch.stack(values), torch.stack(valid)
+
+
+GRAM_STRIPS = 4  # row strips of the lower-triangular pos x pos Gram (5/8 of the flops of the full product)
+
+
+def gram_lower(T: Tensor, strips: int = GRAM_STRIPS, out: Tensor | None = None) -> Tensor:
+    """Lower triangle (diagonal included) of the Gram matrices ``T T^T`` of a batch ``[m, n, d]``; the strict
+    upper triangle is 0 (read it with ``eigvalsh(..., UPLO="L")``).
+
+    Row strip i holds rows ``[e_i, e_{i+1})`` against columns ``[0, e_{i+1})``: ``(strips + 1) / (2 strips)`` of
+    the flops of ``T @ T.mT`` in ``strips`` batched products (torch has no symmetric rank-k kernel). Each entry
+    is the same float64 dot product as in the full product (up to the BLAS's summation order, ~1e-16).
+    ``out``: a zero-filled ``[m, n, n]`` tensor to write into (returned)."""
+    m, n, _ = T.shape
+    H = T.new_zeros(m, n, n) if out is None else out
+    edges = [round(i * n / strips) for i in range(strips + 1)]
+    for a, b in zip(edges[:-1], edges[1:]):
+        if b > a:
+            H[:, a:b, :b] = T[:, a:b] @ T[:, :b].mT
+    return H.tril_()  # the diagonal blocks came out full
+
+
+def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
+    """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
+    ``sets``, stacked set-major ``[len(sets) * b, size, size]``: the lower triangle (diagonal included); the strict
+    upper triangle is 0, as in :func:`gram_lower`.
+
+    On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` and ``A.T @ A`` to its BLAS's
+    symmetric rank-k kernel (``dsyrk``: half the flops), which ran the diversity Grams of SmolLM2 (127 x 576 per
+    sequence) 25-30% faster than :func:`gram_lower` on torch's BLAS (2.2 against 3.0 ms per 8, one thread). Call it
+    with numpy's BLAS capped at one thread (``_util.threads.single_threaded``) when two threads call it at
+    once: a multi-threaded OpenBLAS serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's
+    products (:func:`gram_lower` for ``T T^T``).
+    """
+    b, n, d = sets[0].shape
+    size = d if cols else n
+    t0 = sets[0]
+    if t0.device.type != "cpu" or t0.dtype != F64 or t0.requires_grad or not all(t.is_contiguous() for t in sets):
+        H = t0.new_zeros(len(sets) * b, size, size)
+        for i, t in enumerate(sets):
+            if cols:
+                torch.matmul(t.mT, t, out=H[i * b:(i + 1) * b])
+            else:
+                gram_lower(t, out=H[i * b:(i + 1) * b])
+        return H.tril_()
+    H = torch.empty(len(sets) * b, size, size, dtype=F64)
+    out = H.numpy()
+    for i, t in enumerate(sets):
+        a = t.detach().numpy()
+        at = a.transpose(0, 2, 1)
+        np.matmul(*((at, a) if cols else (a, at)), out=out[i * b:(i + 1) * b])
+    return H.tril_()  # the same contract as gram_lower (the diversity sums read the lower triangle)
+
+
+_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> concurrent.futures.ThreadPoolExecutor:
+    """One helper thread per process (created on first use), for :func:`in_halves`."""
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
+        return _HELPER
+
+
+def _no_grad_call(fn: Callable[..., Any], *args: Any) -> Any:
+    with torch.no_grad():  # grad mode is per thread; the helper's default is on
+        return fn(*args)
+
+
+def splits(device: torch.device) -> bool:
+    """Whether :func:`in_halves` should split: torch has two or more intra-op threads and the work is on a CPU
+    (the decision of every caller that runs its kernels one thread per half)."""
+    return torch.get_num_threads() >= 2 and device.type == "cpu"
+
+
+def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
+    """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
+    helper thread while this thread runs the first (torch releases the GIL inside its kernels, so the halves
+    use two cores with torch itself on one thread each: no OpenMP team to spin against other processes).
+    Both halves are finished when this returns, also when one raises."""
+    if not split or n < 2:
+        return [fn(0, n)]
+    h = (n + 1) // 2
+    fut = _helper().submit(_no_grad_call, fn, h, n)
+    try:
+        first = fn(0, h)
+    except BaseException:
+        concurrent.futures.wait([fut])
+        raise
+    return [first, fut.result()]
+
+
+def token_gram(V: Tensor, split: bool = False) -> Tensor:
+    """Per-token Gram matrices ``V V^T`` of ``[batch, pos, slots, d]``: ``[batch, pos, slots, slots]`` (with
+    ``split``, the two halves of the batch on two threads, :func:`in_halves`; the same products)."""
+    if not split or V.shape[0] < 2:
+        return V @ V.mT
+    G = V.new_empty((*V.shape[:-1], V.shape[-2]))
+
+    def part(a: int, b: int) -> None:
+        torch.matmul(V[a:b], V[a:b].mT, out=G[a:b])
+
+    in_halves(part, V.shape[0], True)
+    return G
+
+
+def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
+    """(1 / norm where the norm exceeds ``EPS_NORM``, else 0; that validity mask): scaling a row by it gives its
+    unit direction, or a zero row that no diversity sum sees."""
+    ok = nt > EPS_NORM
+    return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
+
+
+def _frobenius2_lower(H: Tensor) -> Tensor:
+    """``||G||_F^2`` of symmetric matrices given by their lower triangle (strict upper triangle 0) ``[..., m, m]``."""
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    return 2.0 * (H * H).sum((-1, -2)) - (diag * diag).sum(-1)
+
+
+def _diversity_stats(sets: list[Tensor], spectrum: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
+    ``[batch, n, d]`` set, stacked set-major ``[len(sets) * batch]``, from one Gram matrix per sequence (the
+    smaller one); the effective rank (an ``eigvalsh`` of it) only with ``spectrum``, else 0.
+
+    Participation ratio: ``(sum_k s_k^2)^2 / sum_k s_k^4 = tr(G)^2 / ||G||_F^2`` of the same Gram matrix (either
+    one: ``||U U^T||_F = ||U^T U||_F``), no decomposition, as ``geometry.participation_ratio``."""
+    n, d = sets[0].shape[-2:]
+    if n <= d:
+        H = gram_sets(sets)  # [sets*batch, n, n]: raw Gram (the lower triangle is read)
+        inv, ok = _inverse_norms(torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt())
+        Gu = H.mul_(inv[:, :, None]).mul_(inv[:, None, :])  # Gram of the unit rows (zero rows for masked ones)
+        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
+        ss = 2.0 * Gu.sum((-1, -2)) - trace  # ||sum_j u_j||^2
+    else:  # long sequences: the d x d Gram is the smaller one
+        T = torch.cat(sets)
+        inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
+        U = T * inv[..., None]
+        total = U.sum(-2)
+        ss = (total * total).sum(-1)
+        Gu = gram_sets([U], cols=True)
+        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
+    f2 = _frobenius2_lower(Gu)
+    pr = trace * trace / f2.clamp_min(torch.finfo(F64).tiny)
+    erank = erank_from_eigvalsh(torch.linalg.eigvalsh(Gu, UPLO="L")) if spectrum else torch.zeros_like(ss)
+    return ss, ok.sum(-1).to(F64), erank, pr
+
+
+def _direction_sums(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count) of each sequence of each ``[batch, n, d]`` set, stacked set-major
+    ``[len(sets) * batch]``: O(n d) per sequence, no Gram matrix."""
+    T = torch.cat(sets)
+    inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
+    total = (inv[:, None, :] @ T)[:, 0]  # sum_j u_j
+    return (total * total).sum(-1), ok.sum(-1).to(F64)
+
+
+def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None
+              ) -> tuple[Tensor, Tensor]:
+    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
+    ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
+    halves of the batch on two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix
+    either way).
+
+    ``spectrum`` (the effective rank) needs each sequence's Gram matrix (lower triangle, :func:`gram_sets`) and one
+    batched ``eigvalsh``; ``gram`` (the participation ratio; default: ``spectrum``) the Gram matrix only. The
+    pairwise cosine and the resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost.
+    With neither there is no Gram matrix: ``sum_j u_j`` directly, O(n d) per sequence instead of O(n^2 d + n^3); a
+    statistic not computed is 0 and marked invalid."""
+    gram = spectrum if gram is None else gram
+    B = sets[0].shape[0]
+    n_sets = len(sets)
+    if spectrum or gram:
+        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets], spectrum), B, split)
+        # each part is set-major [n_sets * b]: put the halves side by side per set
+        ss, cnt, erank, pr = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4))
+    else:
+        ss, cnt = _direction_sums(sets)
+        erank = pr = torch.zeros_like(ss)
+    pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
+    res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
+    values = torch.stack([pair, res, erank, pr]).view(4, n_sets, B).transpose(0, 1)
+    valid = torch.stack([cnt >= 2, cnt >= 1, (cnt >= 1) & spectrum, (cnt >= 1) & gram]).view(4, n_sets, B)
+    return values, valid.transpose(0, 1)
+
+
+class Accumulator:
+    """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
+    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of
+    forwards."""
+
+    def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
+                 device: torch.device):
+        self.token_q, self.seq_q = token_q, seq_q
+        self.tq = {q: i for i, q in enumerate(token_q)}
+        self.sq = {q: i for i, q in enumerate(seq_q)}
+        self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=F64, device=device)
+        self.t_cnt = torch.zeros(len(token_q), n_layers, n_bins, dtype=torch.int64, device=device)
+        self.t_msk = torch.zeros_like(self.t_cnt)
+        self.s_sum = torch.zeros(len(seq_q), n_layers, dtype=F64, device=device)
+        self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
+        self.s_msk = torch.zeros_like(self.s_cnt)
+        self._index: dict[tuple[bool, tuple[str, ...]], Tensor] = {}
+
+    def tensors(self) -> list[Tensor]:
+        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
+
+    def _rows(self, names: list[str], token: bool) -> Tensor:
+        """Accumulator rows of ``names`` (an index tensor, built once per distinct list)."""
+        key = (token, tuple(names))
+        idx = self._index.get(key)
+        if idx is None:
+            table = self.tq if token else self.sq
+            idx = self._index[key] = torch.tensor([table[q] for q in names], device=self.t_sum.device)
+        return idx
+
+    def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
+                   bins: Tensor) -> None:
+        """Add ``values`` ``[q, batch, pos]`` (where ``valid``) to the sums of ``names`` at ``layer_row``,
+        binned by the position bins ``bins`` ``[pos]``; invalid rows are counted as masked."""
+        q = self._rows(names, True)
+        s = torch.where(valid, values, torch.zeros_like(values)).sum(1)  # [q, pos]
+        c = valid.sum(1)
+        m = valid.shape[1] - c
+        for tgt, src in ((self.t_sum, s), (self.t_cnt, c), (self.t_msk, m)):
+            binned = torch.zeros(len(names), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
+            tgt[q, layer_row] += binned.index_add_(1, bins, src.to(tgt.dtype))
+
+    def add_sequences(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor) -> None:
+        """Add per-sequence ``values`` ``[q, batch]`` (where ``valid``) to the sums of ``names``."""
+        q = self._rows(names, False)
+        self.s_sum[q, layer_row] += torch.where(valid, values, torch.zeros_like(values)).sum(-1)
+        c = valid.sum(-1)
+        self.s_cnt[q, layer_row] += c
+        self.s_msk[q, layer_row] += valid.shape[-1] - c

@@ -1,0 +1,275 @@
+"""Corpus-scale probe scans: data parallel on ``torch.distributed``, resumable after a kill (docs/scale_out.md)."""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backends import adapt, weights_fingerprint
+from ..data.corpus import CorpusSpec, iter_window_rows, parse_source
+from ..errors import InputError
+from .result import ProbeResult
+from .trace import probe
+from ..data.sharding import World, check_agreement, gather_objects, rank_device, world
+from ..backends.ownership import exclusive
+
+FORMAT = 1
+
+__all__ = ["World", "check_agreement", "init_from_env", "main", "scan", "world"]
+
+
+def init_from_env(device: str | None = None) -> bool:
+    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1).
+
+    gloo on CPU, NCCL when ``device`` is CUDA (each rank then uses ``cuda:LOCAL_RANK``). Returns True when it
+    created the group (the caller destroys it), False when there is nothing to do.
+    """
+    dist = torch.distributed
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    if not dist.is_available():
+        raise InputError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    cuda = device is not None and str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return True
+
+
+_gather = gather_objects
+
+
+def _digest(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _save_atomic(res: ProbeResult, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
+    res.save(tmp)
+    os.replace(tmp, path)
+
+
+@exclusive
+def scan(
+    model: Any,
+    source: str | CorpusSpec = "pydoc",
+    *,
+    n_windows: int,
+    length: int = 128,
+    metrics: Sequence[str] | str | None = None,
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    shard_windows: int = 64,
+    batch_size: int = 8,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+) -> ProbeResult:
+    """Probe ``n_windows`` windows of a streamed corpus, split over the ranks of the process group.
+
+    Args:
+        model: a TransformerLens model (the same on every rank).
+        source: ``"pydoc"``, a text file, a directory, ``"jsonl:PATH[:FIELD]"`` or ``"hf:..."``
+            (see :func:`tl_steering.data.corpus.parse_source`).
+        n_windows: windows of ``length`` tokens to cover (all ranks together).
+        metrics, layers, exclude_positions: as for :func:`tl_steering.probe`.
+        shard_windows: windows per shard (the unit of work, of checkpointing and of resuming).
+        batch_size: windows per forward.
+        out_dir: where shards and the result are written (needed for ``resume``); None keeps all in memory.
+        resume: continue a killed run in ``out_dir`` (its ``scan.json`` must hold the same settings).
+        progress: a tqdm bar on rank 0 (tokens and tokens/s of this rank).
+
+    Returns:
+        The merged :class:`ProbeResult` (on every rank; rank 0 also writes ``out_dir/result.json``). Its
+        provenance records the corpus, the world size and the torch.distributed backend.
+    """
+    for name, v, lo in (("n_windows", n_windows, 1), ("length", length, 2), ("shard_windows", shard_windows, 1),
+                        ("batch_size", batch_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"scan: {name} must be an int >= {lo}, got {v!r}")
+    if resume and out_dir is None:
+        raise InputError("scan: resume=True needs out_dir (where the finished shards are)")
+    ad = adapt(model)
+    spec = source if isinstance(source, CorpusSpec) else parse_source(source)
+    w = world()
+    info = ad.info
+    settings = {
+        "format": FORMAT, "model": info.name, "revision": info.revision, "weights": weights_fingerprint(model),
+        "processing": info.processing, "source": dataclasses.asdict(spec), "n_windows": n_windows,
+        "length": length, "metrics": metrics if isinstance(metrics, (str, type(None))) else list(metrics),
+        "layers": layers if isinstance(layers, (int, type(None))) else list(layers),
+        "exclude_positions": list(exclude_positions), "shard_windows": shard_windows,
+    }
+    check_agreement(settings, w)
+    n_shards = -(-n_windows // shard_windows)
+    mine = [j for j in range(n_shards) if j % w.size == w.rank]
+    shard_dir = None
+    done: set[int] = set()
+    if out_dir is not None:
+        out = Path(out_dir)
+        shard_dir = out / "shards"
+        manifest = out / "scan.json"
+        if w.rank == 0:
+            if manifest.exists() and not resume:
+                raise InputError(f"{out} already holds a scan; pass resume=True (--resume) to continue it, or "
+                                 "choose another output directory")
+            if manifest.exists():
+                old = json.loads(manifest.read_text())
+                if old.get("digest") != _digest(settings):
+                    diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
+                    raise InputError(f"{manifest} was written with other settings (differs in: {', '.join(diff)});"
+                                     " resume needs the same model, corpus and settings")
+            shard_dir.mkdir(parents=True, exist_ok=True)
+            manifest.write_text(json.dumps({"digest": _digest(settings), "settings": settings,
+                                            "n_shards": n_shards}, indent=1, default=str))
+        if w.active:
+            torch.distributed.barrier()
+        if resume:
+            done = {j for j in mine if (shard_dir / f"shard-{j:06d}.safetensors").exists()}
+            metrics = _resumed_metrics(metrics, shard_dir)
+
+    todo = [j for j in mine if j not in done]
+    bar = None
+    if progress and w.rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo) * shard_windows * length, unit="tok", unit_scale=True, desc="scan")
+    results: dict[int, ProbeResult] = {}
+    if todo:
+        rows: list[list[int]] = []
+        current = None
+
+        def finish(j: int, batch_rows: list[list[int]]) -> None:
+            t0 = time.perf_counter()
+            with probe(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
+                       corpus=f"{spec.label}:shard{j}") as trace, torch.no_grad():
+                for i in range(0, len(batch_rows), batch_size):
+                    t = torch.tensor(batch_rows[i:i + batch_size], dtype=torch.long, device=ad.device)
+                    ad.model(t, return_type=None)
+            res = trace.result()
+            if shard_dir is not None:
+                _save_atomic(res, shard_dir / f"shard-{j:06d}.safetensors")
+            results[j] = res
+            if bar is not None:
+                bar.update(len(batch_rows) * length)
+                bar.set_postfix(tok_per_s=f"{len(batch_rows) * length / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+        wanted = set(todo)
+        for i, row in iter_window_rows(model, spec, length):
+            if i >= n_windows:
+                break
+            j = i // shard_windows
+            if j not in wanted:
+                continue
+            if current is not None and j != current:
+                finish(current, rows)
+                rows = []
+            current = j
+            rows.append(row)
+        if current is not None and rows:
+            finish(current, rows)
+        missing = wanted - set(results)
+        if missing:
+            raise InputError(f"the corpus {spec.label} ended before window {min(missing) * shard_windows}: it "
+                             f"holds fewer than n_windows={n_windows} windows of {length} tokens")
+    if bar is not None:
+        bar.close()
+    for j in sorted(done):
+        results[j] = ProbeResult.load(shard_dir / f"shard-{j:06d}.safetensors")
+
+    # gather every rank's shard sums and add them in shard order (the same order on every rank)
+    payload = {j: r.to_dict() for j, r in results.items()}
+    merged_parts: dict[int, Any] = {}
+    for part in _gather(payload, w):
+        merged_parts.update(part)
+    total = None
+    for j in range(n_shards):
+        r = results[j] if j in results else ProbeResult.from_dict(merged_parts[j])
+        total = r if total is None else total.merge(r)
+    assert total is not None
+    prov = dataclasses.replace(total.provenance, corpus=f"{spec.label}:{n_windows}x{length}", world_size=w.size,
+                               extra={**total.provenance.extra, "scan": {"shard_windows": shard_windows,
+                                                                        "n_shards": n_shards,
+                                                                        "dist_backend": w.backend,
+                                                                        "resumed_shards": len(done)}})
+    total = dataclasses.replace(total, provenance=prov)
+    if out_dir is not None and w.rank == 0:
+        total.save(Path(out_dir) / "result.json")
+    return total
+
+
+def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
+    """The metrics every remaining shard measures on resume: those of the shards written so far (the first one, on
+    every rank) when ``metrics`` is None ("all": the probe has gained metrics since, e.g. ``participation_ratio``)
+    or a subset of theirs (a shard of this scan upgraded on load, e.g. ``effective_rank`` split from
+    ``diversity``); otherwise as asked. Shards of one scan then always merge, and the scan gives what it gave
+    when it started."""
+    first = next(iter(sorted(shard_dir.glob("shard-*.safetensors"))), None)
+    if first is None:
+        return metrics
+    have = ProbeResult.load(first).metrics
+    asked = [metrics] if isinstance(metrics, str) else metrics
+    if asked is None or set(asked) <= set(have):
+        return list(have)
+    return metrics
+
+
+def load_named(name: str, backend: str, device: str | None) -> Any:
+    """A model by name for the command line: ``tiny-ARCH`` (a random test model) or :func:`load_model`'s names."""
+    from .. import backends
+
+    if name.startswith("tiny-"):
+        return backends.tiny_model(name.removeprefix("tiny-"), backend=backend)  # type: ignore[arg-type]
+    return backends.load_model(name, backend=backend, device=device)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tl_steering.probing.scan`` / ``torchrun ... -m tl_steering.probing.scan``: a resumable probe scan."""
+    p = argparse.ArgumentParser(prog="tl-steering scan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma-3-270m, tiny-gpt2, or a TL name")
+    p.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
+    p.add_argument("--source", default="pydoc", help="pydoc, a text file, a directory, jsonl:PATH[:FIELD], hf:...")
+    p.add_argument("--windows", type=int, required=True)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--metrics", default=None, help="comma-separated probe metrics (default: all)")
+    p.add_argument("--shard-windows", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        spec = parse_source(args.source)  # fail fast, before any model loads
+        created = init_from_env(args.device)
+        rank = world().rank
+        try:
+            device = rank_device(args.device)
+            model = load_named(args.model, args.backend, device)
+            metrics = args.metrics.split(",") if args.metrics else None
+            res = scan(model, spec, n_windows=args.windows, length=args.length, metrics=metrics,
+                       shard_windows=args.shard_windows, batch_size=args.batch_size, out_dir=args.out,
+                       resume=args.resume, progress=not args.no_progress)
+        finally:
+            if created:
+                torch.distributed.destroy_process_group()
+    except InputError as e:
+        print(f"tl-steering scan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        print(json.dumps({"out": str(Path(args.out) / "result.json"), "n_tokens": res.n_tokens,
+                          "world_size": res.provenance.world_size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,450 @@
+"""The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
+geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import validation
+from ..backends import adapt
+from ..backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions, refuse_meta_inputs
+from ..backends.ownership import named_hook_points, user_hooks_among
+from ..errors import InputError, NonFiniteError
+from .kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
+                            token_quantities)
+from .result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
+from .._util.threads import single_threaded
+from ..stats import position_bin_edges, position_bin_index
+
+_SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
+_F64 = torch.float64
+
+
+def _sites_needed(metrics: Sequence[str]) -> set[str]:
+    need: set[str] = {"resid_pre", "resid_post"}  # resid_post also triggers the layer's update
+    for m in metrics:
+        if m in ("resid_norm", "diversity", "effective_rank", "participation_ratio"):
+            need |= {"resid_pre", "resid_mid", "resid_post"}
+        elif m in ("radial_coef", "tangential_speed"):
+            need |= {"resid_pre", "attn_out", "ffn_input", "mlp_out"}
+        elif m == "tangent_alignment":
+            need |= {"resid_pre", "attn_out", "resid_post"}
+    return need
+
+
+def bin_edges_for(n_ctx: int) -> Tensor:
+    """Log-spaced position-bin edges ``[0, 1, 2, 4, ..., 2^k]`` with ``2^k >= n_ctx`` (int64;
+    :func:`tl_steering.stats.position_bin_edges`)."""
+    return torch.tensor(position_bin_edges(n_ctx), dtype=torch.int64)
+
+
+_position_bins = position_bin_index  # 0 for position 0, floor(log2 p) + 1 otherwise (tl_steering.stats)
+
+
+class ProbeTrace:
+    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered.
+
+    It may be entered several times; every forward run inside adds to the same running sums. Read the
+    numbers with :meth:`result` (at any time, also inside the block).
+    """
+
+    def __init__(self, model: Any, metrics: Sequence[str] | str | None = None,
+                 layers: Sequence[int] | int | None = None, exclude_positions: Sequence[int] = (0,),
+                 position_bins: bool = False, corpus: str | None = None):
+        self.ad = adapt(model)
+        self.model = self.ad.model
+        if metrics is None:
+            metrics = list(METRICS)
+        elif isinstance(metrics, str):
+            metrics = [metrics]
+        metrics = list(dict.fromkeys(metrics))
+        bad = [m for m in metrics if m not in METRICS]
+        if bad or not metrics:
+            raise InputError(f"unknown probe metric(s) {bad or metrics!r}; choose from {METRICS} "
+                             "(or metrics=None for all)")
+        self.metrics = [m for m in METRICS if m in metrics]
+        self.layers = self.ad.layers(layers)
+        self.exclude_positions = validation.as_positions(exclude_positions, "exclude_positions")
+        self.position_bins = validation.as_bool(position_bins, "position_bins")
+        self.corpus = corpus
+        n_ctx = int(getattr(self.ad.cfg, "n_ctx", 0) or 2048)
+        self.bin_edges = bin_edges_for(n_ctx) if self.position_bins else torch.tensor([0, n_ctx])
+        n_bins = len(self.bin_edges) - 1
+        token_q = [q for m in self.metrics if m in TOKEN_METRICS for q in QUANTITIES[m]]
+        seq_q = [q for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]]
+        self._acc = Accumulator(token_q, seq_q, len(self.layers), n_bins, self.ad.device)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._sites = _sites_needed(self.metrics)
+        self.n_tokens = 0
+        self.n_sequences = 0
+        self.n_forwards = 0
+        self._longest = 0  # the longest window seen, and the most positions one left after exclude_positions
+        self._most_kept = 0
+        self._points = named_hook_points(self.model)  # the user's hooks seen during forwards go into provenance
+        self._user_hooks: set[str] = set()
+        self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._stack: contextlib.ExitStack | None = None
+        self._entered = False
+        self._carry: dict[str, Any] | None = None
+        self._buf: Tensor | None = None
+        self._n_diversity_sets = 0
+        # the per-sequence statistics asked for (rows of the diversity kernel's output); the spectrum (Gram
+        # matrices and eigenproblems, the probe's main cost) only for effective_rank
+        asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
+        self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
+        self._div_names = {mid: [f"{DIVERSITY_STATS[i]}_{w}" for w in SITES3 if w != "mid" or mid
+                                 for i in self._div_stats] for mid in (False, True)}
+        self._conversions = conversion_records(self.model)
+        hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
+        self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
+        slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
+        self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
+        # the buffer slot of each site for the layer being filled: a layer whose resid_pre is the previous
+        # layer's resid_post, untouched, takes that slot as its resid_pre (no copy) and writes its resid_post
+        # into the previous resid_pre's slot
+        self._cur = dict(self._slots)
+        self._last_layer = max(self.layers)
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _slot_copy(self, act: Tensor, site: str) -> Tensor:
+        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (one pass; the dtype is
+        converted by the copy). The buffer ``[n_slots, batch, kept_pos, d_model]`` is reused by every layer of a
+        forward and released at the last probed layer's resid_post (and on exit); it is the probe's only
+        activation-sized memory. Slot-major,
+        so that each slot is contiguous: the copies, the diversity Gram products and even the per-token Gram
+        product (through a permuted view) ran 10-40% faster than on a ``[batch, pos, slot, d]`` layout."""
+        idx, _ = self._positions(act.shape[-2], act.device)
+        src = act.detach()
+        if isinstance(idx, slice):
+            src = src[..., idx, :]
+        elif idx is not None:
+            src = src.index_select(-2, idx)
+        shape = (len(self._slots), src.shape[0], src.shape[1], src.shape[2])
+        # torch's own threads for this elementwise copy: half the wall time of a one-thread copy at two threads
+        # (no MKL call here, so none of the oversubscription that _update avoids)
+        buf = self._buf
+        if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
+            buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
+        out = buf[self._cur[site]]
+        out.copy_(src)
+        return out
+
+    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor]:
+        """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one)."""
+        key = (n_pos, str(device))
+        if key not in self._pos_cache:
+            keep = torch.ones(n_pos, dtype=torch.bool)
+            for p in self.exclude_positions:
+                if -n_pos <= p < n_pos:
+                    keep[p] = False
+            pos = torch.arange(n_pos)[keep]
+            idx: Tensor | slice | None
+            if bool(keep.all()):
+                idx = None
+            elif pos.numel() and int(pos[-1] - pos[0]) + 1 == pos.numel():
+                idx = slice(int(pos[0]), int(pos[-1]) + 1)
+            else:
+                idx = pos.to(device)
+            bins = _position_bins(pos) if self.position_bins else torch.zeros_like(pos)
+            self._pos_cache[key] = (idx, bins.clamp_max(len(self.bin_edges) - 2).to(device))
+        return self._pos_cache[key]
+
+    def _layer_sites(self, layer: int) -> list[tuple[str, str]]:
+        """(site, hook name) pairs this probe reads at ``layer``, in forward order."""
+        return self._sites_of[layer]
+
+    def _find_sites(self, layer: int, hook_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
+        ad = self.ad
+        sites = set(self._sites)
+        if ad.is_parallel(layer):
+            sites.discard("resid_mid")
+        if "ffn_input" in sites:
+            sites.discard("ffn_input")
+            sites.add(ad.ffn_input_site(layer))
+        return [(site, ad.hook_name(layer, site, hook_dict))
+                for site in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post") if site in sites]
+
+    def _count_forward(self, act: Tensor) -> None:
+        self.n_forwards += 1
+        self.n_sequences += int(act.shape[0])
+        n = int(act.shape[1])
+        self.n_tokens += int(act.shape[0]) * n
+        self._user_hooks.update(user_hooks_among(self._points))  # e.g. run_with_hooks(..., ffn_component(...))
+        if n > self._longest:
+            self._longest = n
+            self._most_kept = n - len({p % n for p in self.exclude_positions if -n <= p < n})
+
+    def _check_positions(self) -> None:
+        """Refuse windows that left no position for statistics (every number would be NaN); warn when the
+        per-sequence metrics had fewer than two positions in every window."""
+        excl = list(self.exclude_positions)
+        if self._most_kept == 0:
+            raise InputError(
+                f"the probe saw {self.n_forwards} forward pass(es) but no position was left for statistics: the "
+                f"longest window has {self._longest} position(s) and exclude_positions={excl} excludes them all "
+                "(position 0, the attention sink, is excluded by default). Statistics need at least 2 positions "
+                "per window once position 0 is excluded (one per token metric, two for the per-sequence ones): "
+                "use longer windows (e.g. ts.text_tokens(model, length=16)), or exclude_positions=() to include "
+                "position 0.")
+        seq = [m for m in self.metrics if m in SEQUENCE_METRICS]
+        if seq and self._most_kept < 2:
+            warnings.warn(
+                f"probe: {', '.join(seq)} need at least 2 positions per window after exclude_positions={excl}, "
+                f"and the longest window left {self._most_kept}: those metrics are NaN. Use windows of length >= "
+                f"{self._longest - self._most_kept + 2}.", UserWarning, stacklevel=3)
+
+    def _make_hooks(self, layer: int) -> list[tuple[str, Callable]]:
+        state: dict[str, Any] = {}
+        first = layer == self.layers[0]
+        hooks: list[tuple[str, Callable]] = []
+        for site, name in self._layer_sites(layer):
+            if site == "resid_pre":
+                def fn(act: Tensor, hook: Any, state: dict = state, first: bool = first,
+                       layer: int = layer) -> None:
+                    state.clear()
+                    carry, self._carry = self._carry, None
+                    if carry is not None and carry["layer"] == layer and carry["src"] is act \
+                            and _version(act) is not None and _version(act) == carry["version"]:
+                        # this resid_pre is the previous layer's resid_post, untouched: its float64 copy is in
+                        # the buffer already (swap the two slots) and its diversity was measured
+                        cur = self._cur
+                        cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
+                        state["_div_pre"] = carry["div"]
+                    else:
+                        self._slot_copy(act, "resid_pre")
+                    state["resid_pre"] = True
+                    state["bins"] = self._positions(act.shape[-2], act.device)[1]
+                    if first:
+                        self._count_forward(act)
+            elif site == "resid_post":
+                def fn(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
+                    try:
+                        if "resid_pre" in state:
+                            self._slot_copy(act, "resid_post")
+                            self._update(layer, state)
+                            if layer + 1 in self._row:
+                                self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
+                                               "div": state.get("_div_post")}
+                            elif layer == self._last_layer:
+                                # done with this forward: the buffer goes before the forward's own peak (the
+                                # logits), so a probed forward peaks at a plain forward's memory
+                                self._buf = None
+                                # and TransformerLens's records of the tensors our attention hooks saw (a bridge
+                                # keeps one per hooked attention site and forward, forever): a long scan's memory
+                                # stays that of one forward
+                                drop_identity_conversions(self._conversions)
+                    finally:
+                        state.clear()
+            else:
+                def fn(act: Tensor, hook: Any, state: dict = state, site: str = site) -> None:
+                    if "resid_pre" in state:
+                        self._slot_copy(act, site)
+                        state[site] = True
+            hooks.append((name, fn))
+        return hooks
+
+    def __enter__(self) -> "ProbeTrace":
+        if self._entered:
+            raise InputError("this probe is already active; use one `with` block at a time")
+        # interrupt-safe: the guard only reads the model on entry; everything added after it (TL hooks, the
+        # pre-hooks that keep ours last) is undone by closing the stack, also when an interrupt lands here
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(self.ad.hook_guard("tl_steering.probe"))
+            self._stack = stack
+            refuse_meta_inputs(self.model)  # the user's forwards: a clear error for meta tokens (removed on exit)
+            hook_dict = self.model.hook_dict
+            for layer in self.layers:
+                for name, fn in self._make_hooks(layer):
+                    add_hook_last(self.model, name, fn, hook_dict)
+            self._entered = True
+            return self
+        except BaseException:
+            self._detach(*_exc_info())
+            stack.close()
+            raise
+
+    def _detach(self, *exc: Any) -> None:
+        self._carry = None
+        self._buf = None
+        self._cur = dict(self._slots)
+        drop_identity_conversions(self._conversions)
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered = False
+        self._detach(*exc)
+        return None
+
+    # No __del__ safety net: a Ctrl-C landing anywhere, also on entry to __exit__, is handled by the guard's
+    # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
+
+    def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
+        """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.
+
+        The same arithmetic as the hooks (the cache route of ``benchmarks/probe_overhead.py``); it needs the
+        probed layers' resid_pre, attn_out, resid_mid, mlp_out and resid_post under their legacy hook names.
+        """
+        for layer in self.layers:
+            sites = self._layer_sites(layer)
+            missing = [name for _, name in sites if name not in cache]
+            if missing:
+                raise InputError(f"the cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}; cache "
+                                 "those hook points (names_filter) or run the probe during the forward")
+            st: dict[str, Any] = {}
+            for site, name in sites:
+                self._slot_copy(cache[name], site)
+                st[site] = True
+            pre = cache[sites[0][1]]
+            st["bins"] = self._positions(pre.shape[-2], pre.device)[1]
+            if layer == self.layers[0]:
+                self._count_forward(pre)
+            self._update(layer, st)
+        if not self._entered:
+            self._buf = None
+        return self
+
+    # -- metrics -----------------------------------------------------------------------------------------
+    def _update(self, layer: int, st: dict[str, Any]) -> None:
+        """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
+        ``probe_kernels``, batched over sequences and positions, on one torch thread (MKL's threads on these
+        small products and decompositions cost 2-10x more than one thread on a shared 2-core machine)."""
+        split = splits(self.ad.device)
+        with single_threaded():
+            self._update_layer(layer, st, split)
+
+    def _update_layer(self, layer: int, st: dict[str, Any], split: bool = False) -> None:
+        acc, row = self._acc, self._row[layer]
+        parallel = self.ad.is_parallel(layer)
+        buf = self._buf  # [slots, batch, n, d]
+        if buf is None or buf.shape[2] == 0:  # every position excluded
+            return
+        k = self._cur
+        has_mid = not parallel and "resid_mid" in st
+        # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
+        G = token_gram(buf.permute(1, 2, 0, 3), split) if acc.token_q else None  # [batch, n, slots, slots]
+        # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
+        sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (buf * buf).sum(-1).permute(1, 2, 0)
+        if not bool(torch.isfinite(sq).all()):
+            self._raise_non_finite(layer, sq)
+        if G is not None:
+            names, values, valid = token_quantities(G, k, self.metrics, parallel, has_mid, "attn_out" in st,
+                                                    "mlp_out" in st)
+            if names:
+                acc.add_tokens(row, names, values, valid, st["bins"])
+        if self._div_stats:
+            which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
+            reuse = st.get("_div_pre") is not None
+            todo = [w for w in which if not (w == "pre" and reuse)]
+            self._n_diversity_sets += len(todo)
+            sets = [buf[k[_SITE_OF[w]]] for w in todo]
+            values, valid = diversity(sets, split, spectrum="effective_rank" in self.metrics,
+                                      gram="participation_ratio" in self.metrics)  # [sets, 4, batch]
+            if reuse:
+                values = torch.cat([st["_div_pre"][0], values])
+                valid = torch.cat([st["_div_pre"][1], valid])
+            post = which.index("post")
+            st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
+            names = self._div_names[has_mid]
+            keep = self._div_stats
+            acc.add_sequences(row, names, values[:, keep].flatten(0, 1), valid[:, keep].flatten(0, 1))
+
+    def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
+        bad = [site for site, k in self._cur.items() if not bool(torch.isfinite(sq[..., k]).all())]
+        raise NonFiniteError(
+            f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
+            "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
+            "hooks of yours on that point; in float16 try float32 or bfloat16.")
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def state_nbytes(self) -> int:
+        """Bytes held by the accumulators (constant: it does not grow with the number of forwards)."""
+        return sum(t.numel() * t.element_size() for t in self._acc.tensors())
+
+    def result(self) -> "ProbeResult":
+        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running).
+
+        Raises :class:`InputError` when no forward pass ran inside the probe (nothing was measured: every
+        number would be NaN)."""
+        if self.n_forwards == 0:
+            raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
+                             "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "
+                             "trace.add_cache(cache)")
+        self._check_positions()
+        acc = self._acc
+        sums: dict[str, Tensor] = {}
+        counts: dict[str, Tensor] = {}
+        masked: dict[str, Tensor] = {}
+        for q, i in acc.tq.items():
+            sums[q], counts[q], masked[q] = (acc.t_sum[i].cpu().clone(), acc.t_cnt[i].cpu().clone(),
+                                             acc.t_msk[i].cpu().clone())
+        for q, i in acc.sq.items():
+            sums[q], counts[q], masked[q] = (acc.s_sum[i, :, None].cpu().clone(),
+                                             acc.s_cnt[i, :, None].cpu().clone(), acc.s_msk[i, :, None].cpu().clone())
+        prov = self.ad.provenance(None, corpus=self.corpus or "unknown (pass corpus= to probe)",
+                                  metrics=list(self.metrics), layers=list(self.layers),
+                                  exclude_positions=list(self.exclude_positions),
+                                  position_bins=self.position_bins, n_forwards=self.n_forwards,
+                                  user_hooks=sorted(self._user_hooks))
+        prov.n_sequences, prov.n_tokens = self.n_sequences, self.n_tokens
+        return ProbeResult(provenance=prov, metrics=list(self.metrics), layers=list(self.layers),
+                           parallel=[self.ad.is_parallel(lay) for lay in self.layers],
+                           exclude_positions=list(self.exclude_positions), position_bins=self.position_bins,
+                           bin_edges=self.bin_edges.clone(), n_tokens=self.n_tokens,
+                           n_sequences=self.n_sequences, n_forwards=self.n_forwards,
+                           sums=sums, counts=counts, masked=masked)
+
+    def get(self, name: str) -> Tensor:
+        """Shortcut for ``result().get(name)``."""
+        return self.result().get(name)
+
+
+def _version(t: Tensor) -> int | None:
+    """The in-place version counter of a tensor (None for inference tensors, which have none)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _exc_info() -> tuple[Any, Any, Any]:
+    import sys
+
+    return sys.exc_info()
+
+
+def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequence[int] | int | None = None,
+          exclude_positions: Sequence[int] = (0,), position_bins: bool = False,
+          corpus: str | None = None) -> ProbeTrace:
+    """Streaming geometry probe: ``with probe(model) as trace: model(tokens)``; then ``trace.result()``.
+
+    Several forwards may run inside one probe (and the probe may be entered several times): the running
+    sums merge, so the result equals the one of a single forward on all the batches together (up to float64
+    summation order). Hooks are added only while the block runs and all are removed on exit, also on errors.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge).
+        metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
+            ``"diversity"``, ``"effective_rank"``, ``"participation_ratio"`` (None: all). See the module docstring
+            for the definitions; ``"effective_rank"`` (each sequence's spectrum) costs the most, and grows with
+            sequence length.
+        layers: layers to probe (None: all).
+        exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
+            Negative indices count from the end of each forward's sequence.
+        position_bins: also keep the token metrics per log-spaced position bin ``[0,1), [1,2), [2,4), ...``.
+        corpus: label of the text fed to the model, recorded in the provenance.
+
+    Returns:
+        A :class:`ProbeTrace` (a context manager); ``trace.result()`` gives a :class:`ProbeResult`.
+    """
+    return ProbeTrace(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
+                      position_bins=position_bins, corpus=corpus)
+
+
+__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "SITES3", "ProbeResult", "ProbeTrace", "bin_edges_for", "probe"]

@@ -1,0 +1,301 @@
+"""Layer-wise FFN gate calibration (docs/gates.md): x^{l+1} = y + g_l Phi_l(y), i.e. ``hook_mlp_out *= g_l``."""
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..backends import ModelAdapter
+from ..data.batching import mean_loss
+from ..data.windows import model_tokens
+from ..errors import InputError
+from ..hooks import HookList, ffn_gate, parallel_blocks
+from ..metrics import next_token_loss
+from ..results import Result, register, tensor_field
+from ..validation import as_choice, as_int
+from ..backends.ownership import exclusive
+
+Method = Literal["loss", "closed_form"]
+
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class GateResult(Result):
+    """Calibrated FFN gates and the losses around them (see :func:`calibrate_gates`).
+
+    Attributes:
+        method: "loss" or "closed_form".
+        layers: layers whose gate was fitted (the others stay 1).
+        plan: the parallelized layers when known (closed form; or given), else [].
+        gates: ``[n_layers]`` float64.
+        loss_clean_calib / loss_clean_heldout: CE of the unmodified model.
+        loss_base_calib / loss_base_heldout: CE with ``base_hooks`` and every gate at 1.
+        loss_gated_calib / loss_gated_heldout: CE with ``base_hooks`` and the fitted gates.
+        history: ``[steps]`` calibration CE at each Adam step (loss method).
+        scan_grid: ``[grid]`` gate values of the 1-D scans; scan_losses ``[layer, grid]`` calibration CE with
+            one gate at the grid value and the others at 1; scan_best ``[layer]`` the best grid value;
+            scan_curvature ``[layer]`` d²CE/dg² of a quadratic fitted to the scan.
+        n_calib / n_heldout: sequences in each split.
+    """
+
+    method: str = "loss"
+    layers: list[int] = dataclasses.field(default_factory=list)
+    plan: list[int] = dataclasses.field(default_factory=list)
+    gates: Float[Tensor, " n_layers"] = tensor_field(0)
+    loss_clean_calib: float = math.nan
+    loss_clean_heldout: float = math.nan
+    loss_base_calib: float = math.nan
+    loss_base_heldout: float = math.nan
+    loss_gated_calib: float = math.nan
+    loss_gated_heldout: float = math.nan
+    history: Float[Tensor, " steps"] = tensor_field(0)
+    scan_grid: Float[Tensor, " grid"] = tensor_field(0)
+    scan_losses: Float[Tensor, "layer grid"] = tensor_field(0, 0)
+    scan_best: Float[Tensor, " layer"] = tensor_field(0)
+    scan_curvature: Float[Tensor, " layer"] = tensor_field(0)
+    n_calib: int = 0
+    n_heldout: int = 0
+
+    kind = "gates"
+
+    @property
+    def improvement_calib(self) -> float:
+        return self.loss_base_calib - self.loss_gated_calib
+
+    @property
+    def improvement_heldout(self) -> float:
+        return self.loss_base_heldout - self.loss_gated_heldout
+
+    @property
+    def generalization_gap(self) -> float:
+        """Calibration improvement minus held-out improvement (how much of the fitted gain does not transfer)."""
+        return self.improvement_calib - self.improvement_heldout
+
+    def summary(self) -> dict[str, Any]:
+        dbase = self.loss_base_heldout - self.loss_clean_heldout
+        dgated = self.loss_gated_heldout - self.loss_clean_heldout
+        fitted = self.gates[self.layers] if self.layers else self.gates[:0]
+        return {
+            "method": self.method, "n_gates": len(self.layers),
+            "gate_min": float(fitted.min()) if fitted.numel() else math.nan,
+            "gate_max": float(fitted.max()) if fitted.numel() else math.nan,
+            "loss_clean_heldout": self.loss_clean_heldout, "loss_base_heldout": self.loss_base_heldout,
+            "loss_gated_heldout": self.loss_gated_heldout, "delta_ce_base_heldout": dbase,
+            "delta_ce_gated_heldout": dgated,
+            "recovered_fraction_heldout": (dbase - dgated) / dbase if dbase != 0 else math.nan,
+            "improvement_calib": self.improvement_calib, "improvement_heldout": self.improvement_heldout,
+            "generalization_gap": self.generalization_gap,
+        }
+
+    def plot(self, title: str | None = None):
+        """Gate per layer (bars; fitted layers coloured) with the reference g = 1 (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        fitted = set(self.layers)
+        colors = ["#1f77b4" if i in fitted else "#c7c7c7" for i in range(len(self.gates))]
+        fig = go.Figure(go.Bar(x=list(range(len(self.gates))), y=self.gates.tolist(), marker_color=colors,
+                               name="gate"))
+        fig.add_hline(y=1.0, line={"color": "black", "dash": "dot"})
+        s = self.summary()
+        fig.update_layout(template="plotly_white", xaxis_title="layer", yaxis_title="g_l",
+                          title=title or (f"FFN gates ({self.method}); held-out ΔCE {s['delta_ce_base_heldout']:+.4f}"
+                                          f" → {s['delta_ce_gated_heldout']:+.4f}"))
+        return fig
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _split(tokens: Tensor, held_out: float, held_out_tokens: Tensor | None, seed: int,
+           ad: ModelAdapter) -> tuple[Tensor, Tensor]:
+    if held_out_tokens is not None:
+        return tokens, ad.validate_tokens(held_out_tokens)
+    if isinstance(held_out, bool) or not isinstance(held_out, (int, float)) or not 0 < held_out < 1:
+        raise InputError(f"held_out must be a fraction in (0, 1), got {held_out!r}")
+    n = tokens.shape[0]
+    if n < 2:
+        raise InputError("need at least 2 sequences to hold some out; pass more tokens or held_out_tokens=")
+    n_hold = min(n - 1, max(1, round(held_out * n)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(tokens.device)
+    return tokens[perm[n_hold:]], tokens[perm[:n_hold]]
+
+
+def _base(model: Any, base_hooks: Any, plan: list[int]) -> HookList:
+    if base_hooks is None:
+        return parallel_blocks(model, plan)
+    if callable(base_hooks):
+        base_hooks = base_hooks(model)
+    try:
+        out = list(base_hooks)
+    except TypeError as e:
+        raise InputError(f"base_hooks must be None, a fwd_hooks list or a callable model -> list; got "
+                         f"{type(base_hooks).__name__}") from e
+    for item in out:
+        if not (isinstance(item, tuple) and len(item) == 2 and callable(item[1])):
+            raise InputError(f"base_hooks entries must be (hook_name, fn) pairs, got {item!r}")
+    return out
+
+
+def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[int], batch_size: int
+                 ) -> dict[int, float]:
+    names = []
+    for layer in plan:
+        names += [ad.hook_name(layer, "resid_pre"), ad.hook_name(layer, "attn_out")]
+    num = dict.fromkeys(plan, 0.0)
+    den = dict.fromkeys(plan, 0.0)
+    for s in range(0, tokens.shape[0], batch_size):
+        _, cache = ad.run_with_cache(tokens[s:s + batch_size], names, fwd_hooks=base)
+        for layer in plan:
+            x = cache[ad.hook_name(layer, "resid_pre")]
+            a = cache[ad.hook_name(layer, "attn_out")]
+            phi = ad.ffn(layer)
+            with torch.no_grad():
+                px = phi(x)[:, 1:].to(torch.float64)
+                py = phi(x + a)[:, 1:].to(torch.float64)
+            num[layer] += float((py * px).sum())
+            den[layer] += float((px * px).sum())
+    return {layer: num[layer] / den[layer] if den[layer] > 0 else 1.0 for layer in plan}
+
+
+@exclusive
+def calibrate_gates(
+    model: Any,
+    tokens: Tensor,
+    method: Method = "loss",
+    base_hooks: HookList | Callable[[Any], HookList] | None = None,
+    layers: Sequence[int] | int | None = None,
+    held_out: float = 0.25,
+    held_out_tokens: Tensor | None = None,
+    steps: int = 200,
+    lr: float = 0.05,
+    scan: bool = False,
+    scan_grid: Sequence[float] | Tensor | None = None,
+    seed: int = 0,
+    corpus: str | None = None,
+    plan: Sequence[int] | None = None,
+    batch_size: int = 8,
+) -> GateResult:
+    """Fit one scalar FFN gate per layer on top of ``base_hooks`` (docs/gates.md).
+
+    Args:
+        model: a TransformerLens model (weights never changed; hooks removed afterwards).
+        tokens: ``[batch, pos]``; split into calibration and held-out sequences (seeded) unless
+            ``held_out_tokens`` is given.
+        method: ``"loss"`` (Adam on CE) or ``"closed_form"`` (parallel-surrogate least squares; needs ``plan``).
+        base_hooks: hooks the gates are composed with: a fwd_hooks list, a callable ``model -> list``, or None
+            (``parallel_blocks(model, plan)`` when ``plan`` is given, else no hooks).
+        layers: layers that get a fitted gate (default: all for "loss", ``plan`` for "closed_form").
+        held_out: fraction of the sequences held out.
+        held_out_tokens: explicit held-out tokens (then all of ``tokens`` is the calibration split).
+        steps, lr: Adam steps and learning rate (loss method; full-batch gradient).
+        scan: also run the per-layer 1-D scans on the calibration split (``len(layers) × len(grid)`` forwards).
+        scan_grid: gate values of the scans (default 0, 0.25, ..., 2).
+        seed: seed of the split.
+        plan: the parallelized layers (closed form; default base hooks).
+        batch_size: sequences per forward.
+    """
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
+    method = as_choice(method, "method", ("loss", "closed_form"))
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+    plan_l = ad.layers(plan) if plan is not None else []
+    if method == "closed_form" and not plan_l:
+        raise InputError("method='closed_form' fits the parallel surrogate of the layers in plan=[...]; pass plan")
+    if method == "loss":
+        steps = as_int(steps, "steps", minimum=0)
+        if not isinstance(lr, (int, float)) or not lr > 0:
+            raise InputError(f"lr must be a positive float, got {lr!r}")
+    sel = ad.layers(layers) if layers is not None else (plan_l if method == "closed_form" else ad.layers(None))
+    calib, held = _split(tokens, held_out, held_out_tokens, seed, ad)
+    base = _base(model, base_hooks, plan_l)
+
+    loss_clean_c = mean_loss(ad, calib, [], batch_size)
+    loss_clean_h = mean_loss(ad, held, [], batch_size)
+    loss_base_c = mean_loss(ad, calib, base, batch_size)
+    loss_base_h = mean_loss(ad, held, base, batch_size)
+
+    gates = torch.ones(ad.n_layers, dtype=torch.float64)
+    history = torch.zeros(0, dtype=torch.float64)
+    if method == "closed_form":
+        for layer, g in _closed_form(ad, calib, base, [lay for lay in plan_l if lay in sel], batch_size).items():
+            gates[layer] = g
+    elif steps > 0:
+        theta = torch.ones(len(sel), dtype=torch.float32, device=ad.device, requires_grad=True)
+        index = torch.tensor(sel, device=ad.device)
+        opt = torch.optim.Adam([theta], lr=float(lr))
+        n_pred = calib.shape[0] * (calib.shape[1] - 1)
+        hist = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            grad = torch.zeros_like(theta)
+            total = 0.0
+            for s in range(0, calib.shape[0], batch_size):
+                chunk = calib[s:s + batch_size]
+                with torch.enable_grad():
+                    full = torch.ones(ad.n_layers, dtype=torch.float32, device=ad.device).index_put((index,), theta)
+                    logits = ad.run_with_hooks(chunk, base + ffn_gate(model, full), return_type="logits", grad=True)
+                    lsum = next_token_loss(logits, chunk).sum()
+                    (g,) = torch.autograd.grad(lsum / n_pred, [theta])
+                grad += g
+                total += float(lsum.detach())
+                del logits, lsum
+            if not bool(torch.isfinite(grad).all()):
+                raise InputError("the gate gradient became non-finite; lower lr")
+            theta.grad = grad
+            opt.step()
+            hist.append(total / n_pred)
+        history = torch.tensor(hist, dtype=torch.float64)
+        gates[sel] = theta.detach().to(torch.float64).cpu()
+
+    gated = base + ffn_gate(model, gates.tolist())
+    loss_gated_c = mean_loss(ad, calib, gated, batch_size)
+    loss_gated_h = mean_loss(ad, held, gated, batch_size)
+
+    grid = torch.zeros(0, dtype=torch.float64)
+    scan_losses = torch.zeros(0, 0, dtype=torch.float64)
+    scan_best = torch.zeros(0, dtype=torch.float64)
+    scan_curv = torch.zeros(0, dtype=torch.float64)
+    if scan:
+        grid = torch.as_tensor(scan_grid if scan_grid is not None else torch.linspace(0, 2, 9),
+                               dtype=torch.float64).flatten()
+        if grid.numel() < 3 or not bool(torch.isfinite(grid).all()):
+            raise InputError("scan_grid needs at least 3 finite gate values")
+        scan_losses = torch.zeros(len(sel), grid.numel(), dtype=torch.float64)
+        for k, layer in enumerate(sel):
+            for m, g in enumerate(grid.tolist()):
+                scan_losses[k, m] = mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
+        scan_best = grid[scan_losses.argmin(dim=1)]
+        vander = torch.stack([grid ** 2, grid, torch.ones_like(grid)], dim=1)
+        coef = torch.linalg.lstsq(vander, scan_losses.T).solution  # [3, layer]
+        scan_curv = 2.0 * coef[0]
+
+    return GateResult(
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="calibrate_gates", method=method, layers=sel,
+                                 plan=plan_l, steps=steps, lr=float(lr), held_out=held_out,
+                                 n_base_hooks=len(base), scan=scan, batch_size=batch_size),
+        method=method,
+        layers=sel,
+        plan=plan_l,
+        gates=gates,
+        loss_clean_calib=loss_clean_c,
+        loss_clean_heldout=loss_clean_h,
+        loss_base_calib=loss_base_c,
+        loss_base_heldout=loss_base_h,
+        loss_gated_calib=loss_gated_c,
+        loss_gated_heldout=loss_gated_h,
+        history=history,
+        scan_grid=grid,
+        scan_losses=scan_losses,
+        scan_best=scan_best,
+        scan_curvature=scan_curv,
+        n_calib=int(calib.shape[0]),
+        n_heldout=int(held.shape[0]),
+    )
+
+
+__all__ = ["GateResult", "calibrate_gates"]

@@ -1,0 +1,350 @@
+"""Prefix-indexed causal dynamics (docs/prefix.md): how a perturbation of token j travels to later tokens, and
+prefix-set diversity statistics as a function of the prefix length."""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .. import geometry as geo
+from ..backends import check_finite
+from ..data.windows import model_tokens
+from ..errors import InputError
+from ..metrics import kl_divergence
+from ..results import Result, register, tensor_field
+from ..stats import check_exclude_positions, position_mask
+from ..validation import as_choice, as_int
+from ..backends.ownership import exclusive
+
+Mode = Literal["noise", "token"]
+STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
+
+
+
+def _check_positions(position: Any, n_pos: int) -> list[int]:
+    items = [position] if isinstance(position, int) and not isinstance(position, bool) else position
+    try:
+        items = list(items)
+    except TypeError as e:
+        raise InputError(f"position must be an int or a list of ints, got {position!r}") from e
+    out = []
+    for p in items:
+        if isinstance(p, bool) or not isinstance(p, int) or not -n_pos <= p < n_pos:
+            raise InputError(f"position {p!r} is not an int in [0, {n_pos}) for sequences of length {n_pos}")
+        out.append(p % n_pos)
+    if not out:
+        raise InputError("position is empty: pass at least one position to perturb")
+    return out
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class PrefixSensitivityResult(Result):
+    """Spread of a perturbation at position j to later positions (see :func:`prefix_sensitivity`).
+
+    Attributes:
+        mode: "noise" or "token".
+        eps: relative noise size (noise mode).
+        perturb_layer: l0 (0 in token mode: the embedding changes).
+        positions: the perturbed positions j (results are averaged over them, aligned by distance).
+        layers: layers l >= l0 whose ``resid_post`` is measured.
+        distance: 0..max(i - j).
+        angle: ``[layer, distance]`` mean δθ (radians) over sequences and perturbed positions.
+        kl: ``[distance]`` mean next-token KL(p_clean || p_pert) (nats).
+        count: ``[distance]`` number of (sequence, j) pairs averaged at each distance.
+        angle_final: ``[distance]`` the angle at the last measured layer (= ``angle[-1]``).
+        prefix_max_angle: max δθ over positions i < j, every layer and sequence (must be 0 or < 1e-6).
+        prefix_max_rel_change: max ||x_pert - x_clean|| / ||x_clean|| over the same entries.
+        prefix_max_kl: max KL over positions i < j.
+        prefix_bitwise_equal: whether every ``resid_post`` row and logit at i < j is bit-identical.
+        replaced_tokens: token mode: ``[[sequence, j, old, new], ...]``.
+    """
+
+    mode: str = "noise"
+    eps: float = 0.0
+    perturb_layer: int = 0
+    positions: list[int] = dataclasses.field(default_factory=list)
+    layers: list[int] = dataclasses.field(default_factory=list)
+    distance: Int[Tensor, " distance"] = tensor_field(0, dtype=torch.int64)
+    angle: Float[Tensor, "layer distance"] = tensor_field(0, 0)
+    kl: Float[Tensor, " distance"] = tensor_field(0)
+    count: Int[Tensor, " distance"] = tensor_field(0, dtype=torch.int64)
+    angle_final: Float[Tensor, " distance"] = tensor_field(0)
+    prefix_max_angle: float = math.nan
+    prefix_max_rel_change: float = math.nan
+    prefix_max_kl: float = math.nan
+    prefix_bitwise_equal: bool = False
+    replaced_tokens: list[list[int]] = dataclasses.field(default_factory=list)
+
+    kind = "prefix_sensitivity"
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode, "eps": self.eps, "perturb_layer": self.perturb_layer,
+                               "positions": self.positions, "prefix_max_angle": self.prefix_max_angle,
+                               "prefix_max_rel_change": self.prefix_max_rel_change,
+                               "prefix_max_kl": self.prefix_max_kl, "prefix_bitwise_equal": self.prefix_bitwise_equal}
+        if self.kl.numel():
+            out["kl_at_perturbed"] = float(self.kl[0])
+            out["angle_final_at_perturbed"] = float(self.angle_final[0])
+            if self.kl.numel() > 1:
+                out["kl_mean_later"] = float(self.kl[1:].nanmean())
+                out["angle_final_mean_later"] = float(self.angle_final[1:].nanmean())
+        return out
+
+    def plot(self, title: str | None = None):
+        """Left: δθ against distance i - j, one line per layer; right: KL against distance (plotly)."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("angle change δθ (rad)", "KL(p_clean || p_pert)"))
+        x = self.distance.tolist()
+        n = len(self.layers)
+        for k, layer in enumerate(self.layers):
+            shade = int(40 + 180 * k / max(n - 1, 1))
+            fig.add_trace(go.Scatter(x=x, y=self.angle[k].tolist(), mode="lines", name=f"layer {layer}",
+                                     line={"color": f"rgb({shade},{80},{255 - shade})"}), row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=self.kl.tolist(), mode="lines+markers", name="KL",
+                                 line={"color": "black"}), row=1, col=2)
+        fig.update_xaxes(title_text="distance i - j")
+        fig.update_yaxes(type="log", row=1, col=1)
+        fig.update_yaxes(type="log", row=1, col=2)
+        what = f"noise ε={self.eps:g} at layer {self.perturb_layer}" if self.mode == "noise" else "token replaced"
+        fig.update_layout(template="plotly_white", title=title or f"Prefix sensitivity ({what}; prefix max δθ "
+                                                                   f"{self.prefix_max_angle:.1e})")
+        return fig
+
+
+@exclusive
+def prefix_sensitivity(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    position: int | Sequence[int],
+    eps: float = 1e-2,
+    mode: Mode = "noise",
+    seed: int = 0,
+    corpus: str | None = None,
+) -> PrefixSensitivityResult:
+    """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
+
+    Args:
+        model: a TransformerLens model (not changed; every hook is removed afterwards).
+        tokens: ``[batch, pos]``.
+        layer: l0, the layer whose ``resid_pre`` is perturbed (noise mode). In token mode the embedding changes,
+            ``layer`` is ignored and every layer is measured.
+        position: j, or a list of positions (one perturbed forward each; results averaged aligned by distance).
+        eps: noise mode: ``resid_pre[:, j] += eps · ||x_j|| · ξ`` with ξ a seeded random unit vector per sequence.
+        mode: ``"noise"`` or ``"token"`` (token j replaced by a seeded random vocabulary token != the original).
+        seed: seed of ξ and of the replacement tokens.
+
+    Returns:
+        :class:`PrefixSensitivityResult`.
+    """
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
+    mode = as_choice(mode, "mode", ("noise", "token"))
+    seed = as_int(seed, "seed")
+    n_seq, n_pos = tokens.shape
+    positions = _check_positions(position, n_pos)
+    if mode == "noise":
+        l0 = ad.check_layer(layer)
+        eps = float(eps)
+        if not math.isfinite(eps) or eps <= 0:
+            raise InputError(f"eps must be a positive finite float, got {eps!r}")
+    else:
+        l0 = 0
+    layers = list(range(l0, ad.n_layers))
+    names = [ad.hook_name(lay, "resid_post") for lay in layers]
+    logits_c, cache_c = ad.run_with_cache(tokens, names)
+    for lay, nm in zip(layers, names):
+        check_finite(cache_c[nm], lay, "resid_post")
+
+    gen = torch.Generator().manual_seed(seed)
+    max_d = n_pos - min(positions)
+    angle_sum = torch.zeros(len(layers), max_d, dtype=torch.float64)
+    kl_sum = torch.zeros(max_d, dtype=torch.float64)
+    count = torch.zeros(max_d, dtype=torch.int64)
+    pre_angle, pre_rel, pre_kl, bitwise = 0.0, 0.0, 0.0, True
+    replaced: list[list[int]] = []
+    vocab = int(ad.cfg.d_vocab)
+    for j in positions:
+        hooks: list = []
+        toks = tokens
+        if mode == "noise":
+            xi = torch.randn(n_seq, ad.d_model, generator=gen, dtype=torch.float64)
+            xi = (xi / xi.norm(dim=-1, keepdim=True)).to(ad.device)
+
+            def perturb(act: Tensor, hook: Any, j: int = j, xi: Tensor = xi) -> Tensor:
+                act = act.clone()
+                x = act[:, j].to(torch.float64)
+                act[:, j] = (x + eps * x.norm(dim=-1, keepdim=True) * xi).to(act.dtype)
+                return act
+
+            hooks = [(ad.hook_name(l0, "resid_pre"), perturb)]
+        else:
+            toks = tokens.clone()
+            for b in range(n_seq):
+                new = int(torch.randint(0, vocab - 1, (1,), generator=gen))
+                old = int(tokens[b, j])
+                new = new + 1 if new >= old else new  # uniform over the vocabulary minus the original
+                toks[b, j] = new
+                replaced.append([b, j, old, new])
+        logits_p, cache_p = ad.run_with_cache(toks, names, fwd_hooks=hooks)
+        kl = kl_divergence(logits_c, logits_p)  # [b, pos] KL(p_clean || p_pert)
+        d = n_pos - j
+        for k, nm in enumerate(names):
+            xc, xp = cache_c[nm], cache_p[nm]
+            ang = geo.angle(xp, xc)  # [b, pos]
+            angle_sum[k, :d] += ang[:, j:].sum(0)
+            if j > 0:
+                pre_angle = max(pre_angle, float(ang[:, :j].max()))
+                rel = (xp[:, :j].to(torch.float64) - xc[:, :j].to(torch.float64)).norm(dim=-1) / \
+                    xc[:, :j].to(torch.float64).norm(dim=-1).clamp_min(geo.EPS_NORM)
+                pre_rel = max(pre_rel, float(rel.max()))
+                bitwise = bitwise and bool(torch.equal(xp[:, :j], xc[:, :j]))
+        kl_sum[:d] += kl[:, j:].sum(0)
+        count[:d] += n_seq
+        if j > 0:
+            pre_kl = max(pre_kl, float(kl[:, :j].max()))
+            bitwise = bitwise and bool(torch.equal(logits_p[:, :j], logits_c[:, :j]))
+    denom = count.clamp_min(1).to(torch.float64)
+    angle = angle_sum / denom
+    kl_mean = kl_sum / denom
+    return PrefixSensitivityResult(
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="prefix_sensitivity", mode=mode, layer=l0,
+                                 positions=positions, eps=eps if mode == "noise" else None),
+        mode=mode,
+        eps=eps if mode == "noise" else 0.0,
+        perturb_layer=l0,
+        positions=positions,
+        layers=layers,
+        distance=torch.arange(max_d, dtype=torch.int64),
+        angle=angle,
+        kl=kl_mean,
+        count=count,
+        angle_final=angle[-1].clone(),
+        prefix_max_angle=pre_angle,
+        prefix_max_rel_change=pre_rel,
+        prefix_max_kl=pre_kl,
+        prefix_bitwise_equal=bitwise,
+        replaced_tokens=replaced,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefix-set statistics
+
+
+@register
+@dataclasses.dataclass(kw_only=True)
+class PrefixStatisticsResult(Result):
+    """Prefix-set diversity statistics as a function of the prefix end t, per layer (see
+    :func:`prefix_statistics`).
+
+    Attributes:
+        site: the hook site (e.g. "resid_post").
+        layers: layers measured.
+        stats: names of the statistics in ``values``.
+        positions: t = 0..pos-1; entry t covers the valid rows among positions 0..t.
+        n_valid: ``[pos]`` number of valid rows in the prefix ending at t.
+        values: ``{stat: [layer, pos]}`` mean over sequences (NaN where the prefix is too short).
+        exclude_positions: positions left out of every prefix (default (0,)).
+    """
+
+    site: str = "resid_post"
+    layers: list[int] = dataclasses.field(default_factory=list)
+    stats: list[str] = dataclasses.field(default_factory=list)
+    positions: Int[Tensor, " pos"] = tensor_field(0, dtype=torch.int64)
+    n_valid: Int[Tensor, " pos"] = tensor_field(0, dtype=torch.int64)
+    values: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    exclude_positions: list[int] = dataclasses.field(default_factory=lambda: [0])
+
+    kind = "prefix_statistics"
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"site": self.site, "n_layers": len(self.layers)}
+        for s in self.stats:
+            v = self.values[s]
+            if v.numel():
+                out[f"{s}_full_prefix_mean_over_layers"] = float(v[:, -1].nanmean())
+        return out
+
+    def plot(self, stat: str = "pairwise_cosine", title: str | None = None):
+        """One line per layer: the statistic against the prefix end t (plotly Figure)."""
+        import plotly.graph_objects as go
+
+        if stat not in self.values:
+            raise InputError(f"stat must be one of {list(self.values)}, got {stat!r}")
+        fig = go.Figure()
+        n = len(self.layers)
+        for k, layer in enumerate(self.layers):
+            shade = int(40 + 180 * k / max(n - 1, 1))
+            fig.add_trace(go.Scatter(x=self.positions.tolist(), y=self.values[stat][k].tolist(), mode="lines",
+                                     name=f"layer {layer}", line={"color": f"rgb({shade},80,{255 - shade})"}))
+        fig.update_layout(template="plotly_white", xaxis_title="prefix end t", yaxis_title=stat,
+                          title=title or f"Prefix {stat} at {self.site} per layer")
+        return fig
+
+
+@exclusive
+def prefix_statistics(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layers: Sequence[int] | int | None = None,
+    site: str = "resid_post",
+    stats: Sequence[str] = STATS,
+    exclude_positions: Sequence[int] = (0,),
+    corpus: str | None = None,
+) -> PrefixStatisticsResult:
+    """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
+
+    Args:
+        model: a TransformerLens model.
+        tokens: ``[batch, pos]``.
+        layers: None for all.
+        site: any adapter site ("resid_pre", "resid_mid", "resid_post", "ffn_input", ...).
+        stats: any of "pairwise_cosine", "resultant_length", "effective_rank" (O(pos^4) per sequence: the
+            slowest), "participation_ratio".
+        exclude_positions: positions masked out of every prefix (BOS / attention sink; default (0,)).
+    """
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
+    sel = ad.layers(layers)
+    stats = list(stats)
+    bad = [s for s in stats if s not in STATS]
+    if bad or not stats:
+        raise InputError(f"stats must be a non-empty subset of {STATS}, got {stats!r}")
+    n_seq, n_pos = tokens.shape
+    exclude_positions = check_exclude_positions(exclude_positions)
+    mask = position_mask(n_pos, exclude_positions)
+    names = [ad.hook_name(lay, site) for lay in sel]
+    _, cache = ad.run_with_cache(tokens, names)
+    fns = {"pairwise_cosine": geo.prefix_mean_pairwise_cosine,
+           "resultant_length": geo.prefix_mean_resultant_length,
+           "effective_rank": geo.prefix_effective_rank,
+           "participation_ratio": geo.prefix_participation_ratio}
+    values = {s: torch.full((len(sel), n_pos), math.nan, dtype=torch.float64) for s in stats}
+    m = mask.to(tokens.device).expand(n_seq, n_pos)
+    for k, (lay, nm) in enumerate(zip(sel, names)):
+        check_finite(cache[nm], lay, site)
+        x = geo.to64(cache[nm])
+        for s in stats:
+            vals = fns[s](x, m).cpu()  # masked rows are zeroed: excluded exactly from every statistic
+            values[s][k] = vals.nanmean(0) if n_seq > 1 else vals[0]
+    return PrefixStatisticsResult(
+        provenance=ad.provenance(tokens, corpus=corpus, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
+                                 exclude_positions=list(exclude_positions)),
+        site=site,
+        layers=sel,
+        stats=stats,
+        positions=torch.arange(n_pos, dtype=torch.int64),
+        n_valid=mask.to(torch.int64).cumsum(0),
+        values=values,
+        exclude_positions=list(exclude_positions),
+    )
+
+
+__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "STATS", "prefix_sensitivity",
+           "prefix_statistics"]

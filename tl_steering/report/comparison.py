@@ -1,0 +1,105 @@
+"""The paper's published numbers beside ours: one row per number of tl_steering/reference/published.json
+(docs/published.md), read through the suite's one map of named numbers (:data:`tl_steering.suite.numbers.PUBLISHED`)."""
+
+import math
+from typing import Any
+
+from ..reference import published_numbers
+from ..suite.numbers import PUBLISHED
+from ..suite.result import SuiteResult
+
+_ALIASES = {
+    "gpt2": ("gpt2",),
+    "gpt2-large": ("gpt2-large",),
+    "pythia": ("pythia",),
+    "mistral-7b": ("mistral",),
+    "llama-3-8b": ("llama-3-8b", "meta-llama-3-8b"),
+}
+
+
+def _same_model(paper_model: str, ours: str) -> bool:
+    ours = ours.lower()
+    for n in (m.strip() for m in paper_model.split(",")):
+        for alias in _ALIASES.get(n, ()):
+            if n == "gpt2" and ours in ("gpt2", "openai-community/gpt2"):
+                return True
+            if n != "gpt2" and alias in ours:
+                return True
+    return False
+
+
+def _in_band(value: float, band: Any) -> bool | None:
+    if band is None or not math.isfinite(value):
+        return None
+    lo, hi = band
+    return (lo is None or value >= lo) and (hi is None or value <= hi)
+
+
+def _paper_value(pub: dict[str, Any]) -> str:
+    if pub["value"] is not None:
+        return f"{pub['value']:g}"
+    if pub["range"] is not None:
+        return f"{pub['range'][0]:g} - {pub['range'][1]:g}"
+    return pub["tolerance"] if pub["regress"] else pub["metric"]
+
+
+def _value_and_note(r: SuiteResult, number_id: str) -> tuple[Any, str]:
+    n = PUBLISHED.get(number_id)
+    if n is None:
+        return None, "not computed by the suite"
+    try:
+        return n.get(r), n.note(r)
+    except AttributeError:  # a field of a stage that was not run is None
+        return None, "its stage was not run"
+
+
+def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
+    """One row per published number (tl_steering/reference/published.json) with our value beside it."""
+    model_name = r.model.name
+    device = r.speedup.device if r.speedup is not None else ""
+    rows = []
+    for pub in published_numbers():
+        value, note = _value_and_note(r, pub["id"])
+        if not pub["regress"]:
+            relation = "not compared (definition)" if pub["spec_row"] == 9 else "not compared (low trust)"
+        elif value is None:
+            relation = "not comparable from one model"
+        elif pub["model"] == "all":
+            relation = "same protocol, other model (the paper's value spans its models)"
+        elif _same_model(pub["model"], model_name):
+            relation = "same protocol, same model"
+        else:
+            relation = "same protocol, other model"
+        if pub["id"] == "parallel_gpt2_large_speedup" and relation.startswith("same protocol"):
+            relation += "; CPU timing" if "cpu" in str(device) else ""
+        num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if isinstance(value, bool):
+            in_band = value
+        elif pub["id"] == "deficit_order_gpt2_llama" or num is None:
+            in_band = None
+        else:
+            in_band = _in_band(float(num), pub["band"])
+        rows.append(
+            {
+                "id": pub["id"],
+                "spec_row": pub["spec_row"],
+                "claim": pub["description"],
+                "paper_model": pub["model_label"],
+                "paper_value": _paper_value(pub),
+                "paper_number": pub["value"],
+                "paper_range": pub["range"],
+                "band": pub["band"],
+                "tolerance": pub["tolerance"],
+                "certainty": pub["certainty"],
+                "ours": value,
+                "ours_note": note,
+                "our_model": model_name,
+                "relation": relation,
+                "in_paper_band": in_band,
+                "regress": pub["regress"],
+            }
+        )
+    return rows
+
+
+__all__ = ["comparison_rows"]
