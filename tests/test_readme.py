@@ -51,3 +51,17 @@ def test_python_blocks_run_as_written(capsys):
     out = capsys.readouterr().out
     assert "deficit" in out or "mean" in out  # the summary was printed
     assert namespace["trace"].result().get("tangent_alignment").shape == (namespace["model"].cfg.n_layers,)
+    # the executor example: the parallelized plan generates its hook surrogate's greedy continuation (one full
+    # forward per token, no cache; up to the end-of-sequence token, where generate stops by default)
+    import torch
+
+    model, plan = namespace["model"], namespace["plan"]
+    assert plan.k == 4 and namespace["par"]._tl_steering_parallel["layers"] == plan.layers
+    seq = model.to_tokens("The capital of France is")
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model.run_with_hooks(seq, fwd_hooks=plan.hooks(model))
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            if int(seq[0, -1]) == model.tokenizer.eos_token_id:
+                break
+    assert namespace["text"] == model.tokenizer.decode(seq[0], skip_special_tokens=True)

@@ -168,7 +168,13 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
                         ) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
     """``(gates, biases, linears)`` of a corrected parallel plan, checked (float gates, ``[d_model]`` float64
     biases, ``[d_model, d_model]`` float64 linear maps of ``refit="linear"``, keys valid layers among ``layers``);
-    shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`."""
+    shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`. Some parts of a plan's correction
+    without the others (``plan.corrections()`` of a ``refit="linear"`` plan without ``plan.linear_maps()``) are an
+    error naming what is missing (:func:`tl_steering.parallel.plan_parts.check_complete`)."""
+    from .parallel.plan_parts import check_complete
+
+    check_complete(caller, gates, biases, linears,
+                   "plan.hooks(model)" if caller == "parallel_blocks" else "parallelize(model, plan)")
     g_of = {ad.check_layer(k, "gates key (layer)"): validation.as_float(v, f"gate of layer {k}")
             for k, v in (gates or {}).items()}
     b_of: dict[int, Tensor] = {}

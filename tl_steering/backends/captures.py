@@ -1,6 +1,6 @@
 """Hooks of ours on a model's modules (docs/hooks.md, "Interrupts"): hooks kept last on their point, one-shot
 captures of the value a sublayer really receives, the orphan-safe wrapper of the factories' hooks, the meta-device
-check of the probe. Split from :mod:`.lifecycle` (which re-exports every name), whose guards remove all of them."""
+check of the probe. Split from :mod:`.lifecycle`, which re-exports every name and whose guards remove them all."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,7 +11,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import validation
-from .lifecycle import _FLAG_DICTS, mark_owned, owned, shielded
+from .hookbase import _FLAG_DICTS, mark_owned, owned, shielded
 
 def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
     """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook

@@ -13,6 +13,14 @@
   the duration of the call (a torch forward pre-hook per attention bridge, removed on exit), which makes the
   bridge's OWN cached decode agree with its full forward (to 3e-7 on the tiny models). The executor's fused
   blocks (:mod:`.executor`) read ``cache=`` themselves.
+
+  The same loss breaks TransformerLens's ``generate(use_past_kv_cache=True)`` (the default) on the bridge: the
+  prefill stores nothing, every later token attends to itself alone, and SmolLM2-135M continues "The capital of
+  France is" with "Paris-----------" (docs/generate.md). :func:`route_cache_keyword` fixes this for good on a model
+  the package owns: every model it builds (``load_model``, ``wrap_hf``, ``tiny_model``) and every copy it makes
+  (``parallelize``) gets, on each of its attention bridges, an instance-level ``_update_kv_cache`` that also reads
+  ``cache=``. No hook, no change to a TransformerLens or torch class, no effect on a model the package did not
+  build; a bridge built by the user needs ``cache_routing`` (or ``route_cache_keyword`` on it, by choice).
 """
 
 import contextlib
@@ -70,6 +78,36 @@ def cache_routing(model: Any) -> Iterator[Any]:
             h.remove()
 
 
+def _update_kv_cache(self: Any, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """``AttentionBridge._update_kv_cache`` that also finds the cache under ``cache=`` (transformers >= 5.x's name)
+    when TransformerLens's names (``past_key_values``, ``layer_past``) carry none. Bound per instance by
+    :func:`route_cache_keyword` (named like the method it shadows, so a pickled bound method resolves)."""
+    if kwargs.get("past_key_values") is None and kwargs.get("layer_past") is None and kwargs.get("cache") is not None:
+        kwargs["past_key_values"] = kwargs["cache"]
+    return type(self)._update_kv_cache(self, k, v, **kwargs)
+
+
+def route_cache_keyword(model: Any) -> Any:
+    """Make every attention bridge of ``model`` (a model the caller owns) read the Hugging Face cache that
+    transformers 5.x passes as ``cache=``, in place, and return the model. Idempotent; a no-op on a
+    HookedTransformer or when TransformerLens reads ``cache=`` itself. Not a hook: an instance attribute, kept by
+    ``copy.deepcopy`` (bound to the copy) and invisible to ``hook_dict``, ``reset_hooks`` and the state dict."""
+    if backend_of(model) != "bridge" or _AttnBridge is None:
+        return model
+    for m in model.modules():
+        if isinstance(m, _AttnBridge) and "_update_kv_cache" not in m.__dict__:
+            m._update_kv_cache = types.MethodType(_update_kv_cache, m)
+    return model
+
+
+def cache_keyword_routed(model: Any) -> bool:
+    """Whether every attention bridge of ``model`` reads ``cache=`` (:func:`route_cache_keyword`); True for a
+    HookedTransformer."""
+    if backend_of(model) != "bridge" or _AttnBridge is None:
+        return True
+    return all("_update_kv_cache" in m.__dict__ for m in model.modules() if isinstance(m, _AttnBridge))
+
+
 def decode_step(model: Any, tokens: Tensor, cache: Any) -> Tensor:
     """Logits ``[batch, len(tokens), vocab]`` of ``tokens`` following the positions already in ``cache``, which is
     extended by them (unless frozen). A prefill is a step on the whole prompt with an empty cache."""
@@ -115,4 +153,5 @@ def freeze_kv_cache(cache: Any) -> Any:
     return cache
 
 
-__all__ = ["cache_routing", "decode_step", "freeze_kv_cache", "kv_cache", "kv_cache_length"]
+__all__ = ["cache_keyword_routed", "cache_routing", "decode_step", "freeze_kv_cache", "kv_cache", "kv_cache_length",
+           "route_cache_keyword"]

@@ -48,81 +48,18 @@ from . import ownership as _ownership
 from .. import validation
 from ..errors import HookNotFoundError
 
-# torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
-# dicts are keyed like their main dict and only hold flags
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_FLAG_DICTS = {
-    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
-    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
-    "_backward_hooks": (),
-    "_backward_pre_hooks": (),
-}
-_SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
-_OWNED_ATTR = "_tl_steering_owned"
-_MAX_RESTORE_TRIES = 20
-
-
-def hook_points(model: torch.nn.Module) -> list[HookPoint]:
-    """Every TransformerLens HookPoint inside ``model`` (a whole model or one block)."""
-    return [m for m in model.modules() if isinstance(m, HookPoint)]
-
-
-def owned(fn: Callable) -> Callable:
-    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
-
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    setattr(hook, _OWNED_ATTR, True)
-    hook.__name__ = f"tl_steering:{getattr(fn, '__name__', 'hook')}"
-    return hook
-
-
-def is_owned(fn: Any) -> bool:
-    return bool(getattr(fn, _OWNED_ATTR, False))
-
-
-def mark_owned(fn: Callable) -> Callable:
-    """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
-    takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
-    (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
-    try:
-        setattr(fn, _OWNED_ATTR, True)
-        return fn
-    except (AttributeError, TypeError):
-        return owned(fn)
-
-
-def is_ours(f: Any) -> bool:
-    """Whether torch hook ``f`` is tagged as ours, or is TransformerLens's wrapper (``HookPoint.add_hook``'s
-    ``full_hook``) of a function tagged as ours."""
-    if is_owned(f):
-        return True
-    for cell in getattr(f, "__closure__", None) or ():
-        try:
-            if is_owned(cell.cell_contents):
-                return True
-        except ValueError:  # an empty cell
-            continue
-    return False
-
-
-def shielded(restore: Callable[[], None]) -> None:
-    """Run an idempotent ``restore`` to completion even if interrupts land inside it; re-raise the first one.
-
-    A KeyboardInterrupt (or an exception raised by a signal handler) inside ``restore`` would otherwise leave
-    half-restored state behind; ``restore`` is retried until it completes, and the interrupt is raised after.
-    """
-    pending: BaseException | None = None
-    for _ in range(_MAX_RESTORE_TRIES):
-        try:
-            restore()
-            break
-        except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
-            if pending is None:
-                pending = e
-    if pending is not None:
-        raise pending
+from .hookbase import (  # noqa: F401  (re-exported: the names callers import from here)
+    _FLAG_DICTS,
+    _HOOK_DICTS,
+    _OWNED_ATTR,
+    _SILENCED,
+    hook_points,
+    is_ours,
+    is_owned,
+    mark_owned,
+    owned,
+    shielded,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------

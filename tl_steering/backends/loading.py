@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from .adapter import ModelInfo, hooked_available, tl_version, wrap_hf
+from .decoding import route_cache_keyword
 from .weight_cache import cache_root, file_sha256 as _sha256
 from ..errors import InputError, ModelLoadError
 
@@ -255,6 +256,7 @@ def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torc
             model = TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
             if processing == "tl":
                 model.enable_compatibility_mode()
+            route_cache_keyword(model)  # generate()'s KV cache on transformers 5.x (backends/decoding.py)
         else:
             from transformer_lens import HookedTransformer  # type: ignore[attr-defined]
 

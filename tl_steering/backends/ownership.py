@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import interrupts as _interrupts
+from .hookbase import _SILENCED, hook_points, is_ours
 from ..errors import ModelBusyError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -210,8 +211,6 @@ def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
     """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
     ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
     :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
-    from .lifecycle import hook_points
-
     named = getattr(model, "hook_dict", None)
     if not isinstance(named, dict) or not named:
         return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
@@ -224,8 +223,6 @@ def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
 def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
     """The names (sorted) of the points in ``points`` (from :func:`named_hook_points`) that carry a hook not
     tagged as tl_steering's."""
-    from .lifecycle import _SILENCED, is_ours
-
     return tuple(sorted(n for hp, names in points if _carries_user_hook(hp, _SILENCED, is_ours) for n in names))
 
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import validation
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
+from .decoding import route_cache_keyword
 from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
 
 
@@ -102,6 +103,7 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
             raise
         if processing == "tl":
             model.enable_compatibility_mode()
+        route_cache_keyword(model)  # generate()'s KV cache on transformers 5.x (backends/decoding.py)
         if dispatched:  # accelerate placed (and maybe offloaded) the layers: keep that placement
             return model
         return move_to_device(model, dev)

@@ -4,7 +4,7 @@ docs/parallel.md; the block surgery: :mod:`tl_steering.backends.executor`)."""
 import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -12,24 +12,35 @@ from torch import Tensor
 from .. import validation
 from ..backends import adapt
 from ..backends.copying import deepcopy_module
+from ..backends.decoding import route_cache_keyword
 from ..backends.executor import parallel_states, parallelize_blocks
 from ..errors import InputError, ParallelBlockError
 from ..backends.ownership import exclusive
+
+if TYPE_CHECKING:
+    from .plan_result import ParallelPlan
 
 # ----------------------------------------------------------------------------------------------------------
 # public API
 
 
 @exclusive
-def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, streams: bool = False,
+def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
     """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
 
+    ``parallelize(model, plan)`` runs a :class:`~tl_steering.parallel.ParallelPlan` as fitted: its layers and
+    every part of its correction (gates, biases, and the linear maps of ``refit="linear"``), folded into the fused
+    weights. The explicit form ``parallelize(model, layers, gates=, biases=, linears=)`` stays; given only some
+    parts of a plan's correction (``plan.corrections()`` of a linear plan without ``plan.linear_maps()``) it raises
+    :class:`~tl_steering.errors.InputError` naming what is missing.
+
     Args:
         model: a TransformerLens ``HookedTransformer`` (TL 3.9) or ``TransformerBridge`` (TL 3.9 / 4.x) with
             GPT-2-style or Llama-style blocks. It is deep-copied and never modified.
-        layers: block indices to parallelize (an empty list gives an unchanged copy). Blocks that are
+        layers: a ``ParallelPlan`` (then no ``gates`` / ``biases`` / ``linears``: the plan carries them), or block
+            indices to parallelize (an empty list gives an unchanged copy). Blocks that are
             parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
         fuse: fold each norm's affine into the input projections and run the block as two GEMMs (one for
             Q/K/V + MLP in/gate, one for [z, h] @ [W_O; W_out]). ``False``: the unfused parallel block
@@ -40,8 +51,8 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
             understand). Cheap; turn off only when timing the call itself.
         gates / biases: ``{layer: g}`` / ``{layer: b}`` (``b`` a ``[d_model]`` tensor): the parallel block's FFN
             write becomes g Phi(x) + b, the fitted corrections of ``plan_parallel(..., refit=...)``
-            (``parallelize(model, plan.layers, gates=g, biases=b)`` with ``g, b = plan.corrections()``; the same
-            as ``hooks.parallel_blocks(model, layers, g, b)``). Folded into the fused weights (no run-time cost);
+            (``parallelize(model, plan)`` applies them; ``hooks.parallel_blocks(model, layers, g, b)`` is the
+            same model as hooks). Folded into the fused weights (no run-time cost);
             on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
             shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
         linears: ``{layer: W}`` (``[d_model, d_model]``, ``plan.linear_maps()`` of ``refit="linear"``): the FFN write
@@ -51,8 +62,10 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
 
     Returns:
         The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
-        ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block.
+        ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block. TransformerLens's
+        ``generate`` works on it with and without the KV cache (docs/generate.md).
     """
+    layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
     chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
@@ -64,7 +77,7 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
     corrections = _corrections(ad, todo, gates, biases, linears)
-    new = deepcopy_module(model)
+    new = route_cache_keyword(deepcopy_module(model))  # the copy is ours: generate()'s KV cache works on it
     if not todo:
         return new
     with torch.no_grad():
@@ -78,6 +91,22 @@ def parallelize(model: Any, layers: Sequence[int] | int, fuse: bool = True, stre
     if verify and fuse and len(notes) < len(todo):
         _verify(new)
     return new
+
+
+def _plan_arguments(layers: Any, gates: Any, biases: Any, linears: Any) -> tuple[Any, Any, Any, Any]:
+    """``(layers, gates, biases, linears)`` of a ``ParallelPlan`` given as ``layers`` (every fitted part), else the
+    arguments as given."""
+    from .plan_result import ParallelPlan
+
+    if not isinstance(layers, ParallelPlan):
+        return layers, gates, biases, linears
+    extra = [n for n, v in (("gates", gates), ("biases", biases), ("linears", linears)) if v is not None]
+    if extra:
+        raise InputError(f"parallelize(model, plan) applies the plan's own fitted correction; got {', '.join(extra)}= "
+                         "as well. Pass the plan alone, or its layers with explicit corrections: parallelize(model, "
+                         "plan.layers, gates=..., biases=..., linears=...)")
+    g, b = layers.corrections()
+    return list(layers.layers), g or None, b or None, layers.linear_maps() or None
 
 
 def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, biases: Mapping[int, Tensor] | None,

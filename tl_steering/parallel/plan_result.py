@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..results import Result, register
+from .plan_parts import PlanPart
 
 
 @register
@@ -101,14 +102,16 @@ class ParallelPlan(Result):
         gates = {lay: float(g) for lay, g in zip(self.layers, self.gates.tolist())}
         biases = {lay: self.biases[i].clone() for i, lay in enumerate(self.layers)} \
             if self.refit in ("affine", "linear") else {}
-        return gates, biases
+        # tagged: a call given only some parts of this correction says what is missing (plan_parts.check_complete)
+        return PlanPart(gates, "gates", self.refit, self.layers), PlanPart(biases, "biases", self.refit, self.layers)
 
     def linear_maps(self) -> dict[int, Tensor]:
         """``{layer: W}`` of ``refit="linear"`` (empty otherwise), for ``parallel_blocks(..., linears=)`` and
         ``parallelize(..., linears=)``."""
         if self.refit != "linear":
             return {}
-        return {lay: self.linears[i].clone() for i, lay in enumerate(self.layers)}
+        return PlanPart({lay: self.linears[i].clone() for i, lay in enumerate(self.layers)}, "linears", self.refit,
+                        self.layers)
 
     def hooks(self, model: Any) -> list:
         """``fwd_hooks`` that run the chosen plan with its corrections (the exact surrogate)."""
