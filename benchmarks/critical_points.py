@@ -14,6 +14,7 @@ import time
 import torch
 
 import tl_steering as ts
+from tl_steering.critical import CriticalPointsResult
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
               f"{sum(e.rotational_pairs()):<5d} | {json.dumps(e.morse_histogram())} | {float(r.seconds[0]):7.1f} | "
               f"{v['fraction']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}] {v['verdict']}  "
               f"{e.options['start_status']}", flush=True)
-    merged = ts.critical_points.__globals__["CriticalPointsResult"](
+    merged = CriticalPointsResult(
         provenance=results[0].provenance, layers=[x.layers[0] for x in results], field="ffn",
         counts=torch.cat([x.counts for x in results]), rotational=torch.cat([x.rotational for x in results]),
         rotational_pairs=torch.cat([x.rotational_pairs for x in results]),

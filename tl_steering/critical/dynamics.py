@@ -27,13 +27,24 @@ from torch import Tensor
 from .fields import _FieldAdapter, _normalize, relative_residual
 
 
-def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, switch: float) -> tuple[Tensor, Tensor]:
-    """Rows of ``u`` iterated by u <- normalize(sign·F(u)) until the relative residual is < ``switch``.
+def _map(fld: _FieldAdapter, u: Tensor, s: Tensor, shift: Tensor | None) -> Tensor:
+    """One step of the (shifted) power map, u <- normalize(s·F(u) + σ u), per row."""
+    f = s * fld.many_no_grad(u)
+    return _normalize(f if shift is None else f + shift * u)
 
+
+def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, switch: float,
+                  shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Rows of ``u`` iterated by u <- normalize(sign·F(u) + shift·u) until the relative residual is < ``switch``.
+
+    ``shift`` (σ per row, in the field's units; None: 0) makes the map the explicit Euler step of the flow
+    u' = s·P_u F(u) with step 1/(sλ + σ): a flow attractor (s = +1; repeller for s = -1) with tangent eigenvalues
+    μ is a stable fixed point of it once sλ + σ > max |μ|² / (2 |Re μ|), which σ = 0 misses where rotation is strong.
     Returns ``(u, rel)``: final rows and their relative residuals (inf where F is not finite).
     """
     u = u.clone()
     s = sign.to(u.dtype)[:, None]
+    sh = None if shift is None else shift.to(u.dtype)[:, None]
     with torch.no_grad():
         f = fld.many_no_grad(u)
         rel = relative_residual(u, f)
@@ -42,20 +53,22 @@ def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, swit
             idx = active.nonzero().flatten()
             if idx.numel() == 0:
                 break
-            u[idx] = _normalize(s[idx] * f[idx])
+            step = s[idx] * f[idx]
+            u[idx] = _normalize(step if sh is None else step + sh[idx] * u[idx])
             f[idx] = fld.many_no_grad(u[idx])
             rel[idx] = relative_residual(u[idx], f[idx])
             active[idx[~torch.isfinite(rel[idx]) | (rel[idx] < switch)]] = False
     return u, rel
 
 
-def _iterate(fld: _FieldAdapter, u: Tensor, s: Tensor, n: int) -> Tensor:
+def _iterate(fld: _FieldAdapter, u: Tensor, s: Tensor, n: int, shift: Tensor | None = None) -> Tensor:
     for _ in range(n):
-        u = _normalize(s * fld.many_no_grad(u))
+        u = _map(fld, u, s, shift)
     return u
 
 
-def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, horizon: int) -> Tensor:
+def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, horizon: int,
+          shift: Tensor | None = None) -> Tensor:
     """True where the iteration from ``m`` ends nearer ``ea`` than ``eb`` (rows leave once within 0.05 of one)."""
     x = m.clone()
     decided = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
@@ -63,7 +76,7 @@ def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, hori
         idx = (~decided).nonzero().flatten()
         if idx.numel() == 0:
             break
-        x[idx] = _normalize(s[idx] * fld.many_no_grad(x[idx]))
+        x[idx] = _map(fld, x[idx], s[idx], None if shift is None else shift[idx])
         near = torch.minimum((x[idx] - ea[idx]).norm(dim=-1), (x[idx] - eb[idx]).norm(dim=-1)) < 0.05
         decided[idx[near]] = True
     return (x - ea).norm(dim=-1) <= (x - eb).norm(dim=-1)
@@ -71,7 +84,7 @@ def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, hori
 
 def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: Tensor, sign: Tensor,
                bisections: int = 20, horizon: int = 25, rounds: int = 3, switch: float = 5e-2,
-               separation: float = 1e-2) -> tuple[Tensor, Tensor]:
+               separation: float = 1e-2, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs.
 
     ``a`` / ``b``: starts whose iterations reached ``end_a`` / ``end_b``; ``sign``: the map's s per pair. Each
@@ -80,6 +93,7 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
     they stay within ``separation`` of each other, keeping the A-side point of lowest relative residual. Returns ``(u, rel)``: that point per pair and its relative residual.
     """
     s = sign.to(a.dtype)[:, None]
+    sh_all = None if shift is None else shift.to(a.dtype)[:, None]
     a, b = a.clone(), b.clone()
     best = a.clone()
     rel = torch.full((a.shape[0],), float("inf"), dtype=a.dtype, device=a.device)
@@ -91,9 +105,10 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
             if idx.numel() == 0:
                 break
             aa, bb, ea, eb, ss = a[idx], b[idx], end_a[idx], end_b[idx], s[idx]
+            sh = None if sh_all is None else sh_all[idx]
             for _ in range(int(bisections) if first else max(1, int(bisections) * 2 // 3)):
                 m = _normalize(aa + bb)
-                to_a = _side(fld, m, ss, ea, eb, int(horizon))
+                to_a = _side(fld, m, ss, ea, eb, int(horizon), sh)
                 aa = torch.where(to_a[:, None], m, aa)
                 bb = torch.where(to_a[:, None], bb, m)
             together = torch.ones(idx.numel(), dtype=torch.bool, device=a.device)
@@ -104,7 +119,8 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
                 better = together & (ra < rl)
                 bst = torch.where(better[:, None], aa, bst)
                 rl = torch.where(better, ra, rl)
-                step_a, step_b = _normalize(ss * fa), _iterate(fld, bb, ss, 1)
+                step_a = _normalize(ss * fa if sh is None else ss * fa + sh * aa)
+                step_b = _iterate(fld, bb, ss, 1, sh)
                 aa = torch.where(together[:, None], step_a, aa)
                 bb = torch.where(together[:, None], step_b, bb)
                 together = together & ((aa - bb).norm(dim=-1) < separation)

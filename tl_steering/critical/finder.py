@@ -18,14 +18,17 @@ from ..geometry import angle
 from ..results import Provenance
 from .fields import Field, _FieldAdapter, _normalize, relative_residual
 from .dynamics import edge_track, power_iterate
+from .reflected import reflected_finder
 from .firstorder import _fixed_point, _newton, _riemannian_descent
 from .results import EquilibriaResult, PointClassification
 from .solver import GAUSS_NEWTON_BELOW, lm_solve
 from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 
-Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm"]
+Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected"]
 Eigensolver = Literal["auto", "dense", "arpack"]
-METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm")
+METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected")
+#: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
+SHIFTS = (1.0, 4.0)
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -105,6 +108,13 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     starts = torch.cat([u0, u0])
     clock = time.perf_counter()
     up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
+    shift = torch.zeros(2 * n, dtype=dt, device=dev)
+    for half in (slice(0, n), slice(n, 2 * n)):  # a sign whose map fixes nothing: the shifted map (damped rotation)
+        for factor in SHIFTS:
+            if bool((relp[half] < 1e-2).any()):
+                break
+            shift[half] = factor * fld.many_no_grad(u0).norm(dim=-1).median()
+            up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
     seconds = {"power": time.perf_counter() - clock}
 
     def finish(u: Tensor, rel: Tensor, near: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -137,12 +147,12 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     pairs = plus + minus
     row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
     info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
-            "fixed_points_of_map": points.shape[0]}
+            "fixed_points_of_map": points.shape[0], "shift": [float(shift[0]), float(shift[-1])]}
     if pairs:
         ia = torch.tensor([a for a, _ in pairs], device=dev)
         ib_ = torch.tensor([b for _, b in pairs], device=dev)
         clock = time.perf_counter()
-        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia])
+        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia], shift=shift[ia])
         seconds["edge"] = time.perf_counter() - clock
         clock = time.perf_counter()
         ue, rele, ie, se = finish(ue, rele, 5e-2)
@@ -187,6 +197,7 @@ def find_equilibria(
     label_tol: float = 1e-6,
     rot_ratio: float = 0.1,
     edge_pairs: int = 8,
+    landscape: bool = True,
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
@@ -212,7 +223,9 @@ def find_equilibria(
         max_iter: LM iterations per start.
         method: "lm", "riemannian", "fixed_point", "flow" (power iteration of both signs + edge tracking between
             basins, :mod:`tl_steering.critical.dynamics`; 2 rows per start + ``edge_pairs`` rows) or "flow+lm"
-            (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields).
+            (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields) or
+            "reflected" (reflected flow, every hyperbolic equilibrium an attractor: no bias toward stability;
+            ``max_iter`` is its step limit per row; :mod:`tl_steering.critical.reflected`).
         deflation: deflate the points found by earlier rounds.
         resolve: solve the starts that failed under deflation once more without it (they then converge to an
             already known point or to a new one; ``options["converged_deflated"]`` counts the first kind of success).
@@ -227,6 +240,8 @@ def find_equilibria(
         label_tol: labels use tol = label_tol · max|eig|.
         rot_ratio: an eigenvalue is rotational when |Im| > rot_ratio · |Re|.
         edge_pairs: "flow" / "flow+lm": pairs of basins whose boundary saddle is tracked (half per sign).
+        landscape: "reflected": also run the solution-landscape searches next to every point found
+            (:mod:`tl_steering.critical.reflected`; 4 rows per point).
 
     Returns:
         An :class:`EquilibriaResult` (empty tensors when no start converged); ``options["start_status"]`` holds the
@@ -284,6 +299,13 @@ def find_equilibria(
     known = torch.zeros(0, dim, dtype=dtype, device=device)
     flow_info: dict[str, Any] = {}
     flow_rows: tuple | None = None
+    if method == "reflected":
+        if solver != "dense":
+            raise InputError(f"method='reflected' needs dense spectra (d <= {DENSE_MAX_DIM}); use method='lm' with "
+                             "eigensolver='arpack' above that")
+        u, rel, iters, status, kinds, flow_info = reflected_finder(fld, u0, kinds, tol, int(max_iter),
+                                                                   bool(landscape), dedup_angle)
+        n_run = u.shape[0]
     if method in ("flow", "flow+lm"):
         if solver != "dense":
             raise InputError(f"method={method!r} needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
@@ -297,7 +319,7 @@ def find_equilibria(
             flow_rows = (uf, relf, itf, stf, kindf)
             known = _add_distinct(known, uf[stf.to(uf.device) == 0], dedup_angle)
             kinds = [f"{k}/lm" for k in kinds]
-    for lo in range(0, n_run if method != "flow" else 0, int(batch_size)):
+    for lo in range(0, n_run if method not in ("flow", "reflected") else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
         if solver == "dense":
             ub, rb, ib, sb = lm_solve(fld, u0[sl], known if deflation else known[:0], tol, int(max_iter),
@@ -313,7 +335,7 @@ def find_equilibria(
         known = _add_distinct(known, ub[sb.to(ub.device) == 0].detach(), dedup_angle)
     n_deflated = int((status == 0).sum())
     failed = (status != 0).nonzero().flatten()
-    if method != "flow" and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
+    if method not in ("flow", "reflected") and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
         # a deflated start that stalls has usually only known roots nearby: solve it again without deflation, so
         # that the converged count measures the solver, not how many roots were left to find
         ub, rb, ib, sb = lm_solve(fld, u0[failed.to(device)], known[:0], tol, int(max_iter),
@@ -369,7 +391,7 @@ def find_equilibria(
                "rot_ratio": rot_ratio, "field_mode": fld.mode, "dense_max_dim": DENSE_MAX_DIM,
                "start_status": outcome, "converged_deflated": n_deflated, "resolve": bool(resolve), "iterations": iters.tolist(),
                "start_residuals": [float(x) for x in rel.cpu()],
-               "edge_pairs": int(edge_pairs), **flow_info}
+               "edge_pairs": int(edge_pairs), "landscape": bool(landscape), **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()

@@ -239,6 +239,10 @@ SAMPLE_NOTES = {
     "fixed_point": "points stable for the power iteration (attractors, repellers): saddles are out of its reach",
     "lm": "the roots Levenberg-Marquardt reaches from the starts (few on real models: docs/critical_points.md)",
     "riemannian": "the roots gradient descent then LM reach from the starts (few on real models)",
+    "reflected": "the equilibria the reflected flow reaches from the starts, every hyperbolic equilibrium being an "
+                 "attractor of that flow whatever its index (no bias toward stability; which points are reached "
+                 "depends on the starts and the basins of the reflected flow), plus the landscape searches next "
+                 "to them",
 }
 
 
@@ -341,6 +345,17 @@ class CriticalPointsResult(Result):
                 out[k] = out.get(k, 0) + v
         return dict(sorted(out.items()))
 
+    def sample(self) -> dict[str, Any]:
+        """What the points are a sample of: finder(s), starts per layer (token directions / random), rows run,
+        converged rows, distinct points, and the sentence that says what the label counts can be read as."""
+        methods = sorted({r.method for r in self.results})
+        token = [int(r.options.get("n_token_starts", r.options.get("given_starts", 0))) for r in self.results]
+        starts = [int(r.options.get("n_starts", r.n_starts)) for r in self.results]
+        return {"methods": methods, "layers": len(self.layers), "starts_per_layer": sorted(set(starts)),
+                "token_starts_per_layer": sorted(set(token)), "rows": int(self.n_starts.sum()),
+                "converged_rows": int(self.n_converged.sum()), "points": int(self.n_points.sum()),
+                "note": sample_note(methods)}
+
     def claim(self, level: float = 0.95) -> dict[str, Any]:
         """The "mostly saddles" claim per layer and pooled, with exact Clopper-Pearson intervals."""
         s = self.labels.index("saddle")
@@ -357,6 +372,7 @@ class CriticalPointsResult(Result):
                 "saddle_ci_low": pooled["ci_low"], "saddle_ci_high": pooled["ci_high"],
                 "mostly_saddles": pooled["verdict"],
                 "converged_starts": int(self.n_converged.sum()), "starts": int(self.n_starts.sum()),
+                "morse_histogram": {str(k): v for k, v in self.morse_histogram().items()},
                 "seconds_total": float(self.seconds.sum()),
                 "seconds_per_layer": float(self.seconds.mean()) if len(self.layers) else math.nan}
 

@@ -31,7 +31,38 @@ def critical_layer_table(result: Any) -> str:
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")
     return ("<table class='critical-layers'>" + head + "".join(rows) + "</table>"
-            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b>. The counts are a sample of {_e(claim['sample'])}.</p>")
+            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b>. The counts are a sample of {_e(claim['sample'])}.</p>"
+            + critical_histogram(result))
 
 
-__all__ = ["critical_layer_table"]
+def _index_bins(dim: int) -> list[tuple[int, int, str]]:
+    """Morse index bins of a d-dimensional field: 0 (attractor), 1, 2, 3..d/2-1, d/2..d-4, d-3, d-2, d-1 (repeller)."""
+    if dim < 8:
+        return [(k, k, str(k)) for k in range(dim)]
+    h = dim // 2
+    return [(0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, h - 1, f"3-{h - 1}"), (h, dim - 4, f"{h}-{dim - 4}"),
+            (dim - 3, dim - 3, str(dim - 3)), (dim - 2, dim - 2, str(dim - 2)), (dim - 1, dim - 1, str(dim - 1))]
+
+
+def critical_histogram(result: Any) -> str:
+    """The pooled Morse index histogram (points per index bin; index = unstable directions of the tangent
+    spectrum, 0 = attractor, d - 1 = repeller) and the sentence saying which sample it counts."""
+    hist = result.morse_histogram()
+    dims = {int(r.dim) for r in result.results if getattr(r, "dim", 0)}
+    if not hist or len(dims) != 1:
+        return "<p class='muted'>Morse index histogram: no equilibrium.</p>" if not hist else ""
+    bins = _index_bins(dims.pop())
+    counts = [sum(n for k, n in hist.items() if lo <= k <= hi) for lo, hi, _ in bins]
+    s = result.sample()
+    starts = "/".join(str(x) for x in s["starts_per_layer"])
+    token = "/".join(str(x) for x in s["token_starts_per_layer"])
+    sentence = (f"Sample: {s['points']} distinct equilibria over {s['layers']} layer(s), finder "
+                f"{', '.join(s['methods'])}, {starts} starts per layer ({token} token directions, the rest random), "
+                f"{s['converged_rows']} of {s['rows']} rows converged; {s['note']}.")
+    return ("<table class='critical-index'><tr><th>Morse index</th>"
+            + "".join(f"<th>{_e(name)}</th>" for _, _, name in bins) + "</tr><tr><td>points</td>"
+            + "".join(f"<td>{n}</td>" for n in counts) + "</tr></table>"
+            + f"<p class='muted'>{_e(sentence)}</p>")
+
+
+__all__ = ["critical_histogram", "critical_layer_table"]

@@ -7,6 +7,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+import tl_steering as ts
+
 from tests.helpers import hook_count
 from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.backends.field64 import Float64Block
@@ -239,3 +241,24 @@ def test_no_grad_field_equals_field(tiny, tiny_tokens):
         assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
     assert fld.block._traced is not False
     assert hook_count(tiny) == 0
+
+
+def test_reflected_finder_on_a_model():
+    """method="reflected" through critical_points on a tiny model (d = 64): its points are equilibria of the model's
+    own FFN, the result says which sample it is, and the model keeps its weights and hooks."""
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0)
+    tokens = torch.randint(1, 257, (3, 16), generator=torch.Generator().manual_seed(0))
+    fp = weights_fingerprint(model)
+    out = critical_points(model, 0, "ffn", n_starts=4, tokens=tokens, method="reflected", max_iter=30,
+                          landscape=False)
+    res = out.result(0)
+    assert res.n_points >= 1 and float(res.residuals.max()) <= 1e-10
+    ad = adapt(model)
+    fld = critical_field(model, 0, "ffn", tokens=tokens)
+    with torch.no_grad():
+        f32 = ad.ffn(0)((fld.radius * res.points).to(ad.dtype)[None])[0].to(F64)
+    assert float(relative_residual(res.points, f32).max()) < 1e-4
+    s = out.sample()
+    assert s["methods"] == ["reflected"] and s["token_starts_per_layer"] == [2] and "reflected flow" in s["note"]
+    assert res.options["reflected_rows"] == 4 and res.options["jacobians"] > 0
+    assert weights_fingerprint(model) == fp and hook_count(model) == 0

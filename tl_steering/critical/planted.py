@@ -1,0 +1,94 @@
+"""Synthetic fields with planted equilibria of chosen Morse indices: the coverage check of a finder
+(docs/critical_points.md, "Coverage check").
+
+:func:`planted_field` builds a linear, non-normal field F(u) = A u on S^{d-1} whose only equilibria are ±v_j, the
+real eigenvectors of A (a linear field's equilibria are its real eigenvectors; every other eigenvalue of A comes
+in a complex pair, whose plane holds no real eigenvector). At v_j (λ = μ_j) the tangent Jacobian has the other
+eigenvalues of A minus μ_j, so the Morse index of ±v_j is
+
+    #{real μ_i > μ_j} + 2 #{pairs a_k ± i b_k with a_k > μ_j},
+
+which the placement of the pairs' real parts sets: the default plants the indices 0, 1, 2, 3, d/2, d - 3, d - 2,
+d - 1 (8 real eigenvalues, (d - 8)/2 rotation pairs, 16 equilibria, every one with rotational modes). A = Z T Zᵀ
+with Z a seeded random orthogonal matrix and T quasi-upper-triangular (a real Schur form with a random strictly
+upper part), so the field is not normal and the planted points are not orthogonal to each other. The ground truth
+(points, λ, indices, labels) comes from ``numpy.linalg.eig`` of A, independent of the finder's own solver.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import InputError
+
+
+@dataclasses.dataclass
+class PlantedField:
+    """A linear field with known equilibria.
+
+    Attributes:
+        matrix: A, ``[d, d]`` float64.
+        points: the equilibria, ``[n, d]`` (±v_j), unit rows.
+        lambdas: λ of each point.
+        index: Morse index of each point.
+        labels: "attractor" (index 0), "repeller" (index d - 1) or "saddle".
+    """
+
+    matrix: Tensor
+    points: Tensor
+    lambdas: Tensor
+    index: list[int]
+    labels: list[str]
+
+    @property
+    def dim(self) -> int:
+        return int(self.matrix.shape[0])
+
+    def __call__(self, u: Tensor) -> Tensor:
+        return u @ self.matrix.to(u.dtype).T
+
+
+def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3) -> PlantedField:
+    """A linear field on S^{dim-1} with 16 equilibria of Morse indices 0, 1, 2, 3, d/2, d-3, d-2, d-1 (each ±).
+
+    Args:
+        dim: d, a multiple of 4, at least 12 (so that d/2 is even and there are (d - 8)/2 >= 2 rotation pairs).
+        seed: seed of the basis, the pairs' values and the non-normal part.
+        non_normal: scale of T's strictly upper part (0: a normal matrix).
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 12 or dim % 4:
+        raise InputError(f"dim must be a multiple of 4 and >= 12; got {dim!r}")
+    rng = np.random.default_rng(seed)
+    n_pairs = (dim - 8) // 2
+    above = (dim // 2 - 4) // 2  # pairs whose real part lies above μ_5: index(μ_5) = 4 + 2·above = d/2
+    reals = np.array([4.0, 3.5, 3.0, 2.5, 0.2, -2.5, -3.0, -3.5])
+    a = np.concatenate([rng.uniform(0.5, 2.0, above), rng.uniform(-2.0, -0.2, n_pairs - above)])
+    b = rng.uniform(0.3, 1.5, n_pairs)
+    t = np.zeros((dim, dim))
+    t[np.arange(8), np.arange(8)] = reals
+    for k in range(n_pairs):
+        i = 8 + 2 * k
+        t[i:i + 2, i:i + 2] = [[a[k], b[k]], [-b[k], a[k]]]
+    upper = np.triu(rng.standard_normal((dim, dim)), 1) * (non_normal / np.sqrt(dim))
+    for k in range(n_pairs):  # keep each 2×2 block a standard rotation block
+        upper[8 + 2 * k, 9 + 2 * k] = 0.0
+    t = t + upper
+    z, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    mat = z @ t @ z.T
+    vals, vecs = np.linalg.eig(mat)
+    real = np.abs(vals.imag) < 1e-9
+    mus = vals.real[real]
+    v = vecs[:, real].real
+    v = v / np.linalg.norm(v, axis=0)
+    index_of = [int((mus > m).sum() + 2 * (a > m).sum()) for m in mus]
+    points = np.concatenate([v.T, -v.T])
+    lambdas = np.concatenate([mus, mus])
+    index = index_of + index_of
+    labels = ["attractor" if k == 0 else "repeller" if k == dim - 1 else "saddle" for k in index]
+    return PlantedField(matrix=torch.as_tensor(mat), points=torch.as_tensor(points), lambdas=torch.as_tensor(lambdas),
+                        index=index, labels=labels)
+
+
+__all__ = ["PlantedField", "planted_field"]
