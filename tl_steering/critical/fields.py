@@ -15,6 +15,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import InputError
+from ..geometry import angle
 
 Field = Callable[[Tensor], Tensor]
 
@@ -228,3 +229,25 @@ class _FieldAdapter:
 def _agree(a: Tensor, b: Tensor) -> bool:
     scale = float(b.abs().max()) if b.numel() else 0.0
     return bool(torch.isfinite(a).all()) and bool(torch.allclose(a, b, rtol=1e-9, atol=1e-12 * (1.0 + scale)))
+
+
+# the finders' dedup of fixed points (one angle test; finder.py and reflected.py)
+
+
+def _match_point(known: Tensor, x: Tensor, dedup_angle: float) -> int:
+    """Row of ``known`` nearest to ``x`` when it lies within ``dedup_angle`` radians (the same point), else -1."""
+    if known.shape[0] == 0:
+        return -1
+    ang = angle(known, x[None].expand_as(known))
+    j = int(ang.argmin())
+    return j if float(ang[j]) <= dedup_angle else -1
+
+
+def _add_distinct(known: Tensor, xs: Tensor, dedup_angle: float) -> Tensor:
+    """``known`` with every row of ``xs`` that is not already one of its points appended (in order)."""
+    for x in xs:
+        if _match_point(known, x, dedup_angle) < 0:
+            known = torch.cat([known, x[None]])
+    return known
+
+

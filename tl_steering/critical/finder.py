@@ -14,9 +14,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import InputError
-from ..geometry import angle
 from ..results import Provenance
-from .fields import Field, _FieldAdapter, _normalize, relative_residual
+from .fields import Field, _add_distinct, _FieldAdapter, _match_point, _normalize, relative_residual
 from .dynamics import edge_track, power_iterate
 from .reflected import reflected_finder
 from .firstorder import _fixed_point, _newton, _riemannian_descent
@@ -60,23 +59,6 @@ def _prepare_starts(starts: Tensor | None, dim: int, n_starts: int, seed: int, d
     rand = torch.randn(n_random, dim, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     rand = _normalize(rand)
     return torch.cat([given, rand]), ["given"] * given.shape[0] + ["random"] * n_random
-
-
-def _match_point(known: Tensor, x: Tensor, dedup_angle: float) -> int:
-    """Row of ``known`` nearest to ``x`` when it lies within ``dedup_angle`` radians (the same point), else -1."""
-    if known.shape[0] == 0:
-        return -1
-    ang = angle(known, x[None].expand_as(known))
-    j = int(ang.argmin())
-    return j if float(ang[j]) <= dedup_angle else -1
-
-
-def _add_distinct(known: Tensor, xs: Tensor, dedup_angle: float) -> Tensor:
-    """``known`` with every row of ``xs`` that is not already one of its points appended (in order)."""
-    for x in xs:
-        if _match_point(known, x, dedup_angle) < 0:
-            known = torch.cat([known, x[None]])
-    return known
 
 
 def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .fields import _FieldAdapter, _Householder, _normalize, relative_residual
+from .fields import _add_distinct, _FieldAdapter, _Householder, _normalize, relative_residual
 from .firstorder import _newton
 from .solver import lm_solve
 
@@ -297,7 +297,6 @@ def reflected_finder(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: floa
                      landscape: bool, dedup_angle: float) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
     """``find_equilibria(method="reflected")``: :func:`reflected_rows` from the starts, then (``landscape``)
     :func:`landscape_rows` from each distinct point they found. Rows in that order."""
-    from .finder import _add_distinct  # the finder's own dedup (same angle test)
 
     clock = time.perf_counter()
     u, rel, steps, status, row_kinds, info = reflected_rows(fld, u0, kinds, tol, max_iter)

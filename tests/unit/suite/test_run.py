@@ -1,0 +1,153 @@
+"""The suite runner and its saved result (tl_steering/suite/): every stage fills its fields, the chosen plan is
+re-measurable, save / load round trips exactly, the one map of published and pinned numbers, stage subsets."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import tl_steering as ts
+from tl_steering.reference import published_numbers
+from tests.helpers import assert_no_hooks
+from tl_steering.suite import PINNED, PUBLISHED, STAGES, SuiteResult, SuiteSettings, run_suite
+
+
+def test_every_stage_fills_its_fields(suite):
+    assert set(suite.timings) == set(STAGES)
+    # forward passes per stage: checks = the clean pass over 4 windows (one batch) + the identity pass on 1 window
+    assert (suite.timings["checks"].forwards, suite.timings["checks"].tokens) == (2, 4 * 16 + 16)
+    assert all(t.forwards >= 1 and t.tokens >= 16 for t in suite.timings.values()), suite.timings
+    for name in (
+        "checks",
+        "deficit",
+        "ablation",
+        "diversity",
+        "defect",
+        "plan",
+        "speedup",
+        "executor",
+        "plan_choice",
+        "executor_choice",
+        "gates",
+        "critical",
+        "critical_fixed_point",
+        "prefix",
+    ):
+        assert getattr(suite, name) is not None, name
+    assert suite.defect_gold is None  # only when settings.defect_gold_layers is set
+    assert suite.deficit.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    assert suite.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    # every stage's results carry the corpus label, the critical points' per-layer results too
+    assert suite.critical.provenance.corpus == "file:corpus.txt:4x16:seed0"
+    assert all(r.provenance.corpus == "file:corpus.txt:4x16:seed0" for r in suite.critical.results)
+    assert suite.plan.k == 1 and len(suite.plan.layers) == 1
+    assert suite.plan.source.startswith("measured by the suite")  # quick settings: no gold-standard curves
+    assert suite.executor.status == "ok"
+    # the executor and the surrogate hooks agree on the plan's loss
+    assert suite.executor.delta_ce == pytest.approx(suite.plan.delta_ce_lowest, abs=1e-4)
+    assert suite.checks.clean_loss == pytest.approx(suite.ablation.clean_loss, abs=1e-5)
+
+
+def test_plan_choice_is_re_measurable(suite, suite_inputs):
+    """The chosen plan (plan_choice stage): the cheap strategies and the peers' scores compared with the linear
+    refit, chosen by cross-fitted calibration dCE on windows 0-1; its held-out dCE on windows 2-3 is exactly
+    ParallelPlan.hooks(model) on them, every compared plan is also measured uncorrected there, the lowest-C
+    comparison is the uncorrected lowest-C plan there, and the executor runs the corrected plan (maps folded)."""
+    from tl_steering.data.batching import mean_loss
+    from tl_steering.data.windows import token_source
+    from tl_steering.hooks import parallel_blocks
+    from tl_steering.suite import PLAN_CHOICE_STRATEGIES
+    from tl_steering.suite.settings import PEER_SCORES
+
+    model, tokens, s = suite_inputs
+    tokens = token_source(tokens, None)[0]
+    cal, held = tokens[:2], tokens[2:]
+    pc = suite.plan_choice
+    p = pc.plan
+    assert p.strategies == list(PLAN_CHOICE_STRATEGIES + PEER_SCORES) == s.plan_choice_strategies
+    assert p.requested == "best" and p.strategy in p.strategies and p.refit == "linear"
+    assert p.options["refit_crossfit"] and p.linears.shape[0] == p.k
+    assert p.k == suite.plan.k == 1 and (p.n_calibration, p.n_held_out) == (2, 2) and p.k_values == [0, 1]
+    assert p.options["fisher_samples"] == pc.fisher_samples == s.plan_choice_fisher_samples > 0
+    # chosen by calibration dCE among the compared strategies
+    cal_at_k = p.at_k("calibration")
+    assert p.calibration_delta_ce == min(cal_at_k.values()) == cal_at_k[p.strategy]
+    # the held-out dCE re-measured by running the plan's hooks (with its fitted gates and biases) on held-out windows
+    clean_held = mean_loss(model, held, [], s.batch_size)
+    direct = mean_loss(model, held, p.hooks(model), s.batch_size) - clean_held
+    assert math.isfinite(p.held_out_delta_ce)
+    assert direct == pytest.approx(p.held_out_delta_ce, abs=1e-9, rel=0)
+    # every compared plan uncorrected on the held-out windows (the report's plan table)
+    assert set(p.held_out_curves_uncorrected) == set(p.strategies)
+    for strat in p.strategies:
+        layers = p.plan_of(strat)
+        plain = mean_loss(model, held, parallel_blocks(model, layers), s.batch_size) - clean_held
+        assert float(p.held_out_curves_uncorrected[strat][-1]) == pytest.approx(plain, abs=1e-9, rel=0), strat
+    assert p.held_out_delta_ce_uncorrected == float(p.held_out_curves_uncorrected[p.strategy][-1])
+    # the lowest-C plan, uncorrected, on the same held-out windows, and the ratio
+    assert pc.lowest_c_layers == suite.plan.layers
+    low = mean_loss(model, held, parallel_blocks(model, suite.plan.layers), s.batch_size) - clean_held
+    assert pc.lowest_c_held_out_delta_ce == pytest.approx(low, abs=1e-9, rel=0)
+    assert pc.ratio_to_lowest_c == pytest.approx(p.held_out_delta_ce / low, rel=1e-12)
+    # the executor ran the chosen plan with its corrections folded in: its loss over all windows is the hooks'
+    ex = suite.executor_choice
+    assert ex.status == "ok" and ex.layers == p.layers and ex.strategy == p.strategy and ex.correction == "linear"
+    assert math.isfinite(ex.measured_speedup) and ex.t_forward_sequential_s == suite.executor.t_forward_sequential_s
+    assert ex.delta_ce == pytest.approx(mean_loss(model, tokens, p.hooks(model), s.batch_size)
+                                        - suite.checks.clean_loss, abs=1e-4)
+    assert_no_hooks(model)
+
+
+def test_plan_choice_off_and_bad_settings():
+    """An empty strategy list turns the stage off (no plan_choice, no executor_choice); unknown names raise."""
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
+    tokens = torch.randint(0, 100, (2, 8))
+    s = SuiteSettings(stages=["checks", "defect", "plan_choice", "parallel"], plan_k=1, defect_evaluate=False,
+                      defect_brackets=False, defect_timing=False, defect_n_random=0, parallel_repeats=1,
+                      plan_choice_strategies=[])
+    res = run_suite(model, tokens, s, progress=False)
+    assert res.plan_choice is None and res.executor_choice is None and res.executor.status == "ok"
+    s.plan_choice_strategies, s.plan_choice_fisher_samples = ["C", "attribution_2nd"], 0  # 2nd order dropped
+    res = run_suite(model, tokens, s, progress=False)
+    assert res.plan_choice.plan.strategies == ["C"] and res.executor_choice is not None
+    for bad in (dict(plan_choice_strategies=["nope"]), dict(plan_choice_refit="quadratic"),
+                dict(plan_choice_fisher_samples=-1)):
+        with pytest.raises(ts.errors.InputError, match="plan_choice"):
+            run_suite(model, tokens, SuiteSettings(stages=["plan_choice"], **bad), progress=False)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".safetensors"])
+def test_suite_result_round_trips_exactly(suite, tmp_path, suffix):
+    path = suite.save(tmp_path / f"suite{suffix}")
+    loaded = SuiteResult.load(path)
+    assert isinstance(loaded, SuiteResult)
+    if suffix == ".json":  # the chosen plan's corrections in the safetensors sidecar, not in the JSON
+        assert json.loads(path.read_text())["plan_choice"]["plan"]["linears"]["__tensor_ref__"]
+        assert (tmp_path / "suite.tensors.safetensors").exists()
+    assert loaded.to_dict() == suite.to_dict()  # every field, tensors with dtype, shape and values
+    assert torch.equal(loaded.defect.score, suite.defect.score)
+    assert loaded.defect.score.dtype == suite.defect.score.dtype
+    assert loaded.settings == suite.settings and loaded.plan == suite.plan
+    assert loaded.critical.results[0].n_points == suite.critical.results[0].n_points
+
+
+def test_one_map_covers_published_and_pinned_names():
+    from tl_steering.reference import pinned_values
+
+    assert sorted(PUBLISHED) == sorted(r["id"] for r in published_numbers())
+    assert sorted(PINNED) == sorted(pinned_values()["values"])
+    assert all(PINNED[k].tol == v["tol"] for k, v in pinned_values()["values"].items())
+
+
+def test_stages_subset_and_bad_settings():
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
+    tokens = torch.randint(0, 100, (2, 8))
+    res = run_suite(model, tokens, SuiteSettings(stages=["deficit"], n_bootstrap=0), progress=False)
+    assert res.deficit is not None and res.ablation is None and set(res.timings) == {"deficit"}
+    assert res.deficit.provenance.corpus.startswith("user tokens")
+    with pytest.raises(ts.errors.InputError, match="defect"):
+        run_suite(model, tokens, SuiteSettings(stages=["gates"]), progress=False)
+    with pytest.raises(ts.errors.InputError, match="unknown stages"):
+        run_suite(model, tokens, SuiteSettings(stages=["nope"]), progress=False)

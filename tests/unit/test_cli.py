@@ -1,0 +1,85 @@
+"""The CLI (tl_steering/cli.py): argument checks that fail fast in one line with exit code 2 and write nothing,
+and ``render`` of a saved run."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tl_steering as ts
+from tl_steering.cli import build_parser, check_report_args
+from tl_steering.report import figures
+
+
+def test_cli_parses_the_readme_command():
+    args = build_parser().parse_args(
+        ["report", "--model", "smollm2-135m", "--text", "pydoc", "--out", "r", "--quick"]
+    )
+    assert args.quick and args.model == "smollm2-135m" and args.windows is None
+    check_report_args(args)  # valid: no error, nothing created
+    assert not Path("r").exists()
+
+
+def _bad_args(tmp_path: Path) -> dict[str, list[str]]:
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    return {
+        "windows": ["--windows", "1"],
+        "length": ["--length", "4"],
+        "text": ["--text", str(tmp_path / "missing.txt")],
+        "device": ["--device", "bogus"],
+        "cuda": ["--device", "cuda:7"],
+        "out": ["--out", str(afile)],
+        "backend": ["--backend", "nope"],
+        "windows_type": ["--windows", "four"],
+    }
+
+
+def test_cli_checks_arguments_before_loading(tmp_path):
+    """Each bad argument is an InputError from the pure checks (no model, no directory)."""
+    parser = build_parser()
+    for name, extra in _bad_args(tmp_path).items():
+        if name in ("backend", "windows_type"):
+            continue  # argparse's own checks (exit code 2 in the subprocess test)
+        out = tmp_path / f"out_{name}"
+        argv = ["report", "--out", str(out), *extra] if name != "out" else ["report", *extra]
+        with pytest.raises(ts.errors.InputError):
+            check_report_args(parser.parse_args(argv))
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["windows", "text", "device", "backend"])
+def test_cli_user_error_fails_fast_in_one_line(tmp_path, case):
+    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, nothing written, in under 5 s.
+
+    The time bound is on the child's CPU time (user + system), which is the wall time on an idle machine and
+    does not grow when other processes share the cores; the wall time is in the message.
+    """
+    import resource
+
+    out = tmp_path / "report_out"
+    argv = [sys.executable, "-m", "tl_steering", "report", "--out", str(out), *_bad_args(tmp_path)[case]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists() and not (tmp_path / "figures").exists()
+    assert cpu < 5.0, f"{case}: the error took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
+
+
+def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):
+    page, _ = rendered
+    from tl_steering.cli import main
+
+    assert main(["render", str(page.parent / "results.json"), "--out", str(tmp_path / "again")]) == 0
+    again = (tmp_path / "again" / "index.html").read_text()
+    assert again.count('class="plotly-graph-div"') == page.read_text().count('class="plotly-graph-div"')
+    assert main(["render", str(tmp_path / "none.json")]) == 2
