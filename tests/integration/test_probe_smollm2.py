@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from tests.unit.test_probe import assert_matches, assert_no_hooks, cache_for, reference_metrics
+from tests.unit.probing.test_trace import assert_matches, assert_no_hooks, cache_for, reference_metrics
 from tl_steering.probing.trace import ALL_QUANTITIES, probe
 
 pytestmark = pytest.mark.integration

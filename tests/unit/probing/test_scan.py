@@ -180,7 +180,7 @@ def _suite_inputs(name, windows, length, batch, stages, plan_strategy="lowest_C"
 
 _RANK = """
 import sys, json, torch
-from tests.unit.test_scale import _suite_inputs
+from tests.unit.probing.test_scan import _suite_inputs
 from tl_steering.probing.scan import init_from_env
 from tl_steering.data.sharding import world
 from tl_steering.suite import run_suite
@@ -270,7 +270,7 @@ def test_report_command_on_two_processes_equals_one_process(tmp_path):
 
 _KILLED = """
 import os, signal, sys, json
-from tests.unit.test_scale import _suite_inputs
+from tests.unit.probing.test_scan import _suite_inputs
 from tl_steering.suite import run as suite_run
 fn, total = suite_run.STAGE_FUNCTIONS[sys.argv[3]]
 def kill(c, res, tick):
