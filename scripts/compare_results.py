@@ -22,7 +22,7 @@ from typing import Any
 
 TIMING = re.compile(
     r"(seconds|wall_s|cpu_s|(^|\.)t_(attn|ffn|other)|T_(seq|par|other)_s|t_forward|speedup|created|started|"
-    r"timings|total_wall_s|torch_threads|(^|\.)command$|(^|\.)out$|timing_device|label$)"
+    r"timings|timing_\w+_s|total_wall_s|torch_threads|(^|\.)command$|(^|\.)out$|timing_device|label$)"
 )
 
 OLD_RESULTS = {

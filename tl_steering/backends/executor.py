@@ -5,7 +5,6 @@ decoder layer inside a ``TransformerBridge`` block is in :mod:`.executor_bridge`
 :mod:`.executor_state`, the math in :mod:`.fused`. See docs/parallel.md.
 """
 
-import copy
 from typing import Any
 
 from torch import Tensor

@@ -24,14 +24,12 @@ linear correction; :data:`FULL_COMPARISON` by argument) and keeps the plan with 
 the held-out dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
 """
 
-import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from torch import Tensor
 
 from ..backends import adapt

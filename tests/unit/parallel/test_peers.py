@@ -4,24 +4,12 @@ strategies."""
 
 import math
 
-import pytest
 import torch
 
 import tl_steering as ts
 from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt
 from tl_steering.parallel.peers import PEER_SCORES
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny):
-    ad = adapt(tiny)
-    return ts.tiny_model(ad.info.name.removeprefix("tiny-"), backend=ad.backend, seed=0).to(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def planner_tokens():
-    return torch.randint(1, 257, (4, 12), generator=torch.Generator().manual_seed(5))
 
 
 def _cos(u: list[float], v: list[float]) -> float:

@@ -29,17 +29,6 @@ def _mean_loss(model, tokens, layers) -> float:
     return float(lpt.mean())
 
 
-@pytest.fixture(scope="module")
-def tiny64(tiny):
-    ad = adapt(tiny)
-    return ts.tiny_model(ad.info.name.removeprefix("tiny-"), backend=ad.backend, seed=0).to(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def planner_tokens():
-    return torch.randint(1, 257, (4, 12), generator=torch.Generator().manual_seed(5))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # attribution
 
