@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours = dflt[k]["held_out"]
     print(f"\n# k={k}: default {ours:+.4f} = {ours / low_c:.3f} x the lowest-C plan uncorrected ({low_c:+.4f})")
     peers = ["block_influence", "angular_distance", "ffn_fusion"] + ([] if args.no_sleb else ["sleb"])
-    for p in peers:
+    for p in (p for p in peers if p in rows):  # --strategies may leave the peers' scores out
         print(f"#   vs {p}: uncorrected {rows[p]['uncorrected'][j]:+.4f}, corrected {rows[p]['corrected'][j]:+.4f}")
     out = {"model": args.model, "ks": plain.k_values, "rows": rows, "default": dflt,
            "default_cost": default.total_cost, "default_seconds": t_default, "one_shot": list(ONE_SHOT_COMPARISON)}
