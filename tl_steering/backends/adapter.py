@@ -17,7 +17,7 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -35,34 +35,12 @@ from ..errors import (
     ParallelBlockError,
 )
 
-from .detect import (  # noqa: F401  (re-exported: the adapter is where callers look for them)
-    SITES,
-    _HookedTransformer,
-    _SITE_HOOK,
-    _TransformerBridge,
-    Backend,
-    Processing,
-    Site,
-    backend_of,
-    first_output,
-    hooked_available,
-    tl_version,
-    weights_fingerprint,
-)
-
-# ----------------------------------------------------------------------------------------------------------
-# hook hygiene
-
-
-from .lifecycle import (  # noqa: E402  (hook lifecycle lives in its own module)
-    _get_use_hook_mlp_in,
-    hook_guard,
-    hook_points,
-    hooks_silenced,
-)
-from . import lifecycle as _lifecycle  # noqa: E402
-from . import ownership as _ownership  # noqa: E402
-from .processing import WeightProcessing, weight_processing  # noqa: E402
+from .detect import _SITE_HOOK, SITES, Backend, backend_of
+from . import lifecycle as _lifecycle
+from . import ownership as _ownership
+from .lifecycle import hook_guard, hooks_silenced
+from ..metrics import next_token_loss
+from .processing import WeightProcessing, weight_processing
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,11 +178,6 @@ class ModelAdapter:
         docs/gemma.md): ``pre_attn``, ``post_attn`` (Gemma 2/3, OLMo 2), ``pre_ffn``, ``post_ffn``; None = absent."""
         return sublayer_norms(self.model.blocks[self.check_layer(layer)])
 
-    def ffn_norm(self, blk: torch.nn.Module) -> torch.nn.Module | None:
-        """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi);
-        None for a post-norm-only block (OLMo 2). The post-FFN norm is :meth:`sublayer_norms` ``.post_ffn``."""
-        return sublayer_norms(blk).pre_ffn
-
     def require_resident(self, layers: Sequence[int], what: str) -> None:
         """Refuse blocks whose weights accelerate offloaded (``meta`` device) for ``what``: calls that take
         Jacobian-vector products or copies of a block (torch.func transforms, the float64 field, the executor)
@@ -311,18 +284,6 @@ class ModelAdapter:
         in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
         return hook_guard(self.model, call)
 
-    @contextlib.contextmanager
-    def mlp_in_enabled(self) -> Iterator[None]:
-        """Turn on ``hook_mlp_in`` for the duration (restores the previous setting)."""
-        before = _get_use_hook_mlp_in(self.model)
-        try:  # mutate inside the try: an interrupt right after the switch still restores it
-            if not before:
-                self.model.set_use_hook_mlp_in(True)
-            yield
-        finally:
-            if not before:
-                _lifecycle.shielded(lambda: self.model.set_use_hook_mlp_in(False))
-
     def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
         """Check a token batch and move nothing silently: wrong device is an error, not a copy (:mod:`.checks`)."""
         return _checks.validate_tokens(self, tokens, min_len)
@@ -392,9 +353,6 @@ class ModelAdapter:
         return model_provenance(self, tokens, corpus, seed, extra)
 
 
-from ..metrics import next_token_loss  # noqa: E402  (the one float64 copy; re-exported here for callers)
-
-
 def adapt(model: Any) -> ModelAdapter:
     """The :class:`ModelAdapter` for ``model`` (validates that it is a TransformerLens model)."""
     if isinstance(model, ModelAdapter):
@@ -402,20 +360,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-from .wrapping import wrap_hf  # noqa: E402  (re-exported: loaders import it from here)
-
-
-__all__ = [
-    "ModelAdapter",
-    "ModelInfo",
-    "adapt",
-    "backend_of",
-    "check_finite",
-    "hook_guard",
-    "hooks_silenced",
-    "hooked_available",
-    "next_token_loss",
-    "tl_version",
-    "weights_fingerprint",
-    "wrap_hf",
-]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt"]

@@ -337,9 +337,6 @@ def owned_hooks(model: torch.nn.Module) -> list[str]:
 
 # hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
 from .captures import (  # noqa: E402
-    _detach,
-    _drop_orphans,
-    _wraps,
     add_hook_last,
     capture_input_once,
     capture_output_once,
