@@ -1,15 +1,6 @@
 """The backend room: the ONLY package of tl_steering that imports ``transformer_lens`` or ``transformers``
-or touches torch's private hook state.
-
-Everything model-specific lives here (see ``docs/architecture.md``):
-
-* :mod:`.adapter`: model detection, (layer, site) -> hook name, hook lifecycle, pure sublayer callables,
-  the residual-identity check, provenance of a model;
-* :mod:`.loading`: offline and hub loading, Hugging Face wrapping, tiny random models for tests;
-* :mod:`.decoding`: KV-cache decode on both model classes (``kv_cache``, ``decode_step``, ``freeze_kv_cache``).
-
-The rest of the package talks to a model only through the names re-exported here.
-"""
+or touches torch's private hook state (its modules: docs/architecture.md). The rest of the package talks to a model
+only through the names re-exported here."""
 
 from .adapter import ModelAdapter, ModelInfo, adapt
 from .checks import check_finite
