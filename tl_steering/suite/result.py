@@ -357,25 +357,6 @@ class SuiteResult(Result):
     # stages and records added after the first suites: older files load without them
     added_fields = ("distributed", "planner", "plan_choice", "executor_choice")
 
-    def protocol_results(self) -> dict[str, Result]:
-        """The protocols' own results that were run, by field name."""
-        names = (
-            "planner",
-            "deficit",
-            "ablation",
-            "diversity",
-            "defect",
-            "defect_gold",
-            "gates",
-            "critical",
-            "critical_fixed_point",
-            "prefix",
-        )
-        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        if self.plan_choice is not None and self.plan_choice.plan is not None:
-            out["plan_choice"] = self.plan_choice.plan
-        return out
-
     def summary(self) -> dict[str, Any]:
         """The headline: the scalars the report leads with (each also inside a field of the result); stages not
         run are left out. Each headline number is named here once: ``tl_steering.suite.numbers`` (the published
