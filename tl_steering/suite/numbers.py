@@ -1,14 +1,6 @@
-"""The ONE map from named numbers to :class:`~tl_steering.suite.result.SuiteResult`'s headline (``summary()``).
-
-:data:`NUMBERS` holds every number somebody compares against:
-
-* the paper's published numbers, keyed by their id in ``tl_steering/reference/published.json`` (the report's
-  summary table and ``tests/published`` read them through :func:`published_value`);
-* the pinned SmolLM2 regression values, keyed by their name in ``tl_steering/reference/smollm2_pinned.json``
-  with a tolerance group (``tl_steering.reference.pinned`` reads them through :func:`pinned_values`).
-
-Adding a protocol's number means adding one entry here. See docs/suite.md.
-"""
+"""The ONE map from named numbers (the paper's published ids, the pinned names) to a
+:class:`~tl_steering.suite.result.SuiteResult`'s values, read through its ``summary()`` (docs/suite.md, "One map of
+named numbers")."""
 
 import dataclasses
 import math
