@@ -99,14 +99,8 @@ def ffn_apply(blk: torch.nn.Module, norms: SublayerNorms, x3: Tensor) -> Tensor:
 
 
 def _rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
-    raw = rotary
-    for _ in range(8):
-        inner = raw._modules.get("_original_component") if isinstance(raw, torch.nn.Module) else None
-        if inner is None:
-            break
-        raw = inner
     try:
-        return "layer_type" in inspect.signature(raw.forward).parameters
+        return "layer_type" in inspect.signature(_unwrap(rotary).forward).parameters
     except (TypeError, ValueError):  # pragma: no cover
         return False
 
