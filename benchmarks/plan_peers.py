@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--strategies", default="", help="the compared strategies (default FULL_COMPARISON)")
     ap.add_argument("--default-cost", type=int, default=4, help="windows of the default-cost call (0: skip)")
     ap.add_argument("--one-shot", action="store_true", help="one call, the one-shot strategies only (see above)")
+    ap.add_argument("--no-default", action="store_true",
+                    help="leave out step 4, the default call at the same k (e.g. SLEB alone on a dear model)")
     ap.add_argument("--json", default=None)
     args, t0, model, ad, cand = start(ap, argv)
     k, bs = args.k, args.batch_size
@@ -94,15 +96,17 @@ def main(argv: list[str] | None = None) -> dict:
           "passes)", flush=True)
 
     t1 = time.time()
-    default = ts.plan_parallel(model, cal, max(ks), held_out=held, k_values=ks, batch_size=bs)
+    default = None if args.no_default else ts.plan_parallel(model, cal, max(ks), held_out=held, k_values=ks,
+                                                            batch_size=bs)
     t_default = time.time() - t1
     dflt = {}
-    for j, kk in enumerate(default.k_values):
+    for j, kk in enumerate(default.k_values if default is not None else []):
         cal_c = {s: float(v[j]) for s, v in default.calibration_curves.items()}
         s = min(default.strategies, key=lambda n: (cal_c[n], default.strategies.index(n)))
         dflt[kk] = {"strategy": s, "layers": default.plans[s][j], "held_out": float(default.held_out_curves[s][j]),
                     "uncorrected": plain_held(plain, default.plans[s][j], model, held, bs)}
-    print(f"# default call {t_default:.0f}s, {default.total_cost}", flush=True)
+    if default is not None:
+        print(f"# default call {t_default:.0f}s, {default.total_cost}", flush=True)
 
     rows = {}
     for s in names:
@@ -115,19 +119,21 @@ def main(argv: list[str] | None = None) -> dict:
     for s, r in rows.items():
         cells = " | ".join(f"{u:+.3f} / {c:+.3f}" for u, c in zip(r["uncorrected"], r["corrected"]))
         print(f"| {s} | {cells} | {r['forward']:.0f} + {r['backward']:.0f} |")
-    cells = " | ".join(f"{dflt[kk]['uncorrected']:+.3f} / {dflt[kk]['held_out']:+.3f} ({dflt[kk]['strategy']})"
-                       for kk in plain.k_values)
-    print(f"| **default** (`plan_parallel(model, cal, k)`) | {cells} | {default.total_cost['forward']:.0f} + "
-          f"{default.total_cost['backward']:.0f} (whole call, every k) |")
     j = plain.k_values.index(k)
-    low_c = rows["C"]["uncorrected"][j]
-    ours = dflt[k]["held_out"]
-    print(f"\n# k={k}: default {ours:+.4f} = {ours / low_c:.3f} x the lowest-C plan uncorrected ({low_c:+.4f})")
+    if default is not None:
+        cells = " | ".join(f"{dflt[kk]['uncorrected']:+.3f} / {dflt[kk]['held_out']:+.3f} ({dflt[kk]['strategy']})"
+                           for kk in plain.k_values)
+        print(f"| **default** (`plan_parallel(model, cal, k)`) | {cells} | {default.total_cost['forward']:.0f} + "
+              f"{default.total_cost['backward']:.0f} (whole call, every k) |")
+        low_c = rows["C"]["uncorrected"][j]
+        ours = dflt[k]["held_out"]
+        print(f"\n# k={k}: default {ours:+.4f} = {ours / low_c:.3f} x the lowest-C plan uncorrected ({low_c:+.4f})")
     peers = ["block_influence", "angular_distance", "ffn_fusion"] + ([] if args.no_sleb else ["sleb"])
     for p in (p for p in peers if p in rows):  # --strategies may leave the peers' scores out
         print(f"#   vs {p}: uncorrected {rows[p]['uncorrected'][j]:+.4f}, corrected {rows[p]['corrected'][j]:+.4f}")
     out = {"model": args.model, "ks": plain.k_values, "rows": rows, "default": dflt,
-           "default_cost": default.total_cost, "default_seconds": t_default, "one_shot": list(ONE_SHOT_COMPARISON)}
+           "default_cost": default.total_cost if default is not None else None, "default_seconds": t_default,
+           "one_shot": list(ONE_SHOT_COMPARISON)}
     if args.default_cost:
         toks = torch.cat([cal, held])[: args.default_cost]
         t1 = time.time()

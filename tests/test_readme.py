@@ -22,6 +22,28 @@ def test_readme_is_short_links_the_docs_and_holds_no_dated_run():
     assert {lang for lang, _ in BLOCKS} == {"bash", "python"} and len(BLOCKS) >= 5
 
 
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+HISTORY = re.compile(r"(\bsince|\bbefore|\buntil|arXiv:\S+)[^.;]{0,20}$")  # a default's or format's history, the paper
+
+
+def dated_runs(text: str) -> list[str]:
+    """Lines that date a run: a date not introduced as history ("since", "before", "until") or as the paper's."""
+    return [line for line in text.splitlines() for m in DATE.finditer(line) if not HISTORY.search(line[: m.start()])]
+
+
+def test_docs_pages_hold_no_dated_run():
+    """Dated benchmark runs live in benchmarks/RESULTS.md (date, commit, machine, command); a docs page keeps the
+    method and points there."""
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "CONTRIBUTING.md"]
+    assert len(pages) >= 10
+    assert {str(p.relative_to(ROOT)): dated_runs(p.read_text(encoding="utf-8")) for p in pages
+            if dated_runs(p.read_text(encoding="utf-8"))} == {}
+    # the check sees a run in both styles (a benchmarks/RESULTS.md row, a dated sentence) and lets history pass
+    assert dated_runs("| 2026-12-05 | 3dc7e3d | 2 idle CPU cores | `benchmarks/x.py` | 1.19x |")
+    assert dated_runs("Measured (2026-12-04, `benchmarks/x.py`, 2 cores): 1.1x") and dated_runs("### Idle (2026-12-03)")
+    assert not dated_runs("the default since 2026-12-04; 0, k/3 before 2026-12-04; arXiv:2608.02071v1 (2026-08-03)")
+    assert dated_runs((ROOT / "benchmarks/RESULTS.md").read_text(encoding="utf-8"))
+
 def test_shell_blocks_name_scripts_that_exist_and_command_lines_that_parse():
     from tl_steering.cli import build_parser
 

@@ -1,11 +1,6 @@
-"""Command line: ``tl-steering report ...``, ``tl-steering render ...`` and ``tl-steering scan ...`` (also
-``python -m tl_steering``; ``torchrun ... -m tl_steering scan ...`` runs a scan on N processes).
-
-``report`` = check the arguments (before any model is loaded: a user error is one line on stderr and exit
-code 2, and nothing is written) -> load the model -> :func:`~tl_steering.suite.run_suite` -> save
-``results.json`` (the :class:`~tl_steering.suite.SuiteResult`) -> render ``index.html`` and ``figures/``.
-``render`` re-renders a saved ``results.json`` without a model.
-"""
+"""Command line: ``tl-steering report ...``, ``render ...`` and ``scan ...`` (also ``python -m tl_steering``;
+``torchrun ... -m tl_steering scan ...`` runs a scan on N processes). See docs/suite.md, "The report", and
+docs/scale_out.md."""
 
 import argparse
 import importlib.util
@@ -49,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    sc = sub.add_parser("scan", add_help=False,
-                        help="resumable probe scan of a streamed corpus, data parallel under torchrun "
-                             "(tl-steering scan --help; docs/scale_out.md)")
+    sub.add_parser("scan", add_help=False,
+                   help="resumable probe scan of a streamed corpus, data parallel under torchrun "
+                        "(tl-steering scan --help; docs/scale_out.md)")
     v = sub.add_parser("render", help="re-render a saved results.json (no model)")
     v.add_argument("results", help="a results.json written by 'tl-steering report'")
     v.add_argument("--out", default=None, help="output directory (default: the results file's directory)")

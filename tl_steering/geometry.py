@@ -1,19 +1,4 @@
-"""Sphere geometry of residual vectors as pure tensor functions (specification: docs/geometry.md).
-
-This module knows nothing of TransformerLens: it takes tensors and returns tensors. Conventions:
-
-* The last dimension is ``d_model``; every leading dimension is a batch dimension (``batch``, ``pos``, ...).
-  Functions of two or three vectors broadcast their leading dimensions against each other.
-* Every input is cast to float64 first and every output is float64 (docs/geometry.md, "Precision").
-* Small-number guards are explicit: ``normalize(v) = v / max(||v||, EPS_NORM)`` and
-  ``cos(a, b) = <a, b> / (max(||a||, eps) max(||b||, eps))``, so a zero vector has direction 0 and cosine 0
-  with everything, never NaN.
-* Sets of directions are tensors ``U`` of shape ``[*batch, n, d_model]`` whose rows are
-  normalized inside. An optional bool ``mask`` of shape ``[*batch, n]`` marks the valid rows; masked rows
-  (BOS, degenerate tokens, padding) are excluded exactly: the result equals the one computed with those rows
-  dropped. A statistic undefined for the number of valid rows is NaN (e.g. pairwise cosine of one row).
-* Bad input (shape mismatch, empty tensor, NaN/Inf) raises :class:`tl_steering.errors.InputError`.
-"""
+"""Sphere geometry of residual vectors as pure float64 tensor functions (specification: docs/geometry.md)."""
 
 import math
 

@@ -1,17 +1,5 @@
-"""Hook factories: plain TransformerLens ``fwd_hooks`` lists.
-
-Each factory returns ``list[tuple[str, hook_fn]]``, so it composes with everything TransformerLens offers::
-
-    model.run_with_hooks(tokens, fwd_hooks=ffn_component(model, keep="tangential"))
-    with model.hooks(fwd_hooks=parallel_blocks(model, [3, 4]) + ffn_gate(model, {3: 0.9})):
-        logits, cache = model.run_with_cache(tokens)
-
-Lists are applied in order on a shared hook point (e.g. ``parallel_blocks(...) + ffn_gate(...)`` gates the
-parallel FFN write). The factories add nothing to the model themselves: TransformerLens's ``hooks`` context or
-``run_with_hooks`` adds and removes them.
-
-All geometry is computed in float64 and cast back to the activation dtype when written into the forward pass.
-"""
+"""Hook factories: plain TransformerLens ``fwd_hooks`` lists (``ffn_component``, ``parallel_blocks``, ``ffn_gate``,
+``attention_gain``) that compose with ``run_with_hooks``, ``hooks()`` and a user's own hooks. See docs/hooks.md."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal

@@ -1,13 +1,5 @@
-"""Can the Hugging Face hub serve a model name now? Answered before TransformerLens tries (docs/loading.md, "Hub
-names").
-
-Offline, TransformerLens and transformers retry the hub for about half a minute before they fail. :func:`hub_problem`
-answers at once and imports neither torch nor TransformerLens (the CLI asks before loading anything): a local model
-directory, or a name whose config is in the local Hugging Face cache (also under its organisation: ``gpt2`` is cached
-as ``openai-community/gpt2``), is left to load; otherwise ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` say the hub is
-off, or one TCP connection to the hub's host (``HF_ENDPOINT``, default huggingface.co; the HTTPS proxy when one is
-set) with a short timeout says whether it can be reached.
-"""
+"""Can the Hugging Face hub serve a model name now? Answered at once, importing neither torch nor TransformerLens,
+before TransformerLens tries (docs/loading.md, "Hub names")."""
 
 import os
 import socket

@@ -1,17 +1,4 @@
-"""Next-token metrics of logits, in float64: cross-entropy, KL divergence, entropy, top-1 (see docs/metrics.md).
-
-The one copy of each of these quantities: every protocol, the gates, the report and the pinned regression use
-these functions. Pure tensor math (no model, no TransformerLens).
-
-Precision: the log-softmax is taken in float64. A float64 copy of ``[batch, pos, vocab]`` logits is large
-(8 x 128 x 49152 is 400 MB), so the work is done in row chunks of at most :data:`CHUNK_ELEMENTS` elements; the
-result does not depend on the chunking. Gradients flow through every function (the gate calibration
-differentiates the loss).
-
-Conventions: ``logits`` is ``[batch, pos, vocab]``; position ``i`` predicts token ``i + 1``, so the loss has
-``pos - 1`` entries per sequence. KL, entropy and top-1 are per position of the logits they are given: slice
-``logits[:, :-1]`` first to keep only the positions that predict a token of the sequence.
-"""
+"""Next-token metrics of logits, in float64: cross-entropy, KL divergence, entropy, top-1 (see docs/metrics.md)."""
 
 from collections.abc import Callable, Iterator
 

@@ -1,14 +1,5 @@
-"""Large tensors of a JSON result in a safetensors file beside it (``Result.save("x.json")``; docs/protocols.md).
-
-A result class lists the tensor fields that go to the sidecar in ``sidecar_fields`` (a ClassVar; e.g.
-``ParallelPlan``: its gates, biases and ``[k, d_model, d_model]`` linear maps). :func:`split` replaces those
-tensor records, wherever such a record sits in the saved tree (a suite result holds plans), by references and
-returns the tensors; ``Result.save`` writes them to ``<stem>.tensors.safetensors`` and names the file and its
-SHA-256 in the JSON (``"__sidecar__"``); ``Result.load`` reads them back (exact: safetensors stores the raw bytes)
-from the named file, or from ``<stem>.tensors.safetensors`` of the JSON's own name when that one is gone (a JSON
-renamed with its sidecar), and refuses a sidecar whose hash differs (one written by another save). A JSON file
-without ``"__sidecar__"`` (every file written before) loads as before.
-"""
+"""Large tensors of a JSON result in a safetensors file beside it (``Result.save("x.json")``; docs/protocols.md):
+:func:`split` replaces the ``sidecar_fields`` records of a saved tree by references and returns the tensors."""
 
 from collections.abc import Callable
 from pathlib import Path

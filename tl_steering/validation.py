@@ -35,11 +35,14 @@ def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | 
     at = f" in {where}" if where else ""
     if not _is_int(value):
         raise ArgumentTypeError(f"{name}{at} must be an int, got {value!r} ({type(value).__name__})")
-    v = int(value)
+    return _in_range(int(value), f"{name}{at}", minimum, maximum)
+
+
+def _in_range(v: Any, what: str, minimum: Any, maximum: Any) -> Any:
     if minimum is not None and v < minimum:
-        raise InputError(f"{name}{at} must be >= {minimum}, got {v}")
+        raise InputError(f"{what} must be >= {minimum}, got {v}")
     if maximum is not None and v > maximum:
-        raise InputError(f"{name}{at} must be <= {maximum}, got {v}")
+        raise InputError(f"{what} must be <= {maximum}, got {v}")
     return v
 
 
@@ -55,11 +58,7 @@ def as_float(value: Any, name: str, *, finite: bool = True, minimum: float | Non
     v = float(value)
     if finite and not math.isfinite(v):
         raise InputError(f"{name}{at} must be finite, got {v}")
-    if minimum is not None and v < minimum:
-        raise InputError(f"{name}{at} must be >= {minimum}, got {v}")
-    if maximum is not None and v > maximum:
-        raise InputError(f"{name}{at} must be <= {maximum}, got {v}")
-    return v
+    return _in_range(v, f"{name}{at}", minimum, maximum)
 
 
 def as_bool(value: Any, name: str) -> bool:

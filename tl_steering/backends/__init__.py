@@ -1,34 +1,13 @@
 """The backend room: the ONLY package of tl_steering that imports ``transformer_lens`` or ``transformers``
-or touches torch's private hook state.
+or touches torch's private hook state (its modules: docs/architecture.md). The rest of the package talks to a model
+only through the names re-exported here."""
 
-Everything model-specific lives here (see ``docs/architecture.md``):
-
-* :mod:`.adapter`: model detection, (layer, site) -> hook name, hook lifecycle, pure sublayer callables,
-  the residual-identity check, provenance of a model;
-* :mod:`.loading`: offline and hub loading, Hugging Face wrapping, tiny random models for tests;
-* :mod:`.decoding`: KV-cache decode on both model classes (``kv_cache``, ``decode_step``, ``freeze_kv_cache``).
-
-The rest of the package talks to a model only through the names re-exported here.
-"""
-
-from .adapter import (
-    Backend,
-    ModelAdapter,
-    ModelInfo,
-    Processing,
-    adapt,
-    backend_of,
-    check_finite,
-    first_output,
-    hook_guard,
-    hook_points,
-    hooked_available,
-    hooks_silenced,
-    next_token_loss,
-    tl_version,
-    weights_fingerprint,
-    wrap_hf,
-)
+from .adapter import ModelAdapter, ModelInfo, adapt
+from .checks import check_finite
+from .detect import Backend, Processing, backend_of, first_output, hooked_available, tl_version, weights_fingerprint
+from .lifecycle import hook_guard, hook_points, hooks_silenced
+from .wrapping import wrap_hf
+from ..metrics import next_token_loss
 from .decoding import cache_routing, decode_step, freeze_kv_cache, kv_cache, kv_cache_length
 from .loading import gemma_gguf_path, load_model, smollm2_gguf_path, tiny_hf_model, tiny_model
 

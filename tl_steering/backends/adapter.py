@@ -8,7 +8,8 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 * pure callables for one block's attention and FFN (``Phi(x) = MLP(LN2(x))``) that work under
   ``torch.func.jvp`` / ``jacfwd`` / ``vmap`` and run with no hooks of the user firing inside them;
 * dtype and device read from the parameters (``cfg.dtype`` can lie when a model was built with ``hf_model=``);
-* the residual-identity check that guards every decomposition against known bridge bugs;
+* the token, finiteness and residual-identity checks that guard every decomposition against known bridge bugs
+  (:mod:`.checks`);
 * :meth:`ModelAdapter.hook_guard`, which guarantees that every hook added during a call is gone afterwards,
   also when the call raises (KeyboardInterrupt included), and holds the model for one thread (:mod:`.ownership`);
 * :meth:`ModelAdapter.provenance`: the weight processing read from the model, the user's hook points.
@@ -16,7 +17,7 @@ only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,45 +25,22 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import validation
+from . import checks as _checks
+from .checks import check_finite, split_hook_name
 from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 from ..errors import (
-    DeviceMismatchError,
     HookNotFoundError,
     InputError,
     ModelNotSupportedError,
-    NonFiniteError,
     ParallelBlockError,
-    ResidualIdentityError,
 )
 
-from .detect import (  # noqa: F401  (re-exported: the adapter is where callers look for them)
-    SITES,
-    _HookedTransformer,
-    _SITE_HOOK,
-    _TransformerBridge,
-    Backend,
-    Processing,
-    Site,
-    backend_of,
-    first_output,
-    hooked_available,
-    tl_version,
-    weights_fingerprint,
-)
-
-# ----------------------------------------------------------------------------------------------------------
-# hook hygiene
-
-
-from .lifecycle import (  # noqa: E402  (hook lifecycle lives in its own module)
-    _get_use_hook_mlp_in,
-    hook_guard,
-    hook_points,
-    hooks_silenced,
-)
-from . import lifecycle as _lifecycle  # noqa: E402
-from . import ownership as _ownership  # noqa: E402
-from .processing import WeightProcessing, weight_processing  # noqa: E402
+from .detect import _SITE_HOOK, SITES, Backend, backend_of
+from . import lifecycle as _lifecycle
+from . import ownership as _ownership
+from .lifecycle import hook_guard, hooks_silenced
+from ..metrics import next_token_loss
+from .processing import WeightProcessing, weight_processing
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,11 +178,6 @@ class ModelAdapter:
         docs/gemma.md): ``pre_attn``, ``post_attn`` (Gemma 2/3, OLMo 2), ``pre_ffn``, ``post_ffn``; None = absent."""
         return sublayer_norms(self.model.blocks[self.check_layer(layer)])
 
-    def ffn_norm(self, blk: torch.nn.Module) -> torch.nn.Module | None:
-        """The norm in front of a block's FFN: ``ln2``, or ``ln1`` where the block shares one (GPT-J / Phi);
-        None for a post-norm-only block (OLMo 2). The post-FFN norm is :meth:`sublayer_norms` ``.post_ffn``."""
-        return sublayer_norms(blk).pre_ffn
-
     def require_resident(self, layers: Sequence[int], what: str) -> None:
         """Refuse blocks whose weights accelerate offloaded (``meta`` device) for ``what``: calls that take
         Jacobian-vector products or copies of a block (torch.func transforms, the float64 field, the executor)
@@ -311,48 +284,9 @@ class ModelAdapter:
         in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
         return hook_guard(self.model, call)
 
-    @contextlib.contextmanager
-    def mlp_in_enabled(self) -> Iterator[None]:
-        """Turn on ``hook_mlp_in`` for the duration (restores the previous setting)."""
-        before = _get_use_hook_mlp_in(self.model)
-        try:  # mutate inside the try: an interrupt right after the switch still restores it
-            if not before:
-                self.model.set_use_hook_mlp_in(True)
-            yield
-        finally:
-            if not before:
-                _lifecycle.shielded(lambda: self.model.set_use_hook_mlp_in(False))
-
     def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
-        """Check a token batch and move nothing silently: wrong device is an error, not a copy."""
-        if not isinstance(tokens, Tensor):
-            raise InputError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}; "
-                             "use model.to_tokens(text) or tl_steering.text_tokens(model)")
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise InputError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
-        if tokens.dim() == 1:
-            tokens = tokens[None]
-        if tokens.dim() != 2:
-            raise InputError(f"tokens must have shape [batch, pos], got {tuple(tokens.shape)}")
-        if tokens.shape[0] == 0:
-            raise InputError("empty batch: tokens has 0 sequences")
-        if tokens.shape[1] < min_len:
-            raise InputError(
-                f"sequences of length {tokens.shape[1]} are too short: at least {min_len} positions are needed "
-                "(position 0 is excluded from statistics and a next-token loss needs two)"
-            )
-        validation.check_length(int(tokens.shape[1]), self.n_ctx)
-        validation.check_not_meta(tokens)
-        if tokens.device != self.device:
-            raise DeviceMismatchError(
-                f"tokens are on {tokens.device} but the model is on {self.device}; "
-                f"move them with tokens.to('{self.device}')"
-            )
-        vocab = int(self.cfg.d_vocab)
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= vocab:
-            raise InputError(f"token ids must lie in [0, {vocab}); got range [{lo}, {hi}]")
-        return tokens.long()
+        """Check a token batch and move nothing silently: wrong device is an error, not a copy (:mod:`.checks`)."""
+        return _checks.validate_tokens(self, tokens, min_len)
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
@@ -387,57 +321,24 @@ class ModelAdapter:
             raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
         if check_finite_acts:
             for n in names:
-                layer, site = _split_hook_name(n)
+                layer, site = split_hook_name(n)
                 check_finite(store[n], layer, site)
         return logits, store
 
-    # -- checks ------------------------------------------------------------------------------------------
+    # -- checks (:mod:`.checks`) -------------------------------------------------------------------------
     def identity_tolerance(self) -> float:
         """Relative tolerance for residual identities: dtype-aware."""
-        return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(
-            self.dtype, 1e-5)
+        return _checks.identity_tolerance(self.dtype)
 
     def check_residual_identity(self, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
                                 rtol: float | None = None) -> dict[int, float]:
-        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer.
-
-        Returns the worst relative error per layer (error / max |residual|). Raises
-        :class:`ResidualIdentityError` naming the layer and the error when one exceeds ``rtol``.
-        """
-        rtol = self.identity_tolerance() if rtol is None else rtol
-        out: dict[int, float] = {}
-        for layer in self.layers(layers):
-            g = lambda s: cache[self.hook_name(layer, s)].to(torch.float64)  # noqa: E731
-            pre, attn, mlp, post = g("resid_pre"), g("attn_out"), g("mlp_out"), g("resid_post")
-            scale = max(float(post.abs().max()), float(pre.abs().max()), 1e-30)
-            if self.is_parallel(layer):
-                errs = {"resid_pre + attn_out + mlp_out = resid_post": float((pre + attn + mlp - post).abs().max())}
-            else:
-                mid = g("resid_mid")
-                errs = {
-                    "resid_pre + attn_out = resid_mid": float((pre + attn - mid).abs().max()),
-                    "resid_mid + mlp_out = resid_post": float((mid + mlp - post).abs().max()),
-                }
-            worst = max(errs.values()) / scale
-            out[layer] = worst
-            if not worst <= rtol:
-                which = max(errs, key=errs.get)
-                raise ResidualIdentityError(
-                    f"layer {layer}: {which} fails (relative error {worst:.3g} > {rtol:.1g}). The model's "
-                    "hook_attn_out / hook_mlp_out do not decompose the residual stream (a known class of "
-                    "TransformerBridge bugs, or a hook of yours rewrote an activation); tl_steering's "
-                    "decompositions would be wrong on it."
-                )
-        return out
+        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer: the worst
+        relative error per layer; :class:`ResidualIdentityError` when one exceeds ``rtol``."""
+        return _checks.check_residual_identity(self, cache, layers, rtol)
 
     def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
-        names = []
-        for layer in self.layers(layers):
-            sites = ["resid_pre", "attn_out", "mlp_out", "resid_post"]
-            if not self.is_parallel(layer):
-                sites.append("resid_mid")
-            names += [self.hook_name(layer, s) for s in sites]
-        return names
+        """The hook names :meth:`check_residual_identity` reads."""
+        return _checks.identity_names(self, layers)
 
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
@@ -452,28 +353,6 @@ class ModelAdapter:
         return model_provenance(self, tokens, corpus, seed, extra)
 
 
-def check_finite(x: Tensor, layer: int | None, site: str) -> None:
-    """Raise :class:`NonFiniteError` naming the layer and site when ``x`` has NaN or Inf."""
-    if not torch.isfinite(x).all():
-        n_nan = int(torch.isnan(x).sum())
-        n_inf = int(torch.isinf(x).sum())
-        where = f"layer {layer}, {site}" if layer is not None else site
-        raise NonFiniteError(
-            f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
-            "and any hooks of yours on that point; in float16 try float32 or bfloat16."
-        )
-
-
-def _split_hook_name(name: str) -> tuple[int | None, str]:
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
-        return int(parts[1]), ".".join(parts[2:])
-    return None, name
-
-
-from ..metrics import next_token_loss  # noqa: E402  (the one float64 copy; re-exported here for callers)
-
-
 def adapt(model: Any) -> ModelAdapter:
     """The :class:`ModelAdapter` for ``model`` (validates that it is a TransformerLens model)."""
     if isinstance(model, ModelAdapter):
@@ -481,20 +360,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-from .wrapping import wrap_hf  # noqa: E402  (re-exported: loaders import it from here)
-
-
-__all__ = [
-    "ModelAdapter",
-    "ModelInfo",
-    "adapt",
-    "backend_of",
-    "check_finite",
-    "hook_guard",
-    "hooks_silenced",
-    "hooked_available",
-    "next_token_loss",
-    "tl_version",
-    "weights_fingerprint",
-    "wrap_hf",
-]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt"]

@@ -11,7 +11,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import validation
-from .hookbase import _FLAG_DICTS, mark_owned, owned, shielded
+from .hookbase import _FLAG_DICTS, mark_owned, owned, shielded, wraps_any
 
 def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
     """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook
@@ -34,17 +34,8 @@ def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) ->
 
 
 def _wraps(f: Any, fn: Callable) -> bool:
-    """Whether torch hook ``f`` is ``fn`` or TransformerLens's wrapper of it (``HookPoint.add_hook``'s
-    ``full_hook`` closes over the user's function)."""
-    if f is fn:
-        return True
-    for cell in getattr(f, "__closure__", None) or ():
-        try:
-            if cell.cell_contents is fn:
-                return True
-        except ValueError:  # an empty cell
-            continue
-    return False
+    """Whether torch hook ``f`` is ``fn`` or TransformerLens's wrapper of it."""
+    return wraps_any(f, lambda g: g is fn)
 
 
 def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:

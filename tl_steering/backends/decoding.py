@@ -1,27 +1,6 @@
 """Incremental (KV-cache) decoding on both model classes: :func:`kv_cache`, :func:`decode_step`,
-:func:`freeze_kv_cache`, :func:`kv_cache_length` and :func:`cache_routing`. See docs/parallel.md, "Masks and KV cache".
-
-* ``HookedTransformer`` (TL 3.9): TransformerLens's own ``TransformerLensKeyValueCache`` and
-  ``model(tokens, past_kv_cache=cache)``.
-* ``TransformerBridge`` (TL 3.9 and 4.3): the Hugging Face ``DynamicCache`` and
-  ``model(tokens, past_key_values=cache, use_cache=True)``. TransformerLens's attention bridges extend the cache
-  in ``AttentionBridge._update_kv_cache``, which reads it from the keyword ``past_key_values`` (or ``layer_past``),
-  but transformers 5.x decoder layers (``LlamaDecoderLayer``, ``GPT2Block``, ...) hand it to the attention module as
-  ``cache=``: the bridge's attention never sees it, the cache stays empty and a cached decode step attends to
-  itself alone (measured on the tiny models: 0.5-0.6 relative logit error; TL 3.9 and 4.3 with transformers
-  5.24). :func:`cache_routing` passes the same cache object to each attention bridge under the name it reads, for
-  the duration of the call (a torch forward pre-hook per attention bridge, removed on exit), which makes the
-  bridge's OWN cached decode agree with its full forward (to 3e-7 on the tiny models). The executor's fused
-  blocks (:mod:`.executor`) read ``cache=`` themselves.
-
-  The same loss breaks TransformerLens's ``generate(use_past_kv_cache=True)`` (the default) on the bridge: the
-  prefill stores nothing, every later token attends to itself alone, and SmolLM2-135M continues "The capital of
-  France is" with "Paris-----------" (docs/generate.md). :func:`route_cache_keyword` fixes this for good on a model
-  the package owns: every model it builds (``load_model``, ``wrap_hf``, ``tiny_model``) and every copy it makes
-  (``parallelize``) gets, on each of its attention bridges, an instance-level ``_update_kv_cache`` that also reads
-  ``cache=``. No hook, no change to a TransformerLens or torch class, no effect on a model the package did not
-  build; a bridge built by the user needs ``cache_routing`` (or ``route_cache_keyword`` on it, by choice).
-"""
+:func:`freeze_kv_cache`, :func:`kv_cache_length`, :func:`cache_routing` and :func:`route_cache_keyword`. See
+docs/generate.md and docs/parallel.md, "Masks and KV cache"."""
 
 import contextlib
 import inspect

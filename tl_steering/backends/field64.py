@@ -28,7 +28,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
-from .adapter import ModelAdapter, hook_points, hooks_silenced
+from .adapter import ModelAdapter
+from .lifecycle import hook_points, hooks_silenced
 from .interrupts import deferred_signals
 from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 

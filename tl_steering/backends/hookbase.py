@@ -55,18 +55,23 @@ def mark_owned(fn: Callable) -> Callable:
         return owned(fn)
 
 
-def is_ours(f: Any) -> bool:
-    """Whether torch hook ``f`` is tagged as ours, or is TransformerLens's wrapper (``HookPoint.add_hook``'s
-    ``full_hook``) of a function tagged as ours."""
-    if is_owned(f):
+def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds for torch hook ``f`` or for a function its closure holds (TransformerLens's
+    ``HookPoint.add_hook`` registers a ``full_hook`` that closes over the function it was given)."""
+    if pred(f):
         return True
     for cell in getattr(f, "__closure__", None) or ():
         try:
-            if is_owned(cell.cell_contents):
+            if pred(cell.cell_contents):
                 return True
         except ValueError:  # an empty cell
             continue
     return False
+
+
+def is_ours(f: Any) -> bool:
+    """Whether torch hook ``f`` is tagged as ours, or is TransformerLens's wrapper of a function tagged as ours."""
+    return wraps_any(f, is_owned)
 
 
 def shielded(restore: Callable[[], None]) -> None:
@@ -87,4 +92,4 @@ def shielded(restore: Callable[[], None]) -> None:
         raise pending
 
 
-__all__ = ["hook_points", "is_ours", "is_owned", "mark_owned", "owned", "shielded"]
+__all__ = ["hook_points", "is_ours", "is_owned", "mark_owned", "owned", "shielded", "wraps_any"]

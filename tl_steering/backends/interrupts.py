@@ -1,31 +1,5 @@
-"""Signal safety for a model's hook state: restore before a signal's exception propagates (Ctrl-C above all).
-
-A signal's Python handler runs between any two bytecodes of the main thread, including the few between the end of a
-``with`` body and the first bytecode of its ``__exit__`` (or of a ``finally``): no ``try``/``finally`` written in
-Python can then guarantee that a restore runs. So every scope that changes a model's hooks (a
-:class:`~tl_steering.backends.lifecycle.HookGuard`, :class:`~tl_steering.backends.lifecycle.hooks_silenced`)
-registers an idempotent restorer here for its duration, and while one is registered on the main thread every signal
-whose handler is a Python callable (SIGINT's default handler, which raises KeyboardInterrupt; a user's timeout
-handler on SIGALRM that raises) is handled by :func:`_on_signal`: it calls the handler that was installed before it
-and, when that one raises, first restores every registered scope, innermost first, then lets the exception
-propagate. The scopes' own ``__exit__`` restore again as the exception unwinds (idempotent), so whatever the
-unwinding code did in between (TransformerLens's ``hooks()`` exit, a handle's ``remove``) is undone as well.
-
-Rules that keep this safe (see docs/hooks.md, "Interrupts"):
-
-* the handlers are installed before a scope is registered and removed when the last scope leaves, only on the main
-  thread (signals are delivered there only) and only over a Python callable (``SIG_IGN``: the signal does nothing;
-  ``SIG_DFL``: it ends the process or is ignored; a handler set in C: left alone; nothing to restore in any case);
-* when the previous handler does not raise (a handler that only sets a flag), nothing is restored: the call goes on
-  with its hooks in place;
-* after restoring, the handler empties the registry and puts the previous handlers back: a scope whose ``__exit__``
-  was skipped by the exception can never be restored again later (a stale snapshot would drop hooks the user added
-  since); a scope leaving the registry also drops every scope registered after it and still listed (an inner
-  scope whose exit an exception injected by other means, ``PyThreadState_SetAsyncExc``, skipped);
-* a handler that the user installs during a call is kept (ours is put back only where it is still installed);
-* nothing here relies on finalizers (``__del__``): a finalizer runs at an arbitrary later moment, inside another
-  call, and restoring a stale snapshot then removes that call's hooks.
-"""
+"""Signal safety for a model's hook state: every registered scope is restored before a signal's exception (Ctrl-C
+above all) propagates. See docs/hooks.md, "Interrupts"."""
 
 import signal
 import threading

@@ -1,36 +1,6 @@
-"""Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens.
-
-The guarantees (see docs/hooks.md, "Interrupts"; docs/architecture.md, the backends room):
-
-* :class:`HookGuard` (``hook_guard(model)``) snapshots, on entry, every forward / forward-pre / backward hook
-  of every module of the model (torch's own dicts, not only TransformerLens's handle lists) and the
-  TransformerLens bookkeeping (``fwd_hooks`` / ``bwd_hooks`` handle lists, ``context_level``,
-  ``use_hook_mlp_in``). On exit it restores that state: hooks added inside on a HookPoint, or any hook of ours
-  (tagged by :func:`owned`) on any module, are removed; the user's hooks present on entry are put back if they
-  went missing. Hooks that TransformerLens or transformers wire on their own (the bridge's capture hooks,
-  transformers' output recorders, attached lazily on a first forward) are left alone.
-* Interrupt safety (docs/hooks.md, "Interrupts"): entering only reads state; the snapshot copies are never
-  mutated, so restoring is idempotent and re-entrant; a guard is registered with
-  :mod:`~tl_steering.backends.interrupts` while it is active, whose signal handler restores every active scope
-  before the KeyboardInterrupt (or any exception a Python signal handler raises) propagates -- so a Ctrl-C between
-  any two bytecodes, also between the end of the block and ``__exit__``, leaves the model as it was. An exception
-  raised inside a restore (e.g. by another signal's handler) makes :func:`shielded` retry it. No finalizer
-  restores anything: a stale snapshot restored later, inside another call, would remove that call's hooks. A
-  hook of ours that went missing (a one-shot capture that fired) is never put back.
-* The factories' hooks are wrapped by :func:`orphan_safe` (a copy that TransformerLens lost track of removes
-  itself); the one-shot captures remove themselves by identity, not through a handle that an interrupt could
-  keep from being recorded.
-* :class:`hooks_silenced` detaches a module's HookPoint hooks for a pure sublayer computation and puts them
-  back, with the same discipline.
-* :func:`run_with_hooks` wraps TransformerLens's own ``hooks()`` context in an ExitStack inside a guard, so
-  TransformerLens's cleanup sees the real exception.
-* A guard holds the model for its thread while it is active (:mod:`.ownership`, docs/hooks.md "One caller per
-  model"): another thread's guard, or public call, on the same model raises ``ModelBusyError`` before it reads or
-  changes anything; the same thread's are re-entrant.
-
-This module, with the rest of :mod:`tl_steering.backends`, is the only place that touches torch's private hook
-dicts.
-"""
+"""Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens
+(:class:`HookGuard`, :func:`run_with_hooks`, :class:`hooks_silenced`, :func:`orphan_safe`). See docs/hooks.md,
+"Interrupts"."""
 
 import contextlib
 import inspect
@@ -367,9 +337,6 @@ def owned_hooks(model: torch.nn.Module) -> list[str]:
 
 # hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
 from .captures import (  # noqa: E402
-    _detach,
-    _drop_orphans,
-    _wraps,
     add_hook_last,
     capture_input_once,
     capture_output_once,

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 import torch
 
-from .adapter import ModelInfo, hooked_available, tl_version, wrap_hf
+from .adapter import ModelInfo
+from .detect import hooked_available, tl_version
+from .wrapping import wrap_hf
 from .decoding import route_cache_keyword
 from .weight_cache import cache_root, file_sha256 as _sha256
 from ..errors import InputError, ModelLoadError

@@ -1,29 +1,5 @@
-"""One caller per model at a time (docs/hooks.md, "One caller per model").
-
-A tl_steering call adds hooks to the model it measures and reads them back; a second thread calling into the same
-model meanwhile would snapshot the first call's hooks as if they were the user's, remove them half-way through its
-forwards or add its own to them: wrong numbers, ``HookNotFoundError`` and hooks left on the model. So a call claims
-the model for its thread:
-
-* :func:`exclusive` (a decorator on every public entry point: the protocols, probe, gates, prefix, critical points,
-  the planner, ``parallelize``, the suite, the scan) and :class:`~tl_steering.backends.lifecycle.HookGuard` /
-  the adapter's ``run_with_hooks``, ``ffn``, ``attention``, ``run_blocks`` (which every entry point reaches the model
-  through, so a call that is not decorated is covered too) claim the model on entry;
-* a claim by the thread that holds the model already is a no-op (re-entrant: a protocol calling another, a user's
-  ``with model.hooks(...)`` around our call, a probe around a protocol);
-* a claim while another live thread holds the model raises :class:`~tl_steering.errors.ModelBusyError` at once,
-  before anything touches the model, naming the call in progress (function, thread, how long it has run); the
-  call in progress goes on undisturbed;
-* the outermost claim records the hook points that carry the user's hooks at entry (a user's ``hooks()`` context
-  or permanent hooks), which :meth:`ModelAdapter.provenance` writes into the result (``Provenance.user_hooks``).
-
-Interrupt safety: the claim is registered with :mod:`~tl_steering.backends.interrupts` before it is recorded, and
-releasing is idempotent, so a Ctrl-C at any bytecode leaves no claim behind. A claim left by a thread that ended
-(an exception injected by other means) is taken over.
-
-Only tl_steering's own calls take claims: a forward the user runs from another thread (``model(tokens)``, TL's own
-``run_with_hooks``) is not seen.
-"""
+"""One caller per model at a time: :func:`exclusive` and the guards claim the model for their thread. See
+docs/hooks.md, "One caller per model" and "The user's own hooks"."""
 
 import functools
 import inspect

@@ -1,26 +1,5 @@
-"""What TransformerLens did to a model's weights, read from the model itself (docs/loading.md, "Weight processing").
-
-TransformerLens can process weights on load (``HookedTransformer.from_pretrained``, a bridge's
-``enable_compatibility_mode()`` / ``process_weights()``, tl_steering's ``processing="tl"``): fold the norms' weights
-into the next linear maps (``fold_ln``), remove the mean over ``d_model`` from every write into the residual stream
-(``center_writing_weights``), from the unembedding (``center_unembed``), fold the value biases into the output bias
-(``fold_value_biases``). Centred writes change the residual stream itself -- it becomes mean-free over ``d_model``, so
-its directions, norms and every angle tl_steering measures differ from the raw model's -- while the logits and losses
-do not change (a LayerNorm removes the mean anyway). The paper measured raw Hugging Face weights.
-
-Neither model class records the options it was processed with, so :func:`weight_processing` reads them:
-
-* the state TransformerLens keeps: a bridge's ``compatibility_mode`` and ``_weights_processed`` flags and its
-  adapter's ``_fold_ln_requested`` (set by ``process_weights``); a HookedTransformer's ``cfg.normalization_type``
-  (``"LNPre"`` / ``"RMSPre"`` after folding);
-* the weights, for what leaves no flag: the writes (``W_E``, ``W_pos``, each block's ``W_O`` and ``W_out``) have a
-  zero mean over ``d_model`` after centring, ``W_U`` a zero mean over the vocabulary after ``center_unembed``
-  (relative to the matrix's RMS; raw trained or random weights are far from it), ``b_V`` is zero after folding.
-
-``refactor_factored_attn_matrices`` is not read: it changes no attention output, so no residual and no number here.
-A step that changes nothing on a model's weights (folding value biases that are zero) cannot be told apart from one
-not taken and is reported as taken only on a model processed otherwise.
-"""
+"""What TransformerLens did to a model's weights, read from the model itself (:func:`weight_processing`). See
+docs/loading.md, "Weight processing"."""
 
 import dataclasses
 import threading

@@ -1,12 +1,6 @@
-"""A result's provenance, read from the model and the call (docs/architecture.md, the results room).
-
-:func:`model_provenance` builds :class:`~tl_steering.results.Provenance` for :meth:`ModelAdapter.provenance`: the
-weight processing read from the model itself (:mod:`.processing`: ``processing`` is ``"raw"`` or ``"tl"``,
-``processing_steps`` what was done), and the hook points that carried the user's hooks while the call ran
-(:mod:`.ownership`: recorded when the call claimed the model, before any hook of ours). Both warn once: a processed
-residual stream once per model (its geometry differs from the raw model's), the user's hooks once per model and set
-of hook points (the numbers describe the hooked model).
-"""
+"""A result's provenance, read from the model and the call (:func:`model_provenance`): the weight processing
+(docs/loading.md, "Weight processing") and the user's hook points (docs/hooks.md, "The user's own hooks"), each
+warned once."""
 
 from typing import Any
 

@@ -1,21 +1,5 @@
-"""Pure sublayer callables of one block, with the block's norms detected from the block itself.
-
-A pre-norm block (GPT-2, Llama) computes ``x -> x + attn(LN1(x))``, then ``y -> y + MLP(LN2(y))``. A sandwich-norm
-block (Gemma 2 / 3) also normalizes each sublayer's OUTPUT before the residual add, and a post-norm-only block
-(OLMo 2) normalizes only the output. One description covers them all (see docs/gemma.md):
-
-    A(x)   = post_attn( attn( pre_attn(x) ) ),
-    Phi(y) = post_ffn ( MLP ( pre_ffn (y) ) ),
-
-where a missing norm is the identity. Which norms a block has is read from its modules (``ln1`` / ``ln1_post`` /
-``ln2`` / ``ln2_post`` on both backends), never from ``cfg`` alone; the one exception is OLMo 2 on
-HookedTransformer, whose block keeps its post-norms under the names ``ln1`` / ``ln2`` and whose forward switches on
-``cfg.original_architecture`` (we read the block's own switch).
-
-Attention on a bridge needs what the Hugging Face decoder layer would pass it: rotary ``position_embeddings``
-(per layer type on Gemma 3: local layers use their own base) and, for sliding-window layers longer than the
-window, the sliding causal mask. :func:`bridge_attention_kwargs` builds both.
-"""
+"""Pure sublayer callables of one block (pre-norm, sandwich-norm and post-norm blocks), with the block's norms
+detected from the block itself, and :func:`bridge_attention_kwargs`. See docs/gemma.md."""
 
 import dataclasses
 import inspect
@@ -115,14 +99,8 @@ def ffn_apply(blk: torch.nn.Module, norms: SublayerNorms, x3: Tensor) -> Tensor:
 
 
 def _rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
-    raw = rotary
-    for _ in range(8):
-        inner = raw._modules.get("_original_component") if isinstance(raw, torch.nn.Module) else None
-        if inner is None:
-            break
-        raw = inner
     try:
-        return "layer_type" in inspect.signature(raw.forward).parameters
+        return "layer_type" in inspect.signature(_unwrap(rotary).forward).parameters
     except (TypeError, ValueError):  # pragma: no cover
         return False
 

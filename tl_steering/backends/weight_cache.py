@@ -1,26 +1,6 @@
-"""On-disk cache of dequantized weights: one verified, atomically written directory per model, source, dtype.
-
-Dequantizing an offline GGUF checkpoint through ``transformers`` takes most of a load (about 40 s of 50 s for
-SmolLM2-135M on 2 CPU cores, tokenizer conversion included). The result is stored once as a plain Hugging Face
-model directory (``model.safetensors``, ``config.json``, tokenizer files) and every later load reads it back
-in well under a second.
-
-Layout and guarantees (see docs/loading.md):
-
-* location: ``$TL_STEERING_CACHE`` if set, else ``$XDG_CACHE_HOME/tl_steering``, else ``~/.cache/tl_steering``;
-  entries live in ``<root>/dequantized/<name>-<source sha256[:16]>-<dtype>-v<CACHE_FORMAT>/``;
-* key: the sha256 of the source file (so a changed GGUF never reuses old weights), the stored dtype,
-  :data:`CACHE_FORMAT` (bumped whenever what is written changes) and optional extra fields (the loader adds the
-  transformers version, since the config and tokenizer files are written by it);
-* verified on read: ``manifest.json`` records the sha256 and size of every file of the entry plus the key; an
-  entry whose manifest is missing, unreadable, for another key, or whose files do not hash to it (a partial or
-  corrupted copy) is deleted and rebuilt, never used;
-* written atomically: the entry is built in a temporary sibling directory and renamed into place with
-  ``os.replace``, so a killed process leaves either no entry or a complete one (never half a file). Temporary
-  directories of processes that no longer run are removed on the next build.
-
-This module knows no model library: it stores a tensor dict plus whatever files a ``build`` callback writes.
-"""
+"""On-disk cache of dequantized weights: one verified, atomically written directory per model, source, dtype
+(location, key, manifest, atomic writes: docs/loading.md). It knows no model library: it stores a tensor dict plus
+whatever files a ``build`` callback writes."""
 
 import hashlib
 import json

@@ -108,10 +108,10 @@ def plan_parallel(
 
     The default call, ``plan_parallel(model, tokens, k)``, is the best plan we measured held out (docs/parallel.md
     "Planners against the field"): the one-shot scores of :data:`ONE_SHOT_COMPARISON` compared by their
-    cross-fitted calibration loss with the linear correction, at k = 0, k // 2 and k. It costs one
+    cross-fitted calibration loss with the linear correction at k (``k_values=`` adds curve points). It costs one
     :func:`parallel_scores` call (2 forwards + 1 + ``fisher_samples`` = 9 backwards over the calibration windows)
     plus, per distinct plan of the curves, one fitting and one measuring pass over each half of the calibration
-    windows, one fit on all of them and one held-out pass: 40 forwards + 9 backwards on SmolLM2 4 x 128 at k = 15
+    windows, one fit on all of them and one held-out pass: 24 forwards + 9 backwards on SmolLM2 4 x 128 at k = 15
     (``total_cost`` says what a call ran). The uncorrected surrogate is ``refit="none"``; the searching comparison
     (hundreds of forwards) ``strategies=FULL_COMPARISON``.
 
@@ -124,7 +124,7 @@ def plan_parallel(
             :data:`PLAN_STRATEGIES` (see the module docstring).
         held_out: held-out windows (never used to choose).
         layers: blocks that may be chosen (default all).
-        k_values: k of the comparison curves (default: 0, k // 2 and k for the default comparison, else
+        k_values: k of the comparison curves (default: 0 and k for the default comparison, else
             :func:`default_k_values` up to k, and k).
         strategies: strategies compared by ``"best"`` (default :data:`ONE_SHOT_COMPARISON`, less the
             second-order scores with ``fisher_samples=0``).
@@ -196,7 +196,7 @@ def plan_parallel(
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
     if k_values is None:
-        k_values = [0, k // 2] if strategy == "best" and strategies is None else \
+        k_values = [0] if strategy == "best" and strategies is None else \
             [j for j in st.default_k_values(len(cand)) if j <= k]
     ks = sorted({st.check_k(int(j), len(cand), already) for j in k_values} | {k})
     kmax = max(ks)

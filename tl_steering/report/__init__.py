@@ -1,15 +1,5 @@
 """The report: renders a saved :class:`~tl_steering.suite.SuiteResult` as one self-contained HTML page with
-figures. It never runs a model (``tl-steering report`` runs the suite, saves ``results.json``, then calls
-:func:`render_report`; ``tl-steering render results.json --out DIR`` re-renders a saved run).
-
-Output directory:
-
-* ``index.html``: one page that opens offline (plotly.js is inlined once, every figure is embedded): the paper's
-  published numbers beside ours (each marked "same protocol, same model" / "same protocol, other model" / ...),
-  one section per protocol with its headline numbers and figures, and the provenance of every number.
-* ``figures/NAME.json`` (``plotly.io.from_json``) and ``figures/NAME.html`` (standalone; they share the
-  ``figures/plotly.min.js`` written next to them).
-"""
+figures (:func:`render_report`); it never runs a model. See docs/suite.md, "The report"."""
 
 from pathlib import Path
 

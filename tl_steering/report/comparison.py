@@ -43,13 +43,13 @@ def _paper_value(pub: dict[str, Any]) -> str:
     return pub["tolerance"] if pub["regress"] else pub["metric"]
 
 
-def _value_and_note(r: SuiteResult, number_id: str) -> tuple[Any, str]:
+def _value_and_note(r: SuiteResult, number_id: str, summary: dict[str, Any]) -> tuple[Any, str]:
     n = PUBLISHED.get(number_id)
     if n is None:
         return None, "not computed by the suite"
     try:
-        return n.get(r), n.note(r)
-    except AttributeError:  # a field of a stage that was not run is None
+        return n.get(r, summary), n.note(r)
+    except (AttributeError, KeyError):  # a stage that was not run: not in the headline, its field None
         return None, "its stage was not run"
 
 
@@ -57,9 +57,9 @@ def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
     """One row per published number (tl_steering/reference/published.json) with our value beside it."""
     model_name = r.model.name
     device = r.speedup.device if r.speedup is not None else ""
-    rows = []
+    rows, summary = [], r.summary()
     for pub in published_numbers():
-        value, note = _value_and_note(r, pub["id"])
+        value, note = _value_and_note(r, pub["id"], summary)
         if not pub["regress"]:
             relation = "not compared (definition)" if pub["spec_row"] == 9 else "not compared (low trust)"
         elif value is None:

@@ -189,7 +189,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                 **{f"fixed point: {k}": v for k, v in fp.items()},
             }
         if key == "defect" and suite.plan is not None:
-            summ = {**summ, "plan (k lowest C)": suite.plan.layers, "plan dCE": suite.plan.delta_ce_lowest}
+            summ = {**summ, "plan: strategy": suite.plan.strategy, "plan: layers": suite.plan.layers,
+                    "plan dCE": suite.plan.delta_ce_lowest}
             if suite.speedup is not None:
                 sp = _asdict(suite.speedup)
                 summ.update(

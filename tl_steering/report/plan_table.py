@@ -16,12 +16,13 @@ def plan_table(plan: Any) -> str:
         return ""
     unc = getattr(plan, "held_out_curves_uncorrected", {}) or {}
     ks = list(plan.k_values)
+    cols = [j for j, k in enumerate(ks) if k > 0]  # k = 0 is the clean model: zero everywhere
     refit = html.escape(plan.refit)
-    head = "".join(f"<th>k = {k}: none</th><th>k = {k}: {refit}</th>" for k in ks)
+    head = "".join(f"<th>k = {ks[j]}: none</th><th>k = {ks[j]}: {refit}</th>" for j in cols)
     rows = []
     for s in plan.strategies:
         cells = []
-        for j in range(len(ks)):
+        for j in cols:
             u = float(unc[s][j]) if s in unc else math.nan
             c = float(plan.held_out_curves[s][j])
             cells.append(f"<td>{_num(u if plan.refit != 'none' else c)}</td><td>{_num(c)}</td>")

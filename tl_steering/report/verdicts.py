@@ -1,15 +1,5 @@
-"""The report's verdicts, each computed from the numbers of a :class:`~tl_steering.suite.SuiteResult` (docs/suite.md,
-"Verdicts"): never a fixed text that the data could contradict.
-
-* :func:`band_verdict`: one published number against ours: inside or outside the paper's published range where the
-  paper gives one (the tolerance band shown beside it), else inside or outside the tolerance band of the paper's
-  single number or threshold, or "holds" / "does not hold" for a shape target.
-* :func:`timing_verdict`: a measured speedup (median of paired ratios over alternating rounds, its order-statistic
-  interval) beside the A/A control: "within noise" where the interval holds 1 or overlaps the control's.
-* :func:`section_verdicts`: one sentence per section of the page: the paper's claim, then our verdict on this model.
-
-Pure functions of numbers (plain text, escaped by the page).
-"""
+"""The report's verdicts (:func:`band_verdict`, :func:`timing_verdict`, :func:`section_verdicts`), pure functions of
+the numbers of a :class:`~tl_steering.suite.SuiteResult`, never a fixed text (docs/suite.md, "Verdicts")."""
 
 import dataclasses
 import math

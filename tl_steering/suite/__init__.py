@@ -1,10 +1,5 @@
-"""The suite: every protocol of the paper on one model, as one typed result (see docs/suite.md).
-
-* :func:`run_suite` — the only code that runs every protocol (stages in :data:`STAGES`);
-* :class:`SuiteSettings` / :func:`default_settings` — every knob, sized for a model's depth;
-* :class:`SuiteResult` — the typed, registered result (save/load like every result);
-* :data:`NUMBERS` — the one map from published-number ids and pinned names to SuiteResult fields.
-"""
+"""The suite: every protocol of the paper on one model, as one typed result (:func:`run_suite`, :class:`SuiteSettings`,
+:class:`SuiteResult`, the map of named numbers :data:`NUMBERS`; docs/suite.md)."""
 
 from typing import TYPE_CHECKING
 

@@ -357,28 +357,10 @@ class SuiteResult(Result):
     # stages and records added after the first suites: older files load without them
     added_fields = ("distributed", "planner", "plan_choice", "executor_choice")
 
-    def protocol_results(self) -> dict[str, Result]:
-        """The protocols' own results that were run, by field name."""
-        names = (
-            "planner",
-            "deficit",
-            "ablation",
-            "diversity",
-            "defect",
-            "defect_gold",
-            "gates",
-            "critical",
-            "critical_fixed_point",
-            "prefix",
-        )
-        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        if self.plan_choice is not None and self.plan_choice.plan is not None:
-            out["plan_choice"] = self.plan_choice.plan
-        return out
-
     def summary(self) -> dict[str, Any]:
         """The headline: the scalars the report leads with (each also inside a field of the result); stages not
-        run are left out."""
+        run are left out. Each headline number is named here once: ``tl_steering.suite.numbers`` (the published
+        and pinned maps) reads it by this name."""
         out: dict[str, Any] = {}
         if self.checks is not None:
             out.update(clean_loss=self.checks.clean_loss,
@@ -392,13 +374,21 @@ class SuiteResult(Result):
                 ffn_contribution_mean=d.ffn_contribution_mean,
             )
         if self.ablation is not None:
-            out.update({f"ablation_delta_loss_{k}": val for k, val in self.ablation.delta_loss.items()})
+            out.update({f"ablation_delta_loss_{k}": self.ablation.delta_loss.get(k, math.nan)
+                        for k in ("tangential", "radial", *self.ablation.delta_loss)})
             out["ablation_ratio_to_zero_radial"] = self.ablation.ratio_to_zero.get("radial", math.nan)
         if self.diversity is not None:
             vs = self.diversity.summary()
+            cos = {f"diversity_final_pairwise_cosine{s}": vs.get(f"final_pairwise_cosine{s}", math.nan)
+                   for s in ("", "_tangential", "_radial")}
+            clean, tan, rad = cos.values()
             out.update(
                 diversity_frac_layers_attention_concentrates=vs["frac_layers_attention_concentrates"],
                 diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"],
+                **cos,
+                # the paper's reading: the tangential-only FFN keeps the final diversity closer to the clean run
+                diversity_tangential_preserves=(abs(tan - clean) < abs(rad - clean))
+                if math.isfinite(tan + rad + clean) else None,
             )
         if self.defect is not None:
             cs = self.defect.summary()
@@ -408,7 +398,8 @@ class SuiteResult(Result):
                 defect_spearman_C=self.defect.spearman.get("C", math.nan),
             )
         if self.plan is not None:
-            out.update(plan_k=self.plan.k, plan_layers=self.plan.layers, plan_delta_ce=self.plan.delta_ce_lowest)
+            out.update(plan_k=self.plan.k, plan_layers=self.plan.layers, plan_delta_ce=self.plan.delta_ce_lowest,
+                       plan_high_over_low=self.plan.high_over_low)
         if self.speedup is not None:
             out.update(speedup_estimate=self.speedup.speedup,
                        speedup_estimate_with_other=self.speedup.speedup_with_other)

@@ -203,7 +203,7 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     ad = c.ad
     n_cand = sum(1 for lay in range(ad.n_layers) if not ad.is_parallel(lay))
     k = min(s.plan_k, n_cand)
-    ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k // 2, k})
+    ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k})
     plan = plan_parallel(c.model, cal, k, strategy="best", held_out=held, strategies=names, seed=c.seed,
                          batch_size=s.batch_size, corpus=c.corpus, fisher_samples=fisher, refit=s.plan_choice_refit,
                          k_values=ks, uncorrected_curves=True)

@@ -69,7 +69,7 @@ class SuiteSettings:
             the held-out windows (``plan_parallel(..., uncorrected_curves=True)``, the report's plan table).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
-        plan_choice_k_values: the k of the compared curves (None: 0, k/2 and k; every point costs one
+        plan_choice_k_values: the k of the compared curves (None: 0 and k, the table of equal k; every point costs one
             forward over the calibration and one over the held-out windows per distinct layer set).
         parallel_repeats: alternating timing rounds of the executor stage (each round: one whole forward of the
             original, of the original again as the A/A control, and of every parallel copy; docs/suite.md).

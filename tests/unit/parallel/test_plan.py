@@ -259,7 +259,7 @@ def test_strategies_on_hand_made_scores():
 
 def test_the_default_call(planner_model):
     """plan_parallel(model, tokens, k) alone: the one-shot comparison with the cross-fitted linear correction at
-    k = 0, k // 2, k on the first half of the windows; the choice is the strategy of lowest out-of-fold
+    k (curves at 0 and k) on the first half of the windows; the choice is the strategy of lowest out-of-fold
     calibration dCE, its held-out dCE is its corrections run as hooks on the second half, and total_cost counts
     the passes the call ran."""
     from tl_steering.data.batching import mean_loss
@@ -268,7 +268,7 @@ def test_the_default_call(planner_model):
     toks = torch.randint(1, 257, (8, 12), generator=torch.Generator().manual_seed(7))
     p = ts.plan_parallel(planner_model, toks, 3)
     assert p.strategies == list(ONE_SHOT_COMPARISON) and p.refit == "linear" and p.options["refit_crossfit"]
-    assert p.k_values == [0, 1, 3] and (p.n_calibration, p.n_held_out) == (4, 4)
+    assert p.k_values == [0, 3] and (p.n_calibration, p.n_held_out) == (4, 4)
     cal_at_k = p.at_k("calibration")
     assert p.strategy == min(p.strategies, key=lambda s: (cal_at_k[s], p.strategies.index(s)))
     held = toks[4:]
