@@ -186,6 +186,7 @@ def find_equilibria(
     landscape_solves: int = 256,
     homotopy_steps: int = 300,
     homotopy_roots: int = 64,
+    homotopy_kind: str = "fixed_point",
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
@@ -303,8 +304,10 @@ def find_equilibria(
         if solver != "dense":
             raise InputError(f"method='homotopy' needs dense Jacobians (d <= {DENSE_MAX_DIM}); use method='lm' with "
                              "eigensolver='arpack' above that")
+        if homotopy_kind not in ("newton", "fixed_point"):
+            raise InputError(f"homotopy_kind must be 'newton' or 'fixed_point'; got {homotopy_kind!r}")
         u, rel, iters, status, kinds, flow_info = homotopy_finder(fld, u0, kinds, tol, int(homotopy_steps),
-                                                                  int(homotopy_roots))
+                                                                  int(homotopy_roots), homotopy_kind)
         n_run = u.shape[0]
     if method in ("flow", "flow+lm", "landscape"):
         if solver != "dense":
@@ -405,7 +408,7 @@ def find_equilibria(
                "start_residuals": [float(x) for x in rel.cpu()],
                "edge_pairs": int(edge_pairs), "landscape": bool(landscape), "landscape_dirs": int(landscape_dirs),
                "landscape_solves": int(landscape_solves), "homotopy_steps": int(homotopy_steps),
-               "homotopy_roots": int(homotopy_roots), **flow_info}
+               "homotopy_roots": int(homotopy_roots), "homotopy_kind": homotopy_kind, **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()

@@ -65,16 +65,20 @@ def test_default_finder_finds_every_planted_equilibrium_d576():
     assert r.n_points == 16
 
 
-def test_homotopy_reaches_roots_of_every_kind_and_only_roots():
-    """Newton homotopy from 8 random starts, both directions (16 paths), d = 12, linear planted field (seed 1):
-    every path crosses t = 1; every point reported is a planted equilibrium (a linear field has no other) with its
-    λ, index and label; the sample holds attractors, repellers and saddles of low, middle and high index
-    (measured: 15 of the 16 planted points, 300 steps per path)."""
+@pytest.mark.parametrize("kind", ["fixed_point", "newton"])
+def test_homotopy_reaches_roots_of_every_kind_and_only_roots(kind):
+    """The homotopy finder from 8 random starts (16 paths: F and -F for the fixed-point homotopy, both directions for
+    the Newton one), d = 12, linear planted field (seed 1), 300 steps per path: every path crosses t = 1; every point
+    reported is a planted equilibrium (a linear field has no other) with its λ, index and label; the sample holds
+    attractors, repellers and saddles of low, middle and high index (measured: 16 of the 16 planted points for
+    both kinds, seeds 0 and 1)."""
     p = planted_field(12, seed=1)
-    r = find_equilibria(p, 12, n_starts=8, seed=1, method="homotopy")
+    r = find_equilibria(p, 12, n_starts=8, seed=1, method="homotopy", homotopy_kind=kind)
     assert r.method == "homotopy" and r.options["paths"] == 16 and r.options["paths_reaching_t1"] == 16
+    assert r.options["homotopy_kind"] == kind
     found = _found(p, r)
-    assert sum(ok for _, ok in found) == r.n_points >= 12
+    assert sum(ok for _, ok in found) == r.n_points >= 14
     assert {0, 1, 6, 10, 11} <= {k for k, ok in found if ok}
     counts = r.counts()
-    assert counts["attractor"] >= 1 and counts["repeller"] >= 1 and counts["saddle"] >= 8
+    assert counts["attractor"] >= 1 and counts["repeller"] >= 1 and counts["saddle"] >= 10
+    assert all(s >= 1 for s in r.options["first_crossing_step"])
