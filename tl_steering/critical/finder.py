@@ -16,7 +16,7 @@ from torch import Tensor
 from ..errors import InputError
 from ..results import Provenance
 from .fields import Field, _add_distinct, _FieldAdapter, _match_point, _normalize, relative_residual
-from .dynamics import edge_track, power_iterate
+from .dynamics import _flow
 from .homotopy import homotopy_finder
 from .landscape import landscape_phase
 from .reflected import reflected_finder
@@ -28,8 +28,6 @@ from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 Method = Literal["landscape", "lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected", "homotopy"]
 Eigensolver = Literal["auto", "dense", "arpack"]
 METHODS: tuple[str, ...] = ("landscape", "lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected", "homotopy")
-#: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
-SHIFTS = (1.0, 4.0)
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
 STATUS = ("converged", "stalled", "no_decrease", "iteration_limit")
 
@@ -61,100 +59,6 @@ def _prepare_starts(starts: Tensor | None, dim: int, n_starts: int, seed: int, d
     rand = torch.randn(n_random, dim, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     rand = _normalize(rand)
     return torch.cat([given, rand]), ["given"] * given.shape[0] + ["random"] * n_random
-
-
-def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
-    """Up to ``n_pairs`` pairs of rows whose fixed points differ: ``ends`` holds each row's fixed-point id (-1:
-    none). The first row reaching each point represents it; pairs of points are taken by increasing distance in
-    order of discovery ((1,2), (2,3), ..., then (1,3), ...), so that every point takes part before any repeats."""
-    first: dict[int, int] = {}
-    for row, e in enumerate(ends):
-        if e >= 0 and e not in first:
-            first[e] = row
-    ids = list(first)
-    out: list[tuple[int, int]] = []
-    for gap in range(1, len(ids)):
-        for i in range(len(ids) - gap):
-            if len(out) >= n_pairs:
-                return out
-            out.append((first[ids[i]], first[ids[i + gap]]))
-    return out
-
-
-def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter: int, patience: int,
-          pre_iter: int, edge_pairs: int, dedup_angle: float) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
-    """method="flow": power phase (both signs) and edge phase (:mod:`tl_steering.critical.dynamics`), each
-    finished by LM without deflation. Rows: 2n power rows, then one row per edge pair; where the power phase
-    reaches no point at all, n more rows: LM from the starts (the map has no fixed point there)."""
-    n, dim = u0.shape
-    dev, dt = u0.device, u0.dtype
-    sign = torch.cat([torch.ones(n, dtype=dt, device=dev), -torch.ones(n, dtype=dt, device=dev)])
-    starts = torch.cat([u0, u0])
-    clock = time.perf_counter()
-    up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
-    shift = torch.zeros(2 * n, dtype=dt, device=dev)
-    for half in (slice(0, n), slice(n, 2 * n)):  # a sign whose map fixes nothing: the shifted map (damped rotation)
-        for factor in SHIFTS:
-            if bool((relp[half] < 1e-2).any()):
-                break
-            shift[half] = factor * fld.many_no_grad(u0).norm(dim=-1).median()
-            up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
-    seconds = {"power": time.perf_counter() - clock}
-
-    def finish(u: Tensor, rel: Tensor, near: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        status = torch.where(rel <= tol, 0, 1).cpu()
-        iters = torch.zeros(u.shape[0], dtype=torch.long)
-        todo = ((rel > tol) & (rel < near)).nonzero().flatten()
-        if todo.numel():
-            ub, rb, ib, sb = lm_solve(fld, u[todo], u[:0], tol, max_iter, patience=patience)
-            u, rel = u.clone(), rel.clone()
-            u[todo], rel[todo] = ub.detach(), rb
-            status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
-        return u, rel, iters, status
-
-    clock = time.perf_counter()
-    u, rel, iters, status = finish(up, relp, 1e-2)
-    seconds["power_finish"] = time.perf_counter() - clock
-    # fixed-point ids per sign (angle <= 1e-6 is one point)
-    ends = [-1] * (2 * n)
-    points = u[:0]
-    for i in (status == 0).nonzero().flatten().tolist():
-        hit = _match_point(points, u[i], max(dedup_angle, 1e-6))
-        if hit < 0:
-            points = torch.cat([points, u[i][None]])
-            hit = points.shape[0] - 1
-        ends[i] = hit
-    plus = _edge_pairs(ends[:n], edge_pairs - edge_pairs // 2)
-    minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], edge_pairs - len(plus))]
-    if len(plus) < edge_pairs - edge_pairs // 2:
-        plus = _edge_pairs(ends[:n], edge_pairs - len(minus))
-    pairs = plus + minus
-    row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
-    info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
-            "fixed_points_of_map": points.shape[0], "shift": [float(shift[0]), float(shift[-1])]}
-    if pairs:
-        ia = torch.tensor([a for a, _ in pairs], device=dev)
-        ib_ = torch.tensor([b for _, b in pairs], device=dev)
-        clock = time.perf_counter()
-        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia], shift=shift[ia])
-        seconds["edge"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        ue, rele, ie, se = finish(ue, rele, 5e-2)
-        seconds["edge_finish"] = time.perf_counter() - clock
-        u, rel = torch.cat([u, ue]), torch.cat([rel, rele])
-        iters, status = torch.cat([iters, ie]), torch.cat([status, se])
-        row_kinds += [f"edge{'+' if a < n else '-'}" for a, _ in pairs]
-        info["edge_converged"] = int((se == 0).sum())
-    if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
-        clock = time.perf_counter()
-        ul, rl, il, sl = lm_solve(fld, u0, u0[:0], tol, max_iter, patience=patience)
-        seconds["lm_fallback"] = time.perf_counter() - clock
-        u, rel = torch.cat([u, ul.detach()]), torch.cat([rel, rl])
-        iters, status = torch.cat([iters, il.cpu()]), torch.cat([status, sl.cpu()])
-        row_kinds += [f"{k}/lm" for k in kinds]
-        info["lm_rows"] = n
-    info["phase_seconds"] = seconds
-    return u, rel, iters, status, row_kinds, info
 
 
 def find_equilibria(
@@ -190,7 +94,10 @@ def find_equilibria(
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
-    Solver (``method="lm"``, the default): Levenberg-Marquardt on the deflated, scale-invariant tangent residual
+    Default (``method=None``): ``"landscape"`` for d <= 1024 (the flow finder, then the solution-landscape phase of
+    :mod:`tl_steering.critical.landscape`: deflated Newton from every point found along the real tangent
+    eigenvectors nearest zero, which reaches equilibria of every Morse index), ``"lm"`` above. ``method="lm"``:
+    Levenberg-Marquardt on the deflated, scale-invariant tangent residual
     with the exact dense Jacobian (:mod:`tl_steering.critical.solver`). The starts run in rounds of
     ``batch_size``; with ``deflation`` every round deflates the distinct equilibria found by the rounds before it,
     so repeated solves find new points. ``method="riemannian"`` / ``"fixed_point"`` first run up to ``pre_iter``
@@ -214,7 +121,9 @@ def find_equilibria(
             basins, :mod:`tl_steering.critical.dynamics`; 2 rows per start + ``edge_pairs`` rows) or "flow+lm"
             (flow, then LM from the same starts with the flow's points deflated; the most complete on small fields) or
             "reflected" (reflected flow, every hyperbolic equilibrium an attractor: no bias toward stability;
-            ``max_iter`` is its step limit per row; :mod:`tl_steering.critical.reflected`).
+            ``max_iter`` is its step limit per row; :mod:`tl_steering.critical.reflected`) or "landscape" (the
+            default: "flow", then the landscape phase) or "homotopy" (homotopy paths from every start through every
+            crossing of t = 1, :mod:`tl_steering.critical.homotopy`: the unbiased sample; 2 paths per start).
         deflation: deflate the points found by earlier rounds.
         resolve: solve the starts that failed under deflation once more without it (they then converge to an
             already known point or to a new one; ``options["converged_deflated"]`` counts the first kind of success).
@@ -231,6 +140,10 @@ def find_equilibria(
         edge_pairs: "flow" / "flow+lm": pairs of basins whose boundary saddle is tracked (half per sign).
         landscape: "reflected": also run the solution-landscape searches next to every point found
             (:mod:`tl_steering.critical.reflected`; 4 rows per point).
+        landscape_dirs, landscape_solves: "landscape": real tangent eigenvectors per side of zero per point (both
+            signs each) and the most deflated Newton rows of the phase.
+        homotopy_steps, homotopy_roots, homotopy_kind: "homotopy": accepted steps per path, crossings of t = 1 after
+            which a path stops, and "fixed_point" (h = t F̂ + (1-t) u0, for F and -F; the default) or "newton".
 
     Returns:
         An :class:`EquilibriaResult` (empty tensors when no start converged); ``options["start_status"]`` holds the
