@@ -47,14 +47,14 @@ def test_critical_points_first_layer(smollm2):
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_flow_finder_first_and_middle_layer(smollm2):
-    """The default finder (method="flow") on SmolLM2. Layer 0: every power row converges, to the same two points
+    """The flow finder (method="flow", the default before the landscape phase) on SmolLM2. Layer 0: every power row converges, to the same two points
     (1 attractor, 1 repeller of index d - 2 = 575): the evidence that this layer has fewer than 3 points the
     dynamics reach. Layer 5 (8 starts: 16 power rows + edge rows): several attractors and repellers and at least
     one boundary saddle of index 1 or d - 3 = 574 (measured on the TL 4.3 bridge, docs/critical_points.md)."""
     from tl_steering import critical_points
 
     fp = weights_fingerprint(smollm2)
-    s = critical_points(smollm2, [0, 5], n_starts=8)
+    s = critical_points(smollm2, [0, 5], n_starts=8, method="flow")
     r0, r5 = s.result(0), s.result(5)
     assert r0.method == "flow" and r0.options["power_rows"] == 16
     assert r0.options["power_converged"] == 16 and r0.n_points == 2
@@ -76,14 +76,14 @@ def test_flow_finder_first_and_middle_layer(smollm2):
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_critical_points_every_layer(smollm2):
-    """Issue 13's every-layer acceptance with the default flow finder (16 starts per layer, ~7 minutes on one
+    """Issue 13's every-layer acceptance with the flow finder (16 starts per layer, ~7 minutes on one
     thread; run with ``pytest -m slow``). Measured on the TL 4.3 bridge (docs/critical_points.md, section 6.2):
     30/30 layers with at least half of the rows converged to 1e-10, 28/30 with >= 3 distinct points (layers 0 and
     29: 2 points, every power row converging to them), 407 points: 172 attractors, 149 repellers, 86 saddles."""
     ad = adapt(smollm2)
     fp = weights_fingerprint(smollm2)
     t0 = time.perf_counter()
-    s = critical_points(smollm2)  # tokens: text_tokens(model, n_windows=4, length=64); 16 starts
+    s = critical_points(smollm2, method="flow")  # tokens: text_tokens(model, n_windows=4, length=64); 16 starts
     elapsed = time.perf_counter() - t0
     summ = s.summary()
     print("\ncritical points per layer [attractor, repeller, saddle, degenerate]:", s.counts.tolist())

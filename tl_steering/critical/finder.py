@@ -17,15 +17,17 @@ from ..errors import InputError
 from ..results import Provenance
 from .fields import Field, _add_distinct, _FieldAdapter, _match_point, _normalize, relative_residual
 from .dynamics import edge_track, power_iterate
+from .homotopy import homotopy_finder
+from .landscape import landscape_phase
 from .reflected import reflected_finder
 from .firstorder import _fixed_point, _newton, _riemannian_descent
 from .results import EquilibriaResult, PointClassification
 from .solver import GAUSS_NEWTON_BELOW, lm_solve
 from .spectrum import DENSE_MAX_DIM, _classify, _resolve_eigensolver, _Spectrum
 
-Method = Literal["lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected"]
+Method = Literal["landscape", "lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected", "homotopy"]
 Eigensolver = Literal["auto", "dense", "arpack"]
-METHODS: tuple[str, ...] = ("lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected")
+METHODS: tuple[str, ...] = ("landscape", "lm", "riemannian", "fixed_point", "flow", "flow+lm", "reflected", "homotopy")
 #: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
 SHIFTS = (1.0, 4.0)
 #: outcome of a start, by status code of :func:`tl_steering.critical.solver.lm_solve`
@@ -164,7 +166,7 @@ def find_equilibria(
     tol: float = 1e-10,
     dedup_angle: float = 1e-6,
     max_iter: int = 60,
-    method: Method = "lm",
+    method: Method | None = None,
     deflation: bool = True,
     resolve: bool = True,
     batch_size: int = 4,
@@ -180,6 +182,10 @@ def find_equilibria(
     rot_ratio: float = 0.1,
     edge_pairs: int = 8,
     landscape: bool = True,
+    landscape_dirs: int = 2,
+    landscape_solves: int = 256,
+    homotopy_steps: int = 300,
+    homotopy_roots: int = 64,
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
@@ -237,16 +243,21 @@ def find_equilibria(
     dim = _check_dim(dim)
     if isinstance(n_starts, bool) or not isinstance(n_starts, (int, np.integer)) or n_starts < 1:
         raise InputError(f"n_starts must be an int >= 1; got {n_starts!r}")
-    if method not in METHODS:
-        raise InputError(f"unknown method {method!r}; use one of {METHODS} ('lm' is the default)")
     solver = _resolve_eigensolver(eigensolver, dim, n_eigs)
+    if method is None:  # the default finder: flow + solution landscape where the dense end game exists
+        method = "landscape" if solver == "dense" else "lm"
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; use one of {METHODS} (default: 'landscape' for d <= 1024, "
+                         "'lm' above)")
     for name, value in (("tol", tol), ("dedup_angle", dedup_angle), ("label_tol", label_tol)):
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < 1):
             raise InputError(f"{name} must be a float in (0, 1); got {value!r}")
     if not (isinstance(rot_ratio, (int, float)) and rot_ratio >= 0):
         raise InputError(f"rot_ratio must be a float >= 0; got {rot_ratio!r}")
     for name, value, low in (("max_iter", max_iter, 0), ("batch_size", batch_size, 1), ("patience", patience, 1),
-                             ("pre_iter", pre_iter, 0), ("edge_pairs", edge_pairs, 0)):
+                             ("pre_iter", pre_iter, 0), ("edge_pairs", edge_pairs, 0),
+                             ("landscape_dirs", landscape_dirs, 1), ("landscape_solves", landscape_solves, 0),
+                             ("homotopy_steps", homotopy_steps, 1), ("homotopy_roots", homotopy_roots, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise InputError(f"{name} must be an int >= {low}; got {value!r}")
     if not (deflation_power > 0 and deflation_shift >= 0):
@@ -288,20 +299,27 @@ def find_equilibria(
         u, rel, iters, status, kinds, flow_info = reflected_finder(fld, u0, kinds, tol, int(max_iter),
                                                                    bool(landscape), dedup_angle)
         n_run = u.shape[0]
-    if method in ("flow", "flow+lm"):
+    if method == "homotopy":
+        if solver != "dense":
+            raise InputError(f"method='homotopy' needs dense Jacobians (d <= {DENSE_MAX_DIM}); use method='lm' with "
+                             "eigensolver='arpack' above that")
+        u, rel, iters, status, kinds, flow_info = homotopy_finder(fld, u0, kinds, tol, int(homotopy_steps),
+                                                                  int(homotopy_roots))
+        n_run = u.shape[0]
+    if method in ("flow", "flow+lm", "landscape"):
         if solver != "dense":
             raise InputError(f"method={method!r} needs the dense end game (d <= {DENSE_MAX_DIM}); use method='lm' "
                              "with eigensolver='arpack' above that")
         uf, relf, itf, stf, kindf, flow_info = _flow(fld, u0, kinds, tol, int(max_iter), int(patience),
                                                      int(pre_iter), int(edge_pairs), dedup_angle)
-        if method == "flow":
+        if method in ("flow", "landscape"):
             u, rel, iters, status, kinds = uf, relf, itf, stf, kindf
             n_run = u.shape[0]
         else:  # then LM from the same starts with every point of the flow deflated: it looks for other points
             flow_rows = (uf, relf, itf, stf, kindf)
             known = _add_distinct(known, uf[stf.to(uf.device) == 0], dedup_angle)
             kinds = [f"{k}/lm" for k in kinds]
-    for lo in range(0, n_run if method not in ("flow", "reflected") else 0, int(batch_size)):
+    for lo in range(0, n_run if method not in ("flow", "reflected", "landscape", "homotopy") else 0, int(batch_size)):
         sl = slice(lo, min(n_run, lo + int(batch_size)))
         if solver == "dense":
             ub, rb, ib, sb = lm_solve(fld, u0[sl], known if deflation else known[:0], tol, int(max_iter),
@@ -317,7 +335,7 @@ def find_equilibria(
         known = _add_distinct(known, ub[sb.to(ub.device) == 0].detach(), dedup_angle)
     n_deflated = int((status == 0).sum())
     failed = (status != 0).nonzero().flatten()
-    if method not in ("flow", "reflected") and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
+    if method not in ("flow", "reflected", "landscape", "homotopy") and deflation and resolve and solver == "dense" and known.shape[0] and failed.numel():
         # a deflated start that stalls has usually only known roots nearby: solve it again without deflation, so
         # that the converged count measures the solver, not how many roots were left to find
         ub, rb, ib, sb = lm_solve(fld, u0[failed.to(device)], known[:0], tol, int(max_iter),
@@ -331,6 +349,18 @@ def find_equilibria(
         u, rel = torch.cat([uf.to(u.dtype), u]), torch.cat([relf, rel])
         iters, status, kinds = torch.cat([itf, iters]), torch.cat([stf, status]), kindf + kinds
         n_run = u.shape[0]
+    if method == "landscape" and int(landscape_solves) > 0:
+        clock = time.perf_counter()
+        seeds = _add_distinct(u[:0], u[(status == 0).to(u.device)].detach(), dedup_angle)
+        if seeds.shape[0]:
+            ul, rl, il, sl, kl, linfo = landscape_phase(fld, seeds, tol, int(max_iter), dedup_angle,
+                                                        dirs=int(landscape_dirs), max_solves=int(landscape_solves),
+                                                        patience=int(patience))
+            u, rel = torch.cat([u.detach(), ul.detach().to(u.dtype)]), torch.cat([rel, rl.to(rel.dtype)])
+            iters, status, kinds = torch.cat([iters, il]), torch.cat([status, sl]), list(kinds) + kl
+            n_run = u.shape[0]
+            flow_info.update(linfo)
+        flow_info.setdefault("phase_seconds", {})["landscape"] = time.perf_counter() - clock
     converged = (status == 0).nonzero().flatten().tolist()
 
     # deduplicate in start order; the representative is the first start that reached the point
@@ -373,7 +403,9 @@ def find_equilibria(
                "rot_ratio": rot_ratio, "field_mode": fld.mode, "dense_max_dim": DENSE_MAX_DIM,
                "start_status": outcome, "converged_deflated": n_deflated, "resolve": bool(resolve), "iterations": iters.tolist(),
                "start_residuals": [float(x) for x in rel.cpu()],
-               "edge_pairs": int(edge_pairs), "landscape": bool(landscape), **flow_info}
+               "edge_pairs": int(edge_pairs), "landscape": bool(landscape), "landscape_dirs": int(landscape_dirs),
+               "landscape_solves": int(landscape_solves), "homotopy_steps": int(homotopy_steps),
+               "homotopy_roots": int(homotopy_roots), **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()

@@ -265,9 +265,12 @@ def critical_points(
         sequence: which sequence supplies the frozen prefix (attention/block).
         corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
         **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size,
-            edge_pairs, ...). ``method`` defaults to ``"flow"`` (power iteration of both signs, then edge tracking
-            between basins: attractors, repellers and boundary saddles, see docs/critical_points.md), or ``"lm"``
-            where the dense end game is not available (d_model above the dense limit or ``eigensolver="arpack"``).
+            edge_pairs, landscape_solves, ...). ``method`` defaults to ``"landscape"`` (the flow finder: power
+            iteration of both signs and edge tracking between basins, then the solution-landscape phase: deflated
+            Newton along the tangent eigenvectors of every point found, which reaches saddles of any index; see
+            docs/critical_points.md), or ``"lm"`` where the dense end game is not available (d_model above the
+            dense limit or ``eigensolver="arpack"``). ``method="homotopy"`` is the unbiased sample (Newton
+            homotopy from every start); ``"flow"`` the finder without the landscape phase.
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
@@ -282,9 +285,9 @@ def critical_points(
     if "starts" in finder_kwargs or "dim" in finder_kwargs:
         raise InputError("critical_points chooses the starts (half token directions, half random) and dim itself;"
                          " call tl_steering.find_equilibria with critical_field(...) for your own")
-    if "method" not in finder_kwargs:  # the flow finder needs the dense end game
+    if "method" not in finder_kwargs:  # the landscape finder needs the dense end game
         dense = eigensolver == "dense" or (eigensolver == "auto" and ad.d_model <= DENSE_MAX_DIM)
-        finder_kwargs["method"] = "flow" if dense else "lm"
+        finder_kwargs["method"] = "landscape" if dense else "lm"
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)

@@ -41,22 +41,37 @@ class PlantedField:
     lambdas: Tensor
     index: list[int]
     labels: list[str]
+    axes: Tensor | None = None
+    coupling: Tensor | None = None
 
     @property
     def dim(self) -> int:
         return int(self.matrix.shape[0])
 
     def __call__(self, u: Tensor) -> Tensor:
-        return u @ self.matrix.to(u.dtype).T
+        out = u @ self.matrix.to(u.dtype).T
+        if self.coupling is None or self.axes is None:
+            return out
+        y = (u @ self.axes.to(u.dtype)) ** 2  # x_j² along the 8 planted axes
+        i, k = torch.triu_indices(y.shape[-1], y.shape[-1], 1)
+        return out + (y[..., i] * y[..., k]) @ self.coupling.to(u.dtype).T
 
 
-def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3) -> PlantedField:
-    """A linear field on S^{dim-1} with 16 equilibria of Morse indices 0, 1, 2, 3, d/2, d-3, d-2, d-1 (each ±).
+def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3, quartic: float = 0.0) -> PlantedField:
+    """A field on S^{dim-1} with 16 planted equilibria of Morse indices 0, 1, 2, 3, d/2, d-3, d-2, d-1 (each ±).
+
+    With ``quartic`` = γ > 0 the field is nonlinear: F(u) = A u + γ Z_8 W p(x), x = Z_8ᵀ u the coordinates along
+    the 8 planted axes (T's first 8 columns are then diagonal, so the real eigenvectors of A are the axes z_j),
+    p(x) = (x_i² x_k²)_{i<k} and W a seeded Gaussian d × 28 matrix whose columns have norm ~γ (scaled by 1/√d), in the basis Z. p and its first
+    derivative vanish at every axis, so ±z_j stay equilibria with the linear field's λ and tangent spectrum (same
+    indices and labels), while the great circles between axes are no longer invariant and further equilibria may
+    appear (they are not part of the ground truth).
 
     Args:
         dim: d, a multiple of 4, at least 12 (so that d/2 is even and there are (d - 8)/2 >= 2 rotation pairs).
         seed: seed of the basis, the pairs' values and the non-normal part.
         non_normal: scale of T's strictly upper part (0: a normal matrix).
+        quartic: γ, the scale of the quartic coupling (0: the linear field).
     """
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 12 or dim % 4:
         raise InputError(f"dim must be a multiple of 4 and >= 12; got {dim!r}")
@@ -74,6 +89,8 @@ def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3) -> PlantedFi
     upper = np.triu(rng.standard_normal((dim, dim)), 1) * (non_normal / np.sqrt(dim))
     for k in range(n_pairs):  # keep each 2×2 block a standard rotation block
         upper[8 + 2 * k, 9 + 2 * k] = 0.0
+    if quartic:
+        upper[:8, :8] = 0.0  # the real eigenvectors are then the first 8 axes
     t = t + upper
     z, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
     mat = z @ t @ z.T
@@ -87,8 +104,12 @@ def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3) -> PlantedFi
     lambdas = np.concatenate([mus, mus])
     index = index_of + index_of
     labels = ["attractor" if k == 0 else "repeller" if k == dim - 1 else "saddle" for k in index]
+    axes = coupling = None
+    if quartic:
+        w = rng.standard_normal((dim, 28)) * (float(quartic) / np.sqrt(dim))  # columns of norm ~γ
+        axes, coupling = torch.as_tensor(z[:, :8].copy()), torch.as_tensor(z @ w)
     return PlantedField(matrix=torch.as_tensor(mat), points=torch.as_tensor(points), lambdas=torch.as_tensor(lambdas),
-                        index=index, labels=labels)
+                        index=index, labels=labels, axes=axes, coupling=coupling)
 
 
 __all__ = ["PlantedField", "planted_field"]

@@ -231,6 +231,15 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 
 
 SAMPLE_NOTES = {
+    "landscape": "the flow finder's sample (attractors, repellers, boundary saddles) plus the solution landscape: "
+                 "deflated Newton solves along the real tangent eigenvectors of every point found reach its "
+                 "neighbours of any index, breadth first within a solve budget; which points are reached depends "
+                 "on the flow's seeds and the budget, so the fraction describes this sample",
+    "homotopy": "the equilibria crossed by Newton-homotopy paths from the starts (both directions, through every "
+                "crossing of t = 1 up to the step cap): Newton's flow has every nondegenerate equilibrium as an "
+                "attractor whatever its index, so no bias toward stability; the remaining bias is which roots the "
+                "paths pass (on a linear field, those with λ in the swept range, nearest the start's shift first) "
+                "and the paths that reach no root (counted)",
     "flow": "what the dynamics reach: attractors and repellers (power iteration) and boundary saddles of index 1 or "
             "d-2 (edge tracking); saddles of middle index are out of its reach, so the fraction describes this "
             "sample, not all equilibria of the field",

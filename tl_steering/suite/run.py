@@ -323,7 +323,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             method=method,
             corpus=c.corpus,
         )
-        if method in ("flow", "riemannian", "reflected"):
+        if method in ("flow", "landscape", "homotopy", "riemannian", "reflected"):
             res.critical = summ
         else:
             res.critical_fixed_point = summ

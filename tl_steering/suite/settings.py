@@ -31,7 +31,7 @@ STAGES: tuple[str, ...] = (
 #: :data:`tl_steering.parallel.strategies.ONE_SHOT_COMPARISON`), beside the field's :data:`PEER_SCORES`.
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ONE_SHOT_COMPARISON
 
-CRITICAL_METHODS: tuple[str, ...] = ("flow", "riemannian", "fixed_point", "reflected")
+CRITICAL_METHODS: tuple[str, ...] = ("flow", "landscape", "homotopy", "riemannian", "fixed_point", "reflected")
 
 
 @register
@@ -77,9 +77,10 @@ class SuiteSettings:
             windows keep the rounds cheap (4 forwards a round), the loss still runs over every window.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
-            (``critical_methods`` among ``"flow"`` (the default), ``"riemannian"``, ``"fixed_point"`` and
-            ``"reflected"`` (no bias toward stability, ~100x the cost: docs/critical_points.md section 8);
-            "flow"/"riemannian"/"reflected" fill ``critical``, "fixed_point" fills ``critical_fixed_point``).
+            (``critical_methods`` among ``"flow"`` (the report's default: its ~20 s share), ``"landscape"`` (the
+            default of ``critical_points``: flow + solution landscape), ``"homotopy"`` (the unbiased sample),
+            ``"riemannian"``, ``"fixed_point"`` and ``"reflected"``: docs/critical_points.md sections 8-9;
+            all but "fixed_point" fill ``critical``, "fixed_point" fills ``critical_fixed_point``).
         critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
         prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
         batch_size: windows per forward.

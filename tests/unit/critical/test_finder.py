@@ -58,7 +58,7 @@ def _check_symmetric_point(p: torch.Tensor, lam: float, eigs: torch.Tensor, labe
 
 
 def test_symmetric_linear_random_starts_find_only_eigenvectors():
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=64, seed=0)
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=64, seed=0, method="lm")
     assert res.n_starts == 64 and res.n_converged == 64 and res.eigensolver == "dense"
     assert res.eigenvalues.shape == (res.n_points, 5) and res.eigenvalues.dtype == torch.complex128
     assert bool((res.residuals < 1e-8).all())
@@ -81,7 +81,7 @@ def test_symmetric_linear_random_starts_find_only_eigenvectors():
 def test_symmetric_linear_all_twelve_from_perturbed_starts():
     g = torch.Generator().manual_seed(3)
     starts = torch.cat([V.T, -V.T]) + 0.01 * torch.randn(12, 6, generator=g, dtype=F64)
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=12, starts=starts)
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=12, starts=starts, method="lm")
     assert res.n_points == 12
     assert res.start_kind == ["given"] * 12
     seen = {_check_symmetric_point(res.points[k], float(res.lambdas[k]), res.eigenvalues[k], res.labels[k],
@@ -129,7 +129,7 @@ def test_antisymmetric_part_gives_rotational_modes():
         1: (1.0, "saddle"),
         2: (-2.0, "repeller"),
     }
-    res = find_equilibria(lambda u: m @ u, 5, n_starts=6, starts=torch.cat([r[:, :3].T, -r[:, :3].T]))
+    res = find_equilibria(lambda u: m @ u, 5, n_starts=6, starts=torch.cat([r[:, :3].T, -r[:, :3].T]), method="lm")
     assert res.n_points == 6 and res.options["field_mode"] == "vmap"
     for p, lam, eigs, label, rot, ratio in zip(res.points, res.lambdas, res.eigenvalues, res.labels,
                                                res.rotational, res.max_im_re):
@@ -170,7 +170,7 @@ def test_quadratic_field_known_equilibria_and_spectra():
     def field(u):
         return u @ a_mat.T + c * (u @ a)[..., None] ** 2 * a
 
-    res = find_equilibria(field, d, n_starts=64, seed=0)
+    res = find_equilibria(field, d, n_starts=64, seed=0, method="lm")
     for sign, lam in ((1.0, mu_a + c), (-1.0, mu_a - c)):
         hit = [k for k in range(res.n_points) if float(res.points[k] @ (sign * a)) > 1 - 1e-10]
         assert len(hit) == 1, f"u* = {sign:+}a not found from random starts"
@@ -200,7 +200,7 @@ def test_planted_mlp_equilibrium_found_and_spectrum_matches_independent_basis():
     def field(u):
         return torch.tanh(u @ w1.T + b) @ w2.T
 
-    res = find_equilibria(field, d, n_starts=64, seed=0)
+    res = find_equilibria(field, d, n_starts=64, seed=0, method="lm")
     k = int((res.points @ u_star).argmax())
     assert float(res.points[k] @ u_star) > 1 - 1e-10, "planted equilibrium not found from random starts"
     assert abs(float(res.lambdas[k]) - lam_star) < 1e-10
@@ -270,7 +270,7 @@ def test_arpack_matches_dense_d256_through_the_finder():
     g = torch.Generator().manual_seed(5)
     starts = torch.stack([top, bottom]) + 1e-4 * torch.randn(2, d, generator=g, dtype=F64)  # Newton must refine
     kw = dict(n_starts=2, starts=starts, n_eigs=n_eigs)
-    dense = find_equilibria(_linear(m), d, eigensolver="dense", **kw)
+    dense = find_equilibria(_linear(m), d, eigensolver="dense", **kw, method="lm")
     arpack = find_equilibria(_linear(m), d, eigensolver="arpack", **kw)  # Newton by GMRES on JVPs here
     assert dense.n_points == arpack.n_points == 2
     assert arpack.eigenvalues.shape == (2, 2 * n_eigs) and dense.eigenvalues.shape == (2, d - 1)
@@ -318,13 +318,13 @@ def test_auto_eigensolver_switches_at_dense_max_dim():
 
 def test_field_calling_conventions_agree():
     m = M_SYM[:4, :4] + M_SYM[:4, :4].T
-    batched = find_equilibria(lambda u: u @ m.T, 4, n_starts=8, seed=2)
-    single = find_equilibria(lambda u: m @ u, 4, n_starts=8, seed=2)
+    batched = find_equilibria(lambda u: u @ m.T, 4, n_starts=8, seed=2, method="lm")
+    single = find_equilibria(lambda u: m @ u, 4, n_starts=8, seed=2, method="lm")
 
     def not_vmappable(u):  # .item() breaks vmap and forward AD: the loop and reverse-mode paths take over
         return m @ u + 0.0 * float(u.sum().item())
 
-    looped = find_equilibria(not_vmappable, 4, n_starts=8, seed=2)
+    looped = find_equilibria(not_vmappable, 4, n_starts=8, seed=2, method="lm")
     assert (batched.options["field_mode"], single.options["field_mode"], looped.options["field_mode"]) == (
         "batched", "vmap", "loop")
     for other in (single, looped):
@@ -335,21 +335,21 @@ def test_field_calling_conventions_agree():
 
 def test_deterministic_given_seed_and_fills_random_starts():
     kw = dict(n_starts=16, starts=V[:, 0][None], seed=7)
-    a = find_equilibria(_linear(M_SYM), 6, **kw)
-    b = find_equilibria(_linear(M_SYM), 6, **kw)
+    a = find_equilibria(_linear(M_SYM), 6, **kw, method="lm")
+    b = find_equilibria(_linear(M_SYM), 6, **kw, method="lm")
     assert torch.equal(a.points, b.points) and torch.equal(a.eigenvalues, b.eigenvalues)
     assert a.labels == b.labels and a.hits == b.hits
     assert a.n_starts == 16 and a.options["given_starts"] == 1
     assert a.start_kind[a.start_index.index(0)] == "given"
     assert all(k == ("given" if i == 0 else "random") for i, k in zip(a.start_index, a.start_kind))
-    c = find_equilibria(_linear(M_SYM), 6, n_starts=16, starts=V[:, 0][None], seed=8)
+    c = find_equilibria(_linear(M_SYM), 6, n_starts=16, starts=V[:, 0][None], seed=8, method="lm")
     assert c.hits != a.hits or not torch.equal(c.points, a.points)
 
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_save_load_round_trip_is_exact(tmp_path, suffix):
     m, _ = _rotational_matrix()
-    res = find_equilibria(lambda u: u @ m.T, 5, n_starts=16)
+    res = find_equilibria(lambda u: u @ m.T, 5, n_starts=16, method="lm")
     assert res.n_points > 0
     back = EquilibriaResult.load(res.save(tmp_path / f"eq{suffix}"))
     for name in ("points", "lambdas", "residuals", "eigenvalues", "spectral_abscissa", "max_im_re",
@@ -366,7 +366,7 @@ def test_no_equilibrium_gives_an_empty_result(tmp_path):
     # F(u) = J u with J a complex structure on R^4: <u, Ju> = 0, so P_u F = F ≠ 0 everywhere
     j = torch.zeros(4, 4, dtype=F64)
     j[0, 1], j[1, 0], j[2, 3], j[3, 2] = 1.0, -1.0, 1.0, -1.0
-    res = find_equilibria(_linear(j), 4, n_starts=4, max_iter=20)
+    res = find_equilibria(_linear(j), 4, n_starts=4, max_iter=20, method="lm")
     assert res.n_points == 0 and res.n_converged == 0
     assert res.points.shape == (0, 4) and res.eigenvalues.shape == (0, 3) and res.lambdas.shape == (0,)
     assert res.counts() == {"attractor": 0, "repeller": 0, "saddle": 0, "degenerate": 0, "rotational": 0}
@@ -384,7 +384,7 @@ def test_identity_field_is_degenerate_everywhere():
 
 
 def test_plots_and_summary():
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=16)
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=16, method="lm")
     fig = res.plot()
     assert isinstance(fig, go.Figure)
     assert {t.name for t in fig.data} == set(res.labels)

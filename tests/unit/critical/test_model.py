@@ -24,7 +24,7 @@ from tl_steering.errors import InputError
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 F64 = torch.float64
-FAST = {"max_iter": 30}  # keeps each finder call ~1-3 s on the tiny models
+FAST = {"max_iter": 30, "landscape_solves": 32}  # keeps each finder call ~1-3 s on the tiny models
 
 
 def _rand_unit(d: int, seed: int, n: int = 3) -> torch.Tensor:

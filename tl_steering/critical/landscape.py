@@ -1,0 +1,216 @@
+"""The solution-landscape phase of the default finder: from every equilibrium found, deflated Newton solves started
+along the real eigenvectors of its tangent Jacobian reach the equilibria next to it, of any stability
+(docs/critical_points.md, "The solution-landscape phase").
+
+Newton on the sphere. W(u) = P_u F(u) / ||F(u)|| (the relative-residual vector) vanishes exactly at the equilibria.
+In the Householder tangent basis Q of u (:class:`tl_steering.critical.fields._Householder`) its Jacobian is
+
+    A = Qᵀ (I - F̂ F̂ᵀ) DF(u) Q / ||F|| - <u, F̂> I_{d-1},        F̂ = F / ||F||,
+
+(at an equilibrium A = M / ||F||, M the tangent matrix of the classification, so A has M's eigenvectors and
+Morse index). The Newton step s = -A⁻¹ Qᵀ W converges quadratically to a nondegenerate zero whatever its Morse
+index. Deflation (Farrell, Birkisson & Funke 2015) of the known points u_i, m(u) = prod_i (||u - u_i||^-p + σ),
+turns the Newton step for m·W into the scaled step s / (1 - <∇ log m, s>) (Sherman-Morrison), so it costs nothing
+extra; the scaled step pushes a start next to a known point away from it. Steps are capped at ``MAX_STEP``
+radians and backtracked on the deflated merit m·||W|| until the relative residual is below 1e-4 (full steps
+there: the quadratic end game).
+
+Landscape. For a linear field F(u) = A u the tangent Jacobian at the equilibrium v_j (A v_j = μ_j v_j) has the
+eigenvectors P v_i with eigenvalues μ_i - μ_j, and span{v_j, v_i} is invariant: a deflated Newton solve started
+at v_j + δ P v_i stays on that great circle and ends on ±v_i. The real eigenvalues of the tangent Jacobian nearest
+zero on each side point to the neighbouring equilibria of the chain; repeated breadth first from every new point,
+this walks all of them. On a nonlinear field the same starts are the solution-landscape construction of Yin et al.
+2020 (Phys. Rev. Lett. 124, 090601) with Newton instead of index-k saddle dynamics (which would need a
+(d-1)×(d-1) Schur form per step). Budget: ``dirs`` real eigenvectors below zero and ``dirs`` above per point,
+both signs each, at most ``max_solves`` rows in all.
+"""
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, _normalize
+
+#: Newton steps are capped at this many radians
+MAX_STEP = 0.5
+#: below this relative residual, full Newton steps (no backtracking)
+FULL_STEP_BELOW = 1e-4
+#: offset δ of a landscape start u* ± δ w (radians)
+DELTA = 0.1
+
+
+def tangent_jacobian(u: Tensor, f: Tensor, jac: Tensor) -> tuple[_Householder, Tensor, Tensor]:
+    """(Q, A, Qᵀ W) at a unit u with F(u) = ``f`` and DF(u) = ``jac``: the Newton system of W = P_u F / ||F|| in
+    tangent coordinates (module docstring)."""
+    h = _Householder(u)
+    fn = f.norm().clamp_min(_EPS)
+    fh = f / fn
+    dh = (jac - torch.outer(fh, fh @ jac)) / fn  # (I - F̂F̂ᵀ) DF / ||F||
+    a = h.conjugate(dh)[1:, 1:] - float(u @ fh) * torch.eye(u.shape[0] - 1, dtype=u.dtype, device=u.device)
+    w = fh - (u @ fh) * u
+    return h, a, h.qt(w)
+
+
+def _log_deflation_grad(u: Tensor, known: Tensor, power: float, shift: float) -> Tensor:
+    """∇ log m(u) (ambient, [d]) for m = prod_i (||u - u_i||^-p + σ)."""
+    if known.shape[0] == 0:
+        return torch.zeros_like(u)
+    diff = u[None] - known
+    r2 = (diff ** 2).sum(-1).clamp_min(1e-300)
+    rp = r2 ** (-power / 2)
+    coef = -power * rp / r2 / (rp + shift)
+    return (coef[:, None] * diff).sum(0)
+
+
+def _log_deflation(u: Tensor, known: Tensor, power: float, shift: float) -> Tensor:
+    if known.shape[0] == 0:
+        return u.new_zeros(u.shape[:-1])
+    r2 = ((u[..., None, :] - known) ** 2).sum(-1).clamp_min(1e-300)
+    return torch.log(r2 ** (-power / 2) + shift).sum(-1)
+
+
+def _rel(f: Tensor, u: Tensor) -> Tensor:
+    fn = f.norm(dim=-1)
+    w = f - (u * f).sum(-1, keepdim=True) * u
+    out = w.norm(dim=-1) / fn.clamp_min(_EPS)
+    return torch.where(torch.isfinite(out) & (fn > 0), out, torch.full_like(out, math.inf))
+
+
+def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8,
+                 power: float = 2.0, shift: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Deflated Newton on the sphere from the rows of ``u0`` (module docstring), rows batched per iteration.
+
+    Returns ``(u, rel, iterations, status, jacobians)``; status as :func:`tl_steering.critical.solver.lm_solve`
+    (0 converged to ``tol``, 1 merit stalled over ``patience`` iterations, 2 no step decreased the merit,
+    3 iteration limit); ``jacobians`` counts the dense Jacobians of F evaluated.
+    """
+    n = u0.shape[0]
+    u = _normalize(u0.clone())
+    with torch.no_grad():
+        rel = _rel(fld.many(u), u)
+    status = torch.full((n,), -1, dtype=torch.long)
+    iters = torch.zeros(n, dtype=torch.long)
+    status[(rel <= tol * 1e-3).cpu()] = 0
+    merit = torch.log(rel.clamp_min(1e-300)) + _log_deflation(u, known, power, shift)
+    history = [merit.clone()]
+    n_jac = 0
+    for _ in range(max_iter):
+        idx = (status < 0).nonzero().flatten()
+        if idx.numel() == 0:
+            break
+        jacs = fld.jacobians(u[idx.to(u.device)])
+        n_jac += idx.numel()
+        for k, i in enumerate(idx.tolist()):
+            ui = u[i]
+            jac = jacs[k] if jacs[k] is not None else fld.jacobian(ui)
+            with torch.no_grad():
+                f = fld.one(ui)
+            h, a, w = tangent_jacobian(ui, f, jac.detach())
+            try:
+                s = -torch.linalg.solve(a, w)
+            except RuntimeError:
+                s = -torch.linalg.lstsq(a, w[:, None]).solution[:, 0]
+            if not bool(torch.isfinite(s).all()):
+                status[i] = 2
+                continue
+            g = h.qt(_log_deflation_grad(ui, known, power, shift))
+            denom = 1.0 - float(g @ s)
+            if known.shape[0] and abs(denom) > 1e-12:
+                s = s / denom
+            norm = float(s.norm())
+            if norm > MAX_STEP:
+                s = s * (MAX_STEP / norm)
+            full = float(rel[i]) < FULL_STEP_BELOW
+            ok = False
+            for _ in range(1 if full else 12):
+                cand = _normalize(ui + h.q(s))
+                with torch.no_grad():
+                    rc = _rel(fld.one(cand)[None], cand[None])[0]
+                mc = torch.log(rc.clamp_min(1e-300)) + _log_deflation(cand[None], known, power, shift)[0]
+                if bool(torch.isfinite(rc)) and (full or float(mc) < float(merit[i])):
+                    u[i], rel[i], merit[i], ok = cand, rc, mc, True
+                    break
+                s = s / 2
+            iters[i] += 1
+            if not ok:
+                status[i] = 0 if float(rel[i]) <= tol else 2
+        history.append(merit.clone())
+        status[((status < 0) & (rel <= tol * 1e-3).cpu())] = 0
+        if len(history) > patience:  # log merit: "not halved" = not decreased by log 2
+            stalled = (status < 0) & (merit > history[-1 - patience] - math.log(2)).cpu() & (rel > tol * 1e-3).cpu()
+            status[stalled] = 1
+    status[status < 0] = 3
+    status[(status != 0) & (rel <= tol).cpu()] = 0
+    return u, rel, iters, status, n_jac
+
+
+def eigen_directions(a: Tensor, h: _Householder, dirs: int) -> list[Tensor]:
+    """Ambient unit tangent vectors Q v for the real eigenvectors v of ``a`` whose eigenvalues are the ``dirs``
+    nearest zero below it and the ``dirs`` nearest zero above it."""
+    vals, vecs = np.linalg.eig(a.detach().cpu().numpy())
+    scale = float(np.abs(vals).max()) if vals.size else 0.0
+    real = np.abs(vals.imag) <= 1e-12 * max(scale, 1e-300)
+    picks: list[int] = []
+    for side in (vals.real < 0, vals.real >= 0):
+        cand = np.nonzero(real & side)[0]
+        picks += cand[np.argsort(np.abs(vals.real[cand]), kind="stable")][:dirs].tolist()
+    out = []
+    for j in picks:
+        v = torch.as_tensor(vecs[:, j].real.copy(), dtype=a.dtype, device=a.device)
+        w = h.q(v / v.norm().clamp_min(_EPS))
+        out.append(w / w.norm().clamp_min(_EPS))
+    return out
+
+
+def landscape_phase(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: int, dedup_angle: float,
+                    dirs: int = 2, max_solves: int = 256, batch: int = 8, patience: int = 8,
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
+    """Breadth-first solution landscape from the distinct ``points`` (module docstring): for each point, starts at
+    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``dirs`` per side), deflated Newton with every
+    known point deflated; new points are queued. Returns rows (u, rel, iterations, status, kinds) and counts."""
+    dim = points.shape[-1]
+    known = points.detach().clone()
+    queue = [known[i] for i in range(known.shape[0])]
+    us, rels, its, sts, kinds = [], [], [], [], []
+    solves = n_jac = 0
+    while queue and solves < max_solves:
+        level, queue = queue, []
+        starts: list[Tensor] = []
+        jacs = fld.jacobians(torch.stack(level))
+        n_jac += len(level)
+        for x, jac in zip(level, jacs):
+            jac = jac if jac is not None else fld.jacobian(x)
+            with torch.no_grad():
+                f = fld.one(x)
+            h, a, _ = tangent_jacobian(x, f, jac.detach())
+            for w in eigen_directions(a, h, dirs):
+                starts += [_normalize(x + DELTA * w), _normalize(x - DELTA * w)]
+        starts = starts[: max_solves - solves]
+        for lo in range(0, len(starts), batch):
+            u0 = torch.stack(starts[lo:lo + batch])
+            u, rel, it, st, nj = newton_solve(fld, u0, known, tol, max_iter, patience=patience)
+            n_jac += nj
+            solves += u0.shape[0]
+            us.append(u)
+            rels.append(rel)
+            its.append(it)
+            sts.append(st)
+            kinds += ["landscape"] * u0.shape[0]
+            for x in u[st.to(u.device) == 0]:
+                if _match_point(known, x, dedup_angle) < 0:
+                    known = _add_distinct(known, x[None], dedup_angle)
+                    queue.append(x)
+    if not us:
+        empty = points.new_zeros(0, dim)
+        return empty, points.new_zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], {
+            "landscape_rows": 0, "landscape_converged": 0, "landscape_new_points": 0, "landscape_jacobians": n_jac}
+    st = torch.cat(sts)
+    info = {"landscape_rows": solves, "landscape_converged": int((st == 0).sum()),
+            "landscape_new_points": int(known.shape[0] - points.shape[0]), "landscape_jacobians": n_jac,
+            "landscape_exhausted": not queue}
+    return torch.cat(us), torch.cat(rels), torch.cat(its), st, kinds, info
+
+
+__all__ = ["DELTA", "MAX_STEP", "eigen_directions", "landscape_phase", "newton_solve", "tangent_jacobian"]
