@@ -1,12 +1,4 @@
-"""Strict argument checks shared by every public entry point (and the CLI).
-
-One rule for each kind of argument, so that ``layers="12"`` is not iterated as characters, ``[True]`` or
-``[1.5]`` do not mean layer 1, and ``None`` where a value is required is a clear error instead of a bare
-``TypeError`` deep inside. Every error is a :class:`tl_steering.errors.ArgumentTypeError` (a ``TypeError``
-and an ``InputError``) or :class:`~tl_steering.errors.LayerIndexError` naming the argument, the value and
-what to pass instead. Pure Python and torch: no model is needed, so the CLI can check its arguments before
-loading anything.
-"""
+"""Strict argument checks shared by every public entry point and the CLI (docs/architecture.md, bad input)."""
 
 import math
 import numbers

@@ -1,18 +1,5 @@
-"""The one place that knows TransformerLens's model classes.
-
-Supports TransformerLens 3.9 (``HookedTransformer`` and ``TransformerBridge``) and 4.x (``TransformerBridge``
-only). The rest of tl_steering talks to a model through :class:`ModelAdapter`:
-
-* hook names for (layer, site), with the FFN-input site resolved per block (``resid_mid`` for sequential
-  blocks, ``resid_pre`` for parallel ones), parallelism detected from the block itself, never from ``cfg``;
-* pure callables for one block's attention and FFN (``Phi(x) = MLP(LN2(x))``) that work under
-  ``torch.func.jvp`` / ``jacfwd`` / ``vmap`` and run with no hooks of the user firing inside them;
-* dtype and device read from the parameters (``cfg.dtype`` can lie when a model was built with ``hf_model=``);
-* the token, finiteness and residual-identity checks that guard every decomposition against known bridge bugs
-  (:mod:`.checks`);
-* :meth:`ModelAdapter.hook_guard`, which guarantees that every hook added during a call is gone afterwards,
-  also when the call raises (KeyboardInterrupt included), and holds the model for one thread (:mod:`.ownership`);
-* :meth:`ModelAdapter.provenance`: the weight processing read from the model, the user's hook points.
+"""The one place that knows TransformerLens's model classes: :class:`ModelAdapter`, through which the rest of
+tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart").
 """
 
 import contextlib

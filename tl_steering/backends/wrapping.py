@@ -1,11 +1,5 @@
-"""Wrapping a Hugging Face causal LM into a TransformerLens model, on the device asked for.
-
-The device is honoured or refused (see docs/architecture.md): the request is checked by
-:func:`tl_steering.validation.as_device` before anything is built (no GPU, ``"tpu"``, ``"bogus"`` are errors),
-the weights are moved with ``.to(device)`` (``TransformerBridge.boot_transformers(hf_model=...)`` only records
-``cfg.device`` and leaves the weights where they are), and the parameters' device is verified afterwards;
-``cfg.device`` then states where the weights really are.
-"""
+"""Wrapping a Hugging Face causal LM into a TransformerLens model, on the device asked for or refused
+(docs/loading.md)."""
 
 import tempfile
 import warnings

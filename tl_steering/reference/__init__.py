@@ -1,13 +1,5 @@
-"""The paper's published numbers and this package's pinned SmolLM2 values, as versioned data.
-
-* ``published.json``: every published number of the paper as the project received it (second hand: its
-  ``sources`` field says from where): model, metric, value or range, regression band, protocol, certainty
-  tag [P]/[S]/[I], notes. Every id is read from a SuiteResult through ``tl_steering.suite.numbers``. Rows with ``regress: false`` (the Eq. (19)
-  definition and the low-trust auto-summary numbers of row 10) are recorded so nobody regresses against them.
-* ``smollm2_pinned.json`` and ``gemma3_pinned.json``: values measured by this package on SmolLM2-135M and
-  Gemma-3-270M (regenerate with ``scripts/regenerate_pinned.py [--model gemma-3-270m]``);
-  ``tests/published/test_smollm2_pinned.py`` and ``test_gemma_pinned.py`` assert them.
-"""
+"""The paper's published numbers (``published.json``) and this package's pinned SmolLM2 and Gemma values
+(``smollm2_pinned.json``, ``gemma3_pinned.json``), as versioned data (docs/published.md)."""
 
 import copy
 import functools

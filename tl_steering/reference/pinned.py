@@ -1,13 +1,5 @@
-"""Pinned regression values measured by this package on SmolLM2-135M and Gemma-3-270M.
-
-:func:`compute_pinned` runs the suite (:func:`tl_steering.suite.run_suite`) once on small settings and returns a flat
-``{name: (value, tolerance group)}`` dict read through the suite's one map of named numbers;
-``scripts/regenerate_pinned.py [--model M]`` writes it to the model's file (:data:`PINNED_MODELS`) and
-``tests/published/test_smollm2_pinned.py`` / ``test_gemma_pinned.py`` recompute it and compare. Any change to a
-definition then shows up as a test failure. The tolerances survive the ~1e-5 relative activation differences between
-TransformerLens 4.x bridges and TL 3.9 HookedTransformer; :data:`BACKEND_TOLERANCES` are the tighter bounds of the
-cross-backend acceptance (rtol 1e-4 on geometry, 1e-4 nats on losses; docs/gemma.md).
-"""
+"""Pinned regression values measured by this package on SmolLM2-135M and Gemma-3-270M (:func:`compute_pinned`;
+docs/published.md, "Pinned values")."""
 
 import math
 from typing import TYPE_CHECKING, Any
