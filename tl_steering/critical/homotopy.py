@@ -1,5 +1,5 @@
-"""The homotopy finder (``method="homotopy"``): equilibria reached from each start along a path that does not ask
-about their stability, the unbiased sample of the "mostly saddles" claim (docs/critical_points.md, section 10).
+"""The homotopy finder (``method="homotopy"``): equilibria crossed by paths from each start that are not defined by
+their stability, the sample of the "mostly saddles" claim in docs/critical_points.md, section 10.
 
 From a start u0 the path is the solution curve through (u0, 0) of G(u, t) = P_u h(u, t) = 0 on S^{d-1} × R, with
 F̂ = F / ||F|| and either
@@ -11,9 +11,12 @@ F̂ = F / ||F|| and either
   the global (Branin) Newton flow, which has every nondegenerate zero as an attractor); tracked both ways from u0.
 
 At t = 1 both are P_u F̂ = 0: every crossing of t = 1 is an equilibrium. Neither construction refers to the stability
-of a zero (the tangent spectrum enters only through the regularity of the curve), so the points reached are not
-selected for being attractors; which zeros a path crosses depends on u0 and on the field (measured coverage on planted
-fields: docs section 10). A path that runs off (|t| > 100), stalls (step below 1e-6) or reaches the step cap before
+of a zero (the tangent spectrum enters only through the regularity of the curve), but the order of the crossings is
+not neutral: for t < 1 a fixed-point path is a branch of fixed points of u ↦ normalize(t F̂(u) + (1 - t) u0), stable
+from t = 0 until a fold, so its first crossing is an attractor (F) or a repeller (-F) unless it folds before t = 1;
+its later crossings (after folds) walk to saddles. The rows record each crossing's number along its path
+(``start_kind`` ends in ``:k``) so that a sample can be split by it (measured on planted fields and real models:
+docs section 10). A path that runs off (|t| > 100), stalls (step below 1e-6) or reaches the step cap before
 crossing t = 1 contributes nothing; the fraction of paths that reach t = 1 is returned. Measured on SmolLM2 layer 15:
 the Newton homotopy's t stays within 0.04 of 0 over 3.5 rad of path (its curves wind through the region where F̂
 turns fast, ||DF|| / ||F|| ≈ 33), while the fixed-point homotopy crosses t = 1 on both paths of one start.

@@ -235,11 +235,12 @@ SAMPLE_NOTES = {
                  "deflated Newton solves along the real tangent eigenvectors of every point found reach its "
                  "neighbours of any index, breadth first within a solve budget; which points are reached depends "
                  "on the flow's seeds and the budget, so the fraction describes this sample",
-    "homotopy": "the equilibria crossed by Newton-homotopy paths from the starts (both directions, through every "
-                "crossing of t = 1 up to the step cap): Newton's flow has every nondegenerate equilibrium as an "
-                "attractor whatever its index, so no bias toward stability; the remaining bias is which roots the "
-                "paths pass (on a linear field, those with λ in the swept range, nearest the start's shift first) "
-                "and the paths that reach no root (counted)",
+    "homotopy": "the equilibria crossed by homotopy paths from the starts (fixed-point homotopy by default, for F "
+                "and -F, through every crossing of t = 1 up to the step cap): no construction step selects a zero by "
+                "its stability, but a path's first crossing is the stable end of its branch (an attractor for F, a "
+                "repeller for -F, unless the path folds first) and its later crossings are mostly saddles, so the "
+                "fraction depends on how many crossings the step budget allows; paths that reach no crossing are "
+                "counted",
     "flow": "what the dynamics reach: attractors and repellers (power iteration) and boundary saddles of index 1 or "
             "d-2 (edge tracking); saddles of middle index are out of its reach, so the fraction describes this "
             "sample, not all equilibria of the field",
