@@ -122,3 +122,20 @@ def _shared_models_come_back_clean(request):
 def planner_model():
     """A 5-layer tiny Llama (bridge): enough layers for a planner to choose (test_planning, test_refit)."""
     return ts.tiny_model("llama", backend="bridge", seed=3, n_layers=5, d_model=32)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_untouched():
+    """Every test leaves the process's SIGINT / SIGTERM / SIGALRM handlers as it found them: a handler left behind
+    (a ``deferred_signals`` hold never released, or tl_steering's own handler) swallows later Ctrl-Cs."""
+    import signal
+
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGALRM", None)) if s is not None]
+    before = {s: signal.getsignal(s) for s in sigs}
+    yield
+    after = {s: signal.getsignal(s) for s in sigs}
+    changed = {signal.Signals(s).name: (before[s], after[s]) for s in sigs if after[s] is not before[s]}
+    for s in sigs:  # put them back, so one test's leak does not fail the ones after it
+        if after[s] is not before[s]:
+            signal.signal(s, before[s])
+    assert not changed, f"signal handlers changed by this test (before, after): {changed}"

@@ -158,6 +158,8 @@ def _rng(name: str, salt: int = 0) -> np.random.Generator:
 def test_sigint_at_random_points_leaves_model_clean(model, name):
     fn = model.fn(name)
     fn()  # warm: the bridge rebuilds lazy caches (block aliases) after another call changed the model
+    handler = signal.getsignal(signal.SIGINT)  # a handler left by an earlier test would swallow every SIGINT
+    assert handler is signal.default_int_handler, f"{name}: SIGINT handler on entry is {handler!r}, not Python's"
     prof = _inject.profile(fn)
     n = prof.n
     assert n > 100 and prof.boundary and prof.exits, f"{name}: {prof.n} events, {len(prof.exits)} exits"
