@@ -111,7 +111,7 @@ def plan_parallel(
     cross-fitted calibration loss with the linear correction at k (``k_values=`` adds curve points). It costs one
     :func:`parallel_scores` call (2 forwards + 1 + ``fisher_samples`` = 9 backwards over the calibration windows)
     plus, per distinct plan of the curves, one fitting and one measuring pass over each half of the calibration
-    windows, one fit on all of them and one held-out pass: 24 forwards + 9 backwards on SmolLM2 4 x 128 at k = 15
+    windows, one fit on all of them and one held-out pass: 20 forwards + 9 backwards on SmolLM2 4 x 128 at k = 15
     (``total_cost`` says what a call ran). The uncorrected surrogate is ``refit="none"``; the searching comparison
     (hundreds of forwards) ``strategies=FULL_COMPARISON``.
 
