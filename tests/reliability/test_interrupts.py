@@ -108,6 +108,17 @@ class _Model:
         assert m.cfg.use_hook_mlp_in in (False, None)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _python_sigint_handler():
+    """These tests deliver SIGINT and expect Python's own handler (KeyboardInterrupt). A process started in the
+    background by a non-interactive shell (``cmd &``) inherits SIGINT ignored (POSIX), and Python then installs no
+    handler: set it for this module, put the inherited one back after."""
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture(scope="module")
 def _state():
     if threading.current_thread() is not threading.main_thread():  # pragma: no cover - pytest runs tests there
