@@ -225,6 +225,10 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
     return res
 
 
+#: Newton solves of the landscape phase per layer in :func:`critical_points` (find_equilibria's default is 256)
+MODEL_LANDSCAPE_SOLVES = 32
+
+
 @exclusive
 def critical_points(
     model: Any,
@@ -270,7 +274,10 @@ def critical_points(
             Newton along the tangent eigenvectors of every point found, which reaches saddles of any index; see
             docs/critical_points.md), or ``"lm"`` where the dense end game is not available (d_model above the
             dense limit or ``eigensolver="arpack"``). ``method="homotopy"`` is the unbiased sample (Newton
-            homotopy from every start); ``"flow"`` the finder without the landscape phase.
+            homotopy from every start); ``"flow"`` the finder without the landscape phase. On a model the
+            landscape phase is capped at ``landscape_solves=MODEL_LANDSCAPE_SOLVES`` (32) Newton solves per layer
+            (on SmolLM2 a solve costs about 3 s on one core: the full budget of :func:`find_equilibria`, 256, would
+            take minutes per layer); pass ``landscape_solves=256`` for the whole landscape.
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
@@ -288,6 +295,8 @@ def critical_points(
     if "method" not in finder_kwargs:  # the landscape finder needs the dense end game
         dense = eigensolver == "dense" or (eigensolver == "auto" and ad.d_model <= DENSE_MAX_DIM)
         finder_kwargs["method"] = "landscape" if dense else "lm"
+    if finder_kwargs["method"] == "landscape":  # a model's layer: a bounded landscape phase (docstring)
+        finder_kwargs.setdefault("landscape_solves", MODEL_LANDSCAPE_SOLVES)
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)

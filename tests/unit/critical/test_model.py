@@ -195,6 +195,21 @@ def test_attention_field_and_radius_scales(tiny_tokens):
     assert weights_fingerprint(model) == fp and hook_count(model) == 0
 
 
+def test_the_landscape_phase_is_capped_on_a_model(tiny_tokens):
+    """critical_points' default on a model: the landscape finder with at most MODEL_LANDSCAPE_SOLVES (32) Newton
+    solves per layer (find_equilibria's own default, 256, takes minutes per layer on a real model); an explicit
+    landscape_solves wins, and the rows run never exceed it."""
+    import tl_steering as ts
+    from tl_steering.critical.model import MODEL_LANDSCAPE_SOLVES
+
+    model = ts.tiny_model("llama", backend="bridge", seed=0)
+    res = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, max_iter=30).results[0]
+    assert res.method == "landscape" and MODEL_LANDSCAPE_SOLVES == 32
+    assert res.options["landscape_solves"] == 32 and res.options["landscape_rows"] <= 32
+    few = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, max_iter=30, landscape_solves=2).results[0]
+    assert few.options["landscape_solves"] == 2 and few.options["landscape_rows"] <= 2
+
+
 def test_all_layers_summary(tmp_path, tiny_tokens):
     import tl_steering as ts
 
