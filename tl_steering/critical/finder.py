@@ -123,7 +123,8 @@ def find_equilibria(
             "reflected" (reflected flow, every hyperbolic equilibrium an attractor: no bias toward stability;
             ``max_iter`` is its step limit per row; :mod:`tl_steering.critical.reflected`) or "landscape" (the
             default: "flow", then the landscape phase) or "homotopy" (homotopy paths from every start through every
-            crossing of t = 1, :mod:`tl_steering.critical.homotopy`: the unbiased sample; 2 paths per start).
+            crossing of t = 1, :mod:`tl_steering.critical.homotopy`: stability-agnostic, but a path's first crossing
+            is the stable end of its branch (docs/critical_points.md section 10); 2 paths per start).
         deflation: deflate the points found by earlier rounds.
         resolve: solve the starts that failed under deflation once more without it (they then converge to an
             already known point or to a new one; ``options["converged_deflated"]`` counts the first kind of success).

@@ -273,8 +273,8 @@ def critical_points(
             iteration of both signs and edge tracking between basins, then the solution-landscape phase: deflated
             Newton along the tangent eigenvectors of every point found, which reaches saddles of any index; see
             docs/critical_points.md), or ``"lm"`` where the dense end game is not available (d_model above the
-            dense limit or ``eigensolver="arpack"``). ``method="homotopy"`` is the unbiased sample (Newton
-            homotopy from every start); ``"flow"`` the finder without the landscape phase. On a model the
+            dense limit or ``eigensolver="arpack"``). ``method="homotopy"`` follows homotopy paths from every
+            start (stability-agnostic, but biased by crossing order: docs/critical_points.md section 10); ``"flow"`` the finder without the landscape phase. On a model the
             landscape phase is capped at ``landscape_solves=MODEL_LANDSCAPE_SOLVES`` (32) Newton solves per layer
             (on SmolLM2 a solve costs about 3 s on one core: the full budget of :func:`find_equilibria`, 256, would
             take minutes per layer); pass ``landscape_solves=256`` for the whole landscape.

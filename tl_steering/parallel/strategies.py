@@ -16,8 +16,8 @@ ONE_SHOT_COMPARISON: tuple[str, ...] = ("C", "attribution_abs", "attribution_2nd
 """The default comparison of ``strategy="best"``: the cheap one-shot scores (one parallel_scores call: 2 forwards
 + 1 + ``fisher_samples`` backwards) then a few corrected forwards per plan and curve point. The signed
 ``attribution`` is left out (still available by name): it was the worst plan at every k on both models (held out
-+4.53 nats on SmolLM2 at k = 15, +9.86 / +1.60 corrected on Gemma-3-270M at k = 9) and was never chosen. With the cross-fitted
-linear correction (the default ``refit="linear"``) it is the best plan we measured held out on SmolLM2 and
++4.53 nats on SmolLM2 at k = 15, +9.86 / +1.60 corrected on Gemma-3-270M at k = 9) and was never chosen. With the
+cross-fitted linear correction (the default ``refit="linear"``) it is the best plan we measured held out on SmolLM2 and
 Gemma-3-270M (docs/parallel.md "Planners against the field"); the measured / greedy searches choose among hundreds
 of plans on the calibration windows' loss and, with a few calibration windows, pick plans that fit their noise.
 The suite's ``plan_choice`` stage compares these and :data:`PEER_SCORES` by default (this module imports no

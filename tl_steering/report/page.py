@@ -127,8 +127,8 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "Critical points of the FFN field",
         "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
         "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. The report runs the flow finder "
-        "(its ~20 s share; critical_points' default adds a solution-landscape phase, and the sample without a bias "
-        "toward stability, method='homotopy', is a benchmark: docs/critical_points.md sections 9-10): the power "
+        "(its ~20 s share; critical_points' default adds a solution-landscape phase, and the homotopy sample, "
+        "method='homotopy', with its measured bias, is a benchmark: docs/critical_points.md sections 9-10): the power "
         "iteration u ← ±normalize(F(u)) from every start reaches attractors (+) and repellers (−); edge tracking "
         "between two of its basins reaches the saddle on their boundary (index 1, or one stable direction); "
         "Levenberg-Marquardt finishes every point to a relative residual of 1e-10. The points are a sample of what "

@@ -78,8 +78,9 @@ class SuiteSettings:
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
             (``critical_methods`` among ``"flow"`` (the report's default: its ~20 s share), ``"landscape"`` (the
-            default of ``critical_points``: flow + solution landscape), ``"homotopy"`` (the unbiased sample),
-            ``"riemannian"``, ``"fixed_point"`` and ``"reflected"``: docs/critical_points.md sections 8-9;
+            default of ``critical_points``: flow + solution landscape), ``"homotopy"`` (homotopy paths from
+            every start, stability-agnostic but biased by crossing order), ``"riemannian"``, ``"fixed_point"`` and
+            ``"reflected"``: docs/critical_points.md sections 8-10;
             all but "fixed_point" fill ``critical``, "fixed_point" fills ``critical_fixed_point``).
         critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
         prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
