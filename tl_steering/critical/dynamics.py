@@ -138,6 +138,20 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
 
 #: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
 SHIFTS = (1.0, 4.0)
+#: a power row "reached" a point of its sign when its relative residual is below this and s·λ > 0
+REACHED_BELOW = 1e-2
+
+
+def _reached(fld: _FieldAdapter, u: Tensor, rel: Tensor, sign: Tensor) -> bool:
+    """True when some row sits on a point of its own sign: relative residual < ``REACHED_BELOW`` and
+    s·λ > 0 (λ = <u, F(u)>). A row with a small residual but s·λ < 0 sits on a point the map u <- normalize(s·F(u))
+    sends to -u (a 2-cycle for a linear field, whose dominant eigenvalue for that sign is negative): it does not
+    count as a fixed point of the sign, so the shifted map is tried (docs/critical_points.md, section 8.3)."""
+    near = rel < REACHED_BELOW
+    if not bool(near.any()):
+        return False
+    lam = (u[near] * fld.many_no_grad(u[near])).sum(-1)
+    return bool((sign[near].to(lam.dtype) * lam > 0).any())
 
 
 def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
@@ -161,8 +175,11 @@ def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
 def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter: int, patience: int,
           pre_iter: int, edge_pairs: int, dedup_angle: float) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
     """method="flow": power phase (both signs) and edge phase (:mod:`tl_steering.critical.dynamics`), each
-    finished by LM without deflation. Rows: 2n power rows, then one row per edge pair; where the power phase
-    reaches no point at all, n more rows: LM from the starts (the map has no fixed point there)."""
+    finished by LM without deflation. A sign none of whose rows reached a point of its own sign (:func:`_reached`)
+    is rerun with the shifted map (``SHIFTS``). Rows: 2n power rows, then one row per edge pair, then the rows the
+    plain map of a shifted sign had left on an equilibrium (s·λ < 0; ``plain_rows``, kept so that no point it
+    reached is lost); where the power phase reaches no point at all, n more rows: LM from the starts (the map has
+    no fixed point there)."""
     n, dim = u0.shape
     dev, dt = u0.device, u0.dtype
     sign = torch.cat([torch.ones(n, dtype=dt, device=dev), -torch.ones(n, dtype=dt, device=dev)])
@@ -170,10 +187,14 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
     clock = time.perf_counter()
     up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
     shift = torch.zeros(2 * n, dtype=dt, device=dev)
+    plain = []  # rows of a shifted sign that the plain map left on an equilibrium (s·λ < 0): kept as extra rows
     for half in (slice(0, n), slice(n, 2 * n)):  # a sign whose map fixes nothing: the shifted map (damped rotation)
         for factor in SHIFTS:
-            if bool((relp[half] < 1e-2).any()):
+            if _reached(fld, up[half], relp[half], sign[half]):
                 break
+            if factor == SHIFTS[0]:
+                near = half.start + (relp[half] < REACHED_BELOW).nonzero().flatten()
+                plain.append((near, up[near].clone(), relp[near].clone()))
             shift[half] = factor * fld.many_no_grad(u0).norm(dim=-1).median()
             up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
     seconds = {"power": time.perf_counter() - clock}
@@ -222,6 +243,14 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
         iters, status = torch.cat([iters, ie]), torch.cat([status, se])
         row_kinds += [f"edge{'+' if a < n else '-'}" for a, _ in pairs]
         info["edge_converged"] = int((se == 0).sum())
+    rows = [i for near, _, _ in plain for i in near.tolist()]
+    if rows:  # equilibria the plain map reached before its sign was shifted are kept, never discarded
+        up_, relp_, ip_, sp_ = finish(torch.cat([x for _, x, _ in plain]), torch.cat([r for _, _, r in plain]),
+                                      REACHED_BELOW)
+        u, rel = torch.cat([u, up_]), torch.cat([rel, relp_])
+        iters, status = torch.cat([iters, ip_]), torch.cat([status, sp_])
+        row_kinds += [f"{kinds[i % n]}/power{'+' if i < n else '-'}/plain" for i in rows]
+    info["plain_rows"] = len(rows)
     if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
         clock = time.perf_counter()
         ul, rl, il, sl = lm_solve(fld, u0, u0[:0], tol, max_iter, patience=patience)

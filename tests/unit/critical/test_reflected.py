@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tl_steering.critical import classify_point, find_equilibria
+from tl_steering.critical.dynamics import _reached, power_iterate
 from tl_steering.critical.fields import _FieldAdapter, _normalize
 from tl_steering.critical.planted import planted_field
 from tl_steering.critical.reflected import reflected_solve
@@ -119,3 +120,29 @@ def test_flow_finder_shifts_the_map_where_the_power_iteration_fixes_nothing():
         j = int(dist.argmin())
         assert float(dist[j]) < 1e-8 and r.labels[j] == "attractor" and abs(float(r.lambdas[j]) - 1.0) < 1e-9
         assert r.start_kind[j] == "random/power+"
+
+
+def test_flow_shifts_a_sign_whose_rows_sit_on_a_point_of_the_other_sign():
+    """d = 4, μ = (-3, -1, 0.5, 2): the plain map u <- normalize(A u) is dominated by μ = -3 (it flips ±v_1, a 2-cycle
+    on an equilibrium with λ < 0), so no +1 row reaches a point with λ > 0. Such rows do not count as fixed for
+    s = +1 (docs/critical_points.md, section 8.3): the shifted map normalize(A u + σ u) reaches the attractor v_4
+    (λ = 2, index 0), which the plain +1 map cannot; the s = -1 sign needs no shift. Before the fix (a small residual
+    alone counted as fixed) the +1 sign was never shifted: measured, the attractor was then reached only by an LM
+    finish of an s = -1 edge row, by chance."""
+    q = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(0), dtype=F64))[0]
+    mu = torch.tensor([-3.0, -1.0, 0.5, 2.0], dtype=F64)
+    a = q @ torch.diag(mu) @ q.T
+    fld = _FieldAdapter(lambda u: u @ a.T, 4, F64, torch.device("cpu"))
+    u0 = torch.nn.functional.normalize(torch.randn(8, 4, generator=torch.Generator().manual_seed(1),
+                                                   dtype=F64), dim=-1)
+    plus = torch.ones(8, dtype=F64)
+    up, rel = power_iterate(fld, u0, plus, 200, 1e-10)
+    assert bool((rel < 1e-10).all()) and bool(((up @ q[:, 0]).abs() > 1 - 1e-9).all())  # all on ±v_1 (λ = -3)
+    assert not _reached(fld, up, rel, plus) and _reached(fld, up, rel, -plus)
+    r = find_equilibria(lambda u: u @ a.T, 4, n_starts=8, seed=1, method="flow")
+    assert r.options["shift"][0] > 0 and r.options["shift"][1] == 0
+    assert r.options["plain_rows"] == 8  # the plain +1 rows (on ±v_1, an equilibrium) are kept as extra rows
+    j = int((r.points - q[:, 3]).norm(dim=-1).argmin())
+    assert float((r.points[j] - q[:, 3]).norm()) < 1e-8 and r.labels[j] == "attractor" and r.index[j] == 0
+    assert r.start_kind[j] == "random/power+"  # reached by the (shifted) +1 map itself
+    assert abs(float(r.lambdas[j]) - 2.0) < 1e-10
