@@ -142,7 +142,8 @@ def find_equilibria(
         landscape: "reflected": also run the solution-landscape searches next to every point found
             (:mod:`tl_steering.critical.reflected`; 4 rows per point).
         landscape_dirs, landscape_solves: "landscape": real tangent eigenvectors per side of zero per point (both
-            signs each) and the most deflated Newton rows of the phase.
+            signs each) and the most deflated Newton rows of the phase; starts that head to a known point run last
+            (``options["landscape_deferred"]``, ``["landscape_deferred_run"]``; :func:`~.landscape.explained`).
         homotopy_steps, homotopy_roots, homotopy_kind: "homotopy": accepted steps per path, crossings of t = 1 after
             which a path stops, and "fixed_point" (h = t F̂ + (1-t) u0, for F and -F; the default) or "newton".
 
