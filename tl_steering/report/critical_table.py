@@ -10,8 +10,9 @@ def _e(x: Any) -> str:
 
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
-    rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" verdict with its
-    exact interval; then the pooled verdict and what the counts are a sample of."""
+    rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
+    sample with its exact interval; then the pooled one, why it does not decide the claim, what the counts are a
+    sample of and the Poincaré-Hopf lower bound on the points not found."""
     claim = result.claim()
     head = ("<tr><th>layer</th><th>finder</th><th>rows</th><th>converged</th><th>points</th><th>attractor</th>"
             "<th>repeller</th><th>saddle</th><th>rotational</th><th>Morse index: count</th><th>s</th>"
@@ -30,9 +31,13 @@ def critical_layer_table(result: Any) -> str:
     p = claim["pooled"]
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")
+    miss = claim["parity"]["missing_at_least"]
+    parity = ("" if miss is None else f" Poincaré-Hopf parity of the found sets: at least {miss} equilibria not "
+              "found (0 does not mean all were found).")
     return ("<table class='critical-layers'>" + head + "".join(rows) + "</table>"
-            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b>. The counts are a sample of {_e(claim['sample'])}.</p>"
-            + critical_histogram(result))
+            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b> for this sample; it does not decide the claim for "
+            f"all equilibria ({_e(claim['why_undecided'])}). The counts are a sample of {_e(claim['sample'])}."
+            f"{_e(parity)}</p>" + critical_histogram(result))
 
 
 def _index_bins(dim: int) -> list[tuple[int, int, str]]:
