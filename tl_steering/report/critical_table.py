@@ -8,6 +8,28 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def tried(r: Any) -> str:
+    """What a finder tried on one layer, from its options: the words of a layer with no equilibrium."""
+    o = r.options
+    if r.method == "homotopy":
+        return (f"{o.get('paths', 0)} homotopy paths (F and -F) of up to {o.get('homotopy_steps', '?')} steps, "
+                f"{o.get('paths_reaching_t1', 0)} reaching t = 1")
+    if r.method in ("flow", "landscape", "flow+lm"):
+        shift = [x for x in o.get("shift", []) if x]
+        out = ("power iteration of F and -F" + (" with the shifted map" if shift else "")
+               + f", {o.get('edge_rows', 0)} edge-tracking rows")
+        if o.get("lm_rows"):
+            out += ", LM from the starts"
+        if o.get("landscape_rows"):
+            out += f", {o['landscape_rows']} landscape solves"
+        return out
+    return f"{r.method} from the starts"
+
+
+def _none_found(r: Any) -> str:
+    return f"no equilibrium found from {r.options.get('n_starts', r.n_starts)} starts ({r.n_starts} rows): {tried(r)}"
+
+
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
     rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
@@ -27,7 +49,7 @@ def critical_layer_table(result: Any) -> str:
             f"<tr><td>{int(layer)}</td><td>{_e(r.method)}</td><td>{r.n_starts}</td><td>{r.n_converged}</td>"
             f"<td>{r.n_points}</td><td>{c['attractor']}</td><td>{c['repeller']}</td><td>{c['saddle']}</td>"
             f"<td>{c['rotational']}</td><td>{_e(hist)}</td><td>{float(result.seconds[i]):.1f}</td>"
-            f"<td>{frac}</td><td>{_e(v['verdict'])}</td></tr>")
+            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else _none_found(r))}</td></tr>")
     p = claim["pooled"]
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")
@@ -70,4 +92,4 @@ def critical_histogram(result: Any) -> str:
             + f"<p class='muted'>{_e(sentence)}</p>")
 
 
-__all__ = ["critical_histogram", "critical_layer_table"]
+__all__ = ["critical_histogram", "critical_layer_table", "tried"]

@@ -115,3 +115,17 @@ def test_report_sentence_judges_each_part(planted12):
     missed = _subset(planted12, [i for i, k in enumerate(planted12.index) if k not in (0, 2)])
     text = critical_sentence(SuiteResult(critical=_wrap([missed])))
     assert "'not attractors' is not contradicted" in text and "at least 4 equilibria went unfound" in text
+
+
+def test_a_layer_without_equilibria_says_what_was_tried():
+    from tl_steering.report.critical_table import critical_layer_table
+
+    # a complex structure on R^4: F(u) is orthogonal to u everywhere, so the field has no equilibrium on S^3
+    j = torch.tensor([[0.0, -1, 0, 0], [1, 0, 0, 0], [0, 0, 0, -2], [0, 0, 2, 0]], dtype=F64)
+    res = find_equilibria(lambda u: u @ j.T, 4, n_starts=6, seed=0, method="flow")
+    assert res.n_points == 0
+    out = _wrap([res])
+    assert out.claim()["not_attractors"]["verdict"] == "no equilibria"
+    assert out.claim()["parity"]["missing_at_least"] == 0  # chi(S^3) = 0: no point need exist
+    table = critical_layer_table(out)
+    assert f"no equilibrium found from 6 starts ({res.n_starts} rows): power iteration of F and -F" in table
