@@ -37,7 +37,7 @@ import math
 import torch
 from torch import Tensor
 
-from .fields import _EPS, _FieldAdapter, _normalize
+from .fields import _EPS, _FieldAdapter, _Householder, _normalize
 from .landscape import newton_solve
 
 #: initial, largest and smallest arclength step (tangent coordinates in radians, t dimensionless)
@@ -50,35 +50,6 @@ MAX_AGE, CHART_RADIUS = 30, 0.3
 T_LOW, T_HIGH = -100.0, 100.0
 #: path outcomes
 PATH_END = ("roots", "step_cap", "ran_off", "stuck", "closed")
-
-
-def _house(u: Tensor) -> tuple[Tensor, Tensor]:
-    """Batched Householder reflectors H u = ∓e_1 (w, β), as :class:`tl_steering.critical.fields._Householder`."""
-    w = u.clone()
-    w[:, 0] = w[:, 0] + torch.where(u[:, 0] >= 0, 1.0, -1.0).to(u.dtype)
-    return w, 2.0 / (w * w).sum(-1)
-
-
-def _apply(w: Tensor, beta: Tensor, x: Tensor) -> Tensor:
-    return x - (beta * (w * x).sum(-1))[:, None] * w
-
-
-def _q(w: Tensor, beta: Tensor, s: Tensor) -> Tensor:
-    return _apply(w, beta, torch.cat([s.new_zeros(s.shape[0], 1), s], dim=1))
-
-
-def _qt(w: Tensor, beta: Tensor, v: Tensor) -> Tensor:
-    return _apply(w, beta, v)[:, 1:]
-
-
-def _conjugate(w: Tensor, beta: Tensor, a: Tensor) -> Tensor:
-    """H A H for a batch of d × d matrices."""
-    aw = (a @ w[:, :, None])[..., 0]
-    wa = (w[:, None, :] @ a)[:, 0]
-    waw = (w * aw).sum(-1)
-    b = beta[:, None, None]
-    return (a - b * w[:, :, None] * wa[:, None, :] - b * aw[:, :, None] * w[:, None, :]
-            + (beta * beta * waw)[:, None, None] * w[:, :, None] * w[:, None, :])
 
 
 def _h(f: Tensor, t: Tensor, g0: Tensor, u0: Tensor, kind: str) -> Tensor:
@@ -126,8 +97,7 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
     eye = torch.eye(d - 1, dtype=dt_, device=dev)
     # per path: chart (base point, reflector, LU of [[A, b], [τᵀ]], τ), position x = (s, t) in the chart, the
     # previous position, the direction of travel (ambient tangent part and t part), step, age of the chart
-    base, wb = u0.clone(), u0.clone()
-    bb = torch.ones(n, dtype=dt_, device=dev)
+    base, hb = u0.clone(), _Householder(u0)
     lu = torch.zeros(n, d, d, dtype=dt_, device=dev)
     piv = torch.zeros(n, d, dtype=torch.int32, device=dev)
     tau = torch.zeros(n, d, dtype=dt_, device=dev)
@@ -147,7 +117,7 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
     counts = {"jacobians": 0, "evaluations": n, "rejected": 0}
 
     def point(rows: Tensor, xs: Tensor) -> Tensor:
-        return _normalize(base[rows] + _q(wb[rows], bb[rows], xs[:, :-1]))
+        return _normalize(base[rows] + hb[rows].q(xs[:, :-1]))
 
     for _ in range(60 * max_steps):
         if not bool(active.any()):
@@ -165,7 +135,7 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
             with torch.no_grad():
                 fb = fld.many(ub) * fsign[rv][:, None]
             counts["evaluations"] += ref.numel()
-            w, beta = _house(ub)
+            hr = _Householder(ub)
             fn = fb.norm(dim=-1, keepdim=True).clamp_min(_EPS)
             fh = fb / fn
             dh = (jac - fh[:, :, None] * (fh[:, None, :] @ jac)) / fn[:, :, None]
@@ -173,15 +143,16 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
             dt_col = g0[rv] if kind == "newton" else fh - u0[rv]  # ∂h/∂t
             if kind != "newton":
                 dh = tb[:, None, None] * dh
-            a = _conjugate(w, beta, dh)[:, 1:, 1:] - (ub * hv).sum(-1)[:, None, None] * eye
-            top = torch.cat([a, _qt(w, beta, dt_col)[:, :, None]], dim=2)
-            prev = torch.cat([_qt(w, beta, dir_u[rv]), dir_t[rv][:, None]], dim=1)
+            a = hr.conjugate(dh)[:, 1:, 1:] - (ub * hv).sum(-1)[:, None, None] * eye
+            top = torch.cat([a, hr.qt(dt_col)[:, :, None]], dim=2)
+            prev = torch.cat([hr.qt(dir_u[rv]), dir_t[rv][:, None]], dim=1)
             rhs = torch.zeros(ref.numel(), d, dtype=dt_, device=dev)
             rhs[:, -1] = 1.0
             z = torch.linalg.solve(torch.cat([top, prev[:, None, :]], dim=1), rhs)
             z = z / z.norm(dim=-1, keepdim=True)
             lu[rv], piv[rv] = torch.linalg.lu_factor(torch.cat([top, z[:, None, :]], dim=1))
-            base[rv], wb[rv], bb[rv], tau[rv] = ub, w, beta, z
+            base[rv], tau[rv] = ub, z
+            hb[rv] = hr
             x[rv] = 0.0
             x[rv, -1] = tb
             x_prev[rv] = x[rv]
@@ -209,7 +180,7 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
             with torch.no_grad():
                 fc = fld.many(uc) * fsign[rows][:, None]
             counts["evaluations"] += run.numel()
-            r = _qt(wb[rows], bb[rows], _g(fc, uc, g0[rows], xc[rr, -1], u0[rows], kind))
+            r = hb[rows].qt(_g(fc, uc, g0[rows], xc[rr, -1], u0[rows], kind))
             c = (tau[rows] * (xc[rr] - pred[rr])).sum(-1)
             res = torch.cat([r, c[:, None]], dim=1)
             delta = torch.linalg.lu_solve(lu[rows], piv[rows], -res[:, :, None])[..., 0]
@@ -242,7 +213,7 @@ def homotopy_paths(fld: _FieldAdapter, u0: Tensor, tol: float, max_steps: int, m
             step = xc[k] - x[i]
             arc[i] += float(step.norm())
             x_prev[i], x[i] = x[i], xc[k]
-            amb = _q(wb[i:i + 1], bb[i:i + 1], step[None, :-1])[0]
+            amb = hb[i:i + 1].q(step[None, :-1])[0]
             dir_u[i], dir_t[i] = amb, step[-1]
             age[i] += 1
             steps[i] += 1

@@ -177,6 +177,31 @@ class EquilibriaResult(Result):
             out["mean_index"] = float(np.mean(self.index))
         return out
 
+    def parity(self) -> dict[str, Any]:
+        """Poincaré-Hopf check of the found set (docs/critical_points.md section 4).
+
+        A nondegenerate equilibrium of Morse index k contributes sign det M = (-1)^(n-k), n = d - 1 (complex pairs
+        have positive determinant), and over all equilibria of the tangent field P_u F(u) these signs add up to the
+        Euler characteristic of S^n, 1 + (-1)^n. So |sum over the found points - (1 + (-1)^n)| equilibria at
+        least were not found. ``missing_at_least`` is None where the check does not apply (a degenerate point, or
+        ARPACK spectra whose index is only a lower bound).
+        """
+        n = self.dim - 1
+        euler = 1 + (-1) ** n if self.dim else 0
+        total = sum((-1) ** (n - int(k)) for k in self.index)
+        valid = self.eigensolver == "dense" and "degenerate" not in self.labels and self.dim > 0
+        return {"index_sum": int(total), "euler_characteristic": int(euler),
+                "missing_at_least": abs(int(total) - int(euler)) if valid else None}
+
+    def crossing_order(self) -> list[int | None]:
+        """Per point, its crossing's number along the homotopy path that met it first (1 = the path's first
+        crossing of t = 1), or None for points of another finder (docs/critical_points.md section 10)."""
+        out: list[int | None] = []
+        for kind in self.start_kind:
+            tail = kind.rsplit("/homotopy:", 1)
+            out.append(int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None)
+        return out
+
     def plot(self, title: str | None = None):
         """Tangent eigenvalues of every point in the complex plane, one colour per label (plotly Figure)."""
         import plotly.graph_objects as go
@@ -262,6 +287,21 @@ def sample_note(methods: Any) -> str:
     return "; ".join(f"{m}: {SAMPLE_NOTES.get(m, 'custom finder')}" for m in names) or "no finder run"
 
 
+#: samples that cannot decide "mostly saddles" for all equilibria of a field, and why (docs section 4); every finder
+#: is in it: none samples the equilibria without a bias tied to their index
+UNDECIDABLE_BY = {
+    "flow": "saddles of middle index are out of the flow finder's reach",
+    "fixed_point": "saddles are out of the power iteration's reach",
+    "landscape": "the landscape walks out from the flow's points within a solve budget",
+    "homotopy": "the fraction depends on how many crossings the paths' step budget allows (first crossings are "
+                "stable ends, later ones mostly saddles)",
+    "reflected": "the reflected flow's basin sizes are not measured",
+    "lm": "which roots LM reaches depends on its basins",
+    "riemannian": "which roots gradient descent reaches depends on its basins",
+    "flow+lm": "saddles of middle index are out of the flow finder's reach",
+}
+
+
 def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     """The claim "most equilibria are saddles" for k saddles among n distinct equilibria.
 
@@ -269,6 +309,11 @@ def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     otherwise (including n = 0: ``no equilibria``). The points of one field are not independent draws, so the
     interval describes the found set, not a population of fields (see docs/critical_points.md).
     """
+    return proportion_verdict(k, n, level, count_key="saddles")
+
+
+def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k") -> dict[str, Any]:
+    """k of n against 1/2 with the exact interval: supported / rejected / undecided / no equilibria."""
     low, high = clopper_pearson(k, n, level)
     if n == 0:
         verdict = "no equilibria"
@@ -278,7 +323,7 @@ def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
         verdict = "rejected"
     else:
         verdict = "undecided"
-    return {"saddles": int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
+    return {count_key: int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
             "level": level, "verdict": verdict}
 
 
@@ -366,13 +411,47 @@ class CriticalPointsResult(Result):
                 "converged_rows": int(self.n_converged.sum()), "points": int(self.n_points.sum()),
                 "note": sample_note(methods)}
 
+    def parity(self) -> dict[str, Any]:
+        """:meth:`EquilibriaResult.parity` per layer and the pooled lower bound on equilibria not found (None where
+        a layer's check does not apply)."""
+        per = {int(layer): r.parity() for layer, r in zip(self.layers, self.results)}
+        miss = [p["missing_at_least"] for p in per.values()]
+        return {"per_layer": per, "missing_at_least": None if None in miss else int(sum(miss))}
+
     def claim(self, level: float = 0.95) -> dict[str, Any]:
-        """The "mostly saddles" claim per layer and pooled, with exact Clopper-Pearson intervals."""
+        """The paper's claim in its three parts, per layer and pooled (docs/critical_points.md section 4).
+
+        ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against
+        1/2); ``mostly_saddles_decided``: False, with the reason in ``why_undecided``, for every finder here (the
+        interval describes the finder's sample, ``sample``); ``by_crossing``: the homotopy sample split into the
+        paths' first crossings and their later ones; ``not_attractors``: "fails" as soon as one verified attractor
+        is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the
+        Poincaré-Hopf lower bound on equilibria not found."""
         s = self.labels.index("saddle")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
         pooled = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
-        return {"per_layer": per_layer, "pooled": pooled, "sample": sample_note(r.method for r in self.results)}
+        methods = sorted({r.method for r in self.results})
+        a = self.labels.index("attractor")
+        with_attr = [int(layer) for i, layer in enumerate(self.layers) if int(self.counts[i, a]) > 0]
+        n_attr = int(self.counts[:, a].sum())
+        by_crossing: dict[str, Any] = {}
+        orders = [(o, lab) for r in self.results for o, lab in zip(r.crossing_order(), r.labels) if o is not None]
+        if orders:
+            for part, keep in (("first", lambda o: o == 1), ("later", lambda o: o > 1)):
+                labs = [lab for o, lab in orders if keep(o)]
+                by_crossing[part] = saddle_verdict(labs.count("saddle"), len(labs), level)
+        return {"per_layer": per_layer, "pooled": pooled, "sample": sample_note(methods),
+                "mostly_saddles_decided": False,
+                "why_undecided": "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods),
+                "by_crossing": by_crossing,
+                "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
+                                   "n_layers": len(self.layers),
+                                   "verdict": "fails" if n_attr else ("not contradicted" if int(self.counts.sum())
+                                                                      else "no equilibria")},
+                "rotational_modes": proportion_verdict(int(self.rotational.sum()), int(self.n_points.sum()), level,
+                                                       count_key="rotational"),
+                "parity": self.parity()}
 
     def summary(self) -> dict[str, Any]:
         frac = self.saddle_fraction()
@@ -381,6 +460,7 @@ class CriticalPointsResult(Result):
                 **self.totals(), "rotational_pairs": int(self.rotational_pairs.sum()), "saddle_fraction": frac,
                 "saddle_ci_low": pooled["ci_low"], "saddle_ci_high": pooled["ci_high"],
                 "mostly_saddles": pooled["verdict"],
+                "parity_missing_at_least": self.parity()["missing_at_least"],
                 "converged_starts": int(self.n_converged.sum()), "starts": int(self.n_starts.sum()),
                 "morse_histogram": {str(k): v for k, v in self.morse_histogram().items()},
                 "seconds_total": float(self.seconds.sum()),

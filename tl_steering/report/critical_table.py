@@ -8,10 +8,33 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def tried(r: Any) -> str:
+    """What a finder tried on one layer, from its options: the words of a layer with no equilibrium."""
+    o = r.options
+    if r.method == "homotopy":
+        return (f"{o.get('paths', 0)} homotopy paths (F and -F) of up to {o.get('homotopy_steps', '?')} steps, "
+                f"{o.get('paths_reaching_t1', 0)} reaching t = 1")
+    if r.method in ("flow", "landscape", "flow+lm"):
+        shift = [x for x in o.get("shift", []) if x]
+        out = ("power iteration of F and -F" + (" with the shifted map" if shift else "")
+               + f", {o.get('edge_rows', 0)} edge-tracking rows")
+        if o.get("lm_rows"):
+            out += ", LM from the starts"
+        if o.get("landscape_rows"):
+            out += f", {o['landscape_rows']} landscape solves"
+        return out
+    return f"{r.method} from the starts"
+
+
+def _none_found(r: Any) -> str:
+    return f"no equilibrium found from {r.options.get('n_starts', r.n_starts)} starts ({r.n_starts} rows): {tried(r)}"
+
+
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
-    rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" verdict with its
-    exact interval; then the pooled verdict and what the counts are a sample of."""
+    rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
+    sample with its exact interval; then the pooled one, why it does not decide the claim, what the counts are a
+    sample of and the Poincaré-Hopf lower bound on the points not found."""
     claim = result.claim()
     head = ("<tr><th>layer</th><th>finder</th><th>rows</th><th>converged</th><th>points</th><th>attractor</th>"
             "<th>repeller</th><th>saddle</th><th>rotational</th><th>Morse index: count</th><th>s</th>"
@@ -26,13 +49,17 @@ def critical_layer_table(result: Any) -> str:
             f"<tr><td>{int(layer)}</td><td>{_e(r.method)}</td><td>{r.n_starts}</td><td>{r.n_converged}</td>"
             f"<td>{r.n_points}</td><td>{c['attractor']}</td><td>{c['repeller']}</td><td>{c['saddle']}</td>"
             f"<td>{c['rotational']}</td><td>{_e(hist)}</td><td>{float(result.seconds[i]):.1f}</td>"
-            f"<td>{frac}</td><td>{_e(v['verdict'])}</td></tr>")
+            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else _none_found(r))}</td></tr>")
     p = claim["pooled"]
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")
+    miss = claim["parity"]["missing_at_least"]
+    parity = ("" if miss is None else f" Poincaré-Hopf parity of the found sets: at least {miss} equilibria not "
+              "found (0 does not mean all were found).")
     return ("<table class='critical-layers'>" + head + "".join(rows) + "</table>"
-            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b>. The counts are a sample of {_e(claim['sample'])}.</p>"
-            + critical_histogram(result))
+            f"<p>Pooled: {_e(pooled)}: <b>{_e(p['verdict'])}</b> for this sample; it does not decide the claim for "
+            f"all equilibria ({_e(claim['why_undecided'])}). The counts are a sample of {_e(claim['sample'])}."
+            f"{_e(parity)}</p>" + critical_histogram(result))
 
 
 def _index_bins(dim: int) -> list[tuple[int, int, str]]:
@@ -65,4 +92,4 @@ def critical_histogram(result: Any) -> str:
             + f"<p class='muted'>{_e(sentence)}</p>")
 
 
-__all__ = ["critical_histogram", "critical_layer_table"]
+__all__ = ["critical_histogram", "critical_layer_table", "tried"]

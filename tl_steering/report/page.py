@@ -132,7 +132,11 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "iteration u ← ±normalize(F(u)) from every start reaches attractors (+) and repellers (−); edge tracking "
         "between two of its basins reaches the saddle on their boundary (index 1, or one stable direction); "
         "Levenberg-Marquardt finishes every point to a relative residual of 1e-10. The points are a sample of what "
-        "the dynamics reach, not of all equilibria: the label counts say which kinds exist, not their share.",
+        "the dynamics reach, not of all equilibria: the label counts say which kinds exist, not their share. So the "
+        "claim is judged in its three parts: one verified attractor decides 'not attractors'; the share of points "
+        "with a rotational mode decides 'rotational modes'; 'mostly saddles' is decided by no sample here, and the "
+        "Poincaré-Hopf parity of each layer's found set (index signs (-1)^(d-1-k) add up to the sphere's Euler "
+        "characteristic) bounds from below how many equilibria were not found.",
         [
             "critical_counts",
             "critical_spectra",

@@ -367,20 +367,36 @@ def gates_sentence(r: SuiteResult) -> str:
 
 
 def critical_sentence(r: SuiteResult) -> str:
-    s = r.critical.summary()
-    n = int(_num(s.get("n_points", 0)) or 0)
-    claim = "The paper: the FFN field's equilibria on the sphere are mostly saddles, with rotational modes; here"
+    """The paper's claim in its three parts (``CriticalPointsResult.claim()``): "not attractors" is decided by one
+    verified attractor, "rotational modes" by the share of points with one, "mostly saddles" by no sample here
+    (the found set's fraction and why it does not decide are given; docs/critical_points.md section 4)."""
+    cr = r.critical
+    c = cr.claim()
+    n = int(cr.n_points.sum())
+    claim = ("The paper: the FFN field's equilibria on the sphere are mostly saddles with rotational modes, not "
+             "attractors; here")
     if n == 0:
-        return f"{claim} no equilibrium was found on layers {list(r.critical.layers)}: not judged."
-    frac, lo, hi = (_num(s.get(k)) for k in ("saddle_fraction", "saddle_ci_low", "saddle_ci_high"))
-    verdict = str(s.get("mostly_saddles", ""))
-    reading = {"supported": "mostly saddles: supported", "rejected": "not mostly saddles: rejected",
-               "undecided": "undecided (the interval holds 1/2)"}.get(verdict, verdict or "not judged")
-    rot = _pv("critical_rotational_modes", r)
-    rot_txt = f"{int(rot)} points with a rotational mode" if rot is not None else "rotational modes not counted"
-    return (f"{claim} {int(s.get('saddle', 0))} of {n} equilibria found are saddles ({_pct(frac)}, 95% CI "
-            f"[{_pct(lo)}, {_pct(hi)}]: {reading}), {rot_txt}; the points are a sample of what the finder reaches, "
-            f"not of all equilibria.")
+        return f"{claim} no equilibrium was found on layers {list(cr.layers)}: not judged."
+    na = c["not_attractors"]
+    if na["attractors"]:
+        attr = (f"'not attractors' fails: {_n(na['attractors'], 'verified attractor')} on "
+                f"{len(na['layers_with_attractor'])} of {_n(na['n_layers'], 'layer')}")
+    else:
+        attr = "'not attractors' is not contradicted: no attractor in this sample"
+    rm = c["rotational_modes"]
+    rot = (f"rotational modes: {rm['rotational']} of {n} points ({_pct(rm['fraction'])}, 95% CI "
+           f"[{_pct(rm['ci_low'])}, {_pct(rm['ci_high'])}]: {rm['verdict']})")
+    p = c["pooled"]
+    sad = (f"'mostly saddles' is not decided by this sample: {p['saddles']} of {n} found are saddles "
+           f"({_pct(p['fraction'])}, 95% CI [{_pct(p['ci_low'])}, {_pct(p['ci_high'])}]), but {c['why_undecided']}")
+    later = c["by_crossing"].get("later")
+    if later and later["n"]:
+        sad += (f"; past the paths' first crossings {later['saddles']} of {later['n']} are saddles "
+                f"({_pct(later['fraction'])})")
+    miss = c["parity"]["missing_at_least"]
+    par = (f"; by the Poincaré-Hopf parity at least {miss} equilibri{'um' if miss == 1 else 'a'} went unfound"
+           if miss else "")
+    return f"{claim} {attr}; {rot}; {sad}{par}."
 
 
 def prefix_sentence(r: SuiteResult) -> str:
