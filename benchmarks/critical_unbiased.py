@@ -16,7 +16,9 @@ field rebuilt from the weights (a fresh ``critical_field``) and its residual pri
 ``--sample coverage`` instead runs the coverage check on the planted fields (d = 12 and d = 576; ``--quartic γ``
 for the nonlinear variant): every planted equilibrium (indices 0, 1, 2, 3, d/2, d-3, d-2, d-1, both signs) found or
 not by ``--method`` (default: the default finder, "landscape"), with its label and index, and the found fraction
-per index.
+per index. ``--sample symmetric``: the same check on symmetric linear fields (``symmetric_field``: 2d points ±q_i,
+every index 0..d-1; e.g. ``--dims 12 16 24 32 --seeds 0 1 2 3``), with the landscape phase's rows, deferred starts
+and the row that found the last new point.
 """
 
 import argparse
@@ -29,14 +31,21 @@ import tl_steering as ts
 from tl_steering.critical import clopper_pearson, critical_field, find_equilibria, saddle_verdict
 from tl_steering.critical.fields import relative_residual
 from tl_steering.critical.model import _activations, _token_starts
-from tl_steering.critical.planted import planted_field
+from tl_steering.critical.planted import planted_field, symmetric_field
+
+
+def _last_new_row(r) -> int:
+    """The landscape row (1-based) that found the last new point (0: none); rows are stored flow rows first."""
+    first = r.n_starts - r.options.get("landscape_rows", 0)
+    late = [i for i in r.start_index if i >= first]
+    return max(late) - first + 1 if late else 0
 
 
 def coverage(dims: list[int], n_starts: dict[int, int], seeds: list[int], method: str, max_iter: int,
-             quartic: float, steps: int) -> None:
+             quartic: float, steps: int, symmetric: bool = False) -> None:
     for d in dims:
         for seed in seeds:
-            p = planted_field(d, seed=seed, quartic=quartic)
+            p = symmetric_field(d, seed=seed) if symmetric else planted_field(d, seed=seed, quartic=quartic)
             t0 = time.perf_counter()
             kw = {"max_iter": max_iter} if method == "reflected" else {"homotopy_steps": steps} if method == "homotopy" else {}
             r = find_equilibria(p, d, n_starts=n_starts[d], seed=seed, method=method, **kw)
@@ -49,9 +58,14 @@ def coverage(dims: list[int], n_starts: dict[int, int], seeds: list[int], method
             per = ", ".join(f"{k}: {sum(v)}/{len(v)}" for k, v in sorted(found.items()))
             o = r.options
             extra = (f"; paths {o['paths']}, reaching t=1 {o['paths_reaching_t1']}, ends {o['path_end']}"
-                     if method == "homotopy" else f"; landscape rows {o.get('landscape_rows', 0)}")
+                     if method == "homotopy" else
+                     f"; landscape rows {o.get('landscape_rows', 0)}, converged {o.get('landscape_converged', 0)}, "
+                     f"new points {o.get('landscape_new_points', 0)}, last new point at row {_last_new_row(r)}, "
+                     f"deferred {o.get('landscape_deferred', 0)} (run {o.get('landscape_deferred_run', 0)}), "
+                     f"exhausted {o.get('landscape_exhausted', '-')}; flow shift {o.get('shift')}")
             jac = o.get("jacobians", 0) + o.get("landscape_jacobians", 0)
-            print(f"coverage d={d} seed={seed} quartic={quartic:g} method={method}: {hit}/16 planted points found with "
+            field = "symmetric" if symmetric else f"quartic={quartic:g}"
+            print(f"coverage d={d} seed={seed} {field} method={method}: {hit}/{len(p.points)} planted points found with "
                   f"index and label right (per index {per}); {r.n_points} distinct points, rows {r.n_starts}, "
                   f"converged {r.n_converged}, jacobians {jac}{extra}, {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -133,7 +147,7 @@ def run_model(name: str, layers: list[int] | None, n_starts: int, max_iter: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sample", choices=("models", "coverage"), default="models")
+    p.add_argument("--sample", choices=("models", "coverage", "symmetric"), default="models")
     p.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma-3-270m"])
     p.add_argument("--layers", type=int, nargs="*", default=None)
     p.add_argument("--method", choices=("homotopy", "reflected", "landscape"), default=None,
@@ -151,9 +165,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the points, indices and labels per layer here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    if a.sample == "coverage":
-        coverage(a.dims, {12: 16 if a.method == "landscape" or a.method is None else 48, 576: a.starts_576}, a.seeds,
-                 a.method or "landscape", a.max_iter, a.quartic, a.steps)
+    if a.sample in ("coverage", "symmetric"):
+        starts = {d: 16 if a.method == "landscape" or a.method is None else 48 for d in a.dims if d != 576}
+        coverage(a.dims, {**starts, 576: a.starts_576}, a.seeds, a.method or "landscape", a.max_iter, a.quartic,
+                 a.steps, symmetric=a.sample == "symmetric")
         return
     out: dict = {}
     for name in a.models:

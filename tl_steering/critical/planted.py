@@ -112,4 +112,21 @@ def planted_field(dim: int, seed: int = 0, non_normal: float = 0.3, quartic: flo
                         index=index, labels=labels, axes=axes, coupling=coupling)
 
 
-__all__ = ["PlantedField", "planted_field"]
+def symmetric_field(dim: int, seed: int = 0, spread: float = 3.0) -> PlantedField:
+    """A symmetric linear field F(u) = A u, A = Q diag(μ) Qᵀ (Q from the QR of a seeded Gaussian matrix, μ sorted
+    uniform in [-``spread``, ``spread``]): its 2d equilibria are ±q_i with λ = μ_i and Morse index d - 1 - i (the
+    number of μ above μ_i), every index 0..d-1 once per sign. The tangent eigenvector at q_j toward q_i is exactly
+    P q_i, so each landscape start heads to a known neighbour once that neighbour is found (docs/critical_points.md,
+    section 9)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+        raise InputError(f"dim must be an int >= 2; got {dim!r}")
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    mu = np.sort(rng.uniform(-spread, spread, dim))
+    index = [dim - 1 - i for i in range(dim)] * 2
+    labels = ["attractor" if k == 0 else "repeller" if k == dim - 1 else "saddle" for k in index]
+    return PlantedField(matrix=torch.as_tensor(q @ np.diag(mu) @ q.T), points=torch.as_tensor(np.concatenate([q.T, -q.T])),
+                        lambdas=torch.as_tensor(np.concatenate([mu, mu])), index=index, labels=labels)
+
+
+__all__ = ["PlantedField", "planted_field", "symmetric_field"]
