@@ -46,6 +46,8 @@ PUBLIC: dict[str, str] = {
     "PrefixSensitivityResult": ".protocols.prefix",
     "PrefixStatisticsResult": ".protocols.prefix",
     "critical_points": ".critical.model",
+    "critical_census": ".critical.model",
+    "CensusResult": ".critical.census",
     "CriticalPointsResult": ".critical.results",
     "find_equilibria": ".critical.finder",
     "classify_point": ".critical.finder",
@@ -73,7 +75,8 @@ if TYPE_CHECKING:  # static tools see the names (tests/test_public_surface.py ch
     from . import errors, geometry, hooks
     from .backends import ModelAdapter, adapt, load_model, tiny_model, tl_version
     from .critical.finder import classify_point, find_equilibria
-    from .critical.model import critical_points
+    from .critical.census import CensusResult
+    from .critical.model import critical_census, critical_points
     from .critical.results import CriticalPointsResult, EquilibriaResult
     from .data.windows import TokenWindows, corpus_label, text_tokens, text_windows
     from .parallel.apply import parallelize

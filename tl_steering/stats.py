@@ -159,8 +159,44 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     return median, x[j - 1], x[n - j], max(0.0, coverage(j))
 
 
+def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
+    """Richness of a population sampled with replacement, from how often each observed class was drawn.
+
+    The bias-corrected Chao1 estimate S_obs + f1 (f1 - 1) / (2 (f2 + 1)) (f_k: classes drawn exactly k times; Chao
+    1984, 2005) and its log-normal interval (Chao 1987: S_obs + T/K, S_obs + T K, T the estimated unseen count,
+    K = exp(z sqrt(log(1 + var / T²)))); where T = 0 (f1 <= 1) the interval of Chao's no-singleton case,
+    S_obs / (1 - P) ± z sqrt(S_obs P / (1 - P)), P = exp(-n / S_obs), n the number of draws. The draws must be
+    independent; classes drawn with a tiny probability can always hide, so the upper end is a statistical bound,
+    not a certain one.
+
+    Returns:
+        ``{"observed", "draws", "f1", "f2", "estimate", "ci_low", "ci_high", "level"}`` (all 0 without a draw).
+    """
+    counts = [int(a) for a in abundances if int(a) > 0]
+    s_obs, n = len(counts), sum(counts)
+    f1, f2 = counts.count(1), counts.count(2)
+    out = {"observed": float(s_obs), "draws": float(n), "f1": float(f1), "f2": float(f2), "level": level}
+    if s_obs == 0:
+        return {**out, "estimate": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + level / 2))
+    unseen = f1 * (f1 - 1) / (2.0 * (f2 + 1))
+    if unseen > 0:
+        var = (unseen + f1 * (2 * f1 - 1) ** 2 / (4.0 * (f2 + 1) ** 2)
+               + f1 * f1 * f2 * (f1 - 1) ** 2 / (4.0 * (f2 + 1) ** 4))
+        k = math.exp(z * math.sqrt(math.log(1.0 + var / unseen ** 2)))
+        low, high = s_obs + unseen / k, s_obs + unseen * k
+    else:
+        p = math.exp(-n / s_obs)
+        half = z * math.sqrt(s_obs * p / (1.0 - p))
+        low, high = max(float(s_obs), s_obs / (1.0 - p) - half), s_obs / (1.0 - p) + half
+    return {**out, "estimate": s_obs + unseen, "ci_low": low, "ci_high": high}
+
+
 __all__ = [
     "bin_labels",
+    "chao1",
     "bootstrap_ci",
     "check_exclude_positions",
     "finite_mean",

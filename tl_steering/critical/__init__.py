@@ -5,12 +5,14 @@
 * :mod:`.solver`: the deflated Levenberg-Marquardt solver; :mod:`.firstorder`: first-order phases, GMRES-Newton;
 * :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
 * :mod:`.finder`: :func:`find_equilibria`, :func:`classify_point` for any torch field;
-* :mod:`.model`: :func:`critical_points` / :func:`critical_field` for TransformerLens models.
+* :mod:`.model`: :func:`critical_points` / :func:`critical_field` / :func:`critical_census` for TransformerLens models;
+* :mod:`.census`: :func:`census`, the bounds that can decide "mostly saddles" for all equilibria of a field.
 """
 
+from .census import CensusResult, census
 from .fields import relative_residual, tangent_basis
 from .finder import METHODS, classify_point, find_equilibria
-from .model import FIELDS, CriticalField, critical_field, critical_points
+from .model import FIELDS, CriticalField, critical_census, critical_field, critical_points
 from .results import CriticalPointsResult, EquilibriaResult, PointClassification, clopper_pearson, saddle_verdict
 from .spectrum import DENSE_MAX_DIM, LABELS
 
@@ -19,12 +21,15 @@ __all__ = [
     "FIELDS",
     "LABELS",
     "METHODS",
+    "CensusResult",
     "CriticalField",
     "CriticalPointsResult",
     "EquilibriaResult",
     "PointClassification",
+    "census",
     "classify_point",
     "clopper_pearson",
+    "critical_census",
     "critical_field",
     "critical_points",
     "find_equilibria",

@@ -284,11 +284,14 @@ def find_equilibria(
     # deduplicate in start order; the representative is the first start that reached the point
     reps: list[int] = []
     hits: list[int] = []
+    row_rep = [-1] * u.shape[0]
     for i in converged:
         j = _match_point(u[reps], u[i], dedup_angle)
         if j >= 0:
             hits[j] += 1
+            row_rep[i] = j
             continue
+        row_rep[i] = len(reps)
         reps.append(i)
         hits.append(1)
 
@@ -303,6 +306,7 @@ def find_equilibria(
         lams.append(lam)
         ress.append(rr)
     order = sorted(range(len(reps)), key=lambda k: -lams[k])  # stable: ties keep start order
+    rank = {k: pos for pos, k in enumerate(order)}
     if "phase_seconds" in flow_info:
         flow_info["phase_seconds"]["classify"] = time.perf_counter() - clock
 
@@ -323,11 +327,12 @@ def find_equilibria(
                "start_residuals": [float(x) for x in rel.cpu()],
                "edge_pairs": int(edge_pairs), "landscape": bool(landscape), "landscape_dirs": int(landscape_dirs),
                "landscape_solves": int(landscape_solves), "homotopy_steps": int(homotopy_steps),
-               "homotopy_roots": int(homotopy_roots), "homotopy_kind": homotopy_kind, **flow_info}
+               "homotopy_roots": int(homotopy_roots), "homotopy_kind": homotopy_kind,
+               "row_kind": list(kinds), "row_point": [rank[j] if j >= 0 else -1 for j in row_rep], **flow_info}
     return EquilibriaResult(
         provenance=Provenance(seed=int(seed), dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "equilibria", **{k: v for k, v in options.items()
-                                                                  if k not in ("iterations", "start_residuals")}}),
+                                                                  if k not in ("iterations", "start_residuals", "row_kind", "row_point")}}),
         points=points,
         lambdas=torch.tensor([lams[k] for k in order], dtype=f64),
         residuals=torch.tensor([ress[k] for k in order], dtype=f64),

@@ -28,6 +28,7 @@ from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
 from ..data.windows import token_source
 from ..errors import InputError
+from .census import CensusResult, census
 from .finder import find_equilibria
 from .results import CriticalPointsResult, EquilibriaResult
 from .spectrum import DENSE_MAX_DIM, LABELS
@@ -179,6 +180,28 @@ def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str
     return _build_field(ad, layer, kind, radius, acts, token_index, sequence)[0]
 
 
+@exclusive
+def critical_census(model: Any, layer: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = 256,
+                    level: float = 0.95, field: FieldKind = "ffn", radius: str | float = "median",
+                    tokens: Tensor | None = None, corpus: str | None = None, **finder_kwargs: Any) -> CensusResult:
+    """:func:`tl_steering.critical.census.census` of one layer's field (docs/critical_points.md section 11): the
+    upper bound on its attractors and repellers from random starts, the saddles found from below, and whether
+    saddles are more than half of all its equilibria. Arguments as :func:`critical_points` and ``census``."""
+    ad = adapt(model)
+    layer = ad.check_layer(layer)
+    kind = _check_field(field)
+    tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
+    tokens = ad.validate_tokens(tokens)
+    acts = _activations(ad, tokens, [layer], kind)[layer]
+    fld, mode = _build_field(ad, layer, kind, radius, acts, None, 0)
+    out = census(fld, fld.dim, n_starts=n_starts, seed=seed, landscape_solves=landscape_solves, level=level,
+                 **finder_kwargs)
+    out.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, protocol="census", layer=layer, field=kind,
+                                   radius=fld.radius, radius_mode=mode, n_starts=n_starts,
+                                   landscape_solves=landscape_solves, level=level)
+    return out
+
+
 def _check_scales(radius_scales: Any) -> tuple[float, ...]:
     if radius_scales is None:
         return ()
@@ -220,7 +243,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
     }
     res.options = {**res.options, **options}
     res.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, **{k: v for k, v in res.options.items()
-                                                          if k not in ("seed", "iterations", "start_residuals")})
+                                                          if k not in ("seed", "iterations", "start_residuals", "row_kind", "row_point")})
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -325,4 +348,4 @@ def critical_points(
     )
 
 
-__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_field", "critical_points"]
+__all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_census", "critical_field", "critical_points"]

@@ -1,0 +1,48 @@
+"""The census (docs/critical_points.md section 11): Chao1 bounds on the stable points, saddles found from below."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tl_steering.critical.census import CensusResult, census
+from tl_steering.critical.planted import planted_field
+from tl_steering.errors import InputError
+from tl_steering.stats import chao1
+
+
+def test_chao1_against_the_formulas_by_hand():
+    # S_obs 5, n 8, f1 3, f2 1: unseen 3*2/(2*2) = 1.5; var = 1.5 + 3*25/16 + 9*1*4/(4*16) = 6.75;
+    # K = exp(1.959964 * sqrt(log(1 + 6.75 / 2.25))) = exp(1.959964 * sqrt(log 4)) = 10.0507
+    out = chao1([1, 1, 1, 2, 3])
+    assert (out["observed"], out["draws"], out["f1"], out["f2"]) == (5, 8, 3, 1)
+    assert out["estimate"] == pytest.approx(6.5, abs=1e-12)
+    k = math.exp(1.959964 * math.sqrt(math.log(4.0)))
+    assert out["ci_low"] == pytest.approx(5 + 1.5 / k, rel=1e-5) and out["ci_high"] == pytest.approx(5 + 1.5 * k, rel=1e-5)
+    assert out["ci_high"] == pytest.approx(20.076, abs=1e-3)
+    # no singleton: the estimate is what was seen, the bound S/(1-P) + z sqrt(S P/(1-P)), P = exp(-n/S)
+    out = chao1([5, 5, 5])
+    p = math.exp(-15 / 3)
+    assert out["estimate"] == 3 and out["ci_low"] == 3
+    assert out["ci_high"] == pytest.approx(3 / (1 - p) + 1.959964 * math.sqrt(3 * p / (1 - p)), rel=1e-6)
+    assert chao1([])["estimate"] == 0 and chao1([0, 0])["observed"] == 0
+
+
+def test_census_does_not_decide_when_saddles_are_few():
+    # S^2 with a symmetric linear field: 2 attractors, 2 repellers, 2 saddles: saddles are a third
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.standard_normal((3, 3)))
+    a = torch.tensor(q @ np.diag([-1.0, 0.5, 2.0]) @ q.T)
+    out = census(lambda u: u @ a.T, 3, n_starts=24, seed=0)
+    assert out.saddles == 2 and out.attractors["observed"] == 2 and out.repellers["observed"] == 2
+    assert out.verdict == "not decided" and out.share_low < 0.5
+
+
+def test_census_refuses_its_own_choices():
+    p = planted_field(12, seed=0)
+    for bad in ({"starts": torch.eye(12)}, {"method": "flow"}, {"edge_pairs": 4}):
+        with pytest.raises(InputError, match="census chooses"):
+            census(p, 12, **bad)
+    with pytest.raises(InputError, match="level"):
+        census(p, 12, level=1.5)

@@ -1,0 +1,123 @@
+"""A census of a field's equilibria that can decide "mostly saddles" (docs/critical_points.md section 11).
+
+No finder samples the equilibria without a bias tied to their index, so the share of saddles among all of them is
+not the share in any found set. The census bounds the two sides separately instead:
+
+* the non-saddles are counted from above: attractors and repellers are the stable fixed points of the power map of
+  F and -F, and each has a basin of positive measure; the power iteration from ``n_starts`` independent uniform
+  starts samples the basins with replacement, so the number of attractors (repellers) is a population size
+  estimated from how often each was reached (:func:`tl_steering.stats.chao1`, with its upper bound at ``level``);
+  degenerate points found count on this side too;
+* the saddles are counted from below: the distinct saddles found (the solution-landscape phase walks from every
+  stable point to its neighbours of any index) are a lower bound on the field's saddles.
+
+"Mostly saddles" is **supported** when the saddles found outnumber the upper bound on the non-saddles, so that
+saddles are more than half of all equilibria at that level; otherwise **not decided** (never "rejected": the
+saddle count is only a lower bound). The assumptions are stated in the result: independent uniform starts, and
+stable points with basins too small for the starts to sample are covered only statistically by the estimate.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+from ..errors import InputError
+from ..results import Result, register
+from ..stats import chao1
+from .finder import find_equilibria
+from .results import EquilibriaResult
+
+
+def _abundance(res: EquilibriaResult, label: str) -> list[int]:
+    """Per point of ``label``, the power-iteration rows of its sign (F for attractors, -F for repellers: the random
+    starts' samples of that map's basins) that reached it; a point found only otherwise (the other sign's rows,
+    the landscape) counts once, as a singleton (which raises the estimate)."""
+    kinds, rows = res.options.get("row_kind", []), res.options.get("row_point", [])
+    tag = "/power+" if label == "attractor" else "/power-"
+    hits = [0] * res.n_points
+    for kind, p in zip(kinds, rows):
+        if p >= 0 and kind.endswith(tag):
+            hits[p] += 1
+    return [max(1, hits[i]) for i, lab in enumerate(res.labels) if lab == label]
+
+
+@register
+@dataclasses.dataclass
+class CensusResult(Result):
+    """The census of one field (module docstring).
+
+    Attributes:
+        equilibria: the points found (random starts, flow without edge tracking, then the landscape phase).
+        attractors, repellers: :func:`tl_steering.stats.chao1` of the power rows that reached each one.
+        saddles: distinct saddles found: a lower bound on the field's saddles.
+        degenerate: degenerate points found (counted with the non-saddles).
+        non_saddles_high: upper bound on attractors + repellers (+ degenerate found) at ``level``.
+        share_low: saddles / (saddles + non_saddles_high): the share of saddles is at least this (at ``level``).
+        verdict: "supported" (saddles > non_saddles_high), "not decided" or "no equilibria".
+        level: the level of each upper bound.
+        assumptions: what the verdict rests on.
+    """
+
+    equilibria: EquilibriaResult = dataclasses.field(default_factory=EquilibriaResult)
+    attractors: dict[str, float] = dataclasses.field(default_factory=dict)
+    repellers: dict[str, float] = dataclasses.field(default_factory=dict)
+    saddles: int = 0
+    degenerate: int = 0
+    non_saddles_high: float = math.nan
+    share_low: float = math.nan
+    verdict: str = "no equilibria"
+    level: float = 0.95
+    assumptions: str = ""
+
+    kind = "census"
+
+    def summary(self) -> dict[str, Any]:
+        return {"points": self.equilibria.n_points, "saddles_found": self.saddles,
+                "attractors_found": int(self.attractors.get("observed", 0)),
+                "attractors_estimate": self.attractors.get("estimate"), "attractors_high": self.attractors.get("ci_high"),
+                "repellers_found": int(self.repellers.get("observed", 0)),
+                "repellers_estimate": self.repellers.get("estimate"), "repellers_high": self.repellers.get("ci_high"),
+                "degenerate": self.degenerate, "non_saddles_high": self.non_saddles_high,
+                "share_low": self.share_low, "verdict": self.verdict, "level": self.level}
+
+
+ASSUMPTIONS = ("independent uniform starts sample the basins of the power map of F and -F with replacement; every "
+               "attractor and repeller is a stable fixed point of that map (the shifted map where the plain one "
+               "rotates) and has a basin; stable points whose basins the starts cannot sample are covered only "
+               "statistically by the upper bound; the saddles are those found")
+
+
+def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = 256, level: float = 0.95,
+           **finder_kwargs: Any) -> CensusResult:
+    """The census of the equilibria of ``field`` on S^{dim-1} (module docstring).
+
+    Args:
+        field: a torch field R^d -> R^d (as :func:`find_equilibria`), e.g. ``critical_field(model, layer)``.
+        dim: d.
+        n_starts: independent seeded Gaussian starts (the power iteration of F and of -F from each).
+        seed: their seed.
+        landscape_solves: Newton solves of the landscape phase (the saddle search; every one found raises the lower
+            bound, so the default is find_equilibria's full budget: about 3 s a solve on one core for d = 576).
+        level: level of the upper bounds on attractors and repellers.
+        **finder_kwargs: passed to :func:`find_equilibria` (not ``starts``, ``method`` or ``edge_pairs``: the
+            census needs random starts only and no edge rows among its samples).
+    """
+    for key in ("starts", "method", "edge_pairs"):
+        if key in finder_kwargs:
+            raise InputError(f"census chooses {key!r} itself (random starts, the landscape finder, no edge rows); "
+                             "call find_equilibria for another sample")
+    if not 0.0 < float(level) < 1.0:
+        raise InputError(f"level must be in (0, 1), got {level!r}")
+    res = find_equilibria(field, dim, n_starts=n_starts, seed=seed, method="landscape", edge_pairs=0,
+                          landscape_solves=landscape_solves, **finder_kwargs)
+    att, rep = chao1(_abundance(res, "attractor"), level), chao1(_abundance(res, "repeller"), level)
+    saddles, degenerate = res.labels.count("saddle"), res.labels.count("degenerate")
+    high = att["ci_high"] + rep["ci_high"] + degenerate
+    share = saddles / (saddles + high) if saddles + high > 0 else math.nan
+    verdict = "no equilibria" if res.n_points == 0 else "supported" if saddles > high else "not decided"
+    return CensusResult(provenance=res.provenance, equilibria=res, attractors=att, repellers=rep, saddles=saddles,
+                        degenerate=degenerate, non_saddles_high=high, share_low=share, verdict=verdict,
+                        level=float(level), assumptions=ASSUMPTIONS)
+
+
+__all__ = ["ASSUMPTIONS", "CensusResult", "census"]
