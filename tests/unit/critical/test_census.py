@@ -29,6 +29,20 @@ def test_chao1_against_the_formulas_by_hand():
     assert chao1([])["estimate"] == 0 and chao1([0, 0])["observed"] == 0
 
 
+def test_census_supports_mostly_saddles_on_the_planted_field():
+    # 16 equilibria: 2 attractors, 2 repellers, 12 saddles (indices 1, 2, 3, 6, 9, 10)
+    p = planted_field(12, seed=0)
+    out = census(p, 12, n_starts=32, seed=0)
+    assert isinstance(out, CensusResult) and out.equilibria.n_points == 16
+    assert out.attractors["observed"] == 2 and out.repellers["observed"] == 2 and out.saddles == 12
+    # every random start's power rows land on the attractors (F) and repellers (-F): 32 draws each, no singleton
+    assert out.attractors["draws"] == 32 and out.repellers["draws"] == 32 and out.attractors["f1"] == 0
+    assert out.non_saddles_high == pytest.approx(out.attractors["ci_high"] + out.repellers["ci_high"])
+    assert 4.0 <= out.non_saddles_high < 4.01
+    assert out.verdict == "supported" and out.share_low == pytest.approx(12 / (12 + out.non_saddles_high))
+    assert out.summary()["verdict"] == "supported"
+
+
 def test_census_does_not_decide_when_saddles_are_few():
     # S^2 with a symmetric linear field: 2 attractors, 2 repellers, 2 saddles: saddles are a third
     rng = np.random.default_rng(0)
