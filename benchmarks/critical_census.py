@@ -59,8 +59,9 @@ def main() -> None:
                   f" / {o.get('landscape_exhausted')} | {worst:.1e} | {secs:.0f}", flush=True)
             out.setdefault(name, {})[str(layer)] = {
                 **c.summary(), "saddle_index": idx, "seconds": secs, "rebuilt_residual_max": worst,
-                "points": r.points.tolist(), "index": r.index, "labels": r.labels, "lambdas": r.lambdas.tolist(),
-                "attractors": at, "repellers": rp}
+                "coords": r.points.tolist(), "index": r.index, "labels": r.labels, "lambdas": r.lambdas.tolist(),
+                "attractors": at, "repellers": rp,
+                **{k: o.get(k) for k in ("landscape_rows", "landscape_converged", "landscape_exhausted")}}
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(out, f)
