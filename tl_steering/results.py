@@ -234,7 +234,7 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
 
 # Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
 # name a kind whose module has not been imported yet: it is imported on first need.
-RESULT_MODULES = ("tl_steering.critical.results", "tl_steering.parallel.defect_result", "tl_steering.parallel.plan_result",
+RESULT_MODULES = ("tl_steering.critical.census", "tl_steering.critical.results", "tl_steering.parallel.defect_result", "tl_steering.parallel.plan_result",
                   "tl_steering.parallel.scores", "tl_steering.probing.result", "tl_steering.protocols.ablation",
                   "tl_steering.protocols.deficit", "tl_steering.protocols.diversity", "tl_steering.protocols.gates",
                   "tl_steering.protocols.prefix", "tl_steering.suite.result", "tl_steering.suite.settings")

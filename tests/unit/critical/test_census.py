@@ -60,3 +60,20 @@ def test_census_refuses_its_own_choices():
             census(p, 12, **bad)
     with pytest.raises(InputError, match="level"):
         census(p, 12, level=1.5)
+
+
+def test_census_result_saves_and_loads_in_a_fresh_process(tmp_path):
+    import subprocess
+    import sys
+
+    p = planted_field(12, seed=0)
+    out = census(p, 12, n_starts=8, seed=0, landscape_solves=64)
+    path = out.save(tmp_path / "census.json")
+    back = CensusResult.load(path)
+    assert back.summary() == out.summary() and back.equilibria.labels == out.equilibria.labels
+    assert torch.equal(back.equilibria.points, out.equilibria.points) and back.attractors == out.attractors
+    # a fresh process finds the kind through tl_steering.results.RESULT_MODULES
+    code = ("import sys, tl_steering.results as r; x = r.Result.load(sys.argv[1]); "
+            "print(type(x).__name__, x.verdict, x.saddles)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["CensusResult", out.verdict, str(out.saddles)]
