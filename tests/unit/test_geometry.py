@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
@@ -322,6 +322,7 @@ def test_prefix_effective_rank_is_stable_on_a_tight_cluster() -> None:
 
 @FAST
 @given(seed=seeds, n=st.integers(1, 9), d=dims, kind=set_kinds)
+@example(seed=4, n=9, d=4, kind="cluster")  # the centered rank differed by 1.1e-10 (relative 4e-11): see below
 def test_masked_rows_are_excluded_exactly_as_if_dropped(seed: int, n: int, d: int, kind: str) -> None:
     batch = 3
     U = set_data(kind, seed, batch * n, d).reshape(batch, n, d)
@@ -337,11 +338,13 @@ def test_masked_rows_are_excluded_exactly_as_if_dropped(seed: int, n: int, d: in
         dropped = g.diversity_stats(kept)
         for key, value in masked.items():
             assert value[b].item() == pytest.approx(dropped[key].item(), abs=1e-12, nan_ok=True), key
+        # centered: the BOS-like row (x 1e6) puts rounding of order eps * 1e6 into the small singular values of a
+        # tight cluster, and the rank built from them (2.69 off by 1.1e-10 in the example): a relative tolerance
         assert centered[0][b].item() == pytest.approx(
-            g.effective_rank(kept, center=True).item(), abs=1e-10, nan_ok=True
+            g.effective_rank(kept, center=True).item(), rel=1e-9, abs=1e-10, nan_ok=True
         )
         assert centered[1][b].item() == pytest.approx(
-            g.participation_ratio(kept, center=True).item(), abs=1e-10, nan_ok=True
+            g.participation_ratio(kept, center=True).item(), rel=1e-9, abs=1e-10, nan_ok=True
         )
 
 
