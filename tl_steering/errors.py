@@ -69,8 +69,15 @@ class ResidualIdentityError(TLSteeringError, RuntimeError):
     the decomposition assumes (a known class of TransformerBridge bugs), so no number would be trustworthy."""
 
 
+class UserHooksWarning(UserWarning):
+    """A result was measured with hooks on the model that tl_steering did not make (the user's own): the numbers
+    describe the model as those hooks change it. Silence it with
+    ``warnings.filterwarnings("ignore", category=tl_steering.errors.UserHooksWarning)``."""
+
+
 __all__ = [
     "TLSteeringError",
+    "UserHooksWarning",
     "ModelNotSupportedError",
     "ModelLoadError",
     "HookNotFoundError",

@@ -11,6 +11,7 @@ from . import geometry as geo
 from . import validation
 from .backends import ModelAdapter, adapt, check_finite
 from .backends.fused import corrected_ffn_write
+from .backends.hookbase import mark_intervention
 from .backends.lifecycle import capture_site, orphan_safe
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
 
@@ -27,6 +28,17 @@ def _skip_mask(act: Tensor, skip_positions: Sequence[int]) -> Tensor | None:
         if -act.shape[-2] <= p < act.shape[-2]:
             mask[p] = True
     return mask[:, None]
+
+
+def _tagged(hooks: HookList, desc: str) -> HookList:
+    """Tag each hook with the factory call that made it: a result measured under these hooks records ``desc`` in
+    its provenance (``interventions``) and does not warn about them as the user's own (docs/hooks.md)."""
+    return [(name, mark_intervention(fn, desc)) for name, fn in hooks]
+
+
+def _layers_text(ad: Any, layers: Sequence[int]) -> str:
+    layers = list(layers)
+    return "all" if layers == list(range(ad.n_layers)) else str(layers)
 
 
 def _layer_seed(seed: int, layer: int) -> int:
@@ -118,7 +130,9 @@ def ffn_component(
             return new.to(act.dtype)
 
         hooks += [(arm_name, orphan_safe(arm)), (out_name, orphan_safe(patch))]
-    return hooks
+    extra = (f", reference={reference!r}" if reference != "ffn_input" else "") + (
+        f", skip_positions={list(skip)}" if skip else "") + (f", seed={seed}" if keep == "random_tangent" else "")
+    return _tagged(hooks, f"ffn_component(keep={keep!r}, layers={_layers_text(ad, ad.layers(layers))}{extra})")
 
 
 def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) -> HookList:
@@ -148,7 +162,7 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
             return act * (g.to(act.dtype) if isinstance(g, Tensor) else g)
 
         hooks.append((ad.hook_name(layer, "mlp_out"), orphan_safe(scale)))
-    return hooks
+    return _tagged(hooks, f"ffn_gate(layers={[layer for layer, _ in items]})")
 
 
 def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, float] | None,
@@ -213,7 +227,10 @@ def parallel_blocks(
     """
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
-    return parallel_hooks(model, chosen, corrected_write(ad, chosen, gates, biases, "parallel_blocks", linears))
+    parts = [name for name, v in (("gates", gates), ("biases", biases), ("linears", linears)) if v]
+    desc = f"parallel_blocks(layers={list(chosen)}" + (f", corrected by {'+'.join(parts)})" if parts else ")")
+    return parallel_hooks(model, chosen, corrected_write(ad, chosen, gates, biases, "parallel_blocks", linears),
+                          desc=desc)
 
 
 def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] | None,
@@ -237,12 +254,13 @@ def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] |
 Write = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
-def parallel_hooks(model: Any, layers: Sequence[int], write: "Write") -> HookList:
+def parallel_hooks(model: Any, layers: Sequence[int], write: "Write", desc: str | None = None) -> HookList:
     """The hooks of :func:`parallel_blocks` with the FFN write of each chosen sequential layer replaced by
     ``write(layer, sequential_write, parallel_write, attn_write)``: ``sequential_write`` is the block's own
     ``hook_mlp_out`` (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype), ``attn_write`` the
     block's ``hook_attn_out`` a in this forward (after every other hook on it). The building block of the fitted
-    corrections (:mod:`tl_steering.parallel.refit`); most callers want :func:`parallel_blocks`."""
+    corrections (:mod:`tl_steering.parallel.refit`); most callers want :func:`parallel_blocks`. ``desc``: what a
+    result's provenance records for these hooks (``interventions``; default ``parallel_hooks(layers=...)``)."""
     ad = adapt(model)
     hooks: HookList = []
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
@@ -280,7 +298,7 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: "Write") -> HookLis
         hooks += [(ad.hook_name(layer, "resid_pre"), orphan_safe(stash)),
                   (ad.hook_name(layer, "attn_out"), orphan_safe(keep_attn)),
                   (ad.hook_name(layer, "mlp_out"), orphan_safe(swap))]
-    return hooks
+    return _tagged(hooks, desc or f"parallel_hooks(layers={list(chosen)})")
 
 
 def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None = None) -> HookList:
@@ -291,7 +309,9 @@ def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None =
     def scale(act: Tensor, hook: Any) -> Tensor:
         return act * gain
 
-    return [(ad.hook_name(layer, "attn_out"), orphan_safe(scale)) for layer in ad.layers(layers)]
+    chosen = ad.layers(layers)
+    return _tagged([(ad.hook_name(layer, "attn_out"), orphan_safe(scale)) for layer in chosen],
+                   f"attention_gain(gain={gain:g}, layers={_layers_text(ad, chosen)})")
 
 
 __all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "parallel_hooks", "ModelAdapter"]

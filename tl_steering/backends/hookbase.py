@@ -21,6 +21,7 @@ _FLAG_DICTS = {
 }
 _SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
 _OWNED_ATTR = "_tl_steering_owned"
+_INTERVENTION_ATTR = "_tl_steering_intervention"
 _MAX_RESTORE_TRIES = 20
 
 
@@ -74,6 +75,37 @@ def is_ours(f: Any) -> bool:
     return wraps_any(f, is_owned)
 
 
+def mark_intervention(fn: Callable, desc: str) -> Callable:
+    """Tag a hook made by one of tl_steering's hook factories (``ffn_component(...)``, ...) with what it does.
+
+    Such a hook is the user's to place (not removed by a guard, unlike an :func:`owned` one), and a result measured
+    under it records ``desc`` in its provenance (``interventions``) instead of warning about a foreign hook."""
+    try:
+        setattr(fn, _INTERVENTION_ATTR, desc)
+        return fn
+    except (AttributeError, TypeError):
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        setattr(hook, _INTERVENTION_ATTR, desc)
+        return hook
+
+
+def intervention_of(f: Any) -> str | None:
+    """The description of a factory-made hook (:func:`mark_intervention`), also through TransformerLens's
+    ``add_hook`` wrapper; None for any other hook."""
+    found: list[str] = []
+
+    def tagged(g: Any) -> bool:
+        desc = getattr(g, _INTERVENTION_ATTR, None)
+        if isinstance(desc, str):
+            found.append(desc)
+            return True
+        return False
+
+    return found[0] if wraps_any(f, tagged) else None
+
+
 def shielded(restore: Callable[[], None]) -> None:
     """Run an idempotent ``restore`` to completion even if interrupts land inside it; re-raise the first one.
 
@@ -92,4 +124,5 @@ def shielded(restore: Callable[[], None]) -> None:
         raise pending
 
 
-__all__ = ["hook_points", "is_ours", "is_owned", "mark_owned", "owned", "shielded", "wraps_any"]
+__all__ = ["hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned", "owned",
+           "shielded", "wraps_any"]

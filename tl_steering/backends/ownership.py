@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import interrupts as _interrupts
-from .hookbase import _SILENCED, hook_points, is_ours
+from .hookbase import _SILENCED, hook_points, intervention_of, is_ours
 from ..errors import ModelBusyError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -196,27 +196,50 @@ def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
     return [(hp, tuple(names)) for hp, names in by_id.values()]
 
 
+def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """One scan of the points in ``points`` (from :func:`named_hook_points`): ``(user hook points, interventions)``.
+
+    User hook points: the names (sorted) of the points that carry a hook neither tagged as tl_steering's own nor
+    made by one of its hook factories. Interventions: the descriptions (sorted, each once) of the factory-made
+    hooks found (``hookbase.mark_intervention``). TransformerLens's ``add_hook`` registers every hook in a torch
+    hook dict, wrapped; its handle lists are bookkeeping of the same hooks."""
+    users: list[str] = []
+    found: set[str] = set()
+    for hp, names in points:
+        user = False
+        for attr in _SILENCED:
+            d = getattr(hp, attr, None)
+            if not d:
+                continue
+            for f in d.values():
+                if is_ours(f):
+                    continue
+                desc = intervention_of(f)
+                if desc is None:
+                    user = True
+                else:
+                    found.add(desc)
+        if user:
+            users.extend(names)
+    return tuple(sorted(users)), tuple(sorted(found))
+
+
 def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
-    """The names (sorted) of the points in ``points`` (from :func:`named_hook_points`) that carry a hook not
-    tagged as tl_steering's."""
-    return tuple(sorted(n for hp, names in points if _carries_user_hook(hp, _SILENCED, is_ours) for n in names))
+    """The user hook points of :func:`hooks_among`."""
+    return hooks_among(points)[0]
 
 
 def user_hook_points(model: Any) -> tuple[str, ...]:
-    """Names of the hook points that carry hooks not tagged as tl_steering's (the user's: a ``hooks()`` context,
-    ``add_hook``, permanent hooks), sorted; on a bridge every name of such a point. Hooks that TransformerLens or
-    transformers wire on other modules (a bridge's capture hooks) are not on hook points and are not counted."""
+    """Names of the hook points that carry hooks not tagged as tl_steering's and not made by its hook factories
+    (the user's own: a ``hooks()`` context, ``add_hook``, permanent hooks), sorted; on a bridge every name of such a
+    point. Hooks that TransformerLens or transformers wire on other modules (a bridge's capture hooks) are not on
+    hook points and are not counted."""
     return user_hooks_among(named_hook_points(model))
 
 
-def _carries_user_hook(hp: Any, dicts: tuple[str, ...], is_ours: Callable[[Any], bool]) -> bool:
-    """Whether a torch hook dict of ``hp`` holds a hook that is not ours (TransformerLens's ``add_hook`` registers
-    every hook there, wrapped; its handle lists are bookkeeping of the same hooks)."""
-    for attr in dicts:
-        d = getattr(hp, attr, None)
-        if d and any(not is_ours(f) for f in d.values()):
-            return True
-    return False
+def active_interventions(model: Any) -> tuple[str, ...]:
+    """The tl_steering hook factories whose hooks are on ``model`` now (their descriptions, sorted)."""
+    return hooks_among(named_hook_points(_key(model)))[1]
 
 
 def active_user_hooks(model: Any) -> tuple[str, ...]:
@@ -228,5 +251,5 @@ def active_user_hooks(model: Any) -> tuple[str, ...]:
     return user_hook_points(_key(model))
 
 
-__all__ = ["active_user_hooks", "claim", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
+__all__ = ["active_interventions", "active_user_hooks", "claim", "hooks_among", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
            "user_hooks_among"]

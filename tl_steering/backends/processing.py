@@ -140,14 +140,14 @@ def weight_processing(model: Any) -> WeightProcessing:
     return res
 
 
-def warn_once(model: Any, key: Any, message: str, stacklevel: int = 3) -> None:
+def warn_once(model: Any, key: Any, message: str, stacklevel: int = 3, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message)`` the first time ``key`` is seen for ``model`` (one warning per model and key)."""
     with _lock:
         seen = _warned.setdefault(model, set())
         if key in seen:
             return
         seen.add(key)
-    warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    warnings.warn(message, category, stacklevel=stacklevel)
 
 
 def warn_if_processed(model: Any, proc: WeightProcessing) -> None:

@@ -10,6 +10,7 @@ from torch import Tensor
 from . import ownership as _ownership
 from .detect import tl_version
 from .processing import warn_if_processed, warn_once
+from ..errors import UserHooksWarning
 
 
 def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: int | None,
@@ -20,15 +21,17 @@ def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: i
     proc = ad.processing
     warn_if_processed(ad.model, proc)
     seen = extra.pop("user_hooks", None)  # a probe passes the user's hook points it saw during its forwards
+    seen_interventions = extra.pop("interventions", None)  # and the hook factories' hooks it saw
     user_hooks = sorted(set(_ownership.active_user_hooks(ad.model)) | set(seen or ()))
+    interventions = sorted(set(_ownership.active_interventions(ad.model)) | set(seen_interventions or ()))
     if user_hooks:
+        shown = ", ".join(user_hooks[:3]) + (", …" if len(user_hooks) > 3 else "")
         warn_once(ad.model, ("user_hooks", tuple(user_hooks)),
-                  f"hooks of yours are active on {len(user_hooks)} hook point(s) of this model ({', '.join(user_hooks)}): "
-                  "tl_steering measures the model as they change it, not the plain model. Recorded in the result's "
-                  "provenance (user_hooks); run outside your hooks() context (or model.reset_hooks()) to measure the "
-                  "plain model.", stacklevel=4)
+                  f"{len(user_hooks)} hook point(s) carry hooks not made by tl_steering ({shown}): the result measures "
+                  "the model as they change it (recorded in provenance.user_hooks). Silence: warnings.filterwarnings("
+                  "'ignore', category=tl_steering.errors.UserHooksWarning).", stacklevel=4, category=UserHooksWarning)
     # provenance is passed explicitly (corpus=, or a data.TokenWindows unpacked by the caller); tensors carry no tags
-    corpus = corpus or "user tokens (pass corpus= or TokenWindows)"
+    corpus = corpus or "caller's tokens (no corpus label: pass corpus= or a TokenWindows)"
     world_size = (torch.distributed.get_world_size()
                   if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
     return Provenance(
@@ -39,6 +42,7 @@ def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: i
         processing=proc.label,
         processing_steps=list(proc.steps),
         user_hooks=user_hooks,
+        interventions=interventions,
         corpus=str(corpus),
         n_sequences=int(tokens.shape[0]) if tokens is not None else 0,
         n_tokens=int(tokens.numel()) if tokens is not None else 0,

@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import validation
 from ..backends import adapt
 from ..backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions, refuse_meta_inputs
-from ..backends.ownership import named_hook_points, user_hooks_among
+from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
 from .kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
                             token_quantities)
@@ -86,6 +86,7 @@ class ProbeTrace:
         self._most_kept = 0
         self._points = named_hook_points(self.model)  # the user's hooks seen during forwards go into provenance
         self._user_hooks: set[str] = set()
+        self._interventions: set[str] = set()
         self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
@@ -173,7 +174,9 @@ class ProbeTrace:
         self.n_sequences += int(act.shape[0])
         n = int(act.shape[1])
         self.n_tokens += int(act.shape[0]) * n
-        self._user_hooks.update(user_hooks_among(self._points))  # e.g. run_with_hooks(..., ffn_component(...))
+        users, interventions = hooks_among(self._points)  # e.g. run_with_hooks(..., ffn_component(...))
+        self._user_hooks.update(users)
+        self._interventions.update(interventions)
         if n > self._longest:
             self._longest = n
             self._most_kept = n - len({p % n for p in self.exclude_positions if -n <= p < n})
@@ -391,7 +394,8 @@ class ProbeTrace:
                                   metrics=list(self.metrics), layers=list(self.layers),
                                   exclude_positions=list(self.exclude_positions),
                                   position_bins=self.position_bins, n_forwards=self.n_forwards,
-                                  user_hooks=sorted(self._user_hooks))
+                                  user_hooks=sorted(self._user_hooks),
+                                  interventions=sorted(self._interventions))
         prov.n_sequences, prov.n_tokens = self.n_sequences, self.n_tokens
         return ProbeResult(provenance=prov, metrics=list(self.metrics), layers=list(self.layers),
                            parallel=[self.ad.is_parallel(lay) for lay in self.layers],
