@@ -21,6 +21,7 @@ from beartype import BeartypeConf
 from beartype.door import is_bearable
 
 from . import result_sidecar
+from ._util.display import short_value, wrap_items
 from .errors import InputError, ResultFileError
 
 # kind -> class. A file names its record by kind and format version ("__kind__", "__format__"), never by a
@@ -66,6 +67,10 @@ def register(cls: type) -> type:
         if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
             raise TypeError(f"{cls.__qualname__}.added_fields names {name!r}, which is not a field with a default")
     _REGISTRY[key] = cls
+    own = cls.__dict__.get("__repr__")
+    code = getattr(getattr(own, "__wrapped__", own), "__code__", None)
+    if "Result" in globals() and issubclass(cls, Result) and code is not None and code.co_filename == "<string>":
+        cls.__repr__ = Result.__repr__  # the dataclass's field dump (tensor contents) gives way to the short form
     return cls
 
 
@@ -81,7 +86,9 @@ class Provenance:
         backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
         processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (processed by TransformerLens), read from the
             model; ``processing_steps``: which steps (docs/loading.md, "Weight processing").
-        user_hooks: hook points that carried the user's hooks during the call (docs/hooks.md).
+        user_hooks: hook points that carried hooks not made by tl_steering during the call (docs/hooks.md).
+        interventions: the tl_steering hook factories whose hooks were on the model during the call (e.g.
+            ``"ffn_component(keep='tangential', layers=all)"``; docs/hooks.md).
         corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
         n_sequences: number of token windows.
         n_tokens: number of tokens fed to the model.
@@ -95,7 +102,7 @@ class Provenance:
     """
 
     kind: ClassVar[str] = "provenance"
-    added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks")
+    added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks", "interventions")
 
     model: str = "unknown"
     model_revision: str | None = None
@@ -104,6 +111,7 @@ class Provenance:
     processing: str = "unknown"
     processing_steps: list[str] = dataclasses.field(default_factory=list)
     user_hooks: list[str] = dataclasses.field(default_factory=list)
+    interventions: list[str] = dataclasses.field(default_factory=list)
     corpus: str = "unknown"
     n_sequences: int = 0
     n_tokens: int = 0
@@ -449,6 +457,22 @@ class Result:
         return node
 
     # -- display ----------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """A few lines: kind, model and corpus, the headline numbers of :meth:`summary`, tensor shapes (never
+        tensor contents)."""
+        p = self.provenance
+        head = f"{type(self).__name__}({p.model}, {p.backend}/{p.processing}, {p.corpus}, seed={p.seed})"
+        try:
+            summ = self.summary()
+        except Exception as e:  # noqa: BLE001 - a repr must not raise
+            summ = {"summary": f"unavailable ({type(e).__name__})"}
+        lines = [head] + wrap_items(f"{k}={short_value(v)}" for k, v in summ.items())
+        shapes = [f"{f.name}{list(v.shape)}" for f in dataclasses.fields(self)
+                  if isinstance(v := getattr(self, f.name), torch.Tensor)]
+        if shapes:
+            lines += wrap_items(shapes, prefix="tensors: ", max_lines=2)
+        return "\n  ".join(lines)
+
     def summary(self) -> dict[str, Any]:
         """Headline scalars of the result (subclasses override)."""
         return {}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tl_steering as ts
+from tl_steering.backends import adapt
 from tl_steering.results import Provenance, Result, register
 
 
@@ -160,3 +161,30 @@ def test_result_modules_name_every_module_that_registers_a_result():
                for d in n.decorator_list):
             registering.add(".".join(path.relative_to(pkg.parent).with_suffix("").parts))
     assert registering - {"tl_steering.results"} == set(RESULT_MODULES)
+
+
+def test_every_result_prints_in_a_few_lines_without_tensor_contents(tiny, tiny_tokens):
+    """print(result): kind, model, headline numbers, tensor shapes; never the tensors' values (a plan holding
+    [d_model, d_model] maps printed thousands of characters)."""
+    from tl_steering.results import _REGISTRY, _import_result_modules
+
+    _import_result_modules()
+    real = ts.angular_deficit(tiny, tiny_tokens, n_bootstrap=4)
+    built = [real]
+    if not adapt(tiny).is_parallel(0):  # NeoX blocks are parallel already: nothing to plan
+        built.append(ts.plan_parallel(tiny, tiny_tokens, 1, strategy="C"))
+    for cls in _REGISTRY.values():
+        if isinstance(cls, type) and issubclass(cls, Result) and cls is not Result:
+            try:
+                built.append(cls())
+            except Exception:  # noqa: BLE001 - kinds whose defaults do not make a valid instance
+                continue
+    assert len(built) > 10
+    for r in built:
+        text = repr(r)
+        assert text == str(r)
+        assert text.startswith(type(r).__name__ + "("), text
+        assert len(text.splitlines()) <= 7 and len(text) <= 800, (type(r).__name__, text)
+        assert "tensor(" not in text and "tensor([" not in text, text
+    assert "deficit_mean=" in repr(real) and "deficit[" in repr(real)  # a headline number, a shape
+    assert real.provenance.model in repr(real)
