@@ -97,10 +97,11 @@ def _check_field(field: Any) -> str:
     return field
 
 
-def _default_tokens(model: Any) -> Tensor:
-    from ..data.windows import text_tokens
+def _default_tokens(model: Any) -> Any:
+    """The windows a call without ``tokens`` draws, with their corpus label (so its provenance names them)."""
+    from ..data.windows import text_windows
 
-    return text_tokens(model, n_windows=4, length=64)
+    return text_windows(model, n_windows=4, length=64)
 
 
 def _site_for(ad: ModelAdapter, layer: int, kind: str) -> str:
@@ -175,7 +176,7 @@ def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str
     ad = adapt(model)
     layer = ad.check_layer(layer)
     kind = _check_field(field)
-    tokens = ad.validate_tokens(_default_tokens(model) if tokens is None else tokens)
+    tokens = ad.validate_tokens(token_source(_default_tokens(model) if tokens is None else tokens)[0])
     acts = _activations(ad, tokens, [layer], kind)[layer]
     return _build_field(ad, layer, kind, radius, acts, token_index, sequence)[0]
 

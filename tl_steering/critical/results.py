@@ -86,7 +86,8 @@ class EquilibriaResult(Result):
         start_index: per point, the first start (row of the start matrix) that converged to it.
         start_kind: per point, "given" or "random": the kind of that start.
         dim: d.
-        n_starts: number of starts run.
+        n_starts: number of solver rows run: the starts asked for (``options["n_starts"]``) plus the rows the
+            finder adds (edge-tracking rows, landscape solves, the other sign's power rows).
         n_converged: number of starts that converged (before deduplication).
         method: "riemannian" or "fixed_point".
         eigensolver: "dense" or "arpack" (resolved from "auto").
@@ -343,7 +344,8 @@ class CriticalPointsResult(Result):
         counts: ``[layer, label]`` number of distinct equilibria per label.
         rotational: ``[layer]`` points with at least one rotational mode.
         rotational_pairs: ``[layer]`` rotational complex-conjugate pairs summed over the layer's points.
-        n_points: ``[layer]`` distinct equilibria; n_converged: ``[layer]`` converged starts; n_starts: starts run.
+        n_points: ``[layer]`` distinct equilibria; n_converged: ``[layer]`` converged rows; n_starts: ``[layer]``
+            solver rows run (the starts asked for plus the rows the finder adds; ``EquilibriaResult.n_starts``).
         radius: ``[layer]`` ρ used.
         seconds: ``[layer]`` wall time per layer.
         results: the per-layer :class:`EquilibriaResult`.
@@ -454,17 +456,24 @@ class CriticalPointsResult(Result):
                 "parity": self.parity()}
 
     def summary(self) -> dict[str, Any]:
-        frac = self.saddle_fraction()
+        """Headline numbers pooled over the layers, one type per key (docs/critical_points.md, "Summary keys"):
+        counts are ints, shares and seconds floats (NaN where undefined), verdicts strings."""
         pooled = self.claim()["pooled"]
-        return {"field": self.field, "n_layers": len(self.layers), "n_points": int(self.n_points.sum()),
-                **self.totals(), "rotational_pairs": int(self.rotational_pairs.sum()), "saddle_fraction": frac,
-                "saddle_ci_low": pooled["ci_low"], "saddle_ci_high": pooled["ci_high"],
-                "mostly_saddles": pooled["verdict"],
-                "parity_missing_at_least": self.parity()["missing_at_least"],
-                "converged_starts": int(self.n_converged.sum()), "starts": int(self.n_starts.sum()),
-                "morse_histogram": {str(k): v for k, v in self.morse_histogram().items()},
-                "seconds_total": float(self.seconds.sum()),
-                "seconds_per_layer": float(self.seconds.mean()) if len(self.layers) else math.nan}
+        missed = self.parity()["missing_at_least"]
+        tot = self.totals()
+        return {"field": self.field, "layers": len(self.layers), "equilibria": int(self.n_points.sum()),
+                "attractors": tot["attractor"], "repellers": tot["repeller"], "saddles": tot["saddle"],
+                "degenerate": tot["degenerate"], "with_rotational_mode": tot["rotational"],
+                "rotational_eigenvalue_pairs": int(self.rotational_pairs.sum()),
+                "saddle_share": float(self.saddle_fraction()),
+                "saddle_share_ci_low": float(pooled["ci_low"]), "saddle_share_ci_high": float(pooled["ci_high"]),
+                "mostly_saddles_in_found_set": str(pooled["verdict"]),
+                "missed_at_least": math.nan if missed is None else float(missed),
+                "starts_per_layer": max((int(r.options.get("n_starts", r.n_starts)) for r in self.results), default=0),
+                "solver_rows": int(self.n_starts.sum()),
+                "rows_converged": int(self.n_converged.sum()),
+                "morse_histogram": self.morse_histogram(),
+                "seconds": float(self.seconds.sum())}
 
     def plot(self, title: str | None = None):
         """Stacked bars of the label counts per layer (plotly Figure)."""

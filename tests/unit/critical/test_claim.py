@@ -84,7 +84,7 @@ def test_claim_in_three_parts(planted12):
     assert c["rotational_modes"]["rotational"] == 16 and c["rotational_modes"]["verdict"] == "supported"
     assert c["pooled"]["saddles"] == 12 and c["mostly_saddles_decided"] is False
     assert "landscape" in c["why_undecided"] and c["by_crossing"] == {}
-    assert c["parity"]["missing_at_least"] == 0 and out.summary()["parity_missing_at_least"] == 0
+    assert c["parity"]["missing_at_least"] == 0 and out.summary()["missed_at_least"] == 0.0
     no_attr = _subset(planted12, [i for i, k in enumerate(planted12.index) if k != 0])
     assert _wrap([no_attr]).claim()["not_attractors"]["verdict"] == "not contradicted"
 

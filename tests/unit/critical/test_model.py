@@ -220,9 +220,13 @@ def test_all_layers_summary(tmp_path, tiny_tokens):
     assert s.counts.sum(1).tolist() == s.n_points.tolist() == [r.n_points for r in s.results]
     assert (s.seconds > 0).all()
     summ = s.summary()
-    assert summ["n_points"] == int(s.counts.sum())
+    assert summ["equilibria"] == int(s.counts.sum())
+    # the starts asked for, not the rows the finder added; one type per key
+    assert summ["starts_per_layer"] == 4 and summ["solver_rows"] == int(s.n_starts.sum()) >= 2 * 4
+    assert all(isinstance(k, int) and isinstance(v, int) for k, v in summ["morse_histogram"].items())
+    assert isinstance(summ["missed_at_least"], float) and isinstance(summ["saddle_share"], float)
     assert isinstance(s.plot(), go.Figure)
-    assert set(summ["mostly_saddles"].split()) <= {"supported", "rejected", "undecided", "no", "equilibria"}
+    assert set(summ["mostly_saddles_in_found_set"].split()) <= {"supported", "rejected", "undecided", "no", "equilibria"}
     back = CriticalPointsResult.load(s.save(tmp_path / "crit.json"))
     assert torch.equal(back.counts, s.counts) and back.results[0].labels == s.results[0].labels
 

@@ -88,7 +88,7 @@ def test_result_carries_index_histogram_and_sample_and_the_report_renders_them()
     assert s["methods"] == ["lm"] and s["token_starts_per_layer"] == [4] and s["starts_per_layer"] == [16]
     assert s["points"] == res.n_points and s["rows"] == 16 and "Levenberg" in s["note"]
     summ = out.summary()
-    assert summ["morse_histogram"] == {str(k): v for k, v in res.morse_histogram().items()}
+    assert summ["morse_histogram"] == res.morse_histogram()
     html = critical_histogram(out)
     hist = res.morse_histogram()
     # d = 12 bins: 0, 1, 2, 3-5, 6-8, 9, 10, 11

@@ -190,7 +190,7 @@ def test_critical_points_result_claim_and_round_trip(tmp_path):
                                seconds=torch.tensor([res.seconds], dtype=F64), results=[res])
     claim = out.claim()
     assert claim["pooled"]["n"] == res.n_points and claim["per_layer"][0]["saddles"] == res.counts()["saddle"]
-    assert out.summary()["mostly_saddles"] == claim["pooled"]["verdict"]
+    assert out.summary()["mostly_saddles_in_found_set"] == claim["pooled"]["verdict"]
     back = CriticalPointsResult.load(out.save(tmp_path / "cp.json"))
     assert torch.equal(back.counts, out.counts) and back.results[0].labels == res.labels
     assert back.result(0).morse_histogram() == res.morse_histogram()
