@@ -281,3 +281,11 @@ def test_reflected_finder_on_a_model():
     assert s["methods"] == ["reflected"] and s["token_starts_per_layer"] == [2] and "reflected flow" in s["note"]
     assert res.options["reflected_rows"] == 4 and res.options["jacobians"] > 0
     assert weights_fingerprint(model) == fp and hook_count(model) == 0
+
+
+def test_without_tokens_the_provenance_names_the_corpus_drawn():
+    """No tokens passed: the call draws pydoc windows and its provenance says so (not 'user tokens')."""
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0)
+    s = critical_points(model, layers=[0], n_starts=2, **FAST)
+    assert s.provenance.corpus == "pydoc:4x64:seed0" and s.provenance.n_sequences == 4
+    assert s.results[0].provenance.corpus == "pydoc:4x64:seed0"
