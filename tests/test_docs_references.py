@@ -81,3 +81,49 @@ def test_the_checker_flags_missing_pages_and_outside_notes(tmp_path):
 def test_every_doc_reference_resolves_in_the_repository(path):
     problems = bad_references(path)
     assert not problems, "\n".join(problems)
+
+
+# ``ts.NAME`` (the README's ``import tl_steering as ts``) and dotted ``tl_steering.a.b`` names in prose and code
+TS_NAME = re.compile(r"(?<![\w.])ts\.([A-Za-z_]\w*)")
+DOTTED = re.compile(r"(?<![\w./-])(tl_steering(?:\.[A-Za-z_]\w*)+)")
+USER_DOCS = ["docs", "README.md", "CONTRIBUTING.md", "tutorials"]
+
+
+def _resolve_dotted(name: str) -> bool:
+    """Whether ``tl_steering.a.b...`` names a module or an attribute (an import of each prefix, then getattr)."""
+    import importlib
+
+    parts = name.split(".")
+    obj = None
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        rest = parts[i:]
+        break
+    else:
+        return False
+    for attr in rest:
+        if not hasattr(obj, attr):
+            return False
+        obj = getattr(obj, attr)
+    return True
+
+
+def test_every_name_the_docs_use_exists():
+    """A reader copies ``ts.wrap_hf`` from a page and gets AttributeError: every ``ts.NAME`` in the user docs is an
+    attribute of ``tl_steering``, and every dotted ``tl_steering.a.b`` a module or attribute."""
+    import tl_steering as ts
+
+    files = [p for name in USER_DOCS for p in ([ROOT / name] if (ROOT / name).is_file() else
+                                                sorted((ROOT / name).rglob("*")))
+             if p.is_file() and p.suffix in (".md", ".ipynb")]
+    assert len(files) > 10
+    missing = set()
+    for p in files:
+        text = p.read_text(encoding="utf-8")
+        missing |= {f"{p.relative_to(ROOT)}: ts.{n}" for n in TS_NAME.findall(text) if not hasattr(ts, n)}
+        missing |= {f"{p.relative_to(ROOT)}: {n}" for n in DOTTED.findall(text.replace("\\n", "\n"))
+                    if not _resolve_dotted(n.rstrip("."))}
+    assert sorted(missing) == []

@@ -27,6 +27,21 @@ def test_loads_offline_with_provenance(smollm2):
     assert not ad.any_parallel
 
 
+def test_dtype_is_honoured_in_the_config():
+    """load_model(dtype=bf16): the parameters AND model.cfg.dtype say bfloat16, as TransformerLens's loaders set
+    it; the float32 default says float32."""
+    from tests.conftest import INTEGRATION_BACKEND
+
+    half = ts.load_model("smollm2-135m", backend=INTEGRATION_BACKEND, dtype=torch.bfloat16)
+    assert half.cfg.dtype == torch.bfloat16
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert adapt(half).provenance(None).dtype == "bfloat16"
+
+
+def test_default_dtype_in_the_config(smollm2):
+    assert smollm2.cfg.dtype == torch.float32
+
+
 def test_loss_on_pydoc_windows(smollm2, smollm2_tokens):
     """Mean next-token loss well below 4.0 nats (uniform guessing: ln 49152 = 10.8)."""
     loss = adapt(smollm2).loss_per_token(smollm2_tokens).mean().item()

@@ -242,6 +242,8 @@ def load_model(
         model, revision = _load_hub(name, backend, processing, device, dtype)
         prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
     model.cfg.default_prepend_bos = prepend_bos
+    if hasattr(model.cfg, "dtype"):  # as TransformerLens's own loaders set it: the parameters' dtype
+        model.cfg.dtype = next(model.parameters()).dtype
     model._tl_steering_info = ModelInfo(name=key, revision=revision, processing=processing,
                                         prepend_bos=prepend_bos)
     return model

@@ -155,6 +155,10 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
 ]
 
 
+#: headline key of SuiteResult.nan_reasons() -> (section, key of that section's summary) where its number shows
+NAN_IN_SECTIONS: dict[str, tuple[str, str]] = {"defect_spearman_C": ("defect", "spearman_C")}
+
+
 def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
     """The self-contained page for ``suite`` with the figures ``figs`` (plotly.js inlined once in the head)."""
     from plotly.offline import get_plotlyjs
@@ -195,6 +199,11 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                 **{f"{result.results[0].method if result.results else 'finder'}: {k}": v for k, v in summ.items()},
                 **{f"fixed point: {k}": v for k, v in fp.items()},
             }
+        for headline, (section, name) in NAN_IN_SECTIONS.items():  # a NaN number says why, in words
+            why = suite.nan_reasons().get(headline)
+            value = summ.get(name, math.nan)
+            if section == key and why and isinstance(value, float) and math.isnan(value):
+                summ = {**summ, name: f"n/a: {why}"}
         if key == "defect" and suite.plan is not None:
             summ = {**summ, "plan: strategy": suite.plan.strategy, "plan: layers": suite.plan.layers,
                     "plan dCE": suite.plan.delta_ce_lowest}
@@ -274,6 +283,7 @@ def summary_section(suite: SuiteResult) -> str:
         "interval, beside an A/A control (the original timed against itself); \"within noise\" where the interval "
         "holds 1 or overlaps the control's.</div>"
         + _kv_table(key)
+        + "".join(f"<p class='muted'>{_esc(k)} is n/a: {_esc(why)}.</p>" for k, why in suite.nan_reasons().items())
         + "<table><tr><th>claim</th><th>paper model</th><th>paper value</th><th>tolerance band</th>"
         "<th>certainty</th><th>ours</th><th>how ours was measured</th><th>relation</th><th>verdict</th></tr>"
         + "".join(rows)

@@ -430,6 +430,20 @@ class SuiteResult(Result):
                        prefix_bitwise_equal=self.prefix.prefix_bitwise_equal)
         return out
 
+    def nan_reasons(self) -> dict[str, str]:
+        """Why a headline number of :meth:`summary` is NaN, by its key (only the NaNs that have a known cause)."""
+        out: dict[str, str] = {}
+        d = self.defect
+        if d is not None and not math.isfinite(d.spearman.get("C", math.nan)):
+            if not d.evaluated:
+                out["defect_spearman_C"] = ("not measured: this run skipped the defect's gold standard (the "
+                                            "single-layer ΔCE it correlates C_l with; --quick skips it), so "
+                                            "there is nothing to correlate; run the report without --quick")
+            else:
+                out["defect_spearman_C"] = ("undefined: fewer than 3 sequential candidate layers, or C_l or the "
+                                            "single-layer ΔCE constant over them")
+        return out
+
 
 __all__ = [
     "Checks",

@@ -118,3 +118,21 @@ def test_results_json_is_the_suite(rendered):
     page, _ = rendered
     doc = json.loads((page.parent / "results.json").read_text())
     assert doc["__kind__"] == "suite" and SuiteResult.kind == "suite"
+
+
+def test_a_nan_headline_says_why(suite):
+    """The quick report's defect runs without its gold standard, so C_l's Spearman correlation with the single-layer
+    ΔCE is NaN: ``nan_reasons()`` says why in words, and the defect section of the page shows those words."""
+    import dataclasses
+    import math
+
+    from tl_steering.report.page import render_html
+
+    quick = dataclasses.replace(suite, defect=dataclasses.replace(suite.defect, evaluated=False, spearman={}))
+    assert math.isnan(quick.summary()["defect_spearman_C"])
+    why = quick.nan_reasons()["defect_spearman_C"]
+    assert "gold standard" in why and "--quick" in why
+    page = render_html(quick, {})
+    assert "n/a: not measured: this run skipped the defect" in page
+    if suite.defect.evaluated and math.isfinite(suite.defect.spearman.get("C", math.nan)):
+        assert suite.nan_reasons() == {}
