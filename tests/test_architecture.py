@@ -153,3 +153,47 @@ def test_docs_architecture_names_every_room():
     assert order is not None, "docs/architecture.md states the import order in a line 'Import order: `...`'"
     stated = [tuple(r.strip() for r in level.split("=")) for level in order.group(1).split("<")]
     assert stated == ORDER[:-1]  # the public surface (tl_steering/__init__.py) comes last and is not a room
+
+
+#: torch's autodiff transforms: only tl_steering/backends/autodiff.py calls them (interrupt-safe sections, docs/hooks.md)
+AUTODIFF_APIS = ("torch.func", "torch._functorch", "torch.autograd.forward_ad", "functorch")
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def autodiff_uses(source: str) -> list[int]:
+    """Lines of ``source`` that name a torch autodiff transform API (attribute chains and imports)."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            names = [_dotted(node)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        if any(n == api or n.startswith(api + ".") for n in names for api in AUTODIFF_APIS):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_torch_func_transforms_run_only_through_backends_autodiff():
+    """A KeyboardInterrupt inside a bare torch.func transform can leave forward AD broken for the process (issue 36):
+    every transform goes through tl_steering.backends.autodiff (``autodiff.jvp``, ``autodiff.vmap(...)``...)."""
+    bad = {m: lines for m, p in MODULES.items() if m != "tl_steering.backends.autodiff"
+           and (lines := autodiff_uses(p.read_text(encoding="utf-8")))}
+    assert bad == {}
+
+
+def test_the_autodiff_checker_sees_calls_and_imports():
+    assert autodiff_uses("import torch\ny = torch.func.vmap(f)(x)\n") == [2]
+    assert autodiff_uses("from torch.func import jvp\n") == [1]
+    assert autodiff_uses("import torch.autograd.forward_ad as fw\n") == [1]
+    assert autodiff_uses("y = torch.autograd.functional.jvp(f, x, v)\n# torch.func.jvp in a comment\n") == []

@@ -153,8 +153,16 @@ def as_positions(value: Any, name: str = "exclude_positions") -> tuple[int, ...]
     return tuple(sorted(set(as_int_list(value, name))))
 
 
+EMPTY_PROMPT_HINT = ("give at least one token: tokenize non-empty text, or start the prompt with the BOS token "
+                     "(model.to_tokens(text, prepend_bos=True))")
+
+
 def check_length(n_pos: int, n_ctx: int | None, what: str = "tokens") -> None:
-    """Refuse sequences longer than the model's context (a bare IndexError deep in the embedding otherwise)."""
+    """Refuse sequences of 0 positions (an empty prompt) or longer than the model's context (a bare IndexError or
+    reshape error deep in the model otherwise)."""
+    if n_pos == 0:
+        raise InputError(f"{what} has sequences of 0 positions (an empty prompt): nothing to run; "
+                         f"{EMPTY_PROMPT_HINT}")
     if n_ctx and n_pos > n_ctx:
         raise InputError(f"{what} has sequences of length {n_pos}, longer than the model's context n_ctx="
                          f"{n_ctx}; cut them to at most {n_ctx} positions (e.g. tokens[:, :{n_ctx}])")

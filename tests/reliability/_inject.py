@@ -135,8 +135,25 @@ def _kind(code) -> int:  # noqa: ANN001 - a code object
     return 3
 
 
+#: the files of torch's autodiff transforms (functorch's eager transforms, vmap and interpreter stack, forward AD)
+#: and contextlib (their generator context managers): ``kind=autodiff_kind`` counts every bytecode there, to deliver
+#: a signal at any moment inside a ``torch.func`` transform (tests/reliability/test_autodiff_interrupts.py)
+_AUTODIFF = (
+    f"{_SEP}torch{_SEP}_functorch{_SEP}",
+    f"{_SEP}torch{_SEP}autograd{_SEP}forward_ad.py",
+    f"{_SEP}contextlib.py",
+)
+
+
+def autodiff_kind(code) -> int:  # noqa: ANN001 - a code object
+    """A :func:`_kind` for ``kind=``: bytecode events in torch's autodiff transforms and contextlib, nothing else."""
+    fn = code.co_filename
+    return 2 if any(s in fn for s in _AUTODIFF) else 0
+
+
 class _Counter:
-    def __init__(self, at: int | None, marks: list[int] | None = None, sig: int = signal.SIGINT):
+    def __init__(self, at: int | None, marks: list[int] | None = None, sig: int = signal.SIGINT,
+                 kind: Callable = _kind):
         self.exits: list[int] = []  # with marks: the indices of the "call" events of boundary ``__exit__``s
         self.n = 0
         self.at = at
@@ -144,6 +161,7 @@ class _Counter:
         self.fired = False
         self.marks = marks  # when a list: the indices of the boundary events are appended
         self._kind: dict[object, int] = {}
+        self._kind_of = kind
 
     def local(self, frame, event, arg):  # noqa: ANN001 - sys.settrace protocol
         self.n += 1
@@ -165,7 +183,7 @@ class _Counter:
         code = frame.f_code
         kind = self._kind.get(code)
         if kind is None:
-            kind = self._kind[code] = _kind(code)
+            kind = self._kind[code] = self._kind_of(code)
         if not kind or (code.co_name in _CM_METHODS and _torch_mode_cm(frame)):
             return None
         frame.f_trace_opcodes = kind >= 2
@@ -177,8 +195,8 @@ class _Counter:
 
 
 def _run(fn: Callable[[], object], at: int | None, marks: list[int] | None = None, sig: int = signal.SIGINT,
-         exc: type[BaseException] = KeyboardInterrupt) -> tuple[_Counter, bool]:
-    c = _Counter(at, marks, sig)
+         exc: type[BaseException] = KeyboardInterrupt, kind: Callable = _kind) -> tuple[_Counter, bool]:
+    c = _Counter(at, marks, sig, kind)
     old = sys.gettrace()
     interrupted = False
     try:
@@ -192,9 +210,9 @@ def _run(fn: Callable[[], object], at: int | None, marks: list[int] | None = Non
     return c, interrupted
 
 
-def count(fn: Callable[[], object]) -> int:
-    """Number of traced events of one clean run of ``fn``."""
-    c, interrupted = _run(fn, None)
+def count(fn: Callable[[], object], kind: Callable = _kind) -> int:
+    """Number of traced events of one clean run of ``fn`` (``kind``: which frames are traced, see :func:`_kind`)."""
+    c, interrupted = _run(fn, None, kind=kind)
     if interrupted:
         raise RuntimeError("the counting run was interrupted")
     return c.n
@@ -217,11 +235,11 @@ def profile(fn: Callable[[], object]) -> Profile:
 
 
 def interrupt(fn: Callable[[], object], at: int, sig: int = signal.SIGINT,
-              exc: type[BaseException] = KeyboardInterrupt) -> bool:
+              exc: type[BaseException] = KeyboardInterrupt, kind: Callable = _kind) -> bool:
     """Run ``fn`` with signal ``sig`` (SIGINT) delivered at traced event ``at`` (1-based); True when an ``exc``
     (KeyboardInterrupt; for another signal, what its installed handler raises) came out of it. False: the run
     ended first, or the exception was raised where Python drops it (a finalizer). ``site[0]`` then says where the
     signal was delivered."""
     site[0] = "(not reached)"
-    _, interrupted = _run(fn, at, sig=sig, exc=exc)
+    _, interrupted = _run(fn, at, sig=sig, exc=exc, kind=kind)
     return interrupted

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import validation
+from ..errors import InputError
 from .detect import backend_of
 
 try:
@@ -89,7 +91,14 @@ def cache_keyword_routed(model: Any) -> bool:
 
 def decode_step(model: Any, tokens: Tensor, cache: Any) -> Tensor:
     """Logits ``[batch, len(tokens), vocab]`` of ``tokens`` following the positions already in ``cache``, which is
-    extended by them (unless frozen). A prefill is a step on the whole prompt with an empty cache."""
+    extended by them (unless frozen). A prefill is a step on the whole prompt with an empty cache. ``tokens`` with
+    0 positions (an empty prompt) or 0 sequences is an :class:`~tl_steering.errors.InputError`."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        raise InputError(f"decode_step: tokens must be a [batch, pos] tensor of token ids, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__}")
+    if tokens.shape[0] == 0:
+        raise InputError("decode_step: tokens has 0 sequences; pass a [batch >= 1, pos] tensor")
+    validation.check_length(int(tokens.shape[1]), None, "decode_step: tokens")
     if backend_of(model) == "hooked":
         return model(tokens, past_kv_cache=cache)
     with cache_routing(model):

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from .. import validation
+
+
 def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
                         bias: Float[Tensor, " d_model"] | None = None,
                         linear: Float[Tensor, "d_model d_model2"] | None = None,
@@ -342,7 +345,10 @@ def _on_side(enabled: bool, x: Tensor, streams: _Streams) -> Any:
 def _fused_step(st: Any, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
     """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
     CUDA stream when ``st.use_streams``) beside the MLP hidden layer, one joint output GEMM. With
-    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control)."""
+    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control). An input of 0
+    positions (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
+    if x.shape[-2] == 0:
+        validation.check_length(0, None, "the input of a parallelized block")
     fw = st.fused
     if st.lean_sequential:
         return fw.lean_sequential(x, core)

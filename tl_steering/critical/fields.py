@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..backends import autodiff
 from ..errors import InputError
 from ..geometry import angle
 
@@ -186,7 +187,7 @@ class _FieldAdapter:
         # single works; the batched call failed or mixed rows: try vmap, else loop
         assert single is not None
         try:
-            vm = torch.func.vmap(self.field)(u)
+            vm = autodiff.vmap(self.field)(u)
             if isinstance(vm, Tensor) and tuple(vm.shape) == tuple(u.shape) and _agree(vm.to(self.dtype),
                                                                                           torch.stack(single)):
                 self.mode = "vmap"
@@ -207,7 +208,7 @@ class _FieldAdapter:
         if self.mode == "batched":
             return self.field(u).to(self.dtype)
         if self.mode == "vmap":
-            return torch.func.vmap(self.field)(u).to(self.dtype)
+            return autodiff.vmap(self.field)(u).to(self.dtype)
         return torch.stack([self.field(x) for x in u]).to(self.dtype)
 
     def many_no_grad(self, u: Tensor) -> Tensor:
@@ -226,7 +227,7 @@ class _FieldAdapter:
         for lo in range(0, u.shape[0], chunk):
             part = u[lo:lo + chunk]
             try:
-                jac = torch.func.vmap(torch.func.jacrev(self.one))(part).to(self.dtype).detach()
+                jac = autodiff.vmap(autodiff.jacrev(self.one))(part).to(self.dtype).detach()
                 out.extend(jac[i] for i in range(part.shape[0]))
             except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
                 out.extend([None] * part.shape[0])
@@ -236,7 +237,7 @@ class _FieldAdapter:
         """DF(u), d × d (row i = output i)."""
         if self._jac_mode in (None, "forward"):
             try:
-                jac = torch.func.jacfwd(self.one)(u)
+                jac = autodiff.jacfwd(self.one)(u)
                 self._jac_mode = "forward"
                 return jac.to(self.dtype)
             except Exception:  # noqa: BLE001 - forward AD or vmap unsupported by the field
@@ -251,7 +252,7 @@ class _FieldAdapter:
             try:
                 with warnings.catch_warnings():  # torch.fx const-folding chatter, harmless
                     warnings.simplefilter("ignore", UserWarning)
-                    _, jvp_fn = torch.func.linearize(self.one, u)
+                    _, jvp_fn = autodiff.linearize(self.one, u)
                     jvp_fn(torch.zeros_like(u))
                 self._jvp_mode = "forward"
                 return lambda v: jvp_fn(v).to(self.dtype)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..backends import autodiff
 from .fields import _EPS, _FieldAdapter
 
 #: Converged starts are polished to ``POLISH * tol`` where steps still decrease the residual.
@@ -98,11 +99,11 @@ class _Merit:
 
     def _jac(self, mode: str, u: Tensor) -> Tensor:
         if mode == "vmap":
-            return torch.func.vmap(torch.func.jacrev(self.one))(u)
+            return autodiff.vmap(autodiff.jacrev(self.one))(u)
         if mode == "loop_rev":
-            return torch.stack([torch.func.jacrev(self.one)(x) for x in u])
+            return torch.stack([autodiff.jacrev(self.one)(x) for x in u])
         if mode == "loop_fwd":
-            return torch.stack([torch.func.jacfwd(self.one)(x) for x in u])
+            return torch.stack([autodiff.jacfwd(self.one)(x) for x in u])
         return torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in u])
 
 

@@ -11,7 +11,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .. import geometry as geo
-from ..backends import check_finite
+from ..backends import autodiff, check_finite
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
 from . import peers as _peers
@@ -73,7 +73,7 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
     if bool((a == 0).all()):
         ja = torch.zeros_like(d)
     else:
-        _, ja = torch.func.jvp(phi, (x,), (a,))
+        _, ja = autodiff.jvp(phi, (x,), (a,))
         ja = geo.to64(ja)
     return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
 
@@ -214,7 +214,7 @@ def parallel_defect(
                     sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
                 sums.add("dx", rows, i, dx[:, keep])
                 if brackets:
-                    _, da_phi = torch.func.jvp(ad.attention(lay), (x,), (phi_x,))
+                    _, da_phi = autodiff.jvp(ad.attention(lay), (x,), (phi_x,))
                     da_phi = geo.to64(da_phi)
                     sums.add("DPhi_A", rows, i, cf["ja"][:, keep])
                     sums.add("DA_Phi", rows, i, da_phi[:, keep])

@@ -2,12 +2,15 @@
 Hugging Face model's greedy tokens and per-step logits (docs/generate.md), and on the executor's parallel copies
 against the hook surrogate's greedy tokens."""
 
+import warnings
+
 import pytest
 import torch
 
 import tl_steering as ts
 from tl_steering.backends import adapt, hooked_available, tiny_hf_model
-from tl_steering.backends.decoding import cache_keyword_routed
+from tl_steering.backends.decoding import cache_keyword_routed, decode_step, kv_cache, kv_cache_length
+from tl_steering.errors import InputError
 from tl_steering.hooks import parallel_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -111,3 +114,42 @@ def test_parallel_copy_generates_the_surrogate(arch, backend, fuse, prompt):
         err = float((logp - ref_logp).abs().max())
         assert err < LOGIT_ATOL, f"use_past_kv_cache={cache}: per-step log-probs differ by {err:.3g}"
     assert _hook_count(model) == hooks_before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_prompt_is_an_input_error_where_the_call_is_ours(backend):
+    """An empty prompt (a [1, 0] token tensor, or "" with a tokenizer that adds no BOS) in the package's own calls
+    -- decode_step, the adapter's forward, the fused blocks of a parallelized copy that TransformerLens's generate
+    reaches -- is an InputError naming the empty prompt and what to do, not a reshape / index error from inside the
+    model. (TransformerLens's own generate on a plain model fails inside TransformerLens: not our call.)"""
+    model = ts.tiny_model("llama", backend=backend, seed=0)
+    par = ts.parallelize(model, [0, 1])
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    for m in (model, par):
+        with pytest.raises(InputError, match="0 positions .*an empty prompt.*at least one token"):
+            decode_step(m, empty, kv_cache(m))
+        with pytest.raises(InputError, match="0 positions"):
+            adapt(m).run_with_hooks(empty)
+    with pytest.raises(InputError, match="decode_step: tokens has 0 sequences"):
+        decode_step(model, torch.zeros(0, 3, dtype=torch.long), kv_cache(model))
+    with pytest.raises(InputError, match="a parallelized block has sequences of 0 positions"):
+        par.generate(empty, max_new_tokens=2, verbose=False)
+    with pytest.raises(InputError, match="a parallelized block has sequences of 0 positions"):
+        par.generate("", max_new_tokens=2, verbose=False, prepend_bos=False)
+    assert _tl_greedy(par, torch.tensor([[5, 6]]), True)[0].shape == (1, 2 + NEW)  # a one-token-or-more prompt runs
+
+
+@pytest.mark.skipif("bridge" not in BACKENDS, reason="the bridge only")
+def test_decode_step_passes_the_cache_by_its_current_name():
+    """The package's own cached decode (decode_step) hands transformers 5.x its cache as ``cache=``: no
+    "`past_key_values` is deprecated" FutureWarning. (TransformerLens's own ``generate`` passes
+    ``past_key_values=`` to the Hugging Face model and warns: docs/generate.md.)"""
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = kv_cache(model)
+        with torch.no_grad():
+            decode_step(model, torch.tensor([[1, 2, 3]]), cache)
+            decode_step(model, torch.tensor([[4]]), cache)
+    assert kv_cache_length(cache) == 4
+    assert [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []
