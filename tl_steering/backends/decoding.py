@@ -5,6 +5,7 @@ docs/generate.md and docs/parallel.md, "Masks and KV cache"."""
 import contextlib
 import inspect
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,12 +69,32 @@ def _update_kv_cache(self: Any, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Te
     return type(self)._update_kv_cache(self, k, v, **kwargs)
 
 
+# transformers 5.x's FutureWarning when TransformerLens's generate() passes the KV cache to the Hugging Face model
+# under its old name: TransformerLens's doing, nothing the user can act on
+_PKV_DEPRECATION = r"`past_key_values` is deprecated and will be removed"
+
+
+def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """TransformerLens's own ``generate`` of the bridge with transformers' ``past_key_values`` FutureWarning filtered
+    for this call alone (it comes from how TransformerLens calls the Hugging Face model, on every step). Bound per
+    instance by :func:`route_cache_keyword` (named like the method it shadows, so a pickled bound method resolves)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PKV_DEPRECATION, category=FutureWarning)
+        return type(self).generate(self, *args, **kwargs)
+
+
 def route_cache_keyword(model: Any) -> Any:
     """Make every attention bridge of ``model`` (a model the caller owns) read the Hugging Face cache that
     transformers 5.x passes as ``cache=``, in place, and return the model. Idempotent; a no-op on a
     HookedTransformer or when TransformerLens reads ``cache=`` itself. Not a hook: an instance attribute, kept by
-    ``copy.deepcopy`` (bound to the copy) and invisible to ``hook_dict``, ``reset_hooks`` and the state dict."""
-    if backend_of(model) != "bridge" or _AttnBridge is None:
+    ``copy.deepcopy`` (bound to the copy) and invisible to ``hook_dict``, ``reset_hooks`` and the state dict.
+    The bridge's ``generate`` is bound the same way to :func:`generate`, which silences transformers'
+    ``past_key_values`` FutureWarning for that call alone."""
+    if backend_of(model) != "bridge":
+        return model
+    if "generate" not in model.__dict__ and callable(getattr(type(model), "generate", None)):
+        model.__dict__["generate"] = types.MethodType(generate, model)
+    if _AttnBridge is None:
         return model
     for m in model.modules():
         if isinstance(m, _AttnBridge) and "_update_kv_cache" not in m.__dict__:

@@ -153,3 +153,27 @@ def test_decode_step_passes_the_cache_by_its_current_name():
             decode_step(model, torch.tensor([[4]]), cache)
     assert kv_cache_length(cache) == 4
     assert [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []
+
+
+@pytest.mark.skipif("bridge" not in BACKENDS, reason="the bridge only")
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_generate_on_a_model_we_built_shows_no_past_key_values_warning(arch, prompt):
+    """TransformerLens's bridge generate() passes ``past_key_values=`` to the Hugging Face model and transformers 5.x
+    warns on every step: nothing the user can act on. On the models the package builds (tiny_model, load_model,
+    wrap_hf) and on a parallelize() copy it is filtered for that call alone; the same warning raised outside
+    generate() still shows, and the text generated is the same as TransformerLens's own method's."""
+    model = ts.tiny_model(arch, backend="bridge", seed=0)
+    assert "generate" in model.__dict__
+    par = ts.parallelize(model, [0])
+    for m in (model, par):
+        assert m.generate.__self__ is m  # bound to the copy, not to the original
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = m.generate(prompt, max_new_tokens=4, do_sample=False, verbose=False)
+            warnings.warn("`past_key_values` is deprecated and will be removed (outside generate)", FutureWarning)
+        assert [str(w.message) for w in caught if "past_key_values" in str(w.message)] == [
+            "`past_key_values` is deprecated and will be removed (outside generate)"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = type(m).generate(m, prompt, max_new_tokens=4, do_sample=False, verbose=False)
+        assert torch.equal(got, want)

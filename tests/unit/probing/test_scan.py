@@ -35,12 +35,24 @@ def model():
     return ts.tiny_model("gpt2", backend="bridge")
 
 
-def _close(a: ProbeResult, b: ProbeResult, rtol: float = 1e-9) -> None:
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _close(a: ProbeResult, b: ProbeResult, same_batches: bool = True) -> None:
+    """``a`` and ``b`` probed the same windows. With the same batch shapes (``same_batches``) every float32 activation
+    is the same, and only the float64 sums' order differs: 1e-9 relative. With other batch shapes the float32 forward
+    itself may round differently (a matmul kernel blocks the rows of a [3, ...] batch and a [22, ...] one differently
+    under AVX2; AVX-512 happened to agree bit for bit): each per-token value then agrees to a few float32 roundings,
+    128 eps32 relative, and a sum of n of them (the probe stores sums) to n times that in absolute terms."""
     assert a.n_tokens == b.n_tokens and a.n_sequences == b.n_sequences
     assert set(a.sums) == set(b.sums)
     for q in a.sums:
-        torch.testing.assert_close(a.sums[q], b.sums[q], rtol=rtol, atol=0.0)
         assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q])
+        if same_batches:
+            torch.testing.assert_close(a.sums[q], b.sums[q], rtol=1e-9, atol=0.0)
+            continue
+        bound = 128 * EPS32 * (b.sums[q].abs() + b.counts[q].to(torch.float64))
+        assert bool(((a.sums[q] - b.sums[q]).abs() <= bound).all()), (q, a.sums[q], b.sums[q])
 
 
 def _run(args, env_extra=None, **kw):
@@ -53,7 +65,7 @@ def test_shards_merge_to_one_probe_over_the_same_windows(model, corpus, tmp_path
     with ts.probe(model) as trace, torch.no_grad():
         for _, w in stream_windows(model, str(corpus), length=16, n_windows=22, batch_size=22):
             model(w.tokens, return_type=None)
-    _close(res, trace.result())
+    _close(res, trace.result(), same_batches=False)  # the scan's batches of 3 against one batch of 22
     assert res.n_sequences == 22 and res.n_tokens == 22 * 16
     assert res.provenance.corpus == "file:c.txt:22x16" and res.provenance.world_size == 1
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{j:06d}.safetensors" for j in range(5)]
@@ -358,7 +370,7 @@ def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
 
     a = scan(ref, str(corpus), n_windows=6, length=16, shard_windows=3, batch_size=3, out_dir=tmp_path / "a")
     b = scan(off, str(corpus), n_windows=6, length=16, shard_windows=3, batch_size=3, out_dir=tmp_path / "b")
-    _close(a, b, rtol=1e-12)
+    _close(a, b)  # the same batches: the same float32 activations (accelerate only moves weights)
     t = torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(ts.angular_deficit(ref, t, n_bootstrap=0).deficit, ts.angular_deficit(off, t, n_bootstrap=0).deficit)
     assert float(adapt(ref).loss_per_token(t).mean()) == float(adapt(off).loss_per_token(t).mean())

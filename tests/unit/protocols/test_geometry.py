@@ -175,8 +175,12 @@ def test_deficit_layer_selection_and_batching_agree(tiny, tiny_tokens, results):
     sub = angular_deficit(tiny, tiny_tokens, layers=[1], n_bootstrap=0, batch_size=3)
     full = results["deficit"]
     assert sub.layers == [1]
-    assert sub.deficit[0] == pytest.approx(float(full.deficit[1]), abs=1e-12)
-    assert sub.error_parallel[0] == pytest.approx(float(full.error_parallel[1]), abs=1e-12)
+    # batches of 3 against one batch: the float32 forward may round differently per batch shape (a matmul kernel's
+    # row blocking; AVX2 MKL does, AVX-512 happened not to), so the float64 statistics of those activations agree
+    # to a few float32 roundings of O(1) quantities, not to float64's
+    tol = 128 * torch.finfo(torch.float32).eps
+    assert sub.deficit[0] == pytest.approx(float(full.deficit[1]), abs=tol)
+    assert sub.error_parallel[0] == pytest.approx(float(full.error_parallel[1]), abs=tol)
     assert math.isnan(sub.mean_ci[0])
     assert sub.mean_excluding_first == pytest.approx(sub.mean, abs=1e-12)
     only0 = angular_deficit(tiny, tiny_tokens, layers=0, n_bootstrap=0)
