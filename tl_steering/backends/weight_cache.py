@@ -170,6 +170,7 @@ def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build
     sha = source_sha256 or file_sha256(source)
     key = _key(name, sha, dtype, extra)
     path = entry_dir(name, sha, dtype, root, extra)
+    _remove_stale_temps(path.parent)  # a build killed earlier (any entry) leaves nothing behind, hit or miss
     meta = read_entry(path, key)
     if meta is not None:
         return path, meta, True

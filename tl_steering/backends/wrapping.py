@@ -110,7 +110,9 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
 
     fold = processing == "tl"
     src = tl_name or str(hf_config_dir)
-    cfg = lp.get_pretrained_model_config(src, device=str(dev), fold_ln=fold)
+    # the HF model's dtype, as HookedTransformer.from_pretrained(dtype=...) sets it: parameters and cfg.dtype
+    dtype = next(hf_model.parameters()).dtype
+    cfg = lp.get_pretrained_model_config(src, device=str(dev), fold_ln=fold, dtype=dtype)
     state_dict = lp.get_pretrained_state_dict(src, cfg, hf_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

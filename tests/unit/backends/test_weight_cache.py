@@ -170,6 +170,11 @@ def test_a_process_killed_mid_write_leaves_no_entry_and_its_temp_is_swept(source
     entry2, _, hit = wc.cached_entry("tiny", source, torch.float32, build)
     assert (entry2, hit) == (entry, False)
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
+    # and a cache HIT sweeps too: a dead process's temp beside an entry that is already built
+    stale = entry.parent / f"{entry.name}.tmp-{leftovers[0].split('.tmp-')[1]}"
+    stale.mkdir()
+    entry3, _, hit = wc.cached_entry("tiny", source, torch.float32, build)
+    assert (entry3, hit) == (entry, True) and not stale.exists()
 
 
 def test_an_entry_completed_by_another_process_meanwhile_is_kept(source):

@@ -34,7 +34,7 @@ def test_token_windows_keep_their_corpus_through_slicing(tiny):
     res = ts.angular_deficit(tiny, w.tokens[:2], layers=[0], corpus="mine")
     assert res.provenance.corpus == "mine" and res.provenance.world_size == 1
     res = ts.angular_deficit(tiny, w.tokens[:2], layers=[0])
-    assert res.provenance.corpus.startswith("user tokens")
+    assert res.provenance.corpus.startswith("caller's tokens")
     with pytest.raises(InputError, match="corpus must be a str"):
         ts.angular_deficit(tiny, w.tokens[:2], layers=[0], corpus=3)
     with pytest.raises(InputError, match="positive int"):

@@ -146,7 +146,7 @@ def test_stages_subset_and_bad_settings():
     tokens = torch.randint(0, 100, (2, 8))
     res = run_suite(model, tokens, SuiteSettings(stages=["deficit"], n_bootstrap=0), progress=False)
     assert res.deficit is not None and res.ablation is None and set(res.timings) == {"deficit"}
-    assert res.deficit.provenance.corpus.startswith("user tokens")
+    assert res.deficit.provenance.corpus.startswith("caller's tokens")
     with pytest.raises(ts.errors.InputError, match="defect"):
         run_suite(model, tokens, SuiteSettings(stages=["gates"]), progress=False)
     with pytest.raises(ts.errors.InputError, match="unknown stages"):
