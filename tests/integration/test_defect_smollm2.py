@@ -31,7 +31,7 @@ from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.hooks import parallel_blocks
 from tl_steering.parallel.defect import SPEEDUP_LABEL, DefectResult, parallel_defect
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_line("tl3")]
 
 K_VALUES = [0, 8, 15, 22, 30]
 

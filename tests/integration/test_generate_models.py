@@ -73,5 +73,6 @@ def test_smollm2_generate(smollm2, smollm2_tokens):
     _check(smollm2, "smollm2-135m", smollm2_tokens[:2, :64], [20, 21, 22, 23], " Paris.")
 
 
+@pytest.mark.one_line("tl4")
 def test_gemma_generate(gemma, gemma_tokens):
     _check(gemma, "gemma-3-270m", gemma_tokens, [3, 5, 11], " the capital of the country of France.")

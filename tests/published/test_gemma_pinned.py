@@ -20,7 +20,7 @@ from tl_steering.reference.pinned import (
     group_problems,
 )
 
-pytestmark = [pytest.mark.published, pytest.mark.integration]
+pytestmark = [pytest.mark.published, pytest.mark.integration, pytest.mark.one_line("tl4")]
 
 PINNED = pinned_values("gemma-3-270m")
 

@@ -11,7 +11,7 @@ import pytest
 from tl_steering.reference import pinned_values
 from tl_steering.reference.pinned import PINNED_SETTINGS, compute_pinned, group_problems
 
-pytestmark = [pytest.mark.published, pytest.mark.integration]
+pytestmark = [pytest.mark.published, pytest.mark.integration, pytest.mark.one_line("tl3")]
 
 PINNED = pinned_values()
 
