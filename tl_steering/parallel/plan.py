@@ -20,8 +20,10 @@ Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a se
 * ``"random"``: a seeded random k-set (a baseline, never chosen by ``"best"``).
 
 ``strategy="best"`` runs the strategies compared (default :data:`ONE_SHOT_COMPARISON` with the cross-fitted
-linear correction; :data:`FULL_COMPARISON` by argument) and keeps the plan with the lowest CALIBRATION dCE at k;
-the held-out dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
+linear correction; :data:`FULL_COMPARISON` by argument) and keeps the reference ``C`` unless a strategy's CALIBRATION
+dCE at k beats it by more than the 95 % interval of the paired difference (then the lowest of those;
+``reference=None``: the lowest); the held-out dCE is reported, never used to choose. Every dCE carries its interval
+(two-stage bootstrap over windows and token blocks; docs/parallel.md "Uncertainty and the choice"). Greedy plans are nested (the k-plan extends the (k-1)-plan).
 """
 
 import time
@@ -130,7 +132,7 @@ def plan_parallel(
         tokens: calibration windows ``[batch, pos]`` (or a ``TokenWindows``). With ``held_out=None`` the first
             ``ceil(batch / 2)`` windows calibrate and the rest are held out.
         k: number of layers to make parallel, in ``[0, L]`` (L = sequential layers among ``layers``).
-        strategy: ``"best"`` (run ``strategies``, keep the lowest calibration dCE at k) or one name of
+        strategy: ``"best"`` (run ``strategies``, keep ``reference`` unless beaten beyond noise at k) or one name of
             :data:`PLAN_STRATEGIES` (see the module docstring).
         held_out: held-out windows (never used to choose).
         layers: blocks that may be chosen (default all).
