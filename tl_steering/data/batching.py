@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..backends import ModelAdapter, adapt, check_finite
 from ..metrics import next_token_loss
+from ..stats import block_sums
 from .sharding import batch_slices
 
 HookList = list[tuple[str, Callable[..., Any]]]
@@ -71,10 +72,20 @@ def loss_row_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Tensor:
     return lt.to(torch.float64).sum(-1).cpu()
 
 
+def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
+    """Per window, the next-token CE summed over consecutive blocks of ``length`` predicted positions: float64
+    ``[batch, ceil((pos - 1) / length)]`` on the CPU (the last block shorter; :func:`tl_steering.stats.block_sums`),
+    the unit of the block bootstrap of plan losses (:func:`tl_steering.stats.cluster_bootstrap_ci`). Their sum over
+    blocks is :func:`loss_row_sums`. Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    lt = next_token_loss(logits, tokens)
+    check_finite(lt, None, "next-token loss")
+    return block_sums(lt.to(torch.float64).cpu(), length)
+
+
 def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
     """The token-weighted mean CE from per-window sums ``per_row`` (:func:`loss_row_sums`) of ``tokens``:
     ``sum / (windows x (pos - 1))``, every predicted token weighing the same."""
     return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
-__all__ = ["HookList", "iter_batches", "loss_row_sums", "mean_loss", "token_mean"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]

@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from ..backends import adapt
-from ..data.batching import loss_row_sums, mean_loss, token_mean
+from ..data.batching import loss_block_sums
 from ..hooks import Write, parallel_blocks, parallel_hooks
 from .._util.progress import forward_done
 from ..data.sharding import batch_slices
+from ..stats import block_length
 
 #: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
 #: layers x element size); above it every plan runs a whole forward.
@@ -26,6 +27,11 @@ class PlanLoss:
     :attr:`passes` counts the passes over the windows actually run (the cost, over all ranks).
     ``world`` (a :class:`tl_steering.data.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
     per rank in turn and hands every value to every rank; the values are those of one process.
+
+    Every measured plan also keeps its per-block CE sums, :attr:`blocks` (``[window, block]`` float64, blocks of
+    :attr:`block` consecutive predicted tokens, :func:`tl_steering.stats.block_length` of the window's predicted
+    tokens): the resampling units of the plan losses' intervals (:func:`tl_steering.stats.cluster_bootstrap_ci`;
+    docs/parallel.md "Uncertainty").
     """
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None,
@@ -42,23 +48,53 @@ class PlanLoss:
         self.prefix_note = ""
         self._prefix: dict[int, Tensor] | None = None  # layer -> clean residual entering it, every window
         self._clean_ce = math.nan
+        self._clean_blocks: Tensor | None = None
+        #: tokens per bootstrap block (of the ``pos - 1`` predicted tokens of a window)
+        self.block = block_length(int(tokens.shape[1]) - 1)
+        #: plan -> its per-block CE sums ``[window, block]`` (float64, CPU)
+        self.blocks: dict[tuple[int, ...], Tensor] = {}
 
     @staticmethod
     def _key(layers: Sequence[int]) -> tuple[int, ...]:
         return tuple(sorted(int(x) for x in layers))
 
-    def _measure(self, key: tuple[int, ...]) -> float:
-        return self.mean_ce(key)
+    def _measure(self, key: tuple[int, ...]) -> Tensor:
+        """The per-block CE sums of the plan ``key`` (``[window, block]``); :meth:`__call__` keeps them and their
+        token-weighted mean."""
+        return self.ce_blocks(key)
+
+    @property
+    def n_tokens(self) -> int:
+        """Predicted tokens of these windows (every one weighs the same in the mean CE)."""
+        return int(self.tokens.shape[0]) * (int(self.tokens.shape[1]) - 1)
+
+    def block_counts(self) -> Tensor:
+        """Predicted tokens in each block, ``[window, block]`` float64 (the last block of a window may be short)."""
+        t = int(self.tokens.shape[1]) - 1
+        counts = torch.tensor([min(self.block, t - j) for j in range(0, t, self.block)], dtype=torch.float64)
+        return counts.expand(int(self.tokens.shape[0]), counts.shape[0]).clone()
 
     def mean_ce(self, layers: Sequence[int], write: Write | None = None) -> float:
         """Mean next-token CE over these windows with ``layers`` parallel (not memoised), their FFN writes
         replaced by ``write(layer, sequential_write, parallel_write, attn_write)`` when given (as
         :func:`tl_steering.hooks.parallel_hooks`); through the shared clean prefix when it is available."""
+        return self.mean_of(self.ce_blocks(layers, write))
+
+    def mean_of(self, blocks: Tensor) -> float:
+        """The token-weighted mean CE of per-block sums of these windows (:meth:`ce_blocks`)."""
+        return float(blocks.sum()) / self.n_tokens
+
+    def ce_blocks(self, layers: Sequence[int], write: Write | None = None) -> Tensor:
+        """As :meth:`mean_ce`, the per-block CE sums ``[window, block]`` (float64, CPU; not memoised)."""
         plan = sorted(lay for lay in set(int(v) for v in layers) if not self.ad.is_parallel(lay))
         if self._prefix_ready():  # the clean pass that builds the prefix gives the clean CE
-            return self._suffix_ce(plan, write) if plan else self._clean_ce
+            return self._suffix_blocks(plan, write) if plan else self._clean_blocks.clone()
         hooks = parallel_blocks(self.model, plan) if write is None else parallel_hooks(self.model, plan, write)
-        return mean_loss(self.ad, self.tokens, hooks, self.batch_size)
+        parts = []
+        for rows in batch_slices(int(self.tokens.shape[0]), self.batch_size):
+            logits = self.ad.run_with_hooks(self.tokens[rows], list(hooks), return_type="logits")
+            parts.append(loss_block_sums(logits, self.tokens[rows], self.block))
+        return torch.cat(parts)
 
     def _prefix_ready(self) -> bool:
         """Build the clean prefix on first use (one clean pass, which also fills the clean CE); False when
@@ -78,11 +114,11 @@ class PlanLoss:
             return False
         names = [ad.hook_name(lay, "resid_pre") for lay in range(ad.n_layers)]
         prefix: dict[int, Tensor] = {}
-        per_row = torch.zeros(n, dtype=torch.float64)
+        per_row: list[Tensor] = []
         with torch.no_grad():
             for i, rows in enumerate(batch_slices(n, self.batch_size)):
                 logits, cache = ad.run_with_cache(toks[rows], names)
-                per_row[rows] = loss_row_sums(logits, toks[rows])
+                per_row.append(loss_block_sums(logits, toks[rows], self.block))
                 if i == 0:  # the path against the model's own forward: the last block, final norm, unembedding
                     last = ad.n_layers - 1
                     ours = ad.run_blocks(cache[names[last]], last)
@@ -98,22 +134,25 @@ class PlanLoss:
                     prefix[lay][rows] = cache[name]
                 del cache, logits
         self._prefix = prefix
-        self._clean_ce = token_mean(per_row, toks)
-        self.memo.setdefault((), self._clean_ce)
+        self._clean_blocks = torch.cat(per_row)
+        self._clean_ce = self.mean_of(self._clean_blocks)
+        if () not in self.memo:
+            self.memo[()], self.blocks[()] = self._clean_ce, self._clean_blocks
         self._counted.setdefault((), 1)
         return True
 
-    def _suffix_ce(self, plan: list[int], write: Write | None) -> float:
-        """Mean CE of ``plan`` from the clean residual entering its first layer (blocks before it not re-run)."""
+    def _suffix_blocks(self, plan: list[int], write: Write | None) -> Tensor:
+        """Per-block CE sums of ``plan`` from the clean residual entering its first layer (blocks before it not
+        re-run)."""
         assert self._prefix is not None
         start = plan[0]
-        per_row = torch.zeros(int(self.tokens.shape[0]), dtype=torch.float64)
+        parts = []
         with torch.no_grad():
             for rows in batch_slices(int(self.tokens.shape[0]), self.batch_size):
                 logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
                 forward_done(int(self.tokens[rows].numel()))  # progress: a run from the prefix counts as a forward
-                per_row[rows] = loss_row_sums(logits, self.tokens[rows])
-        return token_mean(per_row, self.tokens)
+                parts.append(loss_block_sums(logits, self.tokens[rows], self.block))
+        return torch.cat(parts)
 
     def _cost(self, key: tuple[int, ...]) -> int:
         """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
@@ -128,9 +167,10 @@ class PlanLoss:
     def __call__(self, layers: Sequence[int]) -> float:
         key = self._key(layers)
         if key not in self.memo:
-            value = self._measure(key)
+            blocks = self._measure(key)
             self._counted.setdefault(key, self._cost(key))
-            self.memo[key] = value
+            self.blocks[key] = blocks
+            self.memo[key] = self.mean_of(blocks)
         return self.memo[key]
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
@@ -142,13 +182,26 @@ class PlanLoss:
         keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
         if not keys:
             return
-        self.memo.update(zip(keys, split_map(self._measure, keys, self.world)))
+        for k, blocks in zip(keys, split_map(self._measure, keys, self.world)):
+            self.blocks[k] = blocks
+            self.memo[k] = self.mean_of(blocks)
         for k in keys:
             self._counted.setdefault(k, self._cost(k))
 
     @property
     def clean(self) -> float:
         return self([])
+
+    def share_clean(self, other: "PlanLoss") -> None:
+        """Take the clean plan's CE and block sums from ``other`` (the same windows: the same clean forward)."""
+        other.clean  # noqa: B018 - measured if it was not yet
+        self.memo[()], self.blocks[()] = other.memo[()], other.blocks[()]
+
+    def delta_blocks(self, layers: Sequence[int]) -> Tensor:
+        """Per-block sums of ``CE(layers parallel) - CE(clean)``, ``[window, block]`` (measured if needed)."""
+        self(layers)
+        self([])
+        return self.blocks[self._key(layers)] - self.blocks[()]
 
     def delta(self, layers: Sequence[int]) -> float:
         """``CE(layers parallel) - CE(clean)``."""

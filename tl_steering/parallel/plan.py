@@ -20,11 +20,14 @@ Strategies (see docs/parallel.md "Planning"; every one returns, for each k, a se
 * ``"random"``: a seeded random k-set (a baseline, never chosen by ``"best"``).
 
 ``strategy="best"`` runs the strategies compared (default :data:`ONE_SHOT_COMPARISON` with the cross-fitted
-linear correction; :data:`FULL_COMPARISON` by argument) and keeps the plan with the lowest CALIBRATION dCE at k;
-the held-out dCE is reported, never used to choose. Greedy plans are nested (the k-plan extends the (k-1)-plan).
+linear correction; :data:`FULL_COMPARISON` by argument) and keeps the reference ``C`` unless a strategy's CALIBRATION
+dCE at k beats it by more than the 95 % interval of the paired difference (then the lowest of those;
+``reference=None``: the lowest); the held-out dCE is reported, never used to choose. Every dCE carries its interval
+(two-stage bootstrap over windows and token blocks; docs/parallel.md "Uncertainty and the choice"). Greedy plans are nested (the k-plan extends the (k-1)-plan).
 """
 
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,9 +45,10 @@ from .attribution import FISHER_VARIANTS, attribution_scores
 from .gold import PlanLoss
 from .peers import PEER_SCORES
 from .plan_result import ParallelPlan
-from .refit import FITS, REFITS, FittedLoss, RefitLoss
+from .refit import FITS, REFITS, FittedLoss, RefitLoss, carried_max_df, carried_refit
 from .scores import ParallelScoresResult, parallel_scores
 from ..backends.ownership import exclusive
+from ..stats import cluster_bootstrap_ci
 
 SCORE_STRATEGIES: tuple[str, ...] = ("C", "C1", "C_phi", "C_tan", "attribution", "attribution_abs",
                                      "attribution_rms", "attribution_2nd", "attribution_fisher",
@@ -66,6 +70,12 @@ the loss sits near a minimum, the first-order term of a large defect can even be
 and 1: -0.24 / -0.12 nats predicted, +1.68 / +0.61 measured), so a signed greedy would pick the worst layers
 first; the token-wise absolute value does not cancel and ranks damage far better (docs/defect.md). The
 second-order scores are not re-computed per step (``fisher_samples`` more backwards each)."""
+REFERENCE = "C"
+"""The default reference of ``strategy="best"``: the paper's lowest-C plan. Another strategy is chosen only when it
+beats the reference's calibration dCE by more than the interval of the paired difference (docs/parallel.md
+"Uncertainty and the choice")."""
+INTERVAL_LEVEL = 0.95
+"""Coverage of every interval a plan reports (two-stage bootstrap over windows and token blocks)."""
 SHORTLIST_SCORE = "attribution_2nd"
 """The one-shot score whose ranking gives ``greedy_measured`` its shortlist of layers to measure at each step
 (the second-order loss change; docs/defect.md "Second order")."""
@@ -103,6 +113,8 @@ def plan_parallel(
     refit_order: str = "sequential",
     refit_crossfit: bool | None = None,
     uncorrected_curves: bool = False,
+    reference: str | None = REFERENCE,
+    n_bootstrap: int = 1000,
 ) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
 
@@ -120,7 +132,7 @@ def plan_parallel(
         tokens: calibration windows ``[batch, pos]`` (or a ``TokenWindows``). With ``held_out=None`` the first
             ``ceil(batch / 2)`` windows calibrate and the rest are held out.
         k: number of layers to make parallel, in ``[0, L]`` (L = sequential layers among ``layers``).
-        strategy: ``"best"`` (run ``strategies``, keep the lowest calibration dCE at k) or one name of
+        strategy: ``"best"`` (run ``strategies``, keep ``reference`` unless beaten beyond noise at k) or one name of
             :data:`PLAN_STRATEGIES` (see the module docstring).
         held_out: held-out windows (never used to choose).
         layers: blocks that may be chosen (default all).
@@ -163,6 +175,20 @@ def plan_parallel(
         uncorrected_curves: with a refit, also measure every compared plan WITHOUT its correction on the
             held-out windows (:attr:`ParallelPlan.held_out_curves_uncorrected`; one held-out pass per distinct
             plan), so a table can show what the correction adds to every strategy.
+        reference: the strategy ``"best"`` keeps unless another beats it (default ``"C"``, the paper's lowest-C
+            plan): a competitor is chosen only when the upper end of the 95 % interval of its calibration dCE
+            minus the reference's (paired, the same windows and token blocks resampled) is below zero; among
+            those, and the reference, the lowest calibration dCE wins. ``None`` (or a reference not compared):
+            the lowest calibration dCE, whatever the noise.
+        n_bootstrap: resamples of the intervals (:func:`tl_steering.stats.cluster_bootstrap_ci`: windows, then
+            blocks of ``round(T^(1/3))`` consecutive tokens inside each, T the predicted tokens per window; seeded
+            by ``seed``). 0: NaN intervals, and ``"best"`` keeps the reference.
+
+    With fewer than 2 calibration windows nothing can be cross-fitted: the plan records it
+    (``calibration_fit="in-sample"``, ``calibration_note``), one warning says it, and (``refit_crossfit=None``)
+    the correction is the richest the calibration tokens carry (:func:`~tl_steering.parallel.refit.carried_refit`:
+    at most one parameter per two fitted numbers; one 32-token window on SmolLM2 carries ``"affine"``, not
+    ``"linear"``), ``refit_requested`` keeping what was asked.
 
     Returns:
         A :class:`ParallelPlan`.
@@ -193,6 +219,10 @@ def plan_parallel(
     if refit_crossfit is not None and not isinstance(refit_crossfit, bool):
         raise InputError(f"refit_crossfit must be True, False or None (on for refit='linear'), got "
                          f"{refit_crossfit!r}")
+    if reference is not None and reference not in PLAN_STRATEGIES:
+        raise InputError(f"reference must be None or a strategy of {list(PLAN_STRATEGIES)}, got {reference!r}")
+    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 0:
+        raise InputError(f"n_bootstrap must be an int >= 0, got {n_bootstrap!r}")
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, int) or shortlist < 1):
         raise InputError(f"shortlist must be a positive int or None, got {shortlist!r}")
     if k_values is None:
@@ -200,10 +230,24 @@ def plan_parallel(
             [j for j in st.default_k_values(len(cand)) if j <= k]
     ks = sorted({st.check_k(int(j), len(cand), already) for j in k_values} | {k})
     kmax = max(ks)
+    refit_requested, note, carry = refit, "", False
+    n_cal, n_fit = int(cal.shape[0]), int(cal.shape[0]) * (int(cal.shape[1]) - 1)  # fitted tokens: position 0 out
+    if refit != "none" and n_cal < 2 and refit_crossfit is None:
+        refit, carry = carried_refit(refit, n_fit, ad.d_model), True
+        note = (f"{n_cal} calibration window ({n_fit} fitted tokens) is too small to cross-fit: plans compared on "
+                f"in-sample (optimistic) calibration losses")
+        if refit == "linear":
+            note += (f", each linear map's ridge raised to at most {carried_max_df(n_fit, ad.d_model):.1f} effective "
+                     f"parameters per coordinate (half the tokens)")
+        elif refit != refit_requested:
+            note += f", the {refit!r} correction fitted (what {n_fit} tokens carry) instead of {refit_requested!r}"
+        note += "; pass at least 2 calibration windows"
+        warnings.warn(f"plan_parallel: {note}", UserWarning, stacklevel=3)
     if refit == "none":
         cal_loss, held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
     else:
-        cal_loss = RefitLoss(model, cal, batch_size, world, refit=refit, fit=refit_order, crossfit=refit_crossfit)
+        cal_loss = RefitLoss(model, cal, batch_size, world, refit=refit, fit=refit_order, crossfit=refit_crossfit,
+                             carry=carry)
         held_loss = FittedLoss(model, held, batch_size, world, source=cal_loss)
 
     costs: dict[str, dict[str, float]] = {}
@@ -274,14 +318,37 @@ def plan_parallel(
     cal_curves = {s: torch.tensor([cal_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     held_curves = {s: torch.tensor([held_loss.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
     plain_held = held_loss if refit == "none" else PlanLoss(model, held, batch_size, world)
-    plain_held.memo[()] = held_loss.clean  # the same clean forward
+    plain_held.share_clean(held_loss)  # the same clean forward
     held_unc: dict[str, Tensor] = {}
+    interval_of = _Intervals(n_bootstrap, seed)
+    held_unc_iv: dict[str, Tensor] = {}
     if uncorrected_curves and refit != "none":
         plain_held.prefetch(every_set)
         held_unc = {s: torch.tensor([plain_held.delta(p) for p in sets[s]], dtype=torch.float64) for s in names}
+        held_unc_iv = interval_of(plain_held, {s: sets[s] for s in names})
     j = ks.index(k)
     selectable = [s for s in names if s != "random"] or names
-    chosen = min(selectable, key=lambda s: (float(cal_curves[s][j]), selectable.index(s)))
+    # intervals: every strategy's dCE at every k, and at k its calibration dCE minus the reference's, paired
+    ref = reference if reference in selectable and len(selectable) > 1 else None
+    cal_iv = interval_of(cal_loss, {s: sets[s] for s in names})
+    held_iv = interval_of(held_loss, {s: sets[s] for s in names})
+    margins: dict[str, list[float]] = {}
+    margins_unc: dict[str, list[float]] = {}
+    in_sample = refit != "none" and not getattr(cal_loss, "crossfit", False)
+    plain_cal = PlanLoss(model, cal, batch_size, world) if refit != "none" else cal_loss
+    plain_cal.share_clean(cal_loss)  # the same clean forward
+    at_k = {s: sets[s][j] for s in names}
+    if ref is not None:
+        margins = interval_of.margins(cal_loss, at_k, ref)
+        rule = (f"{ref} unless a strategy's calibration dCE is below it by more than the {INTERVAL_LEVEL:.0%} "
+                f"interval of the paired difference (then the lowest of those)")
+        if in_sample:  # a fitted correction compared in-sample: the win must also hold without it (nothing fitted)
+            plain_cal.prefetch(list(at_k.values()))
+            margins_unc = interval_of.margins(plain_cal, at_k, ref)
+            rule += "; the corrections compared in-sample, so also without them"
+    else:
+        rule = "lowest calibration dCE" if len(selectable) > 1 else "the one strategy run"
+    chosen = st.choose({s: float(cal_curves[s][j]) for s in selectable}, selectable, ref, margins, margins_unc)
     fresh = need and not given
     chosen_layers = list(sets[chosen][j])
     if refit == "none":
@@ -289,6 +356,7 @@ def plan_parallel(
         biases = torch.zeros(len(chosen_layers), ad.d_model, dtype=torch.float64)
         linears = torch.zeros(0, 0, 0, dtype=torch.float64)
         unc_cal, unc_held = float(cal_curves[chosen][j]), float(held_curves[chosen][j])
+        unc_cal_iv, unc_held_iv = cal_iv[chosen][j].tolist(), held_iv[chosen][j].tolist()
     else:
         g_of, b_of = cal_loss.corrections(chosen_layers)
         w_of = cal_loss.linear_maps(chosen_layers)
@@ -298,11 +366,11 @@ def plan_parallel(
         biases = torch.stack([b_of[lay].to(torch.float64).cpu() if lay in b_of else
                               torch.zeros(ad.d_model, dtype=torch.float64) for lay in chosen_layers]) \
             if chosen_layers else torch.zeros(0, ad.d_model, dtype=torch.float64)
-        plain_cal = PlanLoss(model, cal, batch_size, world)
-        plain_cal.memo[()] = cal_loss.clean  # the same clean forward
         plain_cal.prefetch([chosen_layers])
         plain_held.prefetch([chosen_layers])
         unc_cal, unc_held = plain_cal.delta(chosen_layers), plain_held.delta(chosen_layers)
+        unc_cal_iv = interval_of(plain_cal, {"": [chosen_layers]})[""][0].tolist()
+        unc_held_iv = interval_of(plain_held, {"": [chosen_layers]})[""][0].tolist()
         extra["plain"] = plain_cal.passes + plain_held.passes
     total = {"forward": float(cal_loss.passes + held_loss.passes + (2 if fresh else 0) + extra["passes"]
                               + extra.get("plain", 0) + getattr(cal_loss, "fit_passes", 0)),
@@ -312,7 +380,9 @@ def plan_parallel(
                "shortlist": shortlist, "batch_size": batch_size, "fisher_samples": fisher_samples,
                "held_out": "given" if held_out is not None else "second half of tokens", "refit": refit,
                "refit_order": refit_order, "refit_crossfit": getattr(cal_loss, "crossfit", False),
-               "uncorrected_curves": bool(uncorrected_curves)}
+               "uncorrected_curves": bool(uncorrected_curves), "refit_requested": refit_requested,
+               "reference": reference, "n_bootstrap": n_bootstrap, "refit_carry": carry}
+    fit_kind = "none" if refit == "none" else ("out-of-fold" if getattr(cal_loss, "crossfit", False) else "in-sample")
     return ParallelPlan(
         provenance=ad.provenance(cal, corpus=corpus, seed=seed, **options),
         layers=chosen_layers, k=k, strategy=chosen, requested=strategy, candidates=cand,
@@ -322,7 +392,44 @@ def plan_parallel(
         held_out_curves=held_curves, plans=sets, strategy_costs=costs, n_calibration=int(cal.shape[0]),
         n_held_out=int(held.shape[0]), options=options, refit=refit, refit_order=refit_order, gates=gates,
         biases=biases, linears=linears, calibration_delta_ce_uncorrected=unc_cal,
-        held_out_delta_ce_uncorrected=unc_held, held_out_curves_uncorrected=held_unc)
+        held_out_delta_ce_uncorrected=unc_held, held_out_curves_uncorrected=held_unc,
+        refit_requested=refit_requested, calibration_fit=fit_kind, calibration_note=note, reference=ref or "",
+        choice_rule=rule, margins=margins, margins_uncorrected=margins_unc, calibration_intervals=cal_iv, held_out_intervals=held_iv,
+        held_out_intervals_uncorrected=held_unc_iv,
+        calibration_delta_ce_interval=cal_iv[chosen][j].tolist(),
+        held_out_delta_ce_interval=held_iv[chosen][j].tolist(),
+        calibration_delta_ce_uncorrected_interval=unc_cal_iv, held_out_delta_ce_uncorrected_interval=unc_held_iv,
+        interval={"level": INTERVAL_LEVEL, "n_bootstrap": n_bootstrap, "seed": seed,
+                  "block_tokens_calibration": cal_loss.block, "block_tokens_held_out": held_loss.block,
+                  "method": "two-stage percentile bootstrap: windows, then blocks of consecutive tokens in each"})
+
+
+class _Intervals:
+    """Intervals of dCE curves: ``self(loss, {name: [plan per k]})`` -> ``{name: [k, 2]}`` float64, every plan's
+    per-block dCE sums on ``loss``'s windows resampled together (:func:`tl_steering.stats.cluster_bootstrap_ci`)."""
+
+    def __init__(self, n_bootstrap: int, seed: int):
+        self.n_bootstrap, self.seed = n_bootstrap, seed
+
+    def __call__(self, loss: PlanLoss, curves: dict[str, list[list[int]]]) -> dict[str, Tensor]:
+        cols = [loss.delta_blocks(p) for plans in curves.values() for p in plans]
+        ci = cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), self.n_bootstrap, self.seed,
+                                  INTERVAL_LEVEL)
+        out, i = {}, 0
+        for name, plans in curves.items():
+            out[name] = ci[i:i + len(plans)].clone()
+            i += len(plans)
+        return out
+
+    def margins(self, loss: PlanLoss, plan_of: dict[str, list[int]], ref: str) -> dict[str, list[float]]:
+        """``{name: [point, low, high]}`` of ``loss``'s dCE of ``plan_of[name]`` minus that of ``plan_of[ref]``,
+        the interval paired (the same windows and blocks resampled for both plans)."""
+        base_blocks = loss.delta_blocks(plan_of[ref])
+        diffs = torch.stack([loss.delta_blocks(p) - base_blocks for p in plan_of.values()], -1)
+        ci = cluster_bootstrap_ci(diffs, loss.block_counts(), self.n_bootstrap, self.seed, INTERVAL_LEVEL)
+        base = loss.delta(plan_of[ref])
+        return {name: [loss.delta(p) - base, float(ci[i, 0]), float(ci[i, 1])]
+                for i, (name, p) in enumerate(plan_of.items())}
 
 
 def _greedy(model: Any, cal: Tensor, sel: list[int], cand: list[int], kmax: int, first: dict[int, float],
@@ -360,4 +467,4 @@ def _greedy_measured(cand: list[int], kmax: int, ranking: dict[int, float], cal_
     return order, {"forward": fwd, "backward": 0.0}
 
 
-__all__ = ["DEFAULT_COMPARISON", "FULL_COMPARISON", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "SCORE_STRATEGIES", "plan_parallel"]
+__all__ = ["DEFAULT_COMPARISON", "FULL_COMPARISON", "ONE_SHOT_COMPARISON", "PLAN_STRATEGIES", "ParallelPlan", "REFERENCE", "SCORE_STRATEGIES", "plan_parallel"]

@@ -53,6 +53,24 @@ class ParallelPlan(Result):
             correction (equal to the corrected ones for ``"none"``).
         held_out_curves_uncorrected: per strategy, the held-out dCE of its plans WITHOUT the correction at each
             k (``plan_parallel(..., uncorrected_curves=True)`` with a refit; else empty).
+        refit_requested: the ``refit`` asked for; :attr:`refit` is the one fitted (they differ when the
+            calibration windows were too few to cross-fit and carry it: :attr:`calibration_note`).
+        calibration_fit: how the calibration dCE of a corrected plan was measured: ``"out-of-fold"``
+            (cross-fitted), ``"in-sample"`` (on the tokens the correction was fitted on: optimistic) or ``"none"``
+            (no fitted correction); ``""`` in files written before.
+        calibration_note: why the calibration set could not be cross-fitted and what was done instead (also
+            warned once); ``""`` when nothing was.
+        reference: the strategy ``"best"`` kept unless beaten beyond noise (``""``: the lowest calibration dCE
+            won); choice_rule: the rule, in words.
+        margins: per strategy at k, ``[point, low, high]`` of its calibration dCE minus the reference's (the
+            interval paired: the same windows and token blocks resampled for both); empty without a reference.
+            margins_uncorrected: the same without the corrections, when they were compared in-sample (a
+            strategy then has to beat the reference beyond noise in both; else empty).
+        calibration_intervals / held_out_intervals / held_out_intervals_uncorrected: per strategy, ``[k, 2]``
+            float64, the interval (:attr:`interval`) of the matching curve at each k.
+        calibration_delta_ce_interval / held_out_delta_ce_interval (and ``_uncorrected_``): ``[low, high]`` of the
+            chosen plan's figures.
+        interval: how the intervals were computed (level, resamples, seed, tokens per block on each set, method).
     """
 
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -85,12 +103,34 @@ class ParallelPlan(Result):
     calibration_delta_ce_uncorrected: float = math.nan
     held_out_delta_ce_uncorrected: float = math.nan
     held_out_curves_uncorrected: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
+    refit_requested: str = ""
+    calibration_fit: str = ""
+    calibration_note: str = ""
+    reference: str = ""
+    choice_rule: str = ""
+    margins: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    margins_uncorrected: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    calibration_intervals: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
+    held_out_intervals: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
+    held_out_intervals_uncorrected: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
+    calibration_delta_ce_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    held_out_delta_ce_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
+    calibration_delta_ce_uncorrected_interval: list[float] = dataclasses.field(
+        default_factory=lambda: [math.nan, math.nan])
+    held_out_delta_ce_uncorrected_interval: list[float] = dataclasses.field(
+        default_factory=lambda: [math.nan, math.nan])
+    interval: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "parallel_plan"
     # the closed-form corrections (refit) came after the first plans: older files load uncorrected;
-    # held_out_curves_uncorrected: 2026-12-05 (issue 30)
+    # held_out_curves_uncorrected: 2026-12-05 (issue 30); the intervals, the reference rule and the calibration
+    # fit's record: issue 36
     added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
-                    "held_out_delta_ce_uncorrected", "held_out_curves_uncorrected")
+                    "held_out_delta_ce_uncorrected", "held_out_curves_uncorrected", "refit_requested",
+                    "calibration_fit", "calibration_note", "reference", "choice_rule", "margins", "margins_uncorrected",
+                    "calibration_intervals", "held_out_intervals", "held_out_intervals_uncorrected",
+                    "calibration_delta_ce_interval", "held_out_delta_ce_interval",
+                    "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval", "interval")
     #: tensors a JSON save writes to the safetensors sidecar (``<stem>.tensors.safetensors``; results.Result.save)
     sidecar_fields: ClassVar[tuple[str, ...]] = ("gates", "biases", "linears")
 
@@ -135,16 +175,40 @@ class ParallelPlan(Result):
         return {s: float(v[j]) for s, v in c.items()}
 
     def summary(self) -> dict[str, Any]:
+        """Headline figures; every dCE with its ``_interval`` ``[low, high]`` (:attr:`interval`), the calibration
+        fit (``"out-of-fold"`` / ``"in-sample"`` / ``"none"``) and, when there is one, the note of a calibration set
+        too small to cross-fit."""
         out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
-                               "refit": self.refit,
+                               "refit": self.refit, "calibration_fit": self.calibration_fit,
                                "calibration_delta_ce": self.calibration_delta_ce,
+                               "calibration_delta_ce_interval": list(self.calibration_delta_ce_interval),
                                "held_out_delta_ce": self.held_out_delta_ce,
+                               "held_out_delta_ce_interval": list(self.held_out_delta_ce_interval),
                                "cost_forward": self.cost.get("forward"), "cost_backward": self.cost.get("backward"),
                                "total_forward": self.total_cost.get("forward"),
                                "total_backward": self.total_cost.get("backward"),
-                               "held_out_delta_ce_uncorrected": self.held_out_delta_ce_uncorrected}
+                               "held_out_delta_ce_uncorrected": self.held_out_delta_ce_uncorrected,
+                               "held_out_delta_ce_uncorrected_interval":
+                                   list(self.held_out_delta_ce_uncorrected_interval)}
+        if self.refit_requested and self.refit_requested != self.refit:
+            out["refit_requested"] = self.refit_requested
+        if self.calibration_note:
+            out["calibration_note"] = self.calibration_note
+        if self.reference:
+            out["reference"] = self.reference
         if self.k in self.k_values:
-            out.update({f"held_out_delta_ce_{s}": v for s, v in self.at_k().items()})
+            j = self.k_values.index(self.k)
+            for s, v in self.at_k().items():
+                out[f"held_out_delta_ce_{s}"] = v
+                if s in self.held_out_intervals:
+                    out[f"held_out_delta_ce_{s}_interval"] = self.held_out_intervals[s][j].tolist()
+            for s, v in self.at_k("calibration").items():
+                out[f"calibration_delta_ce_{s}"] = v
+                if s in self.calibration_intervals:
+                    out[f"calibration_delta_ce_{s}_interval"] = self.calibration_intervals[s][j].tolist()
+            for s, m in self.margins.items():
+                if s != self.reference:
+                    out[f"calibration_margin_{s}"] = list(m)
         return out
 
     def plot(self, title: str | None = None):
@@ -157,9 +221,14 @@ class ParallelPlan(Result):
         for i, s in enumerate(self.strategies):
             color = palette[i % len(palette)]
             width = 4 if s == self.strategy else 2
+            err = None
+            if s in self.held_out_intervals:  # the interval as asymmetric error bars
+                y, iv = self.held_out_curves[s], self.held_out_intervals[s]
+                err = {"type": "data", "symmetric": False, "array": (iv[:, 1] - y).tolist(),
+                       "arrayminus": (y - iv[:, 0]).tolist(), "thickness": 1}
             fig.add_trace(go.Scatter(x=self.k_values, y=self.held_out_curves[s].tolist(), mode="lines+markers",
                                      name=f"{s} (held-out)", line={"color": color, "width": width},
-                                     legendgroup=s))
+                                     legendgroup=s, error_y=err))
             fig.add_trace(go.Scatter(x=self.k_values, y=self.calibration_curves[s].tolist(), mode="lines",
                                      name=f"{s} (calibration)", line={"color": color, "dash": "dot"},
                                      legendgroup=s, showlegend=False))

@@ -27,6 +27,44 @@ LINEAR_RIDGE = 1.0
 FITS: tuple[str, ...] = ("sequential", "joint")
 
 
+def refit_parameters(refit: str, d_model: int) -> int:
+    """Fitted numbers per layer of a correction: 0 (``"none"``), 1 (``"gate"``: g), d + 1 (``"affine"``: g, b),
+    d^2 + d + 1 (``"linear"``: g, b, W)."""
+    _check(refit, "sequential")
+    return {"none": 0, "gate": 1, "affine": d_model + 1, "linear": d_model * d_model + d_model + 1}[refit]
+
+
+CARRY = 0.5
+"""Effective parameters per output coordinate a correction compared in-sample may have, as a fraction of its fitted
+tokens (:func:`carried_refit`)."""
+
+
+def carried_max_df(n_tokens: int, d_model: int) -> float:
+    """The largest effective degrees of freedom of the linear map per output coordinate that ``n_tokens`` carry:
+    ``CARRY x n - 1 - 1/d`` (the intercept b and the shared gate g take the rest), at least 0."""
+    return max(0.0, CARRY * int(n_tokens) - 1.0 - 1.0 / int(d_model))
+
+
+def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
+    """The richest correction, no richer than ``refit`` (order none < gate < affine < linear), that ``n_tokens``
+    fitting tokens carry when it can only be judged in-sample (no cross-fit): at most ``CARRY`` = 1/2 effective
+    parameter per fitted token and output coordinate (the write's coordinates are fitted alike). An ordinary
+    least-squares fit of p parameters to N numbers leaves an in-sample residual σ²(1 - p/N) against σ²(1 + p/N) on
+    new data: at p ≤ N/2 the fit absorbs at most half of the noise; beyond it the in-sample figure mostly measures
+    how much noise was absorbed. Per coordinate the gate costs 1/d, the affine correction 1 + 1/d (b and g), the
+    linear one 1 + 1/d + df, df the ridge's effective degrees of freedom, which a carried fit caps at
+    :func:`carried_max_df` by raising the ridge (``fit_corrections(..., carry=True)``): so ``"linear"`` is carried
+    wherever ``"affine"`` is (3 tokens and more), with a stronger ridge on few tokens. One 32-token window on
+    SmolLM2 (31 fitted tokens, d = 576): ``"linear"`` with df <= 14.5 (19-25 at the default ridge)."""
+    order = list(REFITS)
+    for cand in reversed(order[:order.index(refit) + 1]):
+        per_coordinate = {"none": 0.0, "gate": 1.0 / d_model, "affine": 1.0 + 1.0 / d_model,
+                          "linear": 1.0 + 1.0 / d_model}[cand]  # linear: df >= 0 more, capped by carried_max_df
+        if per_coordinate <= CARRY * int(n_tokens):
+            return cand
+    return "none"
+
+
 class Moments:
     """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
     ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
@@ -71,10 +109,12 @@ class Moments:
             return g, b
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
 
-    def solve_linear(self, ridge: float = LINEAR_RIDGE) -> tuple[float, Tensor, Tensor]:
+    def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
         """``(g, b, W)`` of ``refit="linear"`` (module docstring): g of the affine fit, W the ridge regression of
         its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
-        vary (C_aa = 0) or no token was added."""
+        vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
+        freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
+        ``max_df`` (:func:`ridge_for_df`)."""
         if not self.linear:
             raise InputError("these moments were collected without the attention write: Moments(..., linear=True)")
         d = self.sp.shape[0]
@@ -89,8 +129,36 @@ class Moments:
         tr = float(torch.trace(c_aa))
         if tr > 0 and math.isfinite(tr):
             lam = ridge * tr / d
+            if max_df is not None:
+                lam = ridge_for_df(torch.linalg.eigvalsh(c_aa), max_df, lam)
             w = torch.linalg.solve(c_aa + lam * torch.eye(d, dtype=torch.float64, device=c_aa.device), c_ar)
         return g, (sr - self.sa @ w) / n, w
+
+
+def ridge_df(eigenvalues: Tensor, lam: float) -> float:
+    """Effective degrees of freedom of a ridge regression, Σ_i s_i / (s_i + λ) (negative roundoff eigenvalues
+    count as 0)."""
+    s = eigenvalues.to(torch.float64).clamp_min(0.0)
+    return float((s / (s + lam)).sum()) if lam > 0 else float((s > 0).sum())
+
+
+def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
+    """The smallest ridge ``>= lam`` whose :func:`ridge_df` is at most ``max_df`` (bisection in log λ; df falls
+    as λ grows)."""
+    if ridge_df(eigenvalues, lam) <= max_df:
+        return lam
+    top = float(eigenvalues.max())
+    lo, hi = math.log(lam), math.log(max(lam, top) * max(1.0, ridge_df(eigenvalues, lam) / max(max_df, 1e-12))
+                                      * 4.0 + 1e-300)
+    while ridge_df(eigenvalues, math.exp(hi)) > max_df:
+        hi += math.log(4.0)
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if ridge_df(eigenvalues, math.exp(mid)) > max_df:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(hi)
 
 
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
@@ -133,16 +201,19 @@ def fit_corrections(
     batch_size: int = 8,
     exclude_positions: Sequence[int] = (0,),
     linears: dict[int, Tensor] | None = None,
+    carry: bool = False,
 ) -> tuple[dict[int, float], dict[int, Tensor], int]:
     """Fit the corrections of the parallel plan ``layers`` on ``tokens`` (see the module docstring).
 
     Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
     ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
     one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``) of
-    ``refit="linear"`` (``parallel_blocks(..., linears=)``); required for that refit.
+    ``refit="linear"`` (``parallel_blocks(..., linears=)``); required for that refit. ``carry``: cap each linear
+    map's effective degrees of freedom at :func:`carried_max_df` of its fitted tokens (the ridge raised as needed:
+    the fit a few tokens carry, :func:`carried_refit`).
     """
     _, g, b, _, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=False,
-                              linears_out=linears)
+                              linears_out=linears, carry=carry)
     return g, b, passes
 
 
@@ -156,20 +227,21 @@ def corrected_loss(
     exclude_positions: Sequence[int] = (0,),
     loss_fn: LossFn | None = None,
     linears: dict[int, Tensor] | None = None,
+    carry: bool = False,
 ) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
     """Fit on ``tokens`` and return ``(mean CE of the corrected plan on the same tokens, gates, biases, passes)``
     (one pass in all for ``fit="sequential"`` on one batch). ``loss_fn(plan, write)``: the mean CE on ``tokens``
     with ``plan`` parallel and its FFN writes given by ``write`` (as :func:`tl_steering.hooks.parallel_hooks`);
     default a hooked forward per batch (:class:`RefitLoss` passes its prefix-sharing ``PlanLoss.mean_ce``).
-    ``linears``: as in :func:`fit_corrections`."""
+    ``linears``, ``carry``: as in :func:`fit_corrections`."""
     loss, g, b, _, passes = _fit(model, tokens, layers, refit, fit, batch_size, exclude_positions, want_loss=True,
-                                 loss_fn=loss_fn, linears_out=linears)
+                                 loss_fn=loss_fn, linears_out=linears, carry=carry)
     return loss, g, b, passes
 
 
 def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str, batch_size: int,
          exclude_positions: Sequence[int], want_loss: bool, loss_fn: LossFn | None = None,
-         linears_out: dict[int, Tensor] | None = None
+         linears_out: dict[int, Tensor] | None = None, carry: bool = False
          ) -> tuple[float, dict[int, float], dict[int, Tensor], dict[int, Tensor], int]:
     _check(refit, fit)
     if refit == "linear" and linears_out is None:
@@ -195,7 +267,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, fit: str
 
     def store(layer: int, m: Moments) -> None:
         if linear:
-            g, b, w = m.solve_linear()
+            g, b, w = m.solve_linear(max_df=carried_max_df(m.n, ad.d_model) if carry else None)
             lins[layer] = w.cpu()
         else:
             g, b = m.solve(refit)
@@ -289,10 +361,13 @@ class RefitLoss(PlanLoss):
     forward)."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
-                 fit: str = "sequential", share_prefix: bool = True, crossfit: bool | None = None):
+                 fit: str = "sequential", share_prefix: bool = True, crossfit: bool | None = None,
+                 carry: bool = False):
         super().__init__(model, tokens, batch_size, world, share_prefix)
         _check(refit, fit)
         self.refit, self.fit = refit, fit
+        #: fit the correction these windows carry (:func:`fit_corrections`'s ``carry``)
+        self.carry = bool(carry)
         self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
         # default: on for "linear" when there are two windows to split (one window: in-sample, as the others)
         self.crossfit = (refit == "linear" and int(tokens.shape[0]) >= 2) if crossfit is None else bool(crossfit)
@@ -306,25 +381,32 @@ class RefitLoss(PlanLoss):
                 raise InputError("a cross-fitted refit needs at least 2 calibration windows (it fits on one half "
                                  "and measures on the other): pass more windows, or crossfit=False")
             h = (n + 1) // 2
-            self._folds = [RefitLoss(model, tokens[:h], batch_size, None, refit, fit, share_prefix, crossfit=False),
-                           RefitLoss(model, tokens[h:], batch_size, None, refit, fit, share_prefix, crossfit=False)]
+            self._folds = [RefitLoss(model, tokens[:h], batch_size, None, refit, fit, share_prefix, crossfit=False,
+                                     carry=carry),
+                           RefitLoss(model, tokens[h:], batch_size, None, refit, fit, share_prefix, crossfit=False,
+                                     carry=carry)]
 
-    def _measure(self, key: tuple[int, ...]) -> float:
+    def _measure(self, key: tuple[int, ...]) -> Tensor:
         plan = [lay for lay in key if not self.ad.is_parallel(lay)]
         if self._folds is not None and plan:
             first, second = self._folds
-            # the fits of each half applied to the other half; weights: windows (all of one length)
+            # the fits of each half applied to the other half; the blocks in window order (first half, second)
             g1, b1, w1 = first._fitted(key)
             g2, b2, w2 = second._fitted(key)
-            on_second = second.mean_ce(key, corrected_write(self.ad, list(key), g1, b1, "RefitLoss", w1))
-            on_first = first.mean_ce(key, corrected_write(self.ad, list(key), g2, b2, "RefitLoss", w2))
-            n1, n2 = int(first.tokens.shape[0]), int(second.tokens.shape[0])
-            return (on_first * n1 + on_second * n2) / (n1 + n2)
+            on_second = second.ce_blocks(key, corrected_write(self.ad, list(key), g1, b1, "RefitLoss", w1))
+            on_first = first.ce_blocks(key, corrected_write(self.ad, list(key), g2, b2, "RefitLoss", w2))
+            return torch.cat([on_first, on_second])
         w: dict[int, Tensor] = {}
-        loss, g, b, _ = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
-                                       self.batch_size, loss_fn=self.mean_ce, linears=w)
+        out: dict[str, Tensor] = {}
+
+        def loss_fn(layers: Sequence[int], write: Any) -> float:
+            out["blocks"] = self.ce_blocks(layers, write)
+            return self.mean_of(out["blocks"])
+
+        _, g, b, _ = corrected_loss(self.model, self.tokens, list(key), self.refit, self.fit,
+                                    self.batch_size, loss_fn=loss_fn, linears=w, carry=self.carry)
         self.fitted[key] = (g, b, w)
-        return loss
+        return out["blocks"]
 
     def _cost(self, key: tuple[int, ...]) -> int:
         plan = [lay for lay in key if not self.ad.is_parallel(lay)]
@@ -351,7 +433,7 @@ class RefitLoss(PlanLoss):
         if key not in self.fitted:  # measured on another rank: refit here (deterministic)
             w: dict[int, Tensor] = {}
             g, b, passes = fit_corrections(self.model, self.tokens, list(key), self.refit, self.fit,
-                                           self.batch_size, linears=w)
+                                           self.batch_size, linears=w, carry=self.carry)
             self.fit_passes += passes
             self.fitted[key] = (g, b, w)
         return self.fitted[key]
@@ -366,10 +448,11 @@ class FittedLoss(PlanLoss):
         super().__init__(model, tokens, batch_size, world, share_prefix)
         self.source = source
 
-    def _measure(self, key: tuple[int, ...]) -> float:
+    def _measure(self, key: tuple[int, ...]) -> Tensor:
         gates, biases, lins = self.source._fitted(key)
-        return self.mean_ce(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss", lins))
+        return self.ce_blocks(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss", lins))
 
 
-__all__ = ["FITS", "FittedLoss", "Fit", "LINEAR_RIDGE", "Moments", "REFITS", "Refit", "RefitLoss", "corrected_loss", "fit_corrections",
+__all__ = ["FITS", "FittedLoss", "Fit", "LINEAR_RIDGE", "Moments", "REFITS", "Refit", "RefitLoss", "CARRY", "carried_max_df", "carried_refit",
+           "corrected_loss", "fit_corrections", "refit_parameters", "ridge_df", "ridge_for_df",
            "solve_correction"]

@@ -86,10 +86,40 @@ def random_sets(candidates: Sequence[int], ks: Sequence[int], n_random: int, see
             for _ in range(n_random)]
 
 
+def choose(calibration: Mapping[str, float], order: Sequence[str], reference: str | None = None,
+           margins: Mapping[str, Sequence[float]] | None = None,
+           also: Mapping[str, Sequence[float]] | None = None) -> str:
+    """The strategy ``"best"`` keeps, from the calibration dCE at k of the strategies in ``order`` (ties: the first
+    in ``order``).
+
+    Without ``reference`` (or with one not in ``order``): the lowest calibration dCE. With one: the reference,
+    unless some strategies beat it beyond noise, i.e. the upper end of the interval of their calibration dCE minus
+    the reference's (``margins[s] = [point, low, high]``) is below zero; then the lowest of those. A NaN interval
+    never beats the reference. A plan that fits the calibration windows' noise (a search over many plans, or an
+    in-sample correction) lowers its point estimate but not its paired interval's upper end below zero unless the
+    gain is larger than the noise of the tokens it was measured on. ``also``: margins of a second measurement that
+    must be beaten too (given: a strategy missing from it never beats the reference); the planner passes the
+    uncorrected margins when corrections were compared in-sample, a win a fit cannot make up."""
+    names = list(order)
+    if not names:
+        raise InputError("choose: no strategy to choose from")
+
+    def key(s: str) -> tuple[float, int]:
+        v = float(calibration[s])
+        return (v if not math.isnan(v) else math.inf, names.index(s))
+
+    if reference is None or reference not in names or len(names) == 1:
+        return min(names, key=key)
+    m = margins or {}
+    beat = [s for s in names if s != reference and s in m and float(m[s][2]) < 0.0
+            and (not also or (s in also and float(also[s][2]) < 0.0))]
+    return min([reference] + beat, key=key)
+
+
 def default_k_values(n_candidates: int) -> list[int]:
     """``0..L`` in steps of ``max(1, L // 8)``, plus ``L // 2`` and ``L`` (L = number of candidate layers)."""
     step = max(1, n_candidates // 8)
     return sorted(set(range(0, n_candidates + 1, step)) | {n_candidates // 2, n_candidates})
 
 
-__all__ = ["ONE_SHOT_COMPARISON", "PEER_SCORES", "check_k", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]
+__all__ = ["ONE_SHOT_COMPARISON", "PEER_SCORES", "check_k", "choose", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]

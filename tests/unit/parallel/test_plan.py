@@ -195,8 +195,13 @@ def test_reported_losses_and_best(planner_model, planner_tokens, plan):
                             _mean_loss(planner_model, held, lay2) - clean_held)
         assert plan.at_k("calibration")[s] == pytest.approx(direct[lay2][0], abs=1e-6)
         assert plan.at_k("held_out")[s] == pytest.approx(direct[lay2][1], abs=1e-6)
+    # the choice: C (the reference) unless a strategy beats it by more than its paired interval, then the lowest
     selectable = {s: v for s, v in plan.at_k("calibration").items() if s != "random"}
-    assert plan.calibration_delta_ce == min(selectable.values())
+    assert plan.reference == "C" and set(plan.margins) == set(plan.strategies)
+    beat = [s for s, (_, _, hi) in plan.margins.items() if s in selectable and hi < 0]
+    assert plan.calibration_delta_ce == min([selectable["C"]] + [selectable[s] for s in beat])
+    for s, (point, lo, hi) in plan.margins.items():
+        assert point == pytest.approx(selectable.get(s, plan.at_k("calibration")[s]) - selectable["C"], abs=1e-15)
     assert plan.layers == plan.plan_of(plan.strategy) and plan.k == 2 and plan.requested == "best"
     windows = {tuple(w): _mean_loss(planner_model, cal, w) for w in ([0, 1], [1, 2], [2, 3], [3, 4])}
     assert tuple(plan.plan_of("contiguous")) == min(windows, key=windows.get)
@@ -270,7 +275,8 @@ def test_the_default_call(planner_model):
     assert p.strategies == list(ONE_SHOT_COMPARISON) and p.refit == "linear" and p.options["refit_crossfit"]
     assert p.k_values == [0, 3] and (p.n_calibration, p.n_held_out) == (4, 4)
     cal_at_k = p.at_k("calibration")
-    assert p.strategy == min(p.strategies, key=lambda s: (cal_at_k[s], p.strategies.index(s)))
+    assert p.reference == "C" and p.calibration_fit == "out-of-fold" and p.calibration_note == ""
+    assert p.strategy == st.choose(cal_at_k, p.strategies, "C", p.margins)
     held = toks[4:]
     direct = mean_loss(planner_model, held, p.hooks(planner_model), 8) - mean_loss(planner_model, held, [], 8)
     assert direct == pytest.approx(p.held_out_delta_ce, abs=1e-9, rel=0)

@@ -50,15 +50,33 @@ def test_sidecar_missing_is_a_clear_error(linear_plan, tmp_path):
         ts.ParallelPlan.load(path)
 
 
+ISSUE_36 = ("refit_requested", "calibration_fit", "calibration_note", "reference", "choice_rule", "margins",
+            "margins_uncorrected", "calibration_intervals", "held_out_intervals", "held_out_intervals_uncorrected",
+            "calibration_delta_ce_interval", "held_out_delta_ce_interval",
+            "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval", "interval")
+
+
 def test_old_plan_files_still_load(linear_plan, tmp_path):
-    """A plan file of before issue 30: tensors inline in the JSON, no held_out_curves_uncorrected."""
-    data = linear_plan.to_dict()
-    del data["held_out_curves_uncorrected"]
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps(data))
-    back = ts.ParallelPlan.load(old)
-    _same(linear_plan, back)
-    assert back.held_out_curves_uncorrected == {}
+    """A plan file of before issue 30 (tensors inline in the JSON, no held_out_curves_uncorrected) and one of
+    before issue 36 (no intervals, no reference rule, no record of the calibration fit) load, with the defaults."""
+    for dropped in (("held_out_curves_uncorrected",) + ISSUE_36, ISSUE_36):
+        data = linear_plan.to_dict()
+        for name in dropped:
+            del data[name]
+        old = tmp_path / "old.json"
+        old.write_text(json.dumps(data))
+        back = ts.ParallelPlan.load(old)
+        _same(linear_plan, back)
+        assert back.held_out_intervals == {} and back.calibration_fit == "" and back.reference == ""
+        assert all(v != v for v in back.held_out_delta_ce_interval)  # NaN: not known
+        s = back.summary()  # the summary of an old plan: its figures, intervals unknown
+        assert s["held_out_delta_ce"] == linear_plan.held_out_delta_ce and "held_out_delta_ce_C_interval" not in s
+    assert back.held_out_curves_uncorrected == linear_plan.held_out_curves_uncorrected
+    # and the new fields round-trip
+    again = ts.ParallelPlan.load(linear_plan.save(tmp_path / "new.json"))
+    assert again.margins == linear_plan.margins and again.interval == linear_plan.interval
+    for s in linear_plan.strategies:
+        assert torch.equal(again.held_out_intervals[s], linear_plan.held_out_intervals[s])
 
 
 def test_sidecar_moved_and_overwritten(linear_plan, tmp_path):
