@@ -77,7 +77,8 @@ def test_python_blocks_run_as_written(capsys):
     # the README's own path emits no warning a user cannot act on: none from tl_steering (its probe pattern with
     # the package's hook factories, its plan, its parallel copy), none of transformers' past_key_values notice
     ours = [f"{w.category.__name__}: {w.message}" for w in caught
-            if "tl_steering" in str(w.filename) or str(w.filename) == "README.md" or "past_key_values" in str(w.message)
+            if "tl_steering" in str(w.filename) or str(w.filename) == "README.md"
+            or "past_key_values" in str(w.message)
             or w.category.__module__.startswith("tl_steering")]
     assert ours == []
     out = capsys.readouterr().out
