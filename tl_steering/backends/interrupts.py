@@ -113,6 +113,9 @@ def _uninstall() -> None:
             for sig, prev in list(_previous.items()):
                 if signal.getsignal(sig) is _on_signal:
                     signal.signal(sig, prev)
+                for section in _sections:  # a deferred section holding this signal puts prev back, not ours
+                    if section._saved.get(sig) is _on_signal:
+                        section._saved[sig] = prev
                 _previous.pop(sig, None)
             break
         except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
@@ -142,6 +145,11 @@ def unregister(r: Restorer) -> None:
         _uninstall()
 
 
+# the deferred sections open on the main thread, outermost first: a signal that lands while one swaps its handlers
+# (on entry or exit) runs our handler at once, whose _uninstall must then hand the section the handler to put back
+_sections: list["deferred_signals"] = []
+
+
 class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_signals(): ...``
     """Hold every signal that has a Python handler while the block runs; deliver each held one on exit, by calling
     the handler that was installed on entry (so a Ctrl-C raises KeyboardInterrupt right after the block).
@@ -164,6 +172,7 @@ class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_si
     def __enter__(self) -> "deferred_signals":
         if not _main_thread():
             return self
+        _sections.append(self)  # before the first swap: _uninstall finds what this section will put back
         try:
             for sig in _SIGNALS:
                 cur = _getsignal(sig)
@@ -177,10 +186,23 @@ class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_si
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        saved, self._saved = self._saved, {}
-        for sig, handler in saved.items():
-            if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
-                signal.signal(sig, handler)
+        saved = self._saved  # the same dict _uninstall may update while the handlers are put back
+        raised: BaseException | None = None
+        for _ in range(_MAX_TRIES):  # a handler put back may run (and raise) before the others are: finish first
+            try:
+                for sig in list(saved):
+                    if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
+                        signal.signal(sig, saved[sig])
+                break
+            except BaseException as e:  # noqa: BLE001 - re-raised once every handler is back
+                if raised is None:
+                    raised = e
+        self._saved = {}
+        if self in _sections:
+            _sections.remove(self)
+        if raised is not None:  # that signal's handler already ran: it is the interrupt the caller gets
+            self._pending = []
+            raise raised
         pending, self._pending = self._pending, []
         for signum, frame in pending:  # delivered now, outside the section; the first raising one propagates
             handler = saved.get(signum)
