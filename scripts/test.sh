@@ -39,7 +39,8 @@ echo "=== both lines set up in $(( $(date +%s) - start ))s"
 
 # The rooms whose numbers depend on summation order (geometry, metrics, statistics, the probe's kernels, the
 # solvers, the protocols, the planner), run again under AVX2-only kernels. Not test_scan.py: it checks how shards
-# and processes split and resume (its numbers are compared within one kernel path), in child processes.
+# and processes split and resume (its numbers are compared within one kernel path), in child processes; not the
+# d = 576 planted landscape (30 s; its d = 12-32 siblings and the d = 576 flow tests run here).
 KERNEL_ROOMS=(tests/unit/probing tests/unit/critical tests/unit/parallel tests/unit/protocols
               tests/unit/test_geometry.py tests/unit/test_metrics.py tests/unit/test_stats.py)
 KERNEL_ENV=(MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2)
@@ -71,7 +72,8 @@ run_kernel_pass() {  # run_kernel_pass LINE: the sensitive rooms under AVX2-only
     "import torch; c = torch.backends.cpu.get_cpu_capability(); print('ATen CPU capability:', c); assert c in ('AVX2', 'DEFAULT'), c" \
     || return 1
   env "${KERNEL_ENV[@]}" ".venv-$line/bin/python" -m pytest -m "not slow" -p no:cacheprovider -q \
-    --ignore=tests/unit/probing/test_scan.py "${KERNEL_ROOMS[@]}" || rc=$?
+    --ignore=tests/unit/probing/test_scan.py "${KERNEL_ROOMS[@]}" \
+    --deselect tests/unit/critical/test_landscape.py::test_default_finder_finds_every_planted_equilibrium_d576 || rc=$?
   if [ "$rc" = 0 ]; then
     echo "=== [$line, AVX2 kernels] passed in $(( $(date +%s) - t0 ))s"
   else

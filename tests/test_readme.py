@@ -65,6 +65,7 @@ def test_shell_blocks_name_scripts_that_exist_and_command_lines_that_parse():
 
 
 @pytest.mark.integration
+@pytest.mark.one_line("tl4")  # the README's own line (scripts/main_job.sh sets up .venv-tl4)
 def test_python_blocks_run_as_written(capsys):
     import warnings
 

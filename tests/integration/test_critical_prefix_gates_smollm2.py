@@ -138,6 +138,7 @@ def _low_defect_plan(model, tokens, k=15):
     return sorted(sorted(range(ad.n_layers), key=lambda i: ratio[i])[:k])
 
 
+@pytest.mark.one_line("tl4")
 def test_gate_calibration_of_parallel_plan(smollm2, smollm2_tokens):
     fp = weights_fingerprint(smollm2)
     plan = _low_defect_plan(smollm2, smollm2_tokens[:4])

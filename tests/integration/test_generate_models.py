@@ -68,6 +68,7 @@ def _check(model, name: str, tokens: torch.Tensor, layers: list[int], answer: st
     assert_no_hooks(model)
 
 
+@pytest.mark.one_line("tl4")
 def test_smollm2_generate(smollm2, smollm2_tokens):
     # the bug this guards against: "Paris-----------" with the cache (TL 4.3 bridge, transformers 5.24)
     _check(smollm2, "smollm2-135m", smollm2_tokens[:2, :64], [20, 21, 22, 23], " Paris.")
