@@ -16,7 +16,9 @@ py="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile: no bytecode for the ~20k installed files up front (Python writes it on first import), a large share
+# of a fresh set-up's time
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q --no-compile)
 stamp="$venv/.tl_steering_setup"
 want="$( (cat "$root/pyproject.toml" "$root/scripts/setup_env.sh"; cat "$root/scripts/constraints-$line.txt" 2>/dev/null || true) | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -24,11 +24,12 @@ LINE = "tl3" if hooked_available() else "tl4"  # the TransformerLens line this p
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.one_line("tl3")``: the longest real-model checks (a pinned regression, a gold standard) run on
-    one TransformerLens line of ``scripts/test.sh``, the other line deselects them (listed as deselected, never
-    skipped): their numbers do not depend on the line (one pinned file, one tolerance for both backends), the two
-    backends' agreement on real weights has tests of its own on TL 3.9, and both lines together run every test once
-    within the 20-minute budget (CONTRIBUTING.md). ``TL_STEERING_ALL_LINES=1`` runs them on every line."""
+    """``@pytest.mark.one_line("tl3")``: the longest real-model checks (a pinned regression, a gold standard) and the
+    pure-torch tests (no TransformerLens in them: the same computation on both lines) run on one TransformerLens line
+    of ``scripts/test.sh``; the other line deselects them (listed as deselected, never skipped): their numbers do not
+    depend on the line (one pinned file, one tolerance for both backends), the two backends' agreement on real
+    weights has tests of its own on TL 3.9, and both lines together run every test at least once within the
+    20-minute budget (CONTRIBUTING.md). ``TL_STEERING_ALL_LINES=1`` runs them on every line."""
     if os.environ.get("TL_STEERING_ALL_LINES") == "1":
         return
     keep, drop = [], []

@@ -29,6 +29,7 @@ CRIT_FP = {**CRIT, "method": "fixed_point", "pre_iter": 100}
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.one_line("tl3")
 def test_critical_points_first_layer(smollm2):
     """Default-suite check (about 20 s): layer 0's FFN field has converged equilibria (the every-layer scan,
     13+ minutes on 2 cores, is marked slow and run with ``pytest -m slow``)."""
@@ -108,6 +109,7 @@ def test_critical_points_every_layer(smollm2):
     assert weights_fingerprint(smollm2) == fp
 
 
+@pytest.mark.one_line("tl4")
 def test_prefix_sensitivity_smollm2(smollm2, smollm2_tokens):
     r = prefix_sensitivity(smollm2, smollm2_tokens, 10, 32, eps=1e-2, seed=0)
     assert r.prefix_max_angle < 1e-6 and r.prefix_max_rel_change < 1e-6 and r.prefix_max_kl < 1e-9

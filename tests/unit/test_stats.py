@@ -13,6 +13,8 @@ from tl_steering import stats
 from tl_steering._util import timing
 from tl_steering.errors import InputError
 
+pytestmark = pytest.mark.one_line("tl4")  # pure torch, no TransformerLens: the same computation on both lines
+
 
 def test_one_position_bin_convention_for_probe_and_protocols():
     assert stats.position_bin_edges(1) == [0, 1]

@@ -11,6 +11,8 @@ from tl_steering.critical.planted import planted_field
 from tl_steering.errors import InputError
 from tl_steering.stats import chao1
 
+pytestmark = pytest.mark.one_line("tl4")  # pure torch, no TransformerLens: the same computation on both lines
+
 
 def test_chao1_against_the_formulas_by_hand():
     # S_obs 5, n 8, f1 3, f2 1: unseen 3*2/(2*2) = 1.5; var = 1.5 + 3*25/16 + 9*1*4/(4*16) = 6.75;

@@ -9,6 +9,8 @@ import torch
 from tl_steering.critical import CriticalPointsResult, find_equilibria
 from tl_steering.critical.planted import planted_field
 
+pytestmark = pytest.mark.one_line("tl4")  # pure torch, no TransformerLens: the same computation on both lines
+
 F64 = torch.float64
 
 

@@ -20,7 +20,8 @@ from tl_steering.critical.spectrum import DENSE_MAX_DIM
 from tl_steering.critical.spectrum import _resolve_eigensolver  # noqa: PLC2701 - the auto rule itself
 from tl_steering.errors import InputError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.one_line("tl4")]  # pure torch, no TransformerLens: the same computation on both lines
 
 F64 = torch.float64
 

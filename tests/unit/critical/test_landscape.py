@@ -9,7 +9,8 @@ from tl_steering.critical import classify_point, find_equilibria
 from tl_steering.critical.landscape import explained
 from tl_steering.critical.planted import planted_field, symmetric_field
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.one_line("tl4")]  # pure torch, no TransformerLens: the same computation on both lines
 
 
 def _found(p, r) -> list[tuple[int, bool]]:

@@ -11,7 +11,8 @@ from tl_steering.critical.planted import planted_field
 from tl_steering.critical.reflected import reflected_solve
 from tl_steering.errors import InputError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.one_line("tl4")]  # pure torch, no TransformerLens: the same computation on both lines
 
 F64 = torch.float64
 

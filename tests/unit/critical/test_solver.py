@@ -9,7 +9,8 @@ import torch
 from tl_steering.critical import CriticalPointsResult, clopper_pearson, find_equilibria, saddle_verdict
 from tl_steering.critical.fields import relative_residual
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.one_line("tl4")]  # pure torch, no TransformerLens: the same computation on both lines
 
 F64 = torch.float64
 
