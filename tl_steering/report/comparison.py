@@ -48,13 +48,9 @@ def _value_and_note(r: SuiteResult, number_id: str, summary: dict[str, Any]) -> 
     if n is None:
         return None, "not computed by the suite"
     try:
-        value, note = n.get(r, summary), n.note(r)
+        return n.get(r, summary), n.note(r)
     except (AttributeError, KeyError):  # a stage that was not run: not in the headline, its field None
         return None, "its stage was not run"
-    why = r.nan_reasons().get(n.key) if isinstance(n.key, str) else None
-    if why and isinstance(value, float) and math.isnan(value):
-        note = f"{note}; n/a: {why}" if note else f"n/a: {why}"
-    return value, note
 
 
 def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:

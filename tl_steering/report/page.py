@@ -186,6 +186,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         summary_section(suite),
     ]
     verdicts = section_verdicts(suite)
+    reasons = suite.nan_reasons()
     for key, title, text, names in SECTIONS:
         result = getattr(suite, key)
         if result is None:
@@ -200,7 +201,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                 **{f"fixed point: {k}": v for k, v in fp.items()},
             }
         for headline, (section, name) in NAN_IN_SECTIONS.items():  # a NaN number says why, in words
-            why = suite.nan_reasons().get(headline)
+            why = reasons.get(headline)
             value = summ.get(name, math.nan)
             if section == key and why and isinstance(value, float) and math.isnan(value):
                 summ = {**summ, name: f"n/a: {why}"}
