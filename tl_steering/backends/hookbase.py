@@ -30,15 +30,30 @@ def hook_points(model: torch.nn.Module) -> list[HookPoint]:
     return [m for m in model.modules() if isinstance(m, HookPoint)]
 
 
-def owned(fn: Callable) -> Callable:
-    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
+def _wrapper(fn: Callable, attr: str, value: Any) -> Callable:
+    """A new function calling ``fn``, with ``attr`` set to ``value`` (for a callable that takes no attribute)."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
-    setattr(hook, _OWNED_ATTR, True)
+    setattr(hook, attr, value)
     hook.__name__ = f"tl_steering:{getattr(fn, '__name__', 'hook')}"
     return hook
+
+
+def _tag(fn: Callable, attr: str, value: Any) -> Callable:
+    """``fn`` itself with ``attr`` set to ``value`` (no wrapper: it stays on a hot path), or a tagged wrapper when
+    ``fn`` takes no attribute."""
+    try:
+        setattr(fn, attr, value)
+        return fn
+    except (AttributeError, TypeError):
+        return _wrapper(fn, attr, value)
+
+
+def owned(fn: Callable) -> Callable:
+    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
+    return _wrapper(fn, _OWNED_ATTR, True)
 
 
 def is_owned(fn: Any) -> bool:
@@ -49,11 +64,7 @@ def mark_owned(fn: Callable) -> Callable:
     """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
     takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
     (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
-    try:
-        setattr(fn, _OWNED_ATTR, True)
-        return fn
-    except (AttributeError, TypeError):
-        return owned(fn)
+    return _tag(fn, _OWNED_ATTR, True)
 
 
 def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
@@ -80,15 +91,7 @@ def mark_intervention(fn: Callable, desc: str) -> Callable:
 
     Such a hook is the user's to place (not removed by a guard, unlike an :func:`owned` one), and a result measured
     under it records ``desc`` in its provenance (``interventions``) instead of warning about a foreign hook."""
-    try:
-        setattr(fn, _INTERVENTION_ATTR, desc)
-        return fn
-    except (AttributeError, TypeError):
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs)
-
-        setattr(hook, _INTERVENTION_ATTR, desc)
-        return hook
+    return _tag(fn, _INTERVENTION_ATTR, desc)
 
 
 def intervention_of(f: Any) -> str | None:
