@@ -28,10 +28,28 @@ def test_every_public_name_resolves_and_results_are_classes():
     for name in ts.__all__:
         value = getattr(ts, name)
         assert value is not None, name
-        if name.endswith("Result") or name in ("ParallelPlan", "SuiteSettings", "Provenance", "TokenWindows"):
+        if name.endswith("Result") or name in ("ParallelPlan", "SuiteSettings", "TokenWindows"):
             assert isinstance(value, type), name
-    for name in ("run_suite", "SuiteSettings", "SuiteResult"):
+    for name in ("run_suite", "SuiteSettings", "Result", "render_report"):
         assert name in ts.__all__
+
+
+def test_the_surface_is_small():
+    """At most 30 names: what a user calls, passes back in, and Result; result classes live in their rooms."""
+    assert len(ts.__all__) <= 30, len(ts.__all__)
+    assert not [n for n in ts.__all__ if n.endswith("Result") and n != "Result"]
+
+
+def test_result_classes_stay_importable_from_their_rooms():
+    from tl_steering.critical.results import CriticalPointsResult
+    from tl_steering.parallel.defect_result import DefectResult
+    from tl_steering.probing.result import ProbeResult
+    from tl_steering.protocols.deficit import DeficitResult
+    from tl_steering.suite import SuiteResult, default_settings
+
+    for cls in (CriticalPointsResult, DefectResult, ProbeResult, DeficitResult, SuiteResult):
+        assert issubclass(cls, ts.Result), cls
+    assert callable(default_settings)
 
 
 def test_static_imports_name_the_same_surface():

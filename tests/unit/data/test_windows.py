@@ -17,7 +17,9 @@ def test_text_tokens_deterministic_and_bos(tiny):
     text = tiny.tokenizer.decode(a[0, 1:])
     assert sum(ch.isalpha() for ch in text) > 10  # real English text from the language reference
     assert not hasattr(a, "_tl_steering_corpus")  # no tags on the user's tensors: provenance is explicit
-    assert ts.corpus_label("pydoc", 4, 32, 0) == "pydoc:4x32:seed0"
+    from tl_steering.data.windows import corpus_label
+
+    assert corpus_label("pydoc", 4, 32, 0) == "pydoc:4x32:seed0"
 
 
 def test_token_windows_keep_their_corpus_through_slicing(tiny):

@@ -114,7 +114,7 @@ def test_parallel_scores(planner_model, planner_tokens, tmp_path):
     assert set(res.spearman) == set(res.scores) and -1 <= res.spearman["attribution"] <= 1
     # C + attribution forwards, clean + 5 single-layer runs; 1 true-label + 2 sampled-label backwards
     assert res.cost["forward"] == 2 + 6 and res.cost["backward"] == 1 + 2
-    back = ts.ParallelScoresResult.load(res.save(tmp_path / "scores.safetensors"))
+    back = ts.Result.load(res.save(tmp_path / "scores.safetensors"))
     torch.testing.assert_close(back.scores["attribution"], res.scores["attribution"], rtol=0, atol=0)
     assert len(res.plot().data) == len(res.scores) + 1 and "spearman_attribution" in res.summary()
     assert_no_grads(planner_model)
