@@ -119,6 +119,38 @@ class AblationResult(Result):
         return fig
 
 
+def _collect(model: Any, ad: Any, tokens: Tensor, jobs: list[tuple[str, int | None]], layer_list: list[int],
+             skip: tuple[int, ...], seed: int, batch_size: int, world: World | None,
+             ) -> tuple[Tensor, dict[tuple[str, int | None], "_Metrics"]]:
+    """The clean loss per sequence and each job's (variant, layer or None for all) metrics, every window gathered."""
+    n_seq, n_pos = tokens.shape
+    metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
+    clean = torch.zeros(n_seq, dtype=torch.float64)
+    mine = my_batches(n_seq, batch_size, world)  # this rank's batches (all of them without a process group)
+    for rows in mine:
+        start = rows.start
+        tb = tokens[rows]
+        clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
+        clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
+        for variant, lay in jobs:
+            # the random-tangent generator is seeded per batch: the same batch always gets the same noise
+            hooks = ffn_component(model, keep=variant, layers=layer_list if lay is None else [lay],
+                                  skip_positions=skip, seed=seed + start)
+            logits = ad.run_with_hooks(tb, hooks, return_type="logits")
+            metrics[(variant, lay)].add(rows, logits, tb, clean_logits)
+            del logits
+    if world is not None and world.active:  # the other ranks' windows, in window order
+        arrays = {("clean",): clean}
+        for job, m in metrics.items():
+            arrays.update({(job, "loss"): m.loss, (job, "kl"): m.kl, (job, "agree"): m.agree})
+        arrays = gather_rows(arrays, mine, world)
+        clean = arrays[("clean",)]
+        for job, m in metrics.items():
+            m.loss, m.kl, m.agree = arrays[(job, "loss")], arrays[(job, "kl")], arrays[(job, "agree")]
+
+    return clean, metrics
+
+
 @exclusive
 def ffn_ablation(
     model: Any,
@@ -167,34 +199,11 @@ def ffn_ablation(
         variants.append("random_tangent")
     skip = () if ablate_position_0 else (0,)
 
-    n_seq, n_pos = tokens.shape
+    n_pos = tokens.shape[1]
     jobs: list[tuple[str, int | None]] = [(v, None) for v in variants]
     if scope == "per_layer" and len(layer_list) > 1:  # with one layer the joint ablation is the scan
         jobs += [(v, lay) for v in variants for lay in layer_list]
-    metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
-    clean = torch.zeros(n_seq, dtype=torch.float64)
-    mine = my_batches(n_seq, batch_size, world)  # this rank's batches (all of them without a process group)
-    for rows in mine:
-        start = rows.start
-        tb = tokens[rows]
-        clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
-        clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
-        for variant, lay in jobs:
-            # the random-tangent generator is seeded per batch: the same batch always gets the same noise
-            hooks = ffn_component(model, keep=variant, layers=layer_list if lay is None else [lay],
-                                  skip_positions=skip, seed=seed + start)
-            logits = ad.run_with_hooks(tb, hooks, return_type="logits")
-            metrics[(variant, lay)].add(rows, logits, tb, clean_logits)
-            del logits
-    if world is not None and world.active:  # the other ranks' windows, in window order
-        arrays = {("clean",): clean}
-        for job, m in metrics.items():
-            arrays.update({(job, "loss"): m.loss, (job, "kl"): m.kl, (job, "agree"): m.agree})
-        arrays = gather_rows(arrays, mine, world)
-        clean = arrays[("clean",)]
-        for job, m in metrics.items():
-            m.loss, m.kl, m.agree = arrays[(job, "loss")], arrays[(job, "kl")], arrays[(job, "agree")]
-
+    clean, metrics = _collect(model, ad, tokens, jobs, layer_list, skip, seed, batch_size, world)
     delta = {v: metrics[(v, None)].loss - clean for v in variants}
     d_mean = {v: float(delta[v].mean()) for v in variants}
     zero = d_mean["zero"]

@@ -142,41 +142,13 @@ class DeficitResult(Result):
 
 
 @exclusive
-def angular_deficit(
-    model: Any,
-    tokens: Tensor,
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    n_bootstrap: int = 1000,
-    seed: int = 0,
-    corpus: str | None = None,
-    batch_size: int = 8,
-    world: World | None = None,
-) -> DeficitResult:
-    """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
+def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int], batch_size: int,
+             world: World | None) -> tuple[dict[str, Tensor], Tensor]:
+    """Per-window sums and means of this rank's batches, gathered in window order (docs/deficit.md).
 
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); left unchanged, no hook stays.
-        tokens: ``[batch, pos]`` token ids on the model's device.
-        layers: layers to measure (default: all).
-        exclude_positions: positions left out of every statistic (default: position 0, the attention sink).
-        n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
-        seed: seed of the bootstrap generator.
-        batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.data.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
-            each rank runs its batches, the per-window values are gathered; the same result on every rank.
-
-    Returns:
-        :class:`DeficitResult`. The residual identity is checked on the first batch
-        (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
+    The reduction in :func:`angular_deficit` is then the same code on one rank or many (docs/scale_out.md).
+    Returns the per-window values (every window, on every rank) and the position-bin edges.
     """
-    ad, tokens, corpus = model_tokens(model, tokens, corpus)
-    layer_list = ad.layers(layers)
-    excl = check_exclude_positions(exclude_positions)
-    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
-    seed = as_int(seed, "seed")
-    batch_size = as_int(batch_size, "batch_size", minimum=1)
-
     n_seq, n_pos = tokens.shape
     n_lay = len(layer_list)
     pmask = position_mask(n_pos, excl, device=tokens.device)
@@ -186,8 +158,6 @@ def angular_deficit(
     onehot = torch.nn.functional.one_hot(bin_index.clamp_min(0), n_bins).to(torch.float64)
     onehot[bin_index < 0] = 0.0  # position 0 belongs to no bin
 
-    # collect: per-window values of this rank's batches (sharding.my_batches), gathered in window order, so that
-    # the reduction below is the same code on one rank or many (docs/scale_out.md)
     keys = ("align", "untangented", "angle", "e_a", "e_af")
     per_seq = {k: torch.full((n_seq, n_lay), math.nan, dtype=torch.float64) for k in keys}
     per_seq["r2"] = torch.zeros(n_seq, 3, n_lay, dtype=torch.float64)  # residual A, residual AF, total
@@ -239,8 +209,46 @@ def angular_deficit(
                 "bp,bpk->bk", torch.where(valid, align, torch.zeros_like(align)), bw).cpu()
             per_seq["bin_count"][rows, j] = bw.sum(1).cpu()
 
-    # reduce
-    per_seq = gather_rows(per_seq, mine, world)
+    return gather_rows(per_seq, mine, world), edges
+
+
+def angular_deficit(
+    model: Any,
+    tokens: Tensor,
+    layers: Sequence[int] | int | None = None,
+    exclude_positions: Sequence[int] = (0,),
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    corpus: str | None = None,
+    batch_size: int = 8,
+    world: World | None = None,
+) -> DeficitResult:
+    """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge); left unchanged, no hook stays.
+        tokens: ``[batch, pos]`` token ids on the model's device.
+        layers: layers to measure (default: all).
+        exclude_positions: positions left out of every statistic (default: position 0, the attention sink).
+        n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
+        seed: seed of the bootstrap generator.
+        batch_size: sequences per forward pass.
+        world: a :class:`tl_steering.data.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
+            each rank runs its batches, the per-window values are gathered; the same result on every rank.
+
+    Returns:
+        :class:`DeficitResult`. The residual identity is checked on the first batch
+        (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
+    """
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
+    layer_list = ad.layers(layers)
+    excl = check_exclude_positions(exclude_positions)
+    n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
+    seed = as_int(seed, "seed")
+    batch_size = as_int(batch_size, "batch_size", minimum=1)
+
+    per_seq, edges = _collect(ad, tokens, layer_list, excl, batch_size, world)
+    n_lay, n_pos = len(layer_list), tokens.shape[1]
     r2 = per_seq.pop("r2").sum(0)
     bin_sum, bin_count = per_seq.pop("bin_sum").sum(0), per_seq.pop("bin_count").sum(0)
     used, masked = per_seq.pop("used").sum(0), per_seq.pop("masked").sum(0)

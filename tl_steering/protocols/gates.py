@@ -162,6 +162,57 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
     return {layer: num[layer] / den[layer] if den[layer] > 0 else 1.0 for layer in plan}
 
 
+def _fit_by_loss(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int], steps: int, lr: float,
+                 batch_size: int) -> tuple[Tensor, Tensor]:
+    """Adam on the calibration CE with the full-batch gradient: the gates of ``sel`` and the loss history."""
+    theta = torch.ones(len(sel), dtype=torch.float32, device=ad.device, requires_grad=True)
+    index = torch.tensor(sel, device=ad.device)
+    opt = torch.optim.Adam([theta], lr=float(lr))
+    n_pred = calib.shape[0] * (calib.shape[1] - 1)
+    hist = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        grad = torch.zeros_like(theta)
+        total = 0.0
+        for s in range(0, calib.shape[0], batch_size):
+            chunk = calib[s:s + batch_size]
+            with torch.enable_grad():
+                full = torch.ones(ad.n_layers, dtype=torch.float32, device=ad.device).index_put((index,), theta)
+                logits = ad.run_with_hooks(chunk, base + ffn_gate(model, full), return_type="logits", grad=True)
+                lsum = next_token_loss(logits, chunk).sum()
+                (g,) = torch.autograd.grad(lsum / n_pred, [theta])
+            grad += g
+            total += float(lsum.detach())
+            del logits, lsum
+        if not bool(torch.isfinite(grad).all()):
+            raise InputError("the gate gradient became non-finite; lower lr")
+        theta.grad = grad
+        opt.step()
+        hist.append(total / n_pred)
+    return theta.detach().to(torch.float64).cpu(), torch.tensor(hist, dtype=torch.float64)
+
+
+def _scan(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int],
+          scan_grid: Sequence[float] | Tensor | None, batch_size: int, scan: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-layer 1-D gate scans on the calibration split: grid, losses, best gate and quadratic curvature."""
+    if not scan:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return empty, torch.zeros(0, 0, dtype=torch.float64), empty, empty
+    grid = torch.as_tensor(scan_grid if scan_grid is not None else torch.linspace(0, 2, 9),
+                           dtype=torch.float64).flatten()
+    if grid.numel() < 3 or not bool(torch.isfinite(grid).all()):
+        raise InputError("scan_grid needs at least 3 finite gate values")
+    scan_losses = torch.zeros(len(sel), grid.numel(), dtype=torch.float64)
+    for k, layer in enumerate(sel):
+        for m, g in enumerate(grid.tolist()):
+            scan_losses[k, m] = mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
+    scan_best = grid[scan_losses.argmin(dim=1)]
+    vander = torch.stack([grid ** 2, grid, torch.ones_like(grid)], dim=1)
+    coef = torch.linalg.lstsq(vander, scan_losses.T).solution  # [3, layer]
+    scan_curv = 2.0 * coef[0]
+    return grid, scan_losses, scan_best, scan_curv
+
+
 @exclusive
 def calibrate_gates(
     model: Any,
@@ -225,54 +276,12 @@ def calibrate_gates(
         for layer, g in _closed_form(ad, calib, base, [lay for lay in plan_l if lay in sel], batch_size).items():
             gates[layer] = g
     elif steps > 0:
-        theta = torch.ones(len(sel), dtype=torch.float32, device=ad.device, requires_grad=True)
-        index = torch.tensor(sel, device=ad.device)
-        opt = torch.optim.Adam([theta], lr=float(lr))
-        n_pred = calib.shape[0] * (calib.shape[1] - 1)
-        hist = []
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            grad = torch.zeros_like(theta)
-            total = 0.0
-            for s in range(0, calib.shape[0], batch_size):
-                chunk = calib[s:s + batch_size]
-                with torch.enable_grad():
-                    full = torch.ones(ad.n_layers, dtype=torch.float32, device=ad.device).index_put((index,), theta)
-                    logits = ad.run_with_hooks(chunk, base + ffn_gate(model, full), return_type="logits", grad=True)
-                    lsum = next_token_loss(logits, chunk).sum()
-                    (g,) = torch.autograd.grad(lsum / n_pred, [theta])
-                grad += g
-                total += float(lsum.detach())
-                del logits, lsum
-            if not bool(torch.isfinite(grad).all()):
-                raise InputError("the gate gradient became non-finite; lower lr")
-            theta.grad = grad
-            opt.step()
-            hist.append(total / n_pred)
-        history = torch.tensor(hist, dtype=torch.float64)
-        gates[sel] = theta.detach().to(torch.float64).cpu()
-
+        gates[sel], history = _fit_by_loss(model, ad, calib, base, sel, steps, float(lr), batch_size)
     gated = base + ffn_gate(model, gates.tolist())
     loss_gated_c = mean_loss(ad, calib, gated, batch_size)
     loss_gated_h = mean_loss(ad, held, gated, batch_size)
 
-    grid = torch.zeros(0, dtype=torch.float64)
-    scan_losses = torch.zeros(0, 0, dtype=torch.float64)
-    scan_best = torch.zeros(0, dtype=torch.float64)
-    scan_curv = torch.zeros(0, dtype=torch.float64)
-    if scan:
-        grid = torch.as_tensor(scan_grid if scan_grid is not None else torch.linspace(0, 2, 9),
-                               dtype=torch.float64).flatten()
-        if grid.numel() < 3 or not bool(torch.isfinite(grid).all()):
-            raise InputError("scan_grid needs at least 3 finite gate values")
-        scan_losses = torch.zeros(len(sel), grid.numel(), dtype=torch.float64)
-        for k, layer in enumerate(sel):
-            for m, g in enumerate(grid.tolist()):
-                scan_losses[k, m] = mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
-        scan_best = grid[scan_losses.argmin(dim=1)]
-        vander = torch.stack([grid ** 2, grid, torch.ones_like(grid)], dim=1)
-        coef = torch.linalg.lstsq(vander, scan_losses.T).solution  # [3, layer]
-        scan_curv = 2.0 * coef[0]
+    grid, scan_losses, scan_best, scan_curv = _scan(model, ad, calib, base, sel, scan_grid, batch_size, scan)
 
     return GateResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="calibrate_gates", method=method, layers=sel,

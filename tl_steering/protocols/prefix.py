@@ -118,6 +118,36 @@ class PrefixSensitivityResult(Result):
         return fig
 
 
+def _perturbed(ad: Any, tokens: Tensor, mode: str, j: int, l0: int, eps: float, gen: torch.Generator,
+               replaced: list[list[int]]) -> tuple[Tensor, list]:
+    """The perturbed forward's tokens and hooks at position ``j`` (docs/prefix.md); token mode appends to ``replaced``.
+
+    Noise: ``resid_pre[:, j] += eps · ||x_j|| · ξ`` at layer ``l0``. Token: a seeded replacement, uniform over the
+    vocabulary minus the original token.
+    """
+    n_seq = tokens.shape[0]
+    if mode == "noise":
+        xi = torch.randn(n_seq, ad.d_model, generator=gen, dtype=torch.float64)
+        xi = (xi / xi.norm(dim=-1, keepdim=True)).to(ad.device)
+
+        def perturb(act: Tensor, hook: Any) -> Tensor:
+            act = act.clone()
+            x = act[:, j].to(torch.float64)
+            act[:, j] = (x + eps * x.norm(dim=-1, keepdim=True) * xi).to(act.dtype)
+            return act
+
+        return tokens, [(ad.hook_name(l0, "resid_pre"), perturb)]
+    toks = tokens.clone()
+    vocab = int(ad.cfg.d_vocab)
+    for b in range(n_seq):
+        new = int(torch.randint(0, vocab - 1, (1,), generator=gen))
+        old = int(tokens[b, j])
+        new = new + 1 if new >= old else new
+        toks[b, j] = new
+        replaced.append([b, j, old, new])
+    return toks, []
+
+
 @exclusive
 def prefix_sensitivity(
     model: Any,
@@ -169,29 +199,8 @@ def prefix_sensitivity(
     count = torch.zeros(max_d, dtype=torch.int64)
     pre_angle, pre_rel, pre_kl, bitwise = 0.0, 0.0, 0.0, True
     replaced: list[list[int]] = []
-    vocab = int(ad.cfg.d_vocab)
     for j in positions:
-        hooks: list = []
-        toks = tokens
-        if mode == "noise":
-            xi = torch.randn(n_seq, ad.d_model, generator=gen, dtype=torch.float64)
-            xi = (xi / xi.norm(dim=-1, keepdim=True)).to(ad.device)
-
-            def perturb(act: Tensor, hook: Any, j: int = j, xi: Tensor = xi) -> Tensor:
-                act = act.clone()
-                x = act[:, j].to(torch.float64)
-                act[:, j] = (x + eps * x.norm(dim=-1, keepdim=True) * xi).to(act.dtype)
-                return act
-
-            hooks = [(ad.hook_name(l0, "resid_pre"), perturb)]
-        else:
-            toks = tokens.clone()
-            for b in range(n_seq):
-                new = int(torch.randint(0, vocab - 1, (1,), generator=gen))
-                old = int(tokens[b, j])
-                new = new + 1 if new >= old else new  # uniform over the vocabulary minus the original
-                toks[b, j] = new
-                replaced.append([b, j, old, new])
+        toks, hooks = _perturbed(ad, tokens, mode, j, l0, eps, gen, replaced)
         logits_p, cache_p = ad.run_with_cache(toks, names, fwd_hooks=hooks)
         kl = kl_divergence(logits_c, logits_p)  # [b, pos] KL(p_clean || p_pert)
         d = n_pos - j
