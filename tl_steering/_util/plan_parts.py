@@ -3,8 +3,7 @@ was given all of them (docs/parallel.md, "Refit").
 
 A ``refit="linear"`` plan's correction is three parts, ``g_l Phi(x) + b_l + a W_l``, fitted together: gates, biases
 and linear maps. Given only some of them, a parallel block runs another correction than the one fitted, and it can
-be worse than none (SmolLM2-135M, k = 15, held out: the linear plan's gates and biases without its maps +0.351 dCE,
-with the maps +0.135, no correction +0.214; issue 28). ``ParallelPlan.corrections()`` and ``.linear_maps()`` return
+be worse than none (measured on SmolLM2-135M: docs/parallel.md, "Refit"). ``ParallelPlan.corrections()`` and ``.linear_maps()`` return
 :class:`PlanPart` dicts that remember which plan part they are; :func:`check_complete` refuses a call that got some
 parts of a plan's correction but not all, naming what is missing and what to pass.
 """

@@ -60,7 +60,7 @@ def orphan_safe(fn: Callable) -> Callable:
     ``HookPoint.add_hook`` registers the torch hook, then appends its handle to ``hp.fwd_hooks``; a Ctrl-C
     between the two, inside TransformerLens's own ``run_with_hooks`` / ``hooks()`` (no guard of ours runs
     there), leaves a torch hook that ``reset_hooks()`` cannot see and that would run the factory on every later
-    forward (``parallel_blocks`` then raised "did not fire" on every plain forward: issue 16). When the wrapped
+    forward (``parallel_blocks`` would then raise "did not fire" on every plain forward). When the wrapped
     function fires and finds such unlisted copies of itself on its hook point, it removes them and returns
     ``None`` for this firing: torch runs the hooks of a forward from a snapshot of the dict, so every listed copy
     still runs in this forward, and the first copy to fire is the oldest (an orphan is registered before any

@@ -156,13 +156,13 @@ class ExecutorTiming:
     paired ratio sequential / parallel, ``speedup_interval`` its order-statistic interval
     (:func:`tl_steering.stats.median_interval`, coverage ``speedup_coverage``); ``speedup_control`` and
     ``speedup_control_interval`` the same for sequential / control, whose spread is the noise of the comparison itself.
-    ``t_forward_sequential_s`` / ``t_forward_parallel_s`` are the medians of the times. Results from before
-    2026-12-05 hold one median per model and no rounds (``rounds = 0``: no interval, no verdict).
+    ``t_forward_sequential_s`` / ``t_forward_parallel_s`` are the medians of the times. Results from older
+    files hold one median per model and no rounds (``rounds = 0``: no interval, no verdict).
     """
 
     kind: ClassVar[str] = "suite_executor"
-    # 2026-12-04: older files ran the lowest-C plan uncorrected, which the defaults say;
-    # 2026-12-05: the alternating rounds and the A/A control (older files: no rounds)
+    # fields older files lack: they ran the lowest-C plan uncorrected (the defaults say so) with no rounds and
+    # no A/A control
     added_fields: ClassVar[tuple[str, ...]] = (
         "strategy", "correction", "rounds", "timing_sequential_s", "timing_control_s", "timing_parallel_s",
         "speedup_interval", "speedup_control", "speedup_control_interval", "speedup_coverage")
@@ -265,10 +265,10 @@ class PlanChoice:
 class StageTiming:
     """Wall and CPU seconds of one stage, and the forward passes it ran (this process): ``forwards`` counts every
     model forward (hooked or cached, any batch) and every run of a plan from a shared clean prefix
-    (``parallel.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded, results from before 2026-12-04)."""
+    (``parallel.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded by an older file)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
-    added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # 2026-12-04: older files read -1
+    added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # older files read -1
 
     wall_s: float = math.nan
     cpu_s: float = math.nan

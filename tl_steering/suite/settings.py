@@ -64,8 +64,8 @@ class SuiteSettings:
             held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
             ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` and the peers'
             :data:`PEER_SCORES` (cheap one-shot scores); an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (``"linear"``, the default since
-            issue 30, ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected on
+        plan_choice_refit: the closed-form correction of the compared plans (``"linear"``, the default,
+            ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected on
             the held-out windows (``plan_parallel(..., uncorrected_curves=True)``, the report's plan table).
         plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
             0 drops the second-order strategies from the comparison.
@@ -88,10 +88,10 @@ class SuiteSettings:
     """
 
     kind: ClassVar[str] = "suite_settings"
-    # 2026-12-04 (the plan_choice stage): older files read the defaults
+    # fields that older files lack (they load with the defaults; parallel_timing_windows with 2, the batch size
+    # their executor timed)
     added_fields: ClassVar[tuple[str, ...]] = ("plan_strategy", "plan_choice_strategies", "plan_choice_refit",
                                                "plan_choice_fisher_samples", "plan_choice_k_values",
-                                               # 2026-12-05 (alternating rounds): older files read 2 (their executor timed batch_size windows)
                                                "parallel_timing_windows")
 
     stages: list[str] = dataclasses.field(default_factory=lambda: list(STAGES))
