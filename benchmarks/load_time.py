@@ -13,6 +13,10 @@ tensor of the warm-loaded Hugging Face model is bitwise equal to it (tied weight
 
 Run: ``.venv-tl4/bin/python benchmarks/load_time.py [--model smollm2-135m] [--backend bridge] [--repeats 3]``.
 Prints one line per run and a summary; exits 1 if the weights differ. See docs/loading.md.
+
+``--cli-errors``: instead, how long ``python -m tl_steering report`` takes to refuse a bad argument (wall and the
+child's CPU time, per case; the goal is well under 5 s of CPU: the refusal comes before any model is loaded, which
+tests/unit/test_cli.py asserts).
 """
 
 import argparse
@@ -55,12 +59,39 @@ def _run(code: str, args: list[str], env: dict[str, str]) -> tuple[int, str, flo
     return p.returncode, p.stdout + p.stderr[-3000:] if p.returncode else p.stdout, time.perf_counter() - t0
 
 
+CLI_ERRORS = {"windows": ["--windows", "1"], "text": ["--text", "missing.txt"], "device": ["--device", "bogus"],
+              "backend": ["--backend", "nope"]}
+
+
+def cli_errors() -> int:
+    """Wall and CPU seconds of the CLI's refusal of each bad argument (a fresh process each)."""
+    import resource
+
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for case, extra in CLI_ERRORS.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "tl_steering", "report", "--out", f"{tmp}/out", *extra],
+                               cwd=tmp, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            worst = max(worst, cpu)
+            print(f"{case:8s} exit {p.returncode}  wall {wall:5.2f} s  CPU {cpu:5.2f} s")
+    print(f"summary: worst CPU {worst:.2f} s (goal < 5 s)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--backend", default="bridge")
     ap.add_argument("--repeats", type=int, default=3, help="warm loads (each a fresh process)")
+    ap.add_argument("--cli-errors", action="store_true", help="time the CLI's refusal of bad arguments instead")
     args = ap.parse_args()
+    if args.cli_errors:
+        return cli_errors()
     env = dict(os.environ, TL_STEERING_CACHE=tempfile.mkdtemp(prefix="tlsteering-bench-cache-"))
     rows = []
     for i in range(1 + args.repeats):

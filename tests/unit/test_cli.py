@@ -51,28 +51,29 @@ def test_cli_checks_arguments_before_loading(tmp_path):
         assert not out.exists()
 
 
+# Run as ``python -m tl_steering``, then report which heavy libraries the failed call imported.
+_CHILD = (
+    "import runpy, sys\n"
+    "try:\n"
+    "    runpy.run_module('tl_steering', run_name='__main__')\n"
+    "finally:\n"
+    "    print(sorted(m for m in ('transformer_lens', 'transformers') if m in sys.modules))\n"
+)
+
+
 @pytest.mark.parametrize("case", ["windows", "text", "device", "backend"])
 def test_cli_user_error_fails_fast_in_one_line(tmp_path, case):
-    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, nothing written, in under 5 s.
-
-    The time bound is on the child's CPU time (user + system), which is the wall time on an idle machine and
-    does not grow when other processes share the cores; the wall time is in the message.
-    """
-    import resource
-
+    """``python -m tl_steering report <bad>``: exit code 2, one line on stderr, nothing written, and neither
+    TransformerLens nor transformers imported: the argument is refused before any model is loaded. (How long the
+    refusal takes is a benchmark, benchmarks/load_time.py ``--cli-errors``, not an assert.)"""
     out = tmp_path / "report_out"
-    argv = [sys.executable, "-m", "tl_steering", "report", "--out", str(out), *_bad_args(tmp_path)[case]]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
+    argv = [sys.executable, "-c", _CHILD, "report", "--out", str(out), *_bad_args(tmp_path)[case]]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists() and not (tmp_path / "figures").exists()
-    assert cpu < 5.0, f"{case}: the error took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
 def test_render_subcommand_rerenders_a_saved_run(rendered, tmp_path):

@@ -80,6 +80,7 @@ def test_shards_merge_to_one_probe_over_the_same_windows(model, corpus, tmp_path
         scan(model, str(short), n_windows=1000, length=16, shard_windows=50)
 
 
+@pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
 def test_torchrun_two_processes_equal_one(model, corpus, tmp_path):
     common = ["--model", "tiny-gpt2", "--source", str(corpus), "--windows", "30", "--length", "16",
               "--shard-windows", "4", "--batch-size", "4", "--no-progress"]
@@ -95,6 +96,7 @@ def test_torchrun_two_processes_equal_one(model, corpus, tmp_path):
     assert b.provenance.extra["scan"]["dist_backend"] == "gloo"
 
 
+@pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
 def test_a_killed_scan_resumes_to_the_uninterrupted_numbers(model, corpus, tmp_path):
     n, shard = 120, 2
     args = [sys.executable, "-m", "tl_steering.probing.scan", "--model", "tiny-gpt2", "--source", str(corpus),
@@ -121,6 +123,7 @@ def test_a_killed_scan_resumes_to_the_uninterrupted_numbers(model, corpus, tmp_p
     _close(got, want)
 
 
+@pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
 def test_ranks_that_disagree_fail_on_every_rank(tmp_path):
     script = tmp_path / "disagree.py"
     script.write_text(
@@ -219,6 +222,7 @@ def _two_ranks_vs_one(tmp_path, inputs, model=None):
     return one, SuiteResult.load(tmp_path / "two.json")
 
 
+@pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
 def test_suite_on_two_processes_equals_one_process(tmp_path):
     """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2: rank 0 runs batches 0 and 2, rank 1
     batch 1; plan_strategy="best": every planner, its measured plans split over the ranks) gives the same
@@ -296,6 +300,7 @@ suite_run.run_suite(model, tokens, s, progress=False, seed=0, checkpoint=sys.arg
 _RESUME_INPUTS = ["tiny-gpt2", 6, 16, 2, ["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"]]
 
 
+@pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
 def test_a_killed_suite_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch):
     """SIGKILL at the start of the diversity stage: the checkpoint holds checks, deficit and ablation; the resumed
     run runs only the other stages and every number equals an uninterrupted run's."""
