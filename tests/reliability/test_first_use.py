@@ -1,4 +1,4 @@
-"""Rough edges a new user met (issue 28, point 6), each a clear error or message: planning on a model whose blocks are
+"""Rough edges a new user meets first, each a clear error or message: planning on a model whose blocks are
 parallel already, a probe on windows too short for statistics, tokens on the meta device, a hub name offline."""
 
 import os
