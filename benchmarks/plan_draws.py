@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     for refit in (r for r in args.best.split(",") if r):
         t1 = time.time()
         strategies = [x for x in args.best_strategies.split(",") if x] or None
-        pp = ts.plan_parallel(model, cal, k, strategy="best", refit=refit, k_values=[k], batch_size=bs,
-                              strategies=strategies)
+        pp = ts.plan_parallel(model, cal, k, strategy=strategies or "best", refit=refit, k_values=[k], batch_size=bs)
         plans[f"best with {refit} ({pp.strategy}{' of ' + args.best_strategies if strategies else ''})"] = \
             list(pp.layers)
         print(f"plan_parallel best, refit {refit}: {pp.strategy} {list(pp.layers)}, calibration dCE "

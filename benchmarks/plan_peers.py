@@ -9,7 +9,7 @@ calibrates every plan AND every correction, the second half is held out and only
 
 1. one ``parallel_scores`` call on the calibration windows (C, the attribution scores with 8 sampled labels,
    the peers' ``block_influence``, ``angular_distance``, ``ffn_fusion``);
-2. ``plan_parallel(..., strategies=FULL_COMPARISON + ("sleb",), refit="none", k_values=ks, scores=...)``: every
+2. ``plan_parallel(..., strategy=[every strategy], refit="none", k_values=ks)``: every
    strategy's plan at every k, chosen the strategy's own way (uncorrected, as the peers publish them), with its
    held-out dCE uncorrected and its cost in passes;
 3. every distinct plan with the linear correction (``refit="linear"``) fitted on all the calibration windows
@@ -18,8 +18,7 @@ calibrates every plan AND every correction, the second half is held out and only
    one-shot comparison, cross-fitted linear correction): its choice at each k (the strategy of lowest
    out-of-fold calibration dCE) and that plan's corrected held-out dCE, its passes and seconds;
 ``--one-shot`` (for a model whose passes are dear, Gemma-3-270M's 262k-token vocabulary): instead of 1-4, ONE
-call ``plan_parallel(model, cal, k, held_out=held, strategies=ONE_SHOT_COMPARISON + PEER_SCORES, k_values=ks,
-uncorrected_curves=True)``: every one-shot plan's held-out dCE uncorrected and corrected, and the default call's
+call ``plan_parallel(model, cal, k, held_out=held, strategy=PLANNER.strategies + PEER_SCORES, k_values=ks)``: every one-shot plan's held-out dCE uncorrected and corrected, and the default call's
 choice at each k (the one-shot strategy of lowest cross-fitted calibration dCE: a strategy's value does not depend
 on the others compared); no search (measured, greedy, SLEB).
 
@@ -36,7 +35,9 @@ import torch
 
 import tl_steering as ts
 from _common import cal_held, finish, plan_parser, start
-from tl_steering.parallel.plan import FULL_COMPARISON, ONE_SHOT_COMPARISON
+from tl_steering.parallel.strategies import PLANNER, STRATEGIES
+
+ONE_SHOT_COMPARISON = PLANNER.strategies
 from tl_steering.parallel.refit import FittedLoss, RefitLoss
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-sleb", action="store_true", help="leave out SLEB (sum_{j<k} (L - j) forwards)")
     ap.add_argument("--sleb-k", type=int, default=None,
                     help="run SLEB only up to this k (its own call; the larger k show no SLEB plan)")
-    ap.add_argument("--strategies", default="", help="the compared strategies (default FULL_COMPARISON)")
+    ap.add_argument("--strategies", default="", help="the compared strategies (default: every strategy but sleb)")
     ap.add_argument("--default-cost", type=int, default=4, help="windows of the default-cost call (0: skip)")
     ap.add_argument("--one-shot", action="store_true", help="one call, the one-shot strategies only (see above)")
     ap.add_argument("--no-default", action="store_true",
@@ -64,18 +65,18 @@ def main(argv: list[str] | None = None) -> dict:
     t1 = time.time()
     scores = ts.parallel_scores(model, cal, batch_size=bs, fisher_samples=8)
     print(f"# scores {time.time() - t1:.0f}s", flush=True)
-    base = [x for x in args.strategies.split(",") if x] or list(FULL_COMPARISON)
+    base = [x for x in args.strategies.split(",") if x] or [n for n in STRATEGIES if n != "sleb"]
     sleb_apart = not args.no_sleb and args.sleb_k is not None and args.sleb_k < max(ks)
     names = base + ([] if args.no_sleb or sleb_apart else ["sleb"])
     t1 = time.time()
-    plain = ts.plan_parallel(model, cal, max(ks), held_out=held, strategies=names, refit="none", k_values=ks,
-                             scores=scores, batch_size=bs)
+    plain = ts.plan_parallel(model, cal, max(ks), held_out=held, strategy=names, refit="none", k_values=ks,
+                             batch_size=bs)
     print(f"# uncorrected comparison {time.time() - t1:.0f}s, {plain.total_cost}", flush=True)
     if sleb_apart:  # SLEB at the k values up to --sleb-k only; NaN (no plan) above
         t1 = time.time()
         sk = [kk for kk in ks if kk <= args.sleb_k]
         sl = ts.plan_parallel(model, cal, max(sk), held_out=held, strategy="sleb", refit="none", k_values=sk,
-                              scores=scores, batch_size=bs)
+                              batch_size=bs)
         nan = float("nan")
         plain.strategies.append("sleb")
         names.append("sleb")
@@ -150,8 +151,7 @@ def one_shot(args, t0, model, cal, held, ks) -> dict:
 
     t1 = time.time()
     names = list(ONE_SHOT_COMPARISON) + list(PEER_SCORES)
-    p = ts.plan_parallel(model, cal, max(ks), held_out=held, strategies=names, k_values=ks, batch_size=args.batch_size,
-                         uncorrected_curves=True)
+    p = ts.plan_parallel(model, cal, max(ks), held_out=held, strategy=names, k_values=ks, batch_size=args.batch_size)
     print(f"# one call {time.time() - t1:.0f}s, {p.total_cost}", flush=True)
     head = " | ".join(f"k={kk}: none / linear" for kk in p.k_values)
     print(f"\n| strategy | {head} | passes to choose (fwd + bwd) |")

@@ -268,7 +268,137 @@ def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
     return {**out, "estimate": s_obs + unseen, "ci_low": low, "ci_high": high}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# the closed-form correction of a write: least squares from float64 moments (docs/parallel.md "Refit",
+# docs/gates.md)
+
+#: ridge of the ``"linear"`` correction in units of the mean eigenvalue of the attention writes' covariance, tr(C_aa) / d
+LINEAR_RIDGE = 1.0
+
+
+class Moments:
+    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
+    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
+
+    def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
+        z = {"dtype": torch.float64, "device": device}
+        self.yp = torch.zeros((), **z)
+        self.pp = torch.zeros((), **z)
+        self.sp = torch.zeros(d_model, **z)
+        self.sy = torch.zeros(d_model, **z)
+        self.n = 0
+        self.linear = linear
+        if linear:
+            self.aa, self.ay, self.ap = (torch.zeros(d_model, d_model, **z) for _ in range(3))
+            self.sa = torch.zeros(d_model, **z)
+
+    def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,), a: Tensor | None = None) -> None:
+        """Add the tokens of ``y`` (sequential write), ``p`` (parallel write) and, for a ``linear`` fit, ``a``
+        (the attention write), each ``[batch, pos, d]``."""
+        mask = position_mask(y.shape[-2], exclude_positions, y.device)
+        y64 = y.detach()[:, mask].to(torch.float64).reshape(-1, y.shape[-1])
+        p64 = p.detach()[:, mask].to(torch.float64).reshape(-1, p.shape[-1])
+        self.yp += (y64 * p64).sum()
+        self.pp += (p64 * p64).sum()
+        self.sp += p64.sum(0)
+        self.sy += y64.sum(0)
+        self.n += y64.shape[0]
+        if self.linear:
+            if a is None:
+                raise InputError("a linear fit needs the attention write a (Moments.add(..., a=attn_out))")
+            a64 = a.detach()[:, mask].to(torch.float64).reshape(-1, a.shape[-1])
+            self.aa += a64.T @ a64
+            self.ay += a64.T @ y64
+            self.ap += a64.T @ p64
+            self.sa += a64.sum(0)
+
+    def solve(self, refit: str) -> tuple[float, Tensor]:
+        """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
+        ``"linear"``; for ``"linear"`` see :meth:`solve_linear`)."""
+        if refit == "linear":
+            g, b, _ = self.solve_linear()
+            return g, b
+        return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
+
+    def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
+        """``(g, b, W)`` of ``refit="linear"`` (module docstring): g of the affine fit, W the ridge regression of
+        its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
+        vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
+        freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
+        ``max_df`` (:func:`ridge_for_df`)."""
+        if not self.linear:
+            raise InputError("these moments were collected without the attention write: Moments(..., linear=True)")
+        d = self.sp.shape[0]
+        g, _ = solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, "affine")
+        w = torch.zeros(d, d, dtype=torch.float64, device=self.sp.device)
+        if self.n == 0:
+            return 1.0, torch.zeros_like(self.sp), w
+        n = self.n
+        sr = self.sy - g * self.sp  # Σ R
+        c_aa = self.aa - torch.outer(self.sa, self.sa) / n
+        c_ar = (self.ay - g * self.ap) - torch.outer(self.sa, sr) / n
+        tr = float(torch.trace(c_aa))
+        if tr > 0 and math.isfinite(tr):
+            lam = ridge * tr / d
+            if max_df is not None:
+                lam = ridge_for_df(torch.linalg.eigvalsh(c_aa), max_df, lam)
+            w = torch.linalg.solve(c_aa + lam * torch.eye(d, dtype=torch.float64, device=c_aa.device), c_ar)
+        return g, (sr - self.sa @ w) / n, w
+
+
+def ridge_df(eigenvalues: Tensor, lam: float) -> float:
+    """Effective degrees of freedom of a ridge regression, Σ_i s_i / (s_i + λ) (negative roundoff eigenvalues
+    count as 0)."""
+    s = eigenvalues.to(torch.float64).clamp_min(0.0)
+    return float((s / (s + lam)).sum()) if lam > 0 else float((s > 0).sum())
+
+
+def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
+    """The smallest ridge ``>= lam`` whose :func:`ridge_df` is at most ``max_df`` (bisection in log λ; df falls
+    as λ grows)."""
+    if ridge_df(eigenvalues, lam) <= max_df:
+        return lam
+    top = float(eigenvalues.max())
+    lo, hi = math.log(lam), math.log(max(lam, top) * max(1.0, ridge_df(eigenvalues, lam) / max(max_df, 1e-12))
+                                      * 4.0 + 1e-300)
+    while ridge_df(eigenvalues, math.exp(hi)) > max_df:
+        hi += math.log(4.0)
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if ridge_df(eigenvalues, math.exp(mid)) > max_df:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(hi)
+
+
+def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
+                     ) -> tuple[float, Tensor]:
+    """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
+    the identity (``"none"``), from the moments (see the module docstring). A degenerate design (no token,
+    Phi(x) zero or constant) keeps g = 1 and fits b alone."""
+    sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
+    zero = torch.zeros_like(sp64)
+    if refit == "none" or n == 0:
+        return 1.0, zero
+    yp, pp = float(yp), float(pp)
+    if refit == "gate":
+        return (yp / pp if pp > 0 else 1.0), zero
+    if refit != "affine":
+        raise InputError(f"the correction must be 'none', 'gate', 'affine' or 'linear', got {refit!r}")
+    den = pp - float(sp64 @ sp64) / n
+    num = yp - float(sy64 @ sp64) / n
+    g = num / den if den > 1e-12 * max(pp, 1e-300) else 1.0
+    return g, (sy64 - g * sp64) / n
+
+
+
 __all__ = [
+    "LINEAR_RIDGE",
+    "Moments",
+    "ridge_df",
+    "ridge_for_df",
+    "solve_correction",
     "bin_labels",
     "block_length",
     "block_sums",

@@ -176,7 +176,7 @@ def test_planner_vs_the_C_plan_held_out(smollm2, smollm2_tokens):
 
     before = weights_fingerprint(smollm2)
     plan = ts.plan_parallel(smollm2, smollm2_tokens[:4], 15, held_out=smollm2_tokens[4:8], k_values=[15],
-                            strategies=("C", "attribution_abs"), batch_size=4, refit="none")
+                            strategy=["C", "attribution_abs"], batch_size=4, refit="none")
     assert weights_fingerprint(smollm2) == before
     assert plan.plan_of("C") == PLAN_15  # the paper's plan is the lowest-C plan of the defect fixture
     assert plan.plan_of("attribution_abs") == [6, 7, 8, 9, 14, 15, 18, 20, 21, 22, 23, 24, 25, 26, 27]

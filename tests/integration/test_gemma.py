@@ -168,7 +168,7 @@ def _every_protocol(model, tokens) -> dict[str, tuple[object, str]]:
     cal = tokens[:1]  # plan_parallel calibrates on the first window and holds out the second
     ps = ts.parallel_scores(model, cal, layers=PLAN_LAYERS, fisher_samples=0)
     out.update({f"parallel_scores.{k}": (v, "geometry") for k, v in ps.scores.items()})
-    plan = ts.plan_parallel(model, tokens, 1, strategy="C", layers=PLAN_LAYERS, scores=ps, k_values=[1], refit="none")
+    plan = ts.plan_parallel(model, tokens, 1, strategy="C", layers=PLAN_LAYERS, k_values=[1], refit="none")
     out["plan_parallel.layers"] = (list(plan.layers), "exact")
     out["plan_parallel.held_out_delta_ce"] = (float(plan.held_out_delta_ce), "loss")
     g = ts.calibrate_gates(model, tokens, method="closed_form", plan=[5])

@@ -47,7 +47,7 @@ def test_smollm2_plan_on_one_short_window_says_what_it_knows(smollm2, smollm2_to
     tokens = smollm2_tokens[:2, :32]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = ts.plan_parallel(smollm2, tokens, 4, strategies=["C", "attribution_abs"], fisher_samples=0)
+        plan = ts.plan_parallel(smollm2, tokens, 4, strategy=["C", "attribution_abs"], fisher_samples=0)
     said = [str(w.message) for w in caught if str(w.message).startswith("plan_parallel:")]
     assert len(said) == 1 and "31 fitted tokens" in said[0] and "14.5" in said[0]
     assert plan.calibration_fit == "in-sample" and plan.refit == "linear" and plan.options["refit_carry"]

@@ -26,7 +26,7 @@ def test_affine_refit_halves_the_c_plan_loss(smollm2, smollm2_tokens):
     clean_c, clean_h = mean_loss(smollm2, cal, [], 4), mean_loss(smollm2, held, [], 4)
     out = {}
     for name, plan in (("C", C_PLAN), ("best", BEST)):
-        loss, gates, biases, passes = corrected_loss(smollm2, cal, plan, "affine", "sequential", batch_size=4)
+        loss, gates, biases, passes = corrected_loss(smollm2, cal, plan, "affine", batch_size=4)
         assert passes == 1  # the fit rides in the measuring forward
         held_d = mean_loss(smollm2, held, parallel_blocks(smollm2, plan, gates, biases), 4) - clean_h
         out[name] = (loss - clean_c, held_d)

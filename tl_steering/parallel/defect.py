@@ -15,9 +15,8 @@ from ..backends import autodiff, check_finite
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
 from . import peers as _peers
-from . import strategies as _strategies
-from .gold import PlanLoss, single_layer_delta
-from .gold import spearman as _spearman
+from . import strategies as st
+from .gold import PlanLoss, delta_curves, single_layer_gold
 from .speedup import SPEEDUP_LABEL, submodule_times
 from .strategies import default_k_values
 from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
@@ -144,81 +143,65 @@ def parallel_defect(
         raise InputError(f"timing_repeats must be a positive int, got {timing_repeats!r}")
     parallel = [ad.is_parallel(lay) for lay in sel]
     candidates = [lay for lay, par in zip(sel, parallel) if not par]
-    if k_values is None:
-        ks = default_k_values(len(candidates))
-    else:
-        ks = sorted({int(k) for k in k_values})
-        bad = [k for k in ks if not 0 <= k <= len(candidates)]
-        if bad:
-            raise InputError(f"k_values {bad} are outside [0, {len(candidates)}] (the number of sequential "
-                             "layers analysed)")
+    ks = _k_values(k_values, len(candidates))
     keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
-    n = len(sel)
-    n_seq = tokens.shape[0]
+    sums, peer_sums, phi_check = _collect(ad, tokens, sel, parallel, keep, brackets, batch_size, world)
+    n_tokens = int(tokens.shape[0] * keep.sum())
+    scores, cf_scores, nonlin, cf_nonlin, rms, bracket_rms = _reduce(sums, parallel, n_tokens, brackets)
+    tm = {"t_attn": torch.full((len(sel),), math.nan, dtype=torch.float64), "t_forward": math.nan,
+          "t_other": math.nan, "timing_shape": []}
+    tm["t_ffn"] = tm["t_attn"].clone()
+    if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
+        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
+    gold = _gold(model, tokens, sel, parallel, scores, ks, n_random, seed, batch_size, world) if evaluate else {}
+    options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
+               "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
+               "batch_size": batch_size, "timing_repeats": timing_repeats}
+    return DefectResult(
+        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options), layers=sel,
+        already_parallel=parallel, score=scores["C"].clone(), scores=scores, nonlinearity=nonlin,
+        counterfactual_scores=cf_scores, counterfactual_nonlinearity=cf_nonlin, rms=rms,
+        phi_check=torch.tensor(phi_check, dtype=torch.float64), brackets=bracket_rms,
+        peer_scores=_peers.pooled(peer_sums, n_tokens), n_tokens=n_tokens, evaluated=bool(evaluate),
+        clean_loss=gold.get("clean_loss", math.nan),
+        delta_ce=gold.get("delta_ce", torch.full((len(sel),), math.nan, dtype=torch.float64)),
+        spearman=gold.get("spearman", {}), k_values=ks if evaluate else [], curves=gold.get("curves", {}),
+        curve_layers=gold.get("curve_layers", {}), t_attn=torch.as_tensor(tm["t_attn"], dtype=torch.float64),
+        t_ffn=torch.as_tensor(tm["t_ffn"], dtype=torch.float64), t_forward=tm["t_forward"], t_other=tm["t_other"],
+        timing_shape=tm["timing_shape"], timing_device=str(ad.device) if timing else "",
+        seconds=time.perf_counter() - t_start, options=options)
+
+
+def _k_values(k_values: Sequence[int] | None, n_candidates: int) -> list[int]:
+    if k_values is None:
+        return default_k_values(n_candidates)
+    ks = sorted({int(k) for k in k_values})
+    bad = [k for k in ks if not 0 <= k <= n_candidates]
+    if bad:
+        raise InputError(f"k_values {bad} are outside [0, {n_candidates}] (the number of sequential "
+                         "layers analysed)")
+    return ks
+
+
+def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep: Tensor, brackets: bool,
+             batch_size: int, world: World | None) -> tuple["_Sums", dict[str, Tensor], list[float]]:
+    """The float64 sums of every layer over this rank's batches (gathered in window order): the defect terms, the
+    peers' terms and the Phi check's error per sequence."""
+    n, n_seq = len(sel), tokens.shape[0]
     sums = _Sums(n_seq, n)
     peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in _peers.PEER_SCORES}
     phi_rows = torch.zeros(n_seq, n, dtype=torch.float64)  # per sequence: its batch's Phi check error
-    t_attn = [math.nan] * n
-    t_ffn = [math.nan] * n
     names = []
     for lay in sel:
         names += [ad.hook_name(lay, s) for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")]
         if not ad.is_parallel(lay):
             names.append(ad.hook_name(lay, "resid_mid"))
-    tol = ad.identity_tolerance()
-    n_tokens = int(n_seq * keep.sum())
     mine = my_batches(n_seq, batch_size, world)
-
     with torch.no_grad():
         for rows, _, cache in iter_batches(ad, tokens, names, batch_size, rows=mine):
             ad.check_residual_identity(cache, sel)
             for i, lay in enumerate(sel):
-                g = {s: cache[ad.hook_name(lay, s)]
-                     for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")}
-                for site, act in g.items():
-                    check_finite(act, lay, site)
-                x, a, mlp_out = g["resid_pre"], g["attn_out"], g["mlp_out"]
-                phi = ad.ffn(lay)
-                phi_x = phi(x)
-                if parallel[i]:
-                    ffn_in, phi_in_ours = x, phi_x
-                    y_cf = x + a
-                    phi_cf = phi(y_cf)
-                else:
-                    ffn_in = cache[ad.hook_name(lay, "resid_mid")]
-                    phi_in_ours = phi(ffn_in)
-                    y_cf, phi_cf = ffn_in, mlp_out
-                scale = max(float(mlp_out.abs().max()), 1e-30)
-                err = float((geo.to64(phi_in_ours) - geo.to64(mlp_out)).abs().max()) / scale
-                phi_rows[rows, i] = err
-                if not err <= _PHI_CHECK_FACTOR * tol:
-                    raise ResidualIdentityError(
-                        f"layer {lay}: MLP(LN2(ffn input)) recomputed by tl_steering differs from "
-                        f"hook_mlp_out (relative error {err:.3g} > {_PHI_CHECK_FACTOR * tol:.1g}). A hook of "
-                        "yours may rewrite the FFN input or output, or this model's FFN is not what the "
-                        "adapter assumes."
-                    )
-                # actual block: d = hook_mlp_out - Phi(x); the FFN input moved by a (sequential) or not at all
-                act = _defect_terms(phi, x, torch.zeros_like(a) if parallel[i] else a, phi_x, mlp_out, ffn_in)
-                # counterfactual: the sequential ordering at this block, d = Phi(x + a) - Phi(x)
-                cf = act if not parallel[i] else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
-                dx = geo.to64(g["resid_post"]) - geo.to64(x)
-                # the peers' scores (planning.peers): block input vs output, FFN write with vs without a
-                for name, v in _peers.peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
-                    peer_sums[name][rows, i] = v.cpu()
-                for prefix, terms in (("", act), ("cf_", cf)):
-                    sums.add(prefix + "d", rows, i, terms["d"][:, keep])
-                    sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
-                    sums.add(prefix + "tan", rows, i, terms["tan"][:, keep])
-                    sums.add(prefix + "res", rows, i, (terms["d"] - terms["ja"])[:, keep])
-                    sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
-                sums.add("dx", rows, i, dx[:, keep])
-                if brackets:
-                    _, da_phi = autodiff.jvp(ad.attention(lay), (x,), (phi_x,))
-                    da_phi = geo.to64(da_phi)
-                    sums.add("DPhi_A", rows, i, cf["ja"][:, keep])
-                    sums.add("DA_Phi", rows, i, da_phi[:, keep])
-                    sums.add("bracket", rows, i, (cf["ja"] - da_phi)[:, keep])
+                _layer_sums(ad, cache, lay, i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
             del cache
     if world is not None and world.active:  # the other ranks' windows, in window order
         keys = sorted(sums.v)
@@ -227,8 +210,62 @@ def parallel_defect(
         phi_rows = got.pop("__phi_check")
         peer_sums = {k: got.pop("__peer_" + k) for k in list(peer_sums)}
         sums.v = got
-    phi_check = phi_rows.max(0).values.tolist() if n_seq else [0.0] * n
+    return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)
 
+
+def _layer_sums(ad: Any, cache: Any, lay: int, i: int, par: bool, rows: slice, keep: Tensor, brackets: bool,
+                sums: "_Sums", peer_sums: dict[str, Tensor], phi_rows: Tensor) -> None:
+    """Add one layer's terms of one batch: the actual block's defect, the counterfactual (sequential) one, the
+    block update, the peers' terms and, with ``brackets``, the Lie-bracket terms."""
+    g = {s: cache[ad.hook_name(lay, s)] for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")}
+    for site, act in g.items():
+        check_finite(act, lay, site)
+    x, a, mlp_out = g["resid_pre"], g["attn_out"], g["mlp_out"]
+    phi = ad.ffn(lay)
+    phi_x = phi(x)
+    if par:
+        ffn_in, phi_in_ours = x, phi_x
+        y_cf = x + a
+        phi_cf = phi(y_cf)
+    else:
+        ffn_in = cache[ad.hook_name(lay, "resid_mid")]
+        phi_in_ours = phi(ffn_in)
+        y_cf, phi_cf = ffn_in, mlp_out
+    scale = max(float(mlp_out.abs().max()), 1e-30)
+    err = float((geo.to64(phi_in_ours) - geo.to64(mlp_out)).abs().max()) / scale
+    phi_rows[rows, i] = err
+    tol = _PHI_CHECK_FACTOR * ad.identity_tolerance()
+    if not err <= tol:
+        raise ResidualIdentityError(
+            f"layer {lay}: MLP(LN2(ffn input)) recomputed by tl_steering differs from hook_mlp_out (relative error "
+            f"{err:.3g} > {tol:.1g}). A hook of yours may rewrite the FFN input or output, or this model's FFN is "
+            "not what the adapter assumes.")
+    # actual block: d = hook_mlp_out - Phi(x); the FFN input moved by a (sequential) or not at all
+    act = _defect_terms(phi, x, torch.zeros_like(a) if par else a, phi_x, mlp_out, ffn_in)
+    # counterfactual: the sequential ordering at this block, d = Phi(x + a) - Phi(x)
+    cf = act if not par else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
+    dx = geo.to64(g["resid_post"]) - geo.to64(x)
+    for name, v in _peers.peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
+        peer_sums[name][rows, i] = v.cpu()
+    for prefix, terms in (("", act), ("cf_", cf)):
+        sums.add(prefix + "d", rows, i, terms["d"][:, keep])
+        sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
+        sums.add(prefix + "tan", rows, i, terms["tan"][:, keep])
+        sums.add(prefix + "res", rows, i, (terms["d"] - terms["ja"])[:, keep])
+        sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
+    sums.add("dx", rows, i, dx[:, keep])
+    if brackets:
+        _, da_phi = autodiff.jvp(ad.attention(lay), (x,), (phi_x,))
+        da_phi = geo.to64(da_phi)
+        sums.add("DPhi_A", rows, i, cf["ja"][:, keep])
+        sums.add("DA_Phi", rows, i, da_phi[:, keep])
+        sums.add("bracket", rows, i, (cf["ja"] - da_phi)[:, keep])
+
+
+def _reduce(sums: "_Sums", parallel: list[bool], n_tokens: int, brackets: bool) -> tuple[Any, ...]:
+    """The pooled ratios: the C variants (actual and counterfactual), the nonlinearity, the RMS terms, the
+    brackets."""
+    n = len(parallel)
     dx2 = sums.get("dx")
 
     def variants(prefix: str) -> dict[str, Tensor]:
@@ -236,93 +273,44 @@ def parallel_defect(
         return {"C": _ratio(d2, dx2), "C_phi": _ratio(d2, sums.get(prefix + "phi")),
                 "C1": _ratio(sums.get(prefix + "ja"), dx2), "C_tan": _ratio(sums.get(prefix + "tan"), dx2)}
 
-    scores = variants("")
-    cf_scores = variants("cf_")
     par_mask = torch.tensor(parallel, dtype=torch.bool)
     nonlin = torch.where(par_mask, torch.full((n,), math.nan, dtype=torch.float64),
                          _ratio(sums.get("res"), sums.get("d")))
-    cf_nonlin = _ratio(sums.get("cf_res"), sums.get("cf_d"))
     count = float(max(n_tokens, 1))
-    rms = {"defect": sums.get("d"), "update": dx2, "ffn_write": sums.get("phi"),
-           "first_order": sums.get("ja"), "defect_tangential": sums.get("tan"),
-           "first_order_error": sums.get("res")}
+    rms = {"defect": sums.get("d"), "update": dx2, "ffn_write": sums.get("phi"), "first_order": sums.get("ja"),
+           "defect_tangential": sums.get("tan"), "first_order_error": sums.get("res")}
     rms = {k: torch.sqrt(v / count) for k, v in rms.items()}
     bracket_rms = {k: torch.sqrt(sums.get(k) / count) for k in BRACKET_TERMS} if brackets else {}
+    return (variants(""), variants("cf_"), nonlin, _ratio(sums.get("cf_res"), sums.get("cf_d")), rms,
+            bracket_rms)
 
-    # -- timing (opt-in): sub-module and whole-forward times on the first batch ------------------------------
-    t_forward = t_other = math.nan
-    timing_shape: list[int] = []
-    if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
-        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
-        t_attn, t_ffn = tm["t_attn"].tolist(), tm["t_ffn"].tolist()
-        t_forward, t_other, timing_shape = tm["t_forward"], tm["t_other"], tm["timing_shape"]
 
-    # -- gold standard (tl_steering.parallel.gold) ----------------------------------------------------------
-    clean_loss = math.nan
-    delta_ce = torch.full((n,), math.nan, dtype=torch.float64)
-    spearman: dict[str, float] = {}
-    curves: dict[str, Tensor] = {}
-    curve_layers: dict[str, list] = {}
-    if evaluate:
-        loss = PlanLoss(model, tokens, batch_size, world=world)
-        score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
-        sets: dict[str, list] = {
-            "lowest": [_strategies.one_shot(candidates, score_of, k, lowest=True) for k in ks],
-            "highest": [_strategies.one_shot(candidates, score_of, k, lowest=False) for k in ks],
-            "contiguous": [_strategies.contiguous(candidates, score_of, k) for k in ks],
-            "random": _strategies.random_sets(candidates, ks, n_random, seed),
-        }
-        # every plan measured once (one pass over the windows each), split over the ranks of a process group
-        loss.prefetch([[]] + [[lay] for lay, par in zip(sel, parallel) if not par]
-                      + [p for name in ("lowest", "highest", "contiguous") for p in sets[name]]
-                      + [p for draw in sets["random"] for p in draw])
-        clean_loss = loss.clean
-        delta_ce = single_layer_delta(loss, sel, parallel)
-        cidx = [i for i, par in enumerate(parallel) if not par]
-        spearman = {v: _spearman(s[cidx], delta_ce[cidx]) for v, s in scores.items()}
-        curves["k"] = torch.tensor(ks, dtype=torch.int64)
-        for name in ("lowest", "highest", "contiguous"):
-            curves[name] = torch.tensor([loss.delta(s) for s in sets[name]], dtype=torch.float64)
-        rnd = torch.tensor([[loss.delta(s) for s in draw] for draw in sets["random"]],
-                           dtype=torch.float64).reshape(n_random, len(ks))
-        curves["random"] = rnd
-        curves["random_mean"] = (rnd.mean(0) if n_random
-                                 else torch.full((len(ks),), math.nan, dtype=torch.float64))
-        curve_layers = sets
-
-    options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
-               "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
-               "batch_size": batch_size, "timing_repeats": timing_repeats}
-    return DefectResult(
-        provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options),
-        layers=sel,
-        already_parallel=parallel,
-        score=scores["C"].clone(),
-        scores=scores,
-        nonlinearity=nonlin,
-        counterfactual_scores=cf_scores,
-        counterfactual_nonlinearity=cf_nonlin,
-        rms=rms,
-        phi_check=torch.tensor(phi_check, dtype=torch.float64),
-        brackets=bracket_rms,
-        peer_scores=_peers.pooled(peer_sums, n_tokens),
-        n_tokens=n_tokens,
-        evaluated=bool(evaluate),
-        clean_loss=clean_loss,
-        delta_ce=delta_ce,
-        spearman=spearman,
-        k_values=ks if evaluate else [],
-        curves=curves,
-        curve_layers=curve_layers,
-        t_attn=torch.tensor(t_attn, dtype=torch.float64),
-        t_ffn=torch.tensor(t_ffn, dtype=torch.float64),
-        t_forward=t_forward,
-        t_other=t_other,
-        timing_shape=timing_shape,
-        timing_device=str(ad.device) if timing else "",
-        seconds=time.perf_counter() - t_start,
-        options=options,
-    )
+def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scores: dict[str, Tensor],
+          ks: list[int], n_random: int, seed: int, batch_size: int, world: World | None) -> dict[str, Any]:
+    """The gold standard (docs/defect.md): the clean CE, the single-layer dCE with each variant's Spearman rho, and
+    the loss-vs-k curves of the lowest-C, highest-C, contiguous (lowest summed C) and random plans."""
+    loss = PlanLoss(model, tokens, batch_size, world=world)
+    candidates = [lay for lay, par in zip(sel, parallel) if not par]
+    score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
+    sets: dict[str, list] = {
+        "lowest": [st.one_shot(candidates, score_of, k, lowest=True) for k in ks],
+        "highest": [st.one_shot(candidates, score_of, k, lowest=False) for k in ks],
+        "contiguous": [st.contiguous(candidates, score_of, k) for k in ks],
+        "random": st.random_sets(candidates, ks, n_random, seed),
+    }
+    # every plan measured once (one pass over the windows each), split over the ranks of a process group
+    loss.prefetch([[]] + [[lay] for lay in candidates] + [p for name in ("lowest", "highest", "contiguous")
+                                                          for p in sets[name]]
+                  + [p for draw in sets["random"] for p in draw])
+    delta_ce, spearman = single_layer_gold(loss, sel, parallel, scores)
+    curves = {"k": torch.tensor(ks, dtype=torch.int64),
+              **delta_curves(loss, {name: sets[name] for name in ("lowest", "highest", "contiguous")})}
+    draws = delta_curves(loss, {str(r): draw for r, draw in enumerate(sets["random"])})
+    rnd = torch.stack(list(draws.values())) if n_random else torch.zeros(0, len(ks), dtype=torch.float64)
+    curves["random"] = rnd.reshape(n_random, len(ks))
+    curves["random_mean"] = rnd.mean(0) if n_random else torch.full((len(ks),), math.nan, dtype=torch.float64)
+    return {"clean_loss": loss.clean, "delta_ce": delta_ce, "spearman": spearman, "curves": curves,
+            "curve_layers": sets}
 
 
 __all__ = [

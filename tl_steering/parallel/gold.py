@@ -158,6 +158,10 @@ class PlanLoss:
         """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
         return 1
 
+    def cost_of(self, layers: Sequence[int]) -> int:
+        """Passes over the windows one measurement of the plan ``layers`` runs."""
+        return self._cost(self._key(layers))
+
     @property
     def passes(self) -> int:
         """Passes over the windows run so far (the clean pass that builds the shared prefix counts once, as the
@@ -208,10 +212,23 @@ class PlanLoss:
         return self(layers) - self.clean
 
 
-def single_layer_delta(loss: PlanLoss, layers: Sequence[int], already_parallel: Sequence[bool]) -> Tensor:
-    """Per layer, dCE with that layer alone parallel (0 for already-parallel blocks), float64."""
-    return torch.tensor([0.0 if par else loss.delta([lay]) for lay, par in zip(layers, already_parallel)],
-                        dtype=torch.float64)
+def delta_curves(loss: PlanLoss, sets: dict[str, list[list[int]]]) -> dict[str, Tensor]:
+    """The one curve builder: per name, ``CE(plan) - CE(clean)`` of each of its plans (float64 ``[n_plans]``), every
+    plan measured once by ``loss`` (split over the ranks of its world)."""
+    loss.prefetch([[]] + [p for plans in sets.values() for p in plans])
+    return {name: torch.tensor([loss.delta(p) for p in plans], dtype=torch.float64) for name, plans in sets.items()}
+
+
+def single_layer_gold(loss: PlanLoss, layers: Sequence[int], already_parallel: Sequence[bool],
+                      scores: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+    """The measured single-layer dCE of every layer (0 for already-parallel blocks; float64) and the Spearman rho
+    of each score with it over the sequential layers (docs/defect.md "Gold standard")."""
+    seq = [lay for lay, par in zip(layers, already_parallel) if not par]
+    curves = delta_curves(loss, {"single": [[lay] for lay in seq]})
+    delta = torch.zeros(len(layers), dtype=torch.float64)
+    cidx = [i for i, par in enumerate(already_parallel) if not par]
+    delta[cidx] = curves["single"]
+    return delta, {k: spearman(v[cidx], delta[cidx]) for k, v in scores.items()}
 
 
 def spearman(x: Tensor, y: Tensor) -> float:
@@ -226,4 +243,4 @@ def spearman(x: Tensor, y: Tensor) -> float:
     return float(rho)
 
 
-__all__ = ["PREFIX_CACHE_BYTES", "PlanLoss", "single_layer_delta", "spearman"]
+__all__ = ["PREFIX_CACHE_BYTES", "PlanLoss", "delta_curves", "single_layer_gold", "spearman"]

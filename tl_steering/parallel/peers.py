@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import geometry as geo
 # the peers' one-shot scores held in ``ParallelScoresResult.scores`` (and ``DefectResult.peer_scores``); the one copy
-# is in the suite's settings (the CLI reads them before it imports torch code)
+# is in the planner's registry (no torch: the CLI reads it before it imports torch code)
 from .strategies import PEER_SCORES
 
 

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..results import Result, register
 from .attribution import attribution_scores
 from .defect import parallel_defect
-from .gold import PlanLoss, single_layer_delta, spearman
+from .gold import PlanLoss, single_layer_gold
 from ..backends.ownership import exclusive
 
 
@@ -141,10 +141,8 @@ def parallel_scores(
     rho: dict[str, float] = {}
     if gold:
         loss = PlanLoss(model, tokens, batch_size)
-        delta = single_layer_delta(loss, sel, defect.already_parallel)
+        delta, rho = single_layer_gold(loss, sel, defect.already_parallel, scores)
         cost["forward"] += loss.passes
-        cidx = [i for i, par in enumerate(defect.already_parallel) if not par]
-        rho = {k: spearman(v[cidx], delta[cidx]) for k, v in scores.items()}
     cost["seconds"] = time.perf_counter() - t0
     options = {"layers": sel, "exclude_positions": list(exclude_positions), "gold": bool(gold),
                "batch_size": batch_size, "fisher_samples": fisher_samples, "seed": seed}

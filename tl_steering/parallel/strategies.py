@@ -1,30 +1,43 @@
-"""Pure layer-choice strategies: which k layers to make parallel, given per-layer scores (no model here).
+"""The one planner's strategies: which k layers to make parallel (no torch here, so the CLI checks its arguments
+fast; docs/parallel.md "Planning").
 
-Every function takes the candidate layers (the sequential blocks that can be made parallel) and returns a
-sorted list of layer indices. Ties are broken by the lower layer index; NaN scores rank last. See
-docs/defect.md ("Layer choices") and docs/parallel.md ("Planning").
+:data:`STRATEGIES` maps each name to one small function ``plan(ctx, ks) -> (one plan per k of ks, cost)``, a plan
+a sorted list of candidate layers; ``ctx`` (:class:`tl_steering.parallel.plan.PlanContext`) gives the candidates,
+``score_of(name)`` (the per-layer scores of :func:`tl_steering.parallel_scores` on the calibration windows), the
+measured-loss oracle ``loss`` and the ``seed``. Ties are broken by the lower layer index; NaN scores rank last.
+:data:`PLANNER` is the one default of every entry point (``plan_parallel``, the suite's ``plan`` and
+``plan_choice`` stages, the report and the CLI).
 """
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import InputError
 
-ONE_SHOT_COMPARISON: tuple[str, ...] = ("C", "attribution_abs", "attribution_2nd")
-"""The default comparison of ``strategy="best"``: the cheap one-shot scores (one parallel_scores call: 2 forwards
-+ 1 + ``fisher_samples`` backwards) then a few corrected forwards per plan and curve point. The signed
-``attribution`` is left out (still available by name): it was the worst plan at every k on both models (held out
-+4.53 nats on SmolLM2 at k = 15, +9.86 / +1.60 corrected on Gemma-3-270M at k = 9) and was never chosen. With the
-cross-fitted linear correction (the default ``refit="linear"``) it is the best plan we measured held out on SmolLM2 and
-Gemma-3-270M (docs/parallel.md "Planners against the field"); the measured / greedy searches choose among hundreds
-of plans on the calibration windows' loss and, with a few calibration windows, pick plans that fit their noise.
-The suite's ``plan_choice`` stage compares these and :data:`PEER_SCORES` by default (this module imports no
-torch, so the CLI checks its arguments fast)."""
 PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
 """The field's one-shot layer-choice scores (:mod:`tl_steering.parallel.peers`: ShortGPT's block influence, Gromov
 et al.'s angular distance, FFN Fusion's dependency), from the same forward as C."""
+FISHER_SAMPLES = 8
+"""Sampled-label backwards of the second-order score ``attribution_2nd`` (``plan_parallel(fisher_samples=)``)."""
+
+
+class Planner(NamedTuple):
+    """The planner's default: the strategies ``"best"`` compares, the reference it keeps unless beaten beyond
+    noise, and the closed-form correction every compared plan is fitted with."""
+
+    strategies: tuple[str, ...]
+    reference: str
+    refit: str
+
+
+PLANNER = Planner(strategies=("C", "attribution_abs", "attribution_2nd"), reference="C", refit="linear")
+"""The one default: the paper's lowest-C plan (the reference; the suite's ``plan`` stage measures it uncorrected)
+against our first- and second-order loss scores, each plan with the cross-fitted linear correction. Measured the
+best held out on SmolLM2-135M and Gemma-3-270M (docs/parallel.md "Planners against the field"); the searches
+(measured, greedy, contiguous, greedy_measured) were no better held out at tens to hundreds of forwards."""
 
 
 def check_k(k: object, n_candidates: int, parallel: Sequence[int] = ()) -> int:
@@ -61,7 +74,8 @@ def one_shot(candidates: Sequence[int], score_of: Mapping[int, float], k: int, l
 
 
 def contiguous(candidates: Sequence[int], score_of: Mapping[int, float], k: int) -> list[int]:
-    """The window of k consecutive candidates with the lowest summed score (earliest on ties; NaN sums lose)."""
+    """The window of k consecutive candidates with the lowest summed score (earliest on ties; NaN sums lose): the
+    ``contiguous`` curve of :func:`tl_steering.parallel_defect`."""
     k = check_k(k, len(candidates))
     if k == 0:
         return []
@@ -71,19 +85,65 @@ def contiguous(candidates: Sequence[int], score_of: Mapping[int, float], k: int)
     return list(candidates[start:start + k])
 
 
-def windows(candidates: Sequence[int], k: int) -> list[list[int]]:
-    """Every window of k consecutive candidates (in order of its first layer)."""
-    k = check_k(k, len(candidates))
-    if k == 0:
-        return [[]]
-    return [list(candidates[i:i + k]) for i in range(len(candidates) - k + 1)]
-
-
 def random_sets(candidates: Sequence[int], ks: Sequence[int], n_random: int, seed: int) -> list[list[list[int]]]:
     """``n_random`` draws; each draw one uniformly random k-subset per k of ``ks`` (numpy ``default_rng(seed)``)."""
     rng = np.random.default_rng(seed)
     return [[sorted(int(v) for v in rng.choice(candidates, size=k, replace=False)) if k else [] for k in ks]
             for _ in range(n_random)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the registry: one function per strategy
+
+Cost = dict[str, float]
+Strategy = Callable[[Any, Sequence[int]], tuple[list[list[int]], Cost]]
+
+#: passes over the calibration windows of each one-shot score (forward, backward); the peers share C's forward
+SCORE_COST: dict[str, Callable[[int], tuple[float, float]]] = {
+    "C": lambda s: (1.0, 0.0), "attribution_abs": lambda s: (1.0, 1.0),
+    "attribution_2nd": lambda s: (1.0, 1.0 + s), **{p: (lambda s: (1.0, 0.0)) for p in PEER_SCORES}}
+
+
+def lowest_score(name: str) -> Strategy:
+    """The strategy ``name`` of a one-shot score: at each k, the k candidates of lowest score ``name``."""
+
+    def plan(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
+        so = ctx.score_of(name)
+        fwd, bwd = SCORE_COST[name](ctx.fisher_samples)
+        return [one_shot(ctx.candidates, so, k) for k in ks], {"forward": fwd, "backward": bwd}
+
+    plan.__name__ = plan.__qualname__ = name
+    return plan
+
+
+def sleb(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
+    """SLEB (Song et al. 2024, arXiv:2402.09025): add, one at a time, the candidate whose addition gives the lowest
+    measured calibration loss, every remaining candidate measured at every step (nested plans)."""
+    order: list[int] = []
+    fwd = 0.0
+    for _ in range(max(ks, default=0)):
+        rest = [lay for lay in ctx.candidates if lay not in order]
+        ctx.loss.prefetch([order + [lay] for lay in rest])  # split over the ranks of a process group
+        vals = {lay: ctx.loss(order + [lay]) for lay in rest}
+        fwd += sum(ctx.loss.cost_of(order + [lay]) for lay in rest)
+        order.append(min(rest, key=lambda lay: (vals[lay], lay)))
+    return [sorted(order[:k]) for k in ks], {"forward": fwd, "backward": 0.0}
+
+
+def random(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
+    """A seeded random k-set per k (a baseline, never chosen by ``"best"``)."""
+    return random_sets(ctx.candidates, ks, 1, ctx.seed)[0], {"forward": 0.0, "backward": 0.0}
+
+
+STRATEGIES: dict[str, Strategy] = {
+    **{name: lowest_score(name) for name in ("C", "attribution_abs", "attribution_2nd") + PEER_SCORES},
+    "sleb": sleb,
+    "random": random,
+}
+"""Every strategy of the planner: the paper's ``C``; our ``attribution_abs`` and ``attribution_2nd``; the field's
+scores (:data:`PEER_SCORES`) and search (``sleb``) as baselines; the ``random`` baseline."""
+SCORE_STRATEGIES: tuple[str, ...] = tuple(SCORE_COST)
+"""The strategies that read a score of :func:`tl_steering.parallel_scores`."""
 
 
 def choose(calibration: Mapping[str, float], order: Sequence[str], reference: str | None = None,
@@ -95,11 +155,9 @@ def choose(calibration: Mapping[str, float], order: Sequence[str], reference: st
     Without ``reference`` (or with one not in ``order``): the lowest calibration dCE. With one: the reference,
     unless some strategies beat it beyond noise, i.e. the upper end of the interval of their calibration dCE minus
     the reference's (``margins[s] = [point, low, high]``) is below zero; then the lowest of those. A NaN interval
-    never beats the reference. A plan that fits the calibration windows' noise (a search over many plans, or an
-    in-sample correction) lowers its point estimate but not its paired interval's upper end below zero unless the
-    gain is larger than the noise of the tokens it was measured on. ``also``: margins of a second measurement that
-    must be beaten too (given: a strategy missing from it never beats the reference); the planner passes the
-    uncorrected margins when corrections were compared in-sample, a win a fit cannot make up."""
+    never beats the reference. ``also``: margins of a second measurement that must be beaten too (given: a
+    strategy missing from it never beats the reference); the planner passes the uncorrected margins when
+    corrections were compared in-sample, a win a fit cannot make up."""
     names = list(order)
     if not names:
         raise InputError("choose: no strategy to choose from")
@@ -122,4 +180,5 @@ def default_k_values(n_candidates: int) -> list[int]:
     return sorted(set(range(0, n_candidates + 1, step)) | {n_candidates // 2, n_candidates})
 
 
-__all__ = ["ONE_SHOT_COMPARISON", "PEER_SCORES", "check_k", "choose", "contiguous", "default_k_values", "one_shot", "random_sets", "rank", "windows"]
+__all__ = ["FISHER_SAMPLES", "PEER_SCORES", "PLANNER", "Planner", "SCORE_STRATEGIES", "STRATEGIES", "check_k",
+           "choose", "contiguous", "default_k_values", "lowest_score", "one_shot", "random_sets", "rank"]

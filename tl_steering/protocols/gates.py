@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
 from ..metrics import next_token_loss
 from ..results import Result, register, tensor_field
+from ..stats import Moments
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
 
@@ -146,8 +147,7 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
     names = []
     for layer in plan:
         names += [ad.hook_name(layer, "resid_pre"), ad.hook_name(layer, "attn_out")]
-    num = dict.fromkeys(plan, 0.0)
-    den = dict.fromkeys(plan, 0.0)
+    moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
     for s in range(0, tokens.shape[0], batch_size):
         _, cache = ad.run_with_cache(tokens[s:s + batch_size], names, fwd_hooks=base)
         for layer in plan:
@@ -155,11 +155,8 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
             a = cache[ad.hook_name(layer, "attn_out")]
             phi = ad.ffn(layer)
             with torch.no_grad():
-                px = phi(x)[:, 1:].to(torch.float64)
-                py = phi(x + a)[:, 1:].to(torch.float64)
-            num[layer] += float((py * px).sum())
-            den[layer] += float((px * px).sum())
-    return {layer: num[layer] / den[layer] if den[layer] > 0 else 1.0 for layer in plan}
+                moments[layer].add(phi(x + a), phi(x), (0,))  # Y the sequential write, P the parallel one
+    return {layer: m.solve("gate")[0] for layer, m in moments.items()}
 
 
 def _fit_by_loss(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int], steps: int, lr: float,

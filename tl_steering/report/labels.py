@@ -42,7 +42,7 @@ LABELS: dict[str, str] = {
     "spearman_C": "Spearman correlation of C_l with the single-layer ΔCE",
     "dCE_lowest_half": "ΔCE with the lowest-C half made parallel (nats)",
     "dCE_highest_half": "ΔCE with the highest-C half made parallel (nats)",
-    "plan: strategy": "how the suite's plan was chosen (lowest_C: the paper's k lowest-C layers)",
+    "plan: strategy": "how the suite's plan was chosen (C: the paper's k lowest-C layers)",
     "plan: layers": "the plan: layers made parallel",
     "plan dCE": "the plan's ΔCE (nats)",
     "speedup estimate: speedup": "estimated speedup from sub-module median times (critical path, no interval)",

@@ -283,7 +283,7 @@ def defect_sentence(r: SuiteResult) -> str:
                 "made: not judged.")
     lo, ratio = _num(plan.delta_ce_lowest), _num(plan.high_over_low)
     vd = band_verdict(lo, None, p["band"], p["value"])
-    which = "lowest-C" if plan.strategy == "lowest_C" else f"{plan.strategy}-chosen"
+    which = "lowest-C" if plan.strategy in ("C", "lowest_C") else f"{plan.strategy}-chosen"
     hi = _num(plan.delta_ce_highest)
     if math.isinf(ratio):
         order = f"the {_n(plan.k, 'highest-C layer')} cost {hi:+.3g} nats while the plan costs nothing (the ordering holds)"

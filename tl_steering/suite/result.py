@@ -90,7 +90,7 @@ class PlanLosses:
 
     Attributes:
         k: layers in the plan; layers: the plan (k lowest-C sequential layers); variant: the score used.
-        strategy: how the plan was chosen (``"lowest_C"``, or the planner strategy of ``SuiteResult.planner``).
+        strategy: how the plan was chosen (``"C"``: the planner's reference, the lowest-C plan; or the planner strategy of ``SuiteResult.planner``).
         n_candidates: sequential layers the plan chose from.
         highest_layers: the k highest-C layers (the control).
         delta_ce_lowest, delta_ce_highest: CE increase with the plan / the control made parallel.
@@ -102,7 +102,7 @@ class PlanLosses:
     k: int = 0
     layers: list[int] = dataclasses.field(default_factory=list)
     variant: str = "C"
-    strategy: str = "lowest_C"
+    strategy: str = "C"
     n_candidates: int = 0
     highest_layers: list[int] = dataclasses.field(default_factory=list)
     delta_ce_lowest: float = math.nan
@@ -170,7 +170,7 @@ class ExecutorTiming:
     status: str = "ok"
     reason: str = ""
     label: str = ""
-    strategy: str = "lowest_C"
+    strategy: str = "C"
     correction: str = "none"
     layers: list[int] = dataclasses.field(default_factory=list)
     timing_shape: list[int] = dataclasses.field(default_factory=list)

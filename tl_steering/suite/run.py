@@ -38,6 +38,7 @@ from .result import (
 from .checkpoint import resume, run_key, write_checkpoint
 from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
+from ..parallel.strategies import PLANNER
 from ..backends.ownership import exclusive
 
 
@@ -122,24 +123,29 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             timing=False,
             **c.common(),
         )
-    # ---- the plan: the k lowest-C sequential layers (the default, the report's numbers), or a planner strategy
-    # of tl_steering.parallel (plan_parallel(model, tokens, k, strategy=...)) when settings.plan_strategy names
-    # one; its ParallelPlan is kept in SuiteResult.planner and PlanLosses.strategy records which strategy chose.
+    # ---- the plan: the planner's reference (PLANNER.reference, the k lowest-C layers of the defect scores: the
+    # report's numbers), or another planner strategy (plan_parallel(model, tokens, k, strategy=...)) when
+    # settings.plan_strategy names one; its ParallelPlan is kept in SuiteResult.planner.
     k = min(s.plan_k, len(defect.candidates))
-    if s.plan_strategy == "lowest_C":
-        layers, strategy = defect.plan(k), "lowest_C"
+    if s.plan_strategy == PLANNER.reference:
+        layers, strategy = defect.plan(k), PLANNER.reference
     else:
         from ..parallel import plan_parallel
 
         # every rank plans: the measured plans are split over the ranks, the scores come from rank 0
-        res.planner = plan_parallel(c.model, c.tokens, k, strategy=s.plan_strategy, seed=c.seed,
-                                    batch_size=s.batch_size, corpus=c.corpus, world=c.w,
+        res.planner = plan_parallel(c.model, _windows(c, c.tokens), k, strategy=s.plan_strategy, seed=c.seed,
+                                    batch_size=s.batch_size, world=c.w,
                                     refit="none")  # the suite's plan runs uncorrected (its executor: layers only)
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
     if s.defect_timing:
         res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
     tick("plan")
+
+
+def _windows(c: _Ctx, tokens: Any) -> Any:
+    """``tokens`` with the run's corpus label (the planner reads provenance from a ``TokenWindows``)."""
+    return TokenWindows(tokens, c.corpus) if c.corpus is not None else tokens
 
 
 def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
@@ -167,7 +173,7 @@ def _plan_losses(
         n_candidates=len(defect.candidates),
         highest_layers=high,
     )
-    if strategy == "lowest_C" and defect.evaluated and k in defect.k_values:
+    if strategy == PLANNER.reference and defect.evaluated and k in defect.k_values:
         j = defect.k_values.index(k)
         out.delta_ce_lowest = float(defect.curves["lowest"][j])
         out.delta_ce_highest = float(defect.curves["highest"][j])
@@ -187,11 +193,10 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..data.batching import mean_loss as _mean_loss
     from ..hooks import parallel_blocks
     from ..parallel import plan_parallel
-    from ..parallel.attribution import FISHER_VARIANTS
 
     s = c.s
     fisher = s.plan_choice_fisher_samples
-    names = [n for n in s.plan_choice_strategies if fisher or n not in FISHER_VARIANTS]
+    names = [n for n in s.plan_choice_strategies if fisher or n != "attribution_2nd"]
     if not names:
         return
     n = int(c.tokens.shape[0])
@@ -204,13 +209,12 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     n_cand = sum(1 for lay in range(ad.n_layers) if not ad.is_parallel(lay))
     k = min(s.plan_k, n_cand)
     ks = s.plan_choice_k_values if s.plan_choice_k_values is not None else sorted({0, k})
-    plan = plan_parallel(c.model, cal, k, strategy="best", held_out=held, strategies=names, seed=c.seed,
-                         batch_size=s.batch_size, corpus=c.corpus, fisher_samples=fisher, refit=s.plan_choice_refit,
-                         k_values=ks, uncorrected_curves=True)
+    plan = plan_parallel(c.model, _windows(c, cal), k, strategy=names, held_out=held, seed=c.seed,
+                         batch_size=s.batch_size, fisher_samples=fisher, refit=s.plan_choice_refit, k_values=ks)
     tick(f"chosen: {plan.strategy}")
     out = PlanChoice(plan=plan, fisher_samples=plan.options.get("fisher_samples", fisher))
     if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)
-        low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == "lowest_C" else \
+        low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == PLANNER.reference else \
             list(res.defect.plan(min(k, len(res.defect.candidates))))
         loss = _mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
         out.lowest_c_layers = low
@@ -232,7 +236,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
     sequential times and the control."""
     plan = res.plan.layers if res.plan is not None else []
-    strategy = res.plan.strategy if res.plan is not None else "lowest_C"
+    strategy = res.plan.strategy if res.plan is not None else PLANNER.reference
     runs = [_executor_copy(c, list(plan), strategy, {}, {})]
     pc = res.plan_choice
     if pc is not None and pc.plan is not None:

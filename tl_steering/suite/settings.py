@@ -8,7 +8,7 @@ import dataclasses
 from typing import ClassVar
 
 from ..errors import InputError
-from ..parallel.strategies import ONE_SHOT_COMPARISON, PEER_SCORES
+from ..parallel.strategies import FISHER_SAMPLES, PLANNER
 from ..results import register
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
@@ -27,9 +27,9 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-#: The strategies the ``plan_choice`` stage compares by default (the cheap one-shot scores,
-#: :data:`tl_steering.parallel.strategies.ONE_SHOT_COMPARISON`), beside the field's :data:`PEER_SCORES`.
-PLAN_CHOICE_STRATEGIES: tuple[str, ...] = ONE_SHOT_COMPARISON
+#: The strategies the ``plan_choice`` stage compares by default: the planner's one default,
+#: :data:`tl_steering.parallel.strategies.PLANNER` (as ``plan_parallel``).
+PLAN_CHOICE_STRATEGIES: tuple[str, ...] = PLANNER.strategies
 
 CRITICAL_METHODS: tuple[str, ...] = ("flow", "landscape", "homotopy", "riemannian", "fixed_point", "reflected")
 
@@ -56,19 +56,20 @@ class SuiteSettings:
             these layers (``evaluate=True``, ``defect_gold_k_values``, no random sets, no timing), stored as
             ``SuiteResult.defect_gold``.
         plan_k: layers made parallel by the plan (capped at the sequential candidates).
-        plan_strategy: ``"lowest_C"`` (the k lowest-C layers of the defect scores) or a strategy of
-            ``tl_steering.parallel.plan_parallel`` (``"best"`` or one name), kept as ``SuiteResult.planner``.
+        plan_strategy: the planner's reference, ``"C"`` (``PLANNER.reference``: the k lowest-C layers of the defect
+            scores, uncorrected: the paper's plan) or another strategy of ``tl_steering.plan_parallel`` (``"best"``
+            or one name; run uncorrected), its ``ParallelPlan`` kept as ``SuiteResult.planner``.
         plan_choice_strategies: the ``plan_choice`` stage: ``plan_parallel(..., strategy="best", strategies=these,
-            refit=plan_choice_refit)`` at k = ``plan_k`` on the first half of the windows (calibration; the
+            refit=plan_choice_refit, fisher_samples=plan_choice_fisher_samples)`` at k = ``plan_k`` on the first half of the windows (calibration; the
             choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
             held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
-            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES` and the peers'
-            :data:`PEER_SCORES` (cheap one-shot scores); an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (``"linear"``, the default,
-            ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected on
-            the held-out windows (``plan_parallel(..., uncorrected_curves=True)``, the report's plan table).
-        plan_choice_fisher_samples: sampled-label backwards of the second-order scores (``attribution_2nd``);
-            0 drops the second-order strategies from the comparison.
+            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES`, the
+            planner's default; an empty list turns the stage off.
+        plan_choice_refit: the closed-form correction of the compared plans (default ``PLANNER.refit``,
+            ``"linear"``; ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected
+            on the held-out windows (the report's plan table).
+        plan_choice_fisher_samples: sampled-label backwards of the second-order score (``attribution_2nd``;
+            default ``plan_parallel``'s, :data:`~tl_steering.parallel.strategies.FISHER_SAMPLES`); 0 drops it.
         plan_choice_k_values: the k of the compared curves (None: 0 and k, the table of equal k; every point costs one
             forward over the calibration and one over the held-out windows per distinct layer set).
         parallel_repeats: alternating timing rounds of the executor stage (each round: one whole forward of the
@@ -111,11 +112,10 @@ class SuiteSettings:
     defect_gold_layers: list[int] | None = None
     defect_gold_k_values: list[int] | None = None
     plan_k: int = 0
-    plan_strategy: str = "lowest_C"
-    plan_choice_strategies: list[str] = dataclasses.field(
-        default_factory=lambda: list(PLAN_CHOICE_STRATEGIES + PEER_SCORES))
-    plan_choice_refit: str = "linear"
-    plan_choice_fisher_samples: int = 4
+    plan_strategy: str = PLANNER.reference
+    plan_choice_strategies: list[str] = dataclasses.field(default_factory=lambda: list(PLAN_CHOICE_STRATEGIES))
+    plan_choice_refit: str = PLANNER.refit
+    plan_choice_fisher_samples: int = FISHER_SAMPLES
     plan_choice_k_values: list[int] | None = None
     parallel_repeats: int = 7
     parallel_timing_windows: int = 2
@@ -138,10 +138,12 @@ class SuiteSettings:
         for need in ("parallel", "gates"):
             if need in self.stages and "defect" not in self.stages:
                 raise InputError(f"SuiteSettings.stages: {need!r} runs on the defect plan: add 'defect'")
-        if not isinstance(self.plan_strategy, str) or not self.plan_strategy:
-            raise InputError(f"SuiteSettings.plan_strategy must be a strategy name, got {self.plan_strategy!r}")
         from ..parallel.plan import PLAN_STRATEGIES
         from ..parallel.refit import REFITS
+
+        if self.plan_strategy not in ("best",) + PLAN_STRATEGIES:
+            raise InputError(f"SuiteSettings.plan_strategy must be 'best' or a strategy of {list(PLAN_STRATEGIES)}, "
+                             f"got {self.plan_strategy!r}")
 
         if not isinstance(self.plan_choice_strategies, list) or any(
                 s not in PLAN_STRATEGIES for s in self.plan_choice_strategies):

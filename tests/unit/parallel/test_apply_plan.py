@@ -22,7 +22,7 @@ from tl_steering.parallel import parallelize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-STRATEGIES = ["C", "attribution_abs"]  # two cheap one-shot strategies: the plan is what matters here, not the choice
+STRATEGIES = ["attribution_abs"]  # one cheap one-shot strategy: the plan is what matters here, not the choice
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,7 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def plans(planner_model, tokens):
-    # reference=None: the lowest calibration dCE chooses, the plan these tests were measured on (the choice rule:
-    # test_plan.py)
-    kw = {"held_out": tokens[4:], "strategies": STRATEGIES, "batch_size": 4, "fisher_samples": 0, "reference": None}
+    kw = {"held_out": tokens[4:], "strategy": STRATEGIES, "batch_size": 4, "fisher_samples": 0}
     return {refit: ts.plan_parallel(planner_model, tokens[:4], 2, refit=refit, **kw)
             for refit in ("linear", "affine", "none")}
 

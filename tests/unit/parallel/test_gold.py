@@ -64,13 +64,12 @@ def test_too_big_turns_sharing_off(tiny, monkeypatch):
     assert "PREFIX_CACHE_BYTES" in pl.prefix_note
 
 
-@pytest.mark.parametrize("fit", ["sequential", "joint"])
-def test_refit_losses_share_the_prefix(tiny, fit):
+def test_refit_losses_share_the_prefix(tiny):
     """The corrected plans (fitted on one set of windows, measured there and on others) through the shared prefix
     equal the hooked forwards: the same gates and biases, the same losses."""
     cal, held = _tokens(4, 16), _tokens(3, 16)[:, :16]
-    a = RefitLoss(tiny, cal, batch_size=4, fit=fit)
-    b = RefitLoss(tiny, cal, batch_size=4, fit=fit, share_prefix=False)
+    a = RefitLoss(tiny, cal, batch_size=4)
+    b = RefitLoss(tiny, cal, batch_size=4, share_prefix=False)
     for plan in ([1], [0, 1]):
         assert a(plan) == pytest.approx(b(plan), abs=1e-6)
         ga, ba = a.corrections(plan)

@@ -65,9 +65,9 @@ def test_peer_scores_match_the_reference(tiny64, tiny_tokens):
 
 
 def test_peer_strategies_plan_by_their_score(planner_model, planner_tokens):
-    """A peer score as a strategy: the k lowest-scored layers; SLEB = greedy_measured over every layer."""
+    """A peer score as a strategy: the k lowest-scored layers (SLEB: test_plan.py)."""
     cal, held = planner_tokens[:2], planner_tokens[2:]
-    p = ts.plan_parallel(planner_model, cal, 2, held_out=held, strategies=list(PEER_SCORES), refit="none",
+    p = ts.plan_parallel(planner_model, cal, 2, held_out=held, strategy=list(PEER_SCORES), refit="none",
                          k_values=[1, 2], batch_size=2, fisher_samples=0)
     scores = ts.parallel_scores(planner_model, cal, batch_size=2, fisher_samples=0)
     for name in PEER_SCORES:

@@ -14,7 +14,7 @@ from tl_steering.result_sidecar import sidecar_path
 @pytest.fixture(scope="module")
 def linear_plan(planner_model):
     toks = torch.randint(1, 257, (4, 12), generator=torch.Generator().manual_seed(5))
-    return ts.plan_parallel(planner_model, toks[:2], 2, held_out=toks[2:], strategies=["C", "attribution_abs"],
+    return ts.plan_parallel(planner_model, toks[:2], 2, held_out=toks[2:], strategy=["C", "attribution_abs"],
                             k_values=[2], batch_size=2, fisher_samples=0, refit="linear")
 
 

@@ -17,7 +17,8 @@ from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt
 from tl_steering.hooks import parallel_blocks
 from tl_steering.parallel import strategies as st
-from tl_steering.parallel.refit import Moments, carried_max_df, carried_refit, fit_corrections, ridge_df
+from tl_steering.parallel.refit import carried_max_df, carried_refit, fit_corrections
+from tl_steering.stats import Moments, ridge_df
 from tl_steering.stats import block_length, block_sums, cluster_bootstrap_ci
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,7 +39,7 @@ def _planner_warnings(fn):
 
 def test_one_calibration_window_is_recorded_and_warned_once(planner_model):
     toks = _tokens(2)  # held_out=None: window 0 calibrates, window 1 is held out
-    plan, said = _planner_warnings(lambda: ts.plan_parallel(planner_model, toks, 2, strategies=TWO, fisher_samples=0))
+    plan, said = _planner_warnings(lambda: ts.plan_parallel(planner_model, toks, 2, strategy=TWO, fisher_samples=0))
     assert len(said) == 1 and "too small to cross-fit" in said[0] and "in-sample" in said[0]
     assert plan.calibration_fit == "in-sample" and plan.calibration_note == said[0].removeprefix("plan_parallel: ")
     assert plan.refit == plan.refit_requested == "linear" and plan.options["refit_carry"] is True
@@ -57,14 +58,14 @@ def test_one_calibration_window_is_recorded_and_warned_once(planner_model):
         torch.testing.assert_close(plan.linears[i], carried[lay], rtol=1e-4, atol=1e-6)
         assert float((carried[lay] - plain[lay]).abs().max()) > 1e-3 * float(plain[lay].abs().max())
     # two calibration windows: cross-fitted, nothing to say
-    plan2, said2 = _planner_warnings(lambda: ts.plan_parallel(planner_model, _tokens(4), 2, strategies=TWO,
+    plan2, said2 = _planner_warnings(lambda: ts.plan_parallel(planner_model, _tokens(4), 2, strategy=TWO,
                                                               fisher_samples=0))
     assert said2 == [] and plan2.calibration_fit == "out-of-fold" and plan2.calibration_note == ""
-    # asked for in-sample (refit_crossfit=False): kept as asked, recorded, not warned; no correction: "none"
-    plan3, said3 = _planner_warnings(lambda: ts.plan_parallel(planner_model, toks, 2, strategies=TWO,
-                                                              fisher_samples=0, refit_crossfit=False))
+    # the affine correction on 2 windows: in-sample by default, recorded, not warned; no correction: "none"
+    plan3, said3 = _planner_warnings(lambda: ts.plan_parallel(planner_model, _tokens(4), 2, strategy=TWO,
+                                                              fisher_samples=0, refit="affine"))
     assert said3 == [] and plan3.calibration_fit == "in-sample" and plan3.options["refit_carry"] is False
-    plan4, said4 = _planner_warnings(lambda: ts.plan_parallel(planner_model, toks, 2, strategies=TWO,
+    plan4, said4 = _planner_warnings(lambda: ts.plan_parallel(planner_model, toks, 2, strategy=TWO,
                                                               fisher_samples=0, refit="none"))
     assert said4 == [] and plan4.calibration_fit == "none"
     assert_no_hooks(planner_model)
@@ -108,10 +109,10 @@ def test_carried_ridge_and_refit_rule():
 @pytest.fixture(scope="module")
 def plans(planner_model):
     toks = _tokens(8)
-    kw = {"held_out": toks[4:], "strategies": ["C", "attribution_abs", "greedy_measured", "random"],
+    kw = {"held_out": toks[4:], "strategy": ["C", "attribution_abs", "sleb", "random"],
           "k_values": [0, 1, 2], "batch_size": 4, "fisher_samples": 0, "seed": 3}
     return (toks, ts.plan_parallel(planner_model, toks[:4], 2, refit="none", **kw),
-            ts.plan_parallel(planner_model, toks[:4], 2, refit="linear", uncorrected_curves=True, **kw))
+            ts.plan_parallel(planner_model, toks[:4], 2, refit="linear", **kw))
 
 
 def test_every_figure_has_an_interval_that_contains_it(plans):

@@ -176,7 +176,7 @@ def _same(a, b, path="", rtol=1e-6, seen=None):
     return seen[0]
 
 
-def _suite_inputs(name, windows, length, batch, stages, plan_strategy="lowest_C", quick=True, backend="bridge",
+def _suite_inputs(name, windows, length, batch, stages, plan_strategy="C", quick=True, backend="bridge",
                   overrides=None, model=None):
     """Model, token windows and settings of the suite runs compared below (the same in both processes)."""
     import dataclasses
@@ -252,7 +252,7 @@ def test_suite_on_two_processes_equals_one_process_smollm2(smollm2, tmp_path):
     stages = ["checks", "deficit", "ablation", "defect"]
     backend = "hooked" if type(smollm2).__name__ == "HookedTransformer" else "bridge"  # the fixture's
     small = {"defect_evaluate": False, "defect_brackets": True, "defect_timing": False}
-    one, two = _two_ranks_vs_one(tmp_path, ["smollm2-135m", 4, 16, 2, stages, "lowest_C", False, backend, small],
+    one, two = _two_ranks_vs_one(tmp_path, ["smollm2-135m", 4, 16, 2, stages, "C", False, backend, small],
                                  smollm2)
     assert two.distributed.world_size == 2 and two.distributed.rank0_stages == []
     assert _same(one.to_dict(), two.to_dict()) > 500

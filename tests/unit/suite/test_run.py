@@ -59,14 +59,13 @@ def test_plan_choice_is_re_measurable(suite, suite_inputs):
     from tl_steering.data.windows import token_source
     from tl_steering.hooks import parallel_blocks
     from tl_steering.suite import PLAN_CHOICE_STRATEGIES
-    from tl_steering.suite.settings import PEER_SCORES
 
     model, tokens, s = suite_inputs
     tokens = token_source(tokens, None)[0]
     cal, held = tokens[:2], tokens[2:]
     pc = suite.plan_choice
     p = pc.plan
-    assert p.strategies == list(PLAN_CHOICE_STRATEGIES + PEER_SCORES) == s.plan_choice_strategies
+    assert p.strategies == list(PLAN_CHOICE_STRATEGIES) == s.plan_choice_strategies
     assert p.requested == "best" and p.strategy in p.strategies and p.refit == "linear"
     assert p.options["refit_crossfit"] and p.linears.shape[0] == p.k
     assert p.k == suite.plan.k == 1 and (p.n_calibration, p.n_held_out) == (2, 2) and p.k_values == [0, 1]
