@@ -42,7 +42,7 @@ def main() -> None:
         results.append(r)
         e = r.results[0]
         c = e.counts()
-        v = r.claim()["per_layer"][layer]
+        v = r.claim().parts["per_layer"][layer]
         print(f"{layer:5d} | {e.n_starts:6d} | {e.n_converged:9d} | {e.n_points:8d} | {c['attractor']:4d} "
               f"{c['repeller']:3d} {c['saddle']:6d} {c['degenerate']:5d} | {c['rotational']:3d}/"
               f"{sum(e.rotational_pairs()):<5d} | {json.dumps(e.morse_histogram())} | {float(r.seconds[0]):7.1f} | "
@@ -55,7 +55,7 @@ def main() -> None:
         n_points=torch.cat([x.n_points for x in results]), n_converged=torch.cat([x.n_converged for x in results]),
         n_starts=torch.cat([x.n_starts for x in results]), radius=torch.cat([x.radius for x in results]),
         seconds=torch.cat([x.seconds for x in results]), results=[x.results[0] for x in results])
-    pooled = merged.claim()["pooled"]
+    pooled = merged.claim().parts["pooled"]
     conv = merged.converged_fraction()
     print(f"pooled: {pooled['saddles']} saddles of {pooled['n']} equilibria = {pooled['fraction']:.3f} "
           f"[{pooled['ci_low']:.3f}, {pooled['ci_high']:.3f}] -> {pooled['verdict']}")

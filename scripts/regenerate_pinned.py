@@ -8,7 +8,7 @@ Run it after an intended change of a definition, look at the diff of the JSON, a
 ``--check`` compares instead of writing (exit 1 on a mismatch); ``--against-backends`` also compares with the
 tighter cross-backend tolerances (BACKEND_TOLERANCES: rtol 1e-4 geometry, 1e-4 nats losses), e.g. a TL 3.9
 HookedTransformer run against the file written from the TL 4.x bridge. The values come from
-tl_steering.reference.pinned.compute_pinned (one run_suite with the model's settings, PINNED_MODELS: SmolLM2 4 pydoc
+tl_steering.suite.numbers.compute_pinned (one run_suite with the model's settings, PINNED_MODELS: SmolLM2 4 pydoc
 windows x 64 tokens, Gemma 2 x 64, seed 0; names -> SuiteResult fields in tl_steering.suite.numbers.PINNED);
 tests/published/test_smollm2_pinned.py and test_gemma_pinned.py assert them on TL 4.x (bridge) and TL 3.9
 (HookedTransformer).
@@ -32,8 +32,8 @@ from tl_steering.reference.pinned import (
     TOLERANCES,
     as_pinned,
     compare,
-    compute_pinned,
 )
+from tl_steering.suite.numbers import compute_pinned
 from tl_steering.results import _encode
 
 REFERENCE = Path(__file__).resolve().parent.parent / "tl_steering" / "reference"

@@ -14,13 +14,13 @@ PKG = ROOT / "tl_steering"
 #: rooms on one line are siblings and do not import each other
 ORDER: list[tuple[str, ...]] = [
     ("primitives",),
+    ("reference",),
     ("backends",),
     ("data",),
     ("hooks",),
     ("probing",),
     ("protocols", "critical", "parallel"),
     ("suite",),
-    ("reference",),
     ("report",),
     ("cli",),
     ("tl_steering",),  # the public surface: tl_steering/__init__.py

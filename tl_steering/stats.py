@@ -1,7 +1,9 @@
 """Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
-the bootstrap over sequences (see docs/statistics.md). Pure tensor functions, no model.
+the bootstrap over sequences (see docs/statistics.md), exact binomial intervals, and :class:`Claim`, the verdict of
+a result on one claim (docs/suite.md, "Claims"). Pure functions, no model.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -392,6 +394,74 @@ def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Ten
     return g, (sy64 - g * sp64) / n
 
 
+# ----------------------------------------------------------------------------------------------------------
+# proportions and claims
+
+
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval of a binomial proportion k/n; (nan, nan) when n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    from scipy.stats import binomtest
+
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k") -> dict[str, Any]:
+    """k of n against 1/2 with the exact interval: supported / rejected / undecided / no equilibria."""
+    low, high = clopper_pearson(k, n, level)
+    verdict = ("no equilibria" if n == 0 else "supported" if low > 0.5 else "rejected" if high < 0.5 else
+               "undecided")
+    return {count_key: int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
+            "level": level, "verdict": verdict}
+
+
+#: the verdicts a :class:`Claim` can carry
+VERDICTS = ("holds", "partly holds", "does not hold", "undecided", "not judged")
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """One claim judged on one result: what is claimed, our number with its interval, the verdict and why
+    (every protocol result's ``claim()``; docs/suite.md, "Claims").
+
+    Attributes:
+        statement: what is claimed: the paper's words (``tl_steering/reference/published.json``, "claims") or ours;
+            empty when the result lacks what the verdict reads (``why`` says so).
+        verdict: one of :data:`VERDICTS`.
+        why: what we found and why that verdict (plain text, no final period).
+        value: our number (a float, int or bool; None where there is none).
+        interval: its interval ``(low, high)`` (None: no interval).
+        by: ``"paper"`` or ``"ours"`` (our own claim, not the paper's).
+        parts: the verdict's parts where it has several (the critical claim's three; ``against``: what a published
+            number was judged against).
+    """
+
+    statement: str
+    verdict: str
+    why: str
+    value: Any = None
+    interval: tuple[float, float] | None = None
+    by: str = "paper"
+    parts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise InputError(f"Claim verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+    @property
+    def ok(self) -> bool | None:
+        """True when it holds, False when it does not, None otherwise (partly, undecided, not judged)."""
+        return {"holds": True, "does not hold": False}.get(self.verdict)
+
+    def sentence(self) -> str:
+        """The claim in one sentence, as the report shows it."""
+        if not self.statement:
+            return f"No verdict: {self.why}."
+        head = "The paper" if self.by == "paper" else "Ours, not the paper's claim [ours]"
+        return f"{head}: {self.statement}; here {self.why}."
+
 
 __all__ = [
     "LINEAR_RIDGE",
@@ -399,6 +469,10 @@ __all__ = [
     "ridge_df",
     "ridge_for_df",
     "solve_correction",
+    "VERDICTS",
+    "Claim",
+    "clopper_pearson",
+    "proportion_verdict",
     "bin_labels",
     "block_length",
     "block_sums",

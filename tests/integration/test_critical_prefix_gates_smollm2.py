@@ -69,7 +69,7 @@ def test_flow_finder_first_and_middle_layer(smollm2):
     # edge tracking lands on saddles with one unstable (index 1) or one stable (index 574) direction; its LM
     # finish may also end on a nearby saddle of another index (measured once: index 2)
     assert any(lab == "saddle" and idx in (1, 574) for lab, idx in zip(r5.labels, r5.index))
-    v = s.claim()["per_layer"][5]
+    v = s.claim().parts["per_layer"][5]
     assert v["fraction"] < 0.5  # a sample of what the dynamics reach: not "mostly saddles" (see the docs)
     assert weights_fingerprint(smollm2) == fp
 

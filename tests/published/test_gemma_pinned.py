@@ -16,9 +16,9 @@ from tl_steering.reference.pinned import (
     BACKEND_TOLERANCES,
     GEMMA_PINNED_SETTINGS,
     compare,
-    compute_pinned,
     group_problems,
 )
+from tl_steering.suite.numbers import compute_pinned
 
 pytestmark = [pytest.mark.published, pytest.mark.integration, pytest.mark.one_line("tl4")]
 

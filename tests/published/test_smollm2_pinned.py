@@ -9,7 +9,8 @@ if that was intended, run scripts/regenerate_pinned.py and commit the new JSON w
 import pytest
 
 from tl_steering.reference import pinned_values
-from tl_steering.reference.pinned import PINNED_SETTINGS, compute_pinned, group_problems
+from tl_steering.reference.pinned import PINNED_SETTINGS, group_problems
+from tl_steering.suite.numbers import compute_pinned
 
 pytestmark = [pytest.mark.published, pytest.mark.integration, pytest.mark.one_line("tl3")]
 

@@ -10,8 +10,11 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
+from .._util.display import pct, plural
 from ..errors import InputError
+from ..reference import paper_statement
 from ..results import Result, register
+from ..stats import Claim, clopper_pearson, proportion_verdict
 from .spectrum import LABELS
 
 
@@ -246,16 +249,6 @@ class EquilibriaResult(Result):
 # the "mostly saddles" claim
 
 
-def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """Exact (Clopper-Pearson) interval of a binomial proportion k/n; (nan, nan) when n = 0."""
-    if n <= 0:
-        return math.nan, math.nan
-    from scipy.stats import binomtest
-
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
-    return float(ci.low), float(ci.high)
-
-
 SAMPLE_NOTES = {
     "landscape": "the flow finder's sample (attractors, repellers, boundary saddles) plus the solution landscape: "
                  "deflated Newton solves along the real tangent eigenvectors of every point found reach its "
@@ -311,21 +304,6 @@ def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     interval describes the found set, not a population of fields (see docs/critical_points.md).
     """
     return proportion_verdict(k, n, level, count_key="saddles")
-
-
-def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k") -> dict[str, Any]:
-    """k of n against 1/2 with the exact interval: supported / rejected / undecided / no equilibria."""
-    low, high = clopper_pearson(k, n, level)
-    if n == 0:
-        verdict = "no equilibria"
-    elif low > 0.5:
-        verdict = "supported"
-    elif high < 0.5:
-        verdict = "rejected"
-    else:
-        verdict = "undecided"
-    return {count_key: int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
-            "level": level, "verdict": verdict}
 
 
 def _zeros(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tensor]:
@@ -420,8 +398,10 @@ class CriticalPointsResult(Result):
         miss = [p["missing_at_least"] for p in per.values()]
         return {"per_layer": per, "missing_at_least": None if None in miss else int(sum(miss))}
 
-    def claim(self, level: float = 0.95) -> dict[str, Any]:
-        """The paper's claim in its three parts, per layer and pooled (docs/critical_points.md section 4).
+    def claim(self, level: float = 0.95) -> Claim:
+        """The paper's claim in its three parts, per layer and pooled (docs/critical_points.md section 4): does not
+        hold as soon as one verified attractor is found, else undecided ("mostly saddles" is decided by no finder's
+        sample), not judged without equilibria. ``parts``:
 
         ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against
         1/2); ``mostly_saddles_decided``: False, with the reason in ``why_undecided``, for every finder here (the
@@ -429,36 +409,51 @@ class CriticalPointsResult(Result):
         paths' first crossings and their later ones; ``not_attractors``: "fails" as soon as one verified attractor
         is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the
         Poincaré-Hopf lower bound on equilibria not found."""
-        s = self.labels.index("saddle")
+        s, a = self.labels.index("saddle"), self.labels.index("attractor")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
-        pooled = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
+        n, n_attr = int(self.n_points.sum()), int(self.counts[:, a].sum())
+        p = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
         methods = sorted({r.method for r in self.results})
-        a = self.labels.index("attractor")
         with_attr = [int(layer) for i, layer in enumerate(self.layers) if int(self.counts[i, a]) > 0]
-        n_attr = int(self.counts[:, a].sum())
         by_crossing: dict[str, Any] = {}
         orders = [(o, lab) for r in self.results for o, lab in zip(r.crossing_order(), r.labels) if o is not None]
         if orders:
             for part, keep in (("first", lambda o: o == 1), ("later", lambda o: o > 1)):
                 labs = [lab for o, lab in orders if keep(o)]
                 by_crossing[part] = saddle_verdict(labs.count("saddle"), len(labs), level)
-        return {"per_layer": per_layer, "pooled": pooled, "sample": sample_note(methods),
-                "mostly_saddles_decided": False,
-                "why_undecided": "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods),
-                "by_crossing": by_crossing,
-                "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
-                                   "n_layers": len(self.layers),
-                                   "verdict": "fails" if n_attr else ("not contradicted" if int(self.counts.sum())
-                                                                      else "no equilibria")},
-                "rotational_modes": proportion_verdict(int(self.rotational.sum()), int(self.n_points.sum()), level,
-                                                       count_key="rotational"),
-                "parity": self.parity()}
+        rm = proportion_verdict(int(self.rotational.sum()), n, level, count_key="rotational")
+        why_undecided = "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods)
+        parity = self.parity()
+        miss = parity["missing_at_least"]
+        parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": False,
+                 "why_undecided": why_undecided, "by_crossing": by_crossing,
+                 "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
+                                    "n_layers": len(self.layers),
+                                    "verdict": "fails" if n_attr else "not contradicted" if n else "no equilibria"},
+                 "rotational_modes": rm, "parity": parity}
+        if n == 0:
+            return Claim(paper_statement("critical"), "not judged",
+                         f"no equilibrium was found on layers {list(self.layers)}: not judged", parts=parts)
+        attr = (f"'not attractors' fails: {plural(n_attr, 'verified attractor')} on {len(with_attr)} of "
+                f"{plural(len(self.layers), 'layer')}" if n_attr else
+                "'not attractors' is not contradicted: no attractor in this sample")
+        later = by_crossing.get("later")
+        later = (f"; past the paths' first crossings {later['saddles']} of {later['n']} are saddles "
+                 f"({pct(later['fraction'])})" if later and later["n"] else "")
+        par = f"; by the Poincaré-Hopf parity at least {miss} equilibri{'um' if miss == 1 else 'a'} went unfound" \
+            if miss else ""
+        return Claim(paper_statement("critical"), "does not hold" if n_attr else "undecided",
+                     f"{attr}; rotational modes: {rm['rotational']} of {n} points ({pct(rm['fraction'])}, {level:.0%} CI "
+                     f"[{pct(rm['ci_low'])}, {pct(rm['ci_high'])}]: {rm['verdict']}); 'mostly saddles' is not decided "
+                     f"by this sample: {p['saddles']} of {n} found are saddles ({pct(p['fraction'])}, {level:.0%} CI "
+                     f"[{pct(p['ci_low'])}, {pct(p['ci_high'])}]), but {why_undecided}{later}{par}",
+                     value=p["fraction"], interval=(p["ci_low"], p["ci_high"]), parts=parts)
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers pooled over the layers, one type per key (docs/critical_points.md, "Summary keys"):
         counts are ints, shares and seconds floats (NaN where undefined), verdicts strings."""
-        pooled = self.claim()["pooled"]
+        pooled = self.claim().parts["pooled"]
         missed = self.parity()["missing_at_least"]
         tot = self.totals()
         return {"field": self.field, "layers": len(self.layers), "equilibria": int(self.n_points.sum()),

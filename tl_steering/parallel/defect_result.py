@@ -14,10 +14,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .._util.display import fmt, plural
 from ..errors import InputError
+from ..reference import band_check, paper_statement, published_number
+from ..results import Result, register, tensor_field
+from ..stats import Claim
 from . import strategies as _strategies
 from .speedup import estimate_speedup
-from ..results import Result, register, tensor_field
 
 DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")
 """Score variants (keys of :attr:`DefectResult.scores`); ``"C"`` is the primary one."""
@@ -165,6 +168,16 @@ class DefectResult(Result):
         return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
                                 t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
 
+    def claim(self, k: int | None = None) -> Claim:
+        """The paper's parallelization claim (:func:`ordering_claim`) on this result's curves at ``k`` (default: half
+        the candidate layers); not judged without the curves at that k (``parallel_defect(..., evaluate=True)``)."""
+        k = len(self.candidates) // 2 if k is None else k
+        if not self.evaluated or k not in self.k_values:
+            return ordering_claim(k, len(self.candidates), math.nan, math.nan,
+                                  missing=f"no loss curves at k = {k} (parallel_defect(..., evaluate=True)): not judged")
+        j = self.k_values.index(k)
+        return ordering_claim(k, len(self.candidates), float(self.curves["lowest"][j]), float(self.curves["highest"][j]))
+
     # -- display --------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         cand = self.candidates
@@ -241,6 +254,35 @@ class DefectResult(Result):
         return fig
 
 
+def ordering_claim(k: int, n_candidates: int, lowest: float, highest: float, strategy: str = "C",
+                   missing: str = "") -> Claim:
+    """The paper's claim on a plan of ``k`` of ``n_candidates`` layers (docs/defect.md): the plan's dCE ``lowest``
+    against the tolerance band of published.json, and the ``k`` highest-C layers' dCE ``highest`` against the
+    plan's (the threshold of published.json). Holds when the ordering holds at the threshold and the plan's dCE is in
+    the band; does not hold when the control costs no more than the plan; partly holds in between; ``missing``: the
+    reason it is not judged."""
+    if missing:
+        return Claim(paper_statement("defect"), "not judged", missing)
+    thr = published_number("parallel_gpt2_large_high_defect_degrades")["band"][0]
+    ratio = highest / lowest if lowest > 0 else (math.inf if highest > 0 else math.nan)
+    cost = band_check(lowest, "parallel_gpt2_large_delta_ce")
+    ctrl = f"the {plural(k, 'highest-C layer')} cost"
+    if math.isinf(ratio) or ratio >= thr:
+        order = (f"{ctrl} {highest:+.3g} nats while the plan costs nothing (the ordering holds)" if math.isinf(ratio)
+                 else f"{ctrl} {fmt(ratio)}x as much (at least {fmt(thr)}x: the ordering holds)")
+        verdict = "holds" if cost.ok else "partly holds"
+    elif not math.isfinite(ratio):
+        verdict, order = "not judged", "the highest-C control was not measured"
+    elif ratio > 1:
+        verdict, order = "partly holds", (f"{ctrl} only {fmt(ratio)}x as much (below the {fmt(thr)}x threshold [I]: "
+                                          "weaker than the paper's sharp degradation)")
+    else:
+        verdict, order = "does not hold", f"{ctrl} {fmt(ratio)}x as much (not more: the ordering does not hold)"
+    which = "lowest-C" if strategy in ("C", "lowest_C") else f"{strategy}-chosen"
+    return Claim(paper_statement("defect"), verdict, f"the {k} {which} of {plural(n_candidates, 'layer')} cost ΔCE "
+                 f"{lowest:+.3g} nats ({cost.why}), and {order}", value=lowest, parts={"high_over_low": ratio})
+
+
 def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: int,
             lowest: bool) -> list[int]:
     pos = {lay: i for i, lay in enumerate(layers)}
@@ -248,4 +290,4 @@ def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: 
 
 
 
-__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult"]
+__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult", "ordering_claim"]

@@ -16,7 +16,9 @@ from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
-from ..stats import bootstrap_ci
+from .._util.display import fmt, sgn
+from ..reference import band_check, paper_statement, published_number
+from ..stats import Claim, bootstrap_ci
 from ..validation import as_int
 from ..backends.ownership import exclusive
 
@@ -91,6 +93,28 @@ class AblationResult(Result):
             out[f"kl_{v}"] = self.kl[v]
             out[f"top1_agreement_{v}"] = self.top1_agreement[v]
         return out
+
+    def claim(self) -> Claim:
+        """The paper's claim (docs/ablation.md): tangential-only preserves most of the quality, radial-only collapses
+        it. Each dCE against the paper's range; the verdict: holds when tangential-only is cheaper than radial-only
+        and inside the paper's tangential range (or below it), partly when only the ordering holds."""
+        tan, rad, zero = (self.delta_loss.get(k, math.nan) for k in ("tangential", "radial", "zero"))
+        tr = published_number("ablation_tangential")["range"]
+        if not (math.isfinite(tan) and math.isfinite(rad)):
+            verdict, why = "not judged", "not judged (a variant was not run)"
+        elif tan >= rad:
+            verdict, why = "does not hold", "the claim does not hold: tangential-only is not cheaper than radial-only"
+        elif tan <= tr[1]:
+            verdict, why = "holds", f"the claim holds: tangential-only costs {fmt(rad / tan if tan > 0 else math.inf)}x less"
+        else:
+            verdict, why = "partly holds", ("the ordering holds (tangential-only is cheaper) but the tangential part "
+                                            "does not preserve the model's quality as the paper says")
+        zero_txt = f", zero FFN {sgn(zero)}" if math.isfinite(zero) else ""
+        ci = self.delta_loss_ci.get("tangential")
+        return Claim(paper_statement("ablation"), verdict,
+                     f"tangential-only costs {sgn(tan)} nats ({band_check(tan, 'ablation_tangential').why}) and "
+                     f"radial-only {sgn(rad)} ({band_check(rad, 'ablation_radial').why}){zero_txt}: {why}",
+                     value=tan, interval=None if ci is None else (ci[0], ci[1]))
 
     def plot(self, title: str | None = None):
         """Bars of ΔCE per variant (with CI); with a per-layer scan, a second panel of ΔCE per layer."""

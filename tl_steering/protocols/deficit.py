@@ -15,7 +15,9 @@ from ..data.windows import model_tokens
 from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from ..data.batching import iter_batches
-from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
+from .._util.display import fmt, pct
+from ..reference import paper_statement, published_number
+from ..stats import Claim, bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
 from ._common import activation64
 from ..validation import as_int
 from ..backends.ownership import exclusive
@@ -100,6 +102,20 @@ class DeficitResult(Result):
             "n_tokens_used": int(self.n_tokens_used.sum()) if self.n_tokens_used.numel() else 0,
             "n_masked": int(self.n_masked.sum()) if self.n_masked.numel() else 0,
         }
+
+    def claim(self) -> Claim:
+        """The paper's claim on the deficit (docs/deficit.md): where the mean deficit falls beside the paper's GPT-2
+        and Llama-3-8B values, and whether adding the FFN improves the one-step angular prediction (the verdict)."""
+        lo, hi = published_number("deficit_gpt2")["value"], published_number("deficit_llama3_8b")["value"]
+        m, f, ci = self.mean, self.ffn_contribution_mean, self.mean_ci
+        where = ("between the paper's GPT-2 and Llama-3-8B values" if lo <= m <= hi else
+                 "below the paper's GPT-2 value" if m < lo else "above the paper's Llama-3-8B value")
+        verdict = "holds" if f > 0 else "does not hold" if math.isfinite(f) else "not judged"
+        ffn = {"holds": f"adding the FFN improves the one-step angular prediction by {pct(f)}",
+               "does not hold": f"adding the FFN does not improve the one-step angular prediction ({pct(f)})",
+               "not judged": "the FFN's one-step contribution is not available"}[verdict]
+        return Claim(paper_statement("deficit"), verdict, f"the mean deficit is {fmt(m)} (95% CI [{fmt(ci[0])}, "
+                     f"{fmt(ci[1])}]), {where}, and {ffn}", value=m, interval=(ci[0], ci[1]))
 
     def plot(self, title: str | None = None):
         """Per-layer curves: the deficit (with its CI band) and variants a, b; the one-step errors and R^2."""

@@ -21,7 +21,9 @@ from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from .._util.threads import single_threaded
 from ..data.batching import iter_batches
-from ..stats import check_exclude_positions, finite_mean, position_mask
+from .._util.display import pct
+from ..reference import band_check, paper_statement
+from ..stats import Claim, check_exclude_positions, finite_mean, position_mask
 from ._common import activation64
 from ..validation import as_int
 from .ablation import VARIANTS
@@ -198,6 +200,36 @@ class DiversityResult(Result):
             out[f"final_pairwise_cosine_{name}"] = d.get("pairwise_cosine", math.nan)
             out[f"entropy_{name}"] = self.entropy.get(name, math.nan)
         return out
+
+    def tangential_preserves(self) -> bool | None:
+        """Whether the tangential-only FFN keeps the final pairwise cosine closer to the clean run's than the
+        radial-only FFN does (None without both ablations)."""
+        clean = self.final_diversity.get("pairwise_cosine", math.nan)
+        tan, rad = (self.final_diversity_under_ablation.get(k, {}).get("pairwise_cosine", math.nan)
+                    for k in ("tangential", "radial"))
+        return abs(tan - clean) < abs(rad - clean) if math.isfinite(tan + rad + clean) else None
+
+    def claim(self) -> Claim:
+        """The paper's claim in three parts (docs/diversity.md): attention concentrates the directions in most layers,
+        the FFN diversifies them in at least a quarter (the tolerance bands of published.json), and the
+        tangential-only final diversity is the closer to the clean one; the verdict counts the parts that hold."""
+        s = self.summary()
+        att, ffn = s["frac_layers_attention_concentrates"], s["frac_layers_ffn_diversifies"]
+        tan = self.tangential_preserves()
+        checks = [band_check(att, "diversity_attention_contracts"), band_check(ffn, "diversity_ffn_restores"),
+                  band_check(tan, "diversity_tangential_preserves")]
+        held, judged = sum(1 for c in checks if c.ok), sum(1 for c in checks if c.ok is not None)
+        verdict = ("not judged" if not judged else "holds" if held == judged else "does not hold" if not held
+                   else "partly holds")
+        said = {"holds": "the claim holds", "does not hold": "the claim does not hold"}.get(
+            verdict, f"{held} of {judged} parts hold")
+        tan_txt = {True: "closer to the clean model's than the radial-only model's", None: "not compared",
+                   False: "not closer to the clean model's than the radial-only model's"}[tan]
+        return Claim(paper_statement("diversity"), verdict,
+                     f"attention concentrates the directions in {pct(att)} of the layers "
+                     f"({'most' if checks[0].ok else 'not most'}), the FFN diversifies them in {pct(ffn)} "
+                     f"({'at least a quarter' if checks[1].ok else 'fewer than a quarter'}), and the tangential-only "
+                     f"model's final diversity is {tan_txt}: {said}", value=att)
 
     def plot(self, title: str | None = None):
         """Pairwise cosine per layer (clean sites and resid_post under each ablation), and the gain sweep."""

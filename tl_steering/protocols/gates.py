@@ -15,8 +15,9 @@ from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
 from ..metrics import next_token_loss
+from .._util.display import fmt, pct
 from ..results import Result, register, tensor_field
-from ..stats import Moments
+from ..stats import Claim, Moments
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
 
@@ -92,6 +93,26 @@ class GateResult(Result):
             "improvement_calib": self.improvement_calib, "improvement_heldout": self.improvement_heldout,
             "generalization_gap": self.generalization_gap,
         }
+
+    def claim(self) -> Claim:
+        """Our claim, not the paper's (docs/gates.md): the fitted gates recover part of the plan's loss held out;
+        holds when the held-out recovered fraction is positive."""
+        s = self.summary()
+        base, gated, frac = s["delta_ce_base_heldout"], s["delta_ce_gated_heldout"], s["recovered_fraction_heldout"]
+        move = f"ΔCE held out {base:+.3g} → {gated:+.3g}"
+        if not s["n_gates"]:
+            verdict, why = "not judged", "no gate was fitted (the plan is empty): not judged"
+        elif not math.isfinite(frac):
+            verdict, why = "not judged", "the recovered fraction is not defined (the plan costs nothing held out): not judged"
+        elif frac <= 0:
+            fit = f" although they lower the calibration loss by {fmt(self.improvement_calib)} nats" \
+                if self.improvement_calib > 0 else ""
+            verdict, why = "does not hold", (f"the gates do not recover the loss held out: they make it worse ({move}, "
+                                             f"recovered fraction {frac:.3g}){fit}")
+        else:
+            verdict, why = "holds", f"the gates recover {pct(frac)} of the plan's loss held out ({move})"
+        return Claim("one scalar gate per parallel FFN, fitted on calibration windows, should recover part of the "
+                     "plan's loss", verdict, why, value=frac, by="ours")
 
     def plot(self, title: str | None = None):
         """Gate per layer (bars; fitted layers coloured) with the reference g = 1 (plotly Figure)."""

@@ -16,7 +16,9 @@ from ..data.windows import model_tokens
 from ..errors import InputError
 from ..metrics import kl_divergence
 from ..results import Result, register, tensor_field
-from ..stats import check_exclude_positions, position_mask
+from .._util.display import fmt
+from ..reference import paper_statement
+from ..stats import Claim, check_exclude_positions, position_mask
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
 
@@ -94,6 +96,24 @@ class PrefixSensitivityResult(Result):
                 out["kl_mean_later"] = float(self.kl[1:].nanmean())
                 out["angle_final_mean_later"] = float(self.angle_final[1:].nanmean())
         return out
+
+    def claim(self) -> Claim:
+        """The paper's claim (docs/prefix.md): a perturbation at position j leaves every earlier position unchanged;
+        holds when they are bit-identical or move by rounding only (< 1e-6 rad)."""
+        a = self.prefix_max_angle
+        if self.prefix_bitwise_equal:
+            verdict, before = "holds", "every earlier position is bit-identical: the claim holds"
+        elif not math.isfinite(a):
+            verdict, before = "not judged", "earlier positions were not measured: not judged"
+        elif math.isfinite(a) and a < 1e-6:
+            verdict, before = "holds", f"earlier positions move by at most {a:.2g} rad (rounding): the claim holds"
+        else:
+            verdict, before = "does not hold", f"earlier positions move by up to {fmt(a)} rad: the claim does not hold"
+        later = self.summary().get("angle_final_mean_later", math.nan)
+        later_txt = f"; later positions move by {fmt(later)} rad on average at the last layer" \
+            if math.isfinite(later) else ""
+        return Claim(paper_statement("prefix"), verdict, f"perturbing layer {self.perturb_layer} at positions "
+                     f"{list(self.positions)}, {before}{later_txt}", value=a)
 
     def plot(self, title: str | None = None):
         """Left: δθ against distance i - j, one line per layer; right: KL against distance (plotly)."""
@@ -280,6 +300,15 @@ class PrefixStatisticsResult(Result):
             if v.numel():
                 out[f"{s}_full_prefix_mean_over_layers"] = float(v[:, -1].nanmean())
         return out
+
+    def claim(self) -> Claim:
+        """Ours: the prefix statistics describe the prefix sets u_1..u_t (docs/prefix.md); they judge nothing, so the
+        verdict is "not judged", with the full-prefix pairwise cosine where it was computed."""
+        v = self.values.get("pairwise_cosine")
+        full = float(v[:, -1].nanmean()) if v is not None and v.numel() else math.nan
+        return Claim("the diversity statistics of every prefix set u_1..u_t describe the causal dynamics", "not judged",
+                     f"a description with nothing to judge: the full-prefix pairwise cosine at {self.site} is "
+                     f"{fmt(full)} averaged over {len(self.layers)} layers", value=full, by="ours")
 
     def plot(self, stat: str = "pairwise_cosine", title: str | None = None):
         """One line per layer: the statistic against the prefix end t (plotly Figure)."""

@@ -1,13 +1,17 @@
-"""The paper's published numbers (``published.json``) and this package's pinned SmolLM2 and Gemma values
-(``smollm2_pinned.json``, ``gemma3_pinned.json``), as versioned data (docs/published.md)."""
+"""The paper's published numbers and statements (``published.json``), the one check of a value against a published
+number (:func:`band_check`), and this package's pinned SmolLM2 and Gemma values (``smollm2_pinned.json``,
+``gemma3_pinned.json``), as versioned data (docs/published.md)."""
 
 import copy
 import functools
 import json
+import math
 from importlib import resources
 from typing import Any
 
+from .._util.display import as_number, fmt, span
 from ..errors import InputError
+from ..stats import Claim
 
 PUBLISHED_FILE = "published.json"
 PINNED_FILE = "smollm2_pinned.json"
@@ -48,6 +52,60 @@ def published_number(number_id: str) -> dict[str, Any]:
     raise InputError(f"no published number {number_id!r}; known ids: {ids}")
 
 
+class _Number(dict):
+    """A published number's row that formats as its value, or its range where it has no value."""
+
+    def __format__(self, spec: str) -> str:
+        return fmt(self["value"]) if self["value"] is not None else span(*self["range"])
+
+
+def paper_statement(key: str) -> str:
+    """The paper's statement ``key`` (``published.json``, "claims": deficit, ablation, diversity, defect, parallel,
+    critical, prefix), its numbers filled in from the published numbers (``{id}``: the value or range,
+    ``{id[k]}``: a field of that row)."""
+    claims = _load(PUBLISHED_FILE)["claims"]
+    if key not in claims:
+        raise InputError(f"no statement {key!r} in {PUBLISHED_FILE}; known: {', '.join(claims)}")
+    return claims[key].format_map({r["id"]: _Number(r) for r in _load(PUBLISHED_FILE)["numbers"]})
+
+
+def band_check(ours: Any, number: str | dict[str, Any], by_range: bool = True) -> Claim:
+    """Our value ``ours`` against one published number (its ``id`` or row): the one band check of the claims, the
+    report's comparison table and ``tests/published``.
+
+    With ``by_range``, the paper's published range decides where there is one: a value outside it "does not hold"
+    even when the wider tolerance band holds it (the band is named beside it). Otherwise, or without a range, the
+    tolerance band (either end None) around the paper's number or threshold decides. A bool is a shape target.
+    ``parts["against"]``: ``"paper's range"``, ``"tolerance band"``, ``"shape"`` or ``""`` (not judged).
+    """
+    row = published_number(number) if isinstance(number, str) else number
+    rng, band = (row["range"] if by_range else None), row["band"]
+
+    def claim(verdict: str, why: str, against: str) -> Claim:
+        return Claim(row["description"], verdict, why, value=ours, parts={"against": against})
+
+    if isinstance(ours, bool):
+        return claim("holds" if ours else "does not hold", "holds" if ours else "does not hold", "shape")
+    v = as_number(ours)
+    if not math.isfinite(v) or (rng is None and band is None):
+        return claim("not judged", "not judged", "")
+
+    def inside(lo: Any, hi: Any) -> bool:
+        return (lo is None or v >= lo) and (hi is None or v <= hi)
+
+    if rng is not None:
+        if inside(*rng):
+            return claim("holds", f"inside the paper's range {span(*rng)}", "paper's range")
+        where = "above" if rng[1] is not None and v > rng[1] else "below"
+        also = "" if band is None else (f"; {'inside' if inside(*band) else 'also outside'} the tolerance band "
+                                         f"{span(*band)}")
+        return claim("does not hold", f"outside the paper's range {span(*rng)}, {where} it{also}", "paper's range")
+    around = f" around the paper's {fmt(row['value'])}" if row["value"] is not None else ""
+    ok = inside(*band)
+    return claim("holds" if ok else "does not hold",
+                 f"{'inside' if ok else 'outside'} the tolerance band {span(*band)}{around}", "tolerance band")
+
+
 def pinned_values(model: str = "smollm2-135m") -> dict[str, Any]:
     """The pinned regression values of ``model`` (a key of :data:`PINNED_FILES`: SmolLM2-135M by default,
     Gemma-3-270M): settings, tolerances, values, provenance."""
@@ -57,6 +115,8 @@ def pinned_values(model: str = "smollm2-135m") -> dict[str, Any]:
 
 
 __all__ = [
+    "band_check",
+    "paper_statement",
     "PINNED_FILE",
     "PINNED_FILES",
     "PUBLISHED_FILE",

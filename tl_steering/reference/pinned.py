@@ -1,15 +1,10 @@
-"""Pinned regression values measured by this package on SmolLM2-135M and Gemma-3-270M (:func:`compute_pinned`;
-docs/published.md, "Pinned values")."""
+"""Pinned regression values measured by this package on SmolLM2-135M and Gemma-3-270M: their settings and tolerances
+(the suite computes them: ``tl_steering.suite.numbers.compute_pinned``; docs/published.md, "Pinned values")."""
 
 import math
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from . import PINNED_FILES
-
-if TYPE_CHECKING:
-    from ..suite import SuiteSettings
 
 PINNED_SETTINGS: dict[str, Any] = {
     "text": "pydoc",
@@ -94,60 +89,10 @@ def pinned_settings(model_name: str = "smollm2-135m") -> dict[str, Any]:
     return dict(PINNED_MODELS[model_name][1])
 
 
-def pinned_suite_settings(settings: dict[str, Any] | None = None) -> "SuiteSettings":
-    """Pinned settings (default :data:`PINNED_SETTINGS`) as the suite's settings (no executor timing, no critical
-    points, no defect timing: nothing timing-dependent is pinned)."""
-    from ..suite import SuiteSettings
-
-    s = PINNED_SETTINGS if settings is None else settings
-    return SuiteSettings(
-        stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
-        windows=s["windows"],
-        length=s["length"],
-        n_bootstrap=0,
-        ablation_variants=list(s["ablation_variants"]),
-        diversity_ablations=list(s["diversity_ablations"]),
-        diversity_gains=[],
-        defect_evaluate=False,
-        defect_brackets=False,
-        defect_timing=False,
-        defect_gold_layers=list(s["defect_gold_layers"]),
-        defect_gold_k_values=[0, 2],
-        plan_k=s["defect_k"],
-        gate_method="closed_form",
-        critical_layers=[],
-        prefix_layer=s["prefix_layer"],
-        prefix_positions=list(s["prefix_positions"]),
-        prefix_eps=s["prefix_eps"],
-    )
-
-
-def compute_pinned(
-    model: Any, tokens: torch.Tensor | None = None, settings: dict[str, Any] | None = None
-) -> dict[str, tuple[Any, str]]:
-    """Run the suite on ``model`` with ``settings`` (default :data:`PINNED_SETTINGS`, SmolLM2's; Gemma:
-    :data:`GEMMA_PINNED_SETTINGS`); ``{name: (value, tolerance group)}``.
-
-    The names and the SuiteResult fields they read are :data:`tl_steering.suite.numbers.PINNED` (the one map
-    of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
-    Timing-dependent quantities are never pinned.
-    """
-    from ..data.windows import text_windows
-    from ..suite import pinned_values, run_suite
-
-    s = PINNED_SETTINGS if settings is None else settings
-    if tokens is None:
-        tokens = text_windows(
-            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
-        )
-    suite = run_suite(model, tokens, pinned_suite_settings(s), progress=False, seed=s["seed"])
-    return pinned_values(suite)
-
-
 def compare(
     pinned: dict[str, Any], measured: dict[str, tuple[Any, str]], tolerances: dict[str, Any] | None = None
 ) -> list[str]:
-    """Mismatches between a pinned file's ``values`` and :func:`compute_pinned` output (empty when all agree).
+    """Mismatches between a pinned file's ``values`` and ``compute_pinned`` output (empty when all agree).
 
     ``tolerances`` overrides the file's groups (e.g. :data:`BACKEND_TOLERANCES` to compare two backends' runs:
     pass one run as ``{"values": {name: {"value": v, "tol": group}}}``, see :func:`as_pinned`)."""
@@ -192,7 +137,7 @@ def group_problems(pinned: dict[str, Any], measured: dict[str, tuple[Any, str]],
 
 
 def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
-    """:func:`compute_pinned` output in the file's ``{"values": ...}`` form (to :func:`compare` two runs)."""
+    """``compute_pinned`` output in the file's ``{"values": ...}`` form (to :func:`compare` two runs)."""
     return {"values": {name: {"value": value, "tol": group} for name, (value, group) in measured.items()}}
 
 
@@ -205,7 +150,5 @@ __all__ = [
     "TOLERANCES",
     "as_pinned",
     "compare",
-    "compute_pinned",
     "pinned_settings",
-    "pinned_suite_settings",
 ]

@@ -1,10 +1,11 @@
 """The paper's published numbers beside ours: one row per number of tl_steering/reference/published.json
-(docs/published.md), read through the suite's one map of named numbers (:data:`tl_steering.suite.numbers.PUBLISHED`)."""
+(docs/published.md), read through the suite's one map of named numbers (:data:`tl_steering.suite.numbers.PUBLISHED`),
+each judged by the one band check (:func:`tl_steering.reference.band_check`)."""
 
-import math
+import dataclasses
 from typing import Any
 
-from ..reference import published_numbers
+from ..reference import band_check, published_numbers
 from ..suite.numbers import PUBLISHED
 from ..suite.result import SuiteResult
 
@@ -28,11 +29,20 @@ def _same_model(paper_model: str, ours: str) -> bool:
     return False
 
 
-def _in_band(value: float, band: Any) -> bool | None:
-    if band is None or not math.isfinite(value):
-        return None
-    lo, hi = band
-    return (lo is None or value >= lo) and (hi is None or value <= hi)
+#: published numbers that are a timing of ours with no interval: their band is shown for orientation, not judged
+UNJUDGED_TIMINGS = ("parallel_gpt2_large_speedup",)
+#: published numbers one model cannot give (an ordering across models)
+TWO_MODELS = ("deficit_order_gpt2_llama",)
+
+
+def _verdict(pub: dict[str, Any], value: Any) -> Any:
+    """:func:`band_check` of one row (not judged where the number is not regressed or needs two models; a timing
+    estimate with no interval, :data:`UNJUDGED_TIMINGS`, says where it falls, for orientation)."""
+    v = band_check(value if pub["regress"] and pub["id"] not in TWO_MODELS else None, pub)
+    if pub["id"] in UNJUDGED_TIMINGS and v.parts["against"]:
+        return dataclasses.replace(v, verdict="not judged", why=f"not judged: one estimate from sub-module median "
+                                   f"times with no interval ({v.why}, for orientation only)")
+    return v
 
 
 def _paper_value(pub: dict[str, Any]) -> str:
@@ -54,7 +64,8 @@ def _value_and_note(r: SuiteResult, number_id: str, summary: dict[str, Any]) -> 
 
 
 def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
-    """One row per published number (tl_steering/reference/published.json) with our value beside it."""
+    """One row per published number (tl_steering/reference/published.json) with our value beside it and its
+    ``verdict`` (a :class:`~tl_steering.stats.Claim`)."""
     model_name = r.model.name
     device = r.speedup.device if r.speedup is not None else ""
     rows, summary = [], r.summary()
@@ -72,13 +83,7 @@ def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
             relation = "same protocol, other model"
         if pub["id"] == "parallel_gpt2_large_speedup" and relation.startswith("same protocol"):
             relation += "; CPU timing" if "cpu" in str(device) else ""
-        num = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        if isinstance(value, bool):
-            in_band = value
-        elif pub["id"] == "deficit_order_gpt2_llama" or num is None:
-            in_band = None
-        else:
-            in_band = _in_band(float(num), pub["band"])
+        in_band = None if pub["id"] in TWO_MODELS else band_check(value, pub, by_range=False).ok
         rows.append(
             {
                 "id": pub["id"],
@@ -96,10 +101,11 @@ def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
                 "our_model": model_name,
                 "relation": relation,
                 "in_paper_band": in_band,
+                "verdict": _verdict(pub, value),
                 "regress": pub["regress"],
             }
         )
     return rows
 
 
-__all__ = ["comparison_rows"]
+__all__ = ["TWO_MODELS", "UNJUDGED_TIMINGS", "comparison_rows"]

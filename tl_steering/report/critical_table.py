@@ -35,7 +35,7 @@ def critical_layer_table(result: Any) -> str:
     rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
     sample with its exact interval; then the pooled one, why it does not decide the claim, what the counts are a
     sample of and the Poincaré-Hopf lower bound on the points not found."""
-    claim = result.claim()
+    claim = result.claim().parts
     head = ("<tr><th>layer</th><th>finder</th><th>rows</th><th>converged</th><th>points</th><th>attractor</th>"
             "<th>repeller</th><th>saddle</th><th>rotational</th><th>Morse index: count</th><th>s</th>"
             "<th>saddle fraction [95% CI]</th><th>verdict</th></tr>")

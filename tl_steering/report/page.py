@@ -10,14 +10,16 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from .._util.display import span
 from ..results import _encode
+from ..stats import Claim, median_interval
 from ..suite import SuiteResult
+from ..suite.claims import timing_claim
 from .comparison import comparison_rows
 from .critical_table import critical_layer_table
 from .figures import figure_html
 from .labels import labelled
 from .plan_table import plan_table
-from .verdicts import executor_verdict, median_spread, row_verdict, section_verdicts, span
 
 
 @lru_cache(maxsize=1)
@@ -64,8 +66,17 @@ def _numbers(d: dict[str, Any]) -> str:
             + _kv_table(d) + "</details>")
 
 
-def _verdict(text: str | None) -> str:
-    return f"<p class='verdict'>{_esc(text)}</p>" if text else ""
+def _verdict(claim: Claim | None) -> str:
+    """A section's claim (``SuiteResult.claims()``) as its opening sentence."""
+    return f"<p class='verdict'>{_esc(claim.sentence())}</p>" if claim is not None else ""
+
+
+def median_spread(times: list[float]) -> str:
+    """``median [low, high] s`` of a list of seconds (the order-statistic interval of the median)."""
+    if not times:
+        return "n/a"
+    m, lo, hi, _ = median_interval(times)
+    return f"{m:.4g} s [{lo:.4g}, {hi:.4g}]"
 
 
 def _asdict(x: Any) -> dict[str, Any]:
@@ -185,14 +196,14 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
         summary_section(suite),
     ]
-    verdicts = section_verdicts(suite)
+    claims = suite.claims()
     reasons = suite.nan_reasons()
     for key, title, text, names in SECTIONS:
         result = getattr(suite, key)
         if result is None:
             parts.append(f"<h2 id='{key}'>{title}</h2><p class='muted'>This stage was not run.</p>")
             continue
-        parts.append(f"<h2 id='{key}'>{title}</h2>{_verdict(verdicts.get(key))}<p>{text}</p>")
+        parts.append(f"<h2 id='{key}'>{title}</h2>{_verdict(claims.get(key))}<p>{text}</p>")
         summ = result.summary()
         if key == "critical" and suite.critical_fixed_point is not None:
             fp = suite.critical_fixed_point.summary()
@@ -225,7 +236,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
             parts.append(critical_layer_table(result))
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
-            parts.append(parallel_section(suite, verdicts.get("parallel")))
+            parts.append(parallel_section(suite, claims.get("parallel")))
     parts.append(provenance_section(suite))
     parts.append(
         "<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
@@ -241,9 +252,10 @@ def summary_section(suite: SuiteResult) -> str:
     model = _esc(suite.model.name)
     rows = []
     for r in comparison_rows(suite):
-        v = row_verdict(r)
+        v = r["verdict"]
         cls = {True: "ok", False: "off"}.get(v.ok, "muted")
-        uses = f" <span class='muted'>(against the {_esc(v.reference)})</span>" if v.reference else ""
+        against = v.parts.get("against", "")
+        uses = f" <span class='muted'>(against the {_esc(against)})</span>" if against else ""
         band = r.get("band")
         band_txt = "—" if band is None else f"{_esc(span(*band))}<br><span class='muted'>{_esc(r.get('tolerance', ''))}</span>"
         lowtrust = " class='lowtrust'" if not r["regress"] else ""
@@ -252,7 +264,7 @@ def summary_section(suite: SuiteResult) -> str:
             f"<td class='num'>{_esc(r['paper_value'])}</td><td class='num'>{band_txt}</td>"
             f"<td><span class='tag'>[{_esc(r['certainty'])}]</span></td>"
             f"<td class='num'>{_fmt(r['ours'])}</td><td>{_esc(r['ours_note'])}</td><td>{_esc(r['relation'])}</td>"
-            f"<td><span class='{cls}'>{_esc(v.text)}</span>{uses}</td></tr>"
+            f"<td><span class='{cls}'>{_esc(v.why)}</span>{uses}</td></tr>"
         )
     est = h.get("speedup_estimate")
     key = {
@@ -265,7 +277,7 @@ def summary_section(suite: SuiteResult) -> str:
         "speedup estimate (sub-module times)": None if est is None else
         f"{_fmt(est)} (critical-path estimate from sub-module median times: a model, no interval)",
         "parallel executor: measured forward speedup": None if suite.executor is None else
-        executor_verdict(suite.executor).text,
+        timing_claim(suite.executor).why,
         **_choice_rows(suite),
         "critical points: saddle fraction": h.get("critical_saddle_fraction"),
         "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal"),
@@ -321,7 +333,7 @@ def _choice_rows(suite: SuiteResult) -> dict[str, Any]:
     }
     ex = suite.executor_choice
     if ex is not None:
-        rows["parallel executor, chosen plan: measured forward speedup"] = executor_verdict(ex).text
+        rows["parallel executor, chosen plan: measured forward speedup"] = timing_claim(ex).why
     return rows
 
 
@@ -345,11 +357,11 @@ def _executor_rows(ex: Any) -> dict[str, Any]:
     else:
         rows.update({"sequential forward: median (s)": ex.t_forward_sequential_s,
                      "parallel forward: median (s)": ex.t_forward_parallel_s})
-    rows["speedup, sequential / parallel: verdict"] = executor_verdict(ex).text
+    rows["speedup, sequential / parallel: verdict"] = timing_claim(ex).why
     return rows
 
 
-def parallel_section(suite: SuiteResult, verdict: str | None = None) -> str:
+def parallel_section(suite: SuiteResult, verdict: Claim | None = None) -> str:
     ex = suite.executor
     n = getattr(ex, "rounds", 0)
     how = (f"in {n} alternating rounds (each times one forward of the original, of the original again as the A/A "

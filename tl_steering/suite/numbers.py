@@ -1,13 +1,17 @@
 """The ONE map from named numbers (the paper's published ids, the pinned names) to a
 :class:`~tl_steering.suite.result.SuiteResult`'s values, read through its ``summary()`` (docs/suite.md, "One map of
-named numbers")."""
+named numbers"), and the run of the suite that computes the pinned values (:func:`compute_pinned`)."""
 
 import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from ..reference.pinned import PINNED_SETTINGS
 from .result import SuiteResult
+from .settings import SuiteSettings
 
 Getter = Callable[[SuiteResult], Any]
 
@@ -60,7 +64,7 @@ def _saddle_note(r: SuiteResult) -> str:
         return (
             f"{cr.results[0].method} finder, layers {cr.layers}: {t.get('saddle', 0)} saddles, {t.get('attractor', 0)} "
             f"attractors, {t.get('repeller', 0)} repellers of {n_eq} points ({n_conv} of {n_starts} starts "
-            f"converged); the sample: {cr.claim()['sample']}"
+            f"converged); the sample: {cr.claim().parts['sample']}"
         )
     method = cr.results[0].method if cr.results else "the"
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the {method} finder converged on layers {cr.layers}"
@@ -188,11 +192,61 @@ def pinned_values(suite: SuiteResult) -> dict[str, tuple[Any, str]]:
     return {name: (n.get(suite, s), n.tol) for name, n in PINNED.items()}
 
 
+def pinned_suite_settings(settings: dict[str, Any] | None = None) -> SuiteSettings:
+    """Pinned settings (default: SmolLM2's, ``tl_steering.reference.pinned.PINNED_SETTINGS``) as the suite's
+    settings (no executor timing, no critical points, no defect timing: nothing timing-dependent is pinned)."""
+    s = PINNED_SETTINGS if settings is None else settings
+    return SuiteSettings(
+        stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
+        windows=s["windows"],
+        length=s["length"],
+        n_bootstrap=0,
+        ablation_variants=list(s["ablation_variants"]),
+        diversity_ablations=list(s["diversity_ablations"]),
+        diversity_gains=[],
+        defect_evaluate=False,
+        defect_brackets=False,
+        defect_timing=False,
+        defect_gold_layers=list(s["defect_gold_layers"]),
+        defect_gold_k_values=[0, 2],
+        plan_k=s["defect_k"],
+        gate_method="closed_form",
+        critical_layers=[],
+        prefix_layer=s["prefix_layer"],
+        prefix_positions=list(s["prefix_positions"]),
+        prefix_eps=s["prefix_eps"],
+    )
+
+
+def compute_pinned(
+    model: Any, tokens: torch.Tensor | None = None, settings: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, str]]:
+    """Run the suite on ``model`` with ``settings`` (default ``PINNED_SETTINGS``, SmolLM2's; Gemma:
+    ``GEMMA_PINNED_SETTINGS``); ``{name: (value, tolerance group)}``.
+
+    The names and the SuiteResult fields they read are :data:`tl_steering.suite.numbers.PINNED` (the one map
+    of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
+    Timing-dependent quantities are never pinned.
+    """
+    from ..data.windows import text_windows
+    from .run import run_suite
+
+    s = PINNED_SETTINGS if settings is None else settings
+    if tokens is None:
+        tokens = text_windows(
+            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
+        )
+    suite = run_suite(model, tokens, pinned_suite_settings(s), progress=False, seed=s["seed"])
+    return pinned_values(suite)
+
+
 __all__ = [
     "NUMBERS",
     "PINNED",
     "PUBLISHED",
     "Number",
+    "compute_pinned",
+    "pinned_suite_settings",
     "pinned_values",
     "published_value",
 ]

@@ -21,6 +21,8 @@ from ..parallel.defect import DefectResult
 from ..protocols.deficit import DeficitResult
 from ..protocols.diversity import DiversityResult
 from ..results import Result, register
+from ..stats import Claim
+from .claims import suite_claims
 from .settings import SuiteSettings
 
 
@@ -379,16 +381,12 @@ class SuiteResult(Result):
             out["ablation_ratio_to_zero_radial"] = self.ablation.ratio_to_zero.get("radial", math.nan)
         if self.diversity is not None:
             vs = self.diversity.summary()
-            cos = {f"diversity_final_pairwise_cosine{s}": vs.get(f"final_pairwise_cosine{s}", math.nan)
-                   for s in ("", "_tangential", "_radial")}
-            clean, tan, rad = cos.values()
             out.update(
                 diversity_frac_layers_attention_concentrates=vs["frac_layers_attention_concentrates"],
                 diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"],
-                **cos,
-                # the paper's reading: the tangential-only FFN keeps the final diversity closer to the clean run
-                diversity_tangential_preserves=(abs(tan - clean) < abs(rad - clean))
-                if math.isfinite(tan + rad + clean) else None,
+                **{f"diversity_final_pairwise_cosine{s}": vs.get(f"final_pairwise_cosine{s}", math.nan)
+                   for s in ("", "_tangential", "_radial")},
+                diversity_tangential_preserves=self.diversity.tangential_preserves(),
             )
         if self.defect is not None:
             cs = self.defect.summary()
@@ -429,6 +427,11 @@ class SuiteResult(Result):
             out.update(prefix_max_angle=self.prefix.prefix_max_angle,
                        prefix_bitwise_equal=self.prefix.prefix_bitwise_equal)
         return out
+
+    def claims(self) -> dict[str, Claim]:
+        """Every section's claim, ``{section: Claim}``, for the stages that ran: the protocol results' own
+        ``claim()`` and the suite's records' (``tl_steering.suite.claims``; docs/suite.md, "Claims")."""
+        return suite_claims(self)
 
     def nan_reasons(self) -> dict[str, str]:
         """Why a headline number of :meth:`summary` is NaN, by its key (only the NaNs that have a known cause)."""

@@ -80,7 +80,7 @@ def test_parity_on_an_even_dimensional_sphere():
 
 def test_claim_in_three_parts(planted12):
     out = _wrap([planted12])
-    c = out.claim()
+    c = out.claim().parts
     # 2 attractors (index 0) among 16 points: "not attractors" fails; every planted point has rotational modes
     assert c["not_attractors"] == {"attractors": 2, "layers_with_attractor": [0], "n_layers": 1, "verdict": "fails"}
     assert c["rotational_modes"]["rotational"] == 16 and c["rotational_modes"]["verdict"] == "supported"
@@ -88,7 +88,7 @@ def test_claim_in_three_parts(planted12):
     assert "landscape" in c["why_undecided"] and c["by_crossing"] == {}
     assert c["parity"]["missing_at_least"] == 0 and out.summary()["missed_at_least"] == 0.0
     no_attr = _subset(planted12, [i for i, k in enumerate(planted12.index) if k != 0])
-    assert _wrap([no_attr]).claim()["not_attractors"]["verdict"] == "not contradicted"
+    assert _wrap([no_attr]).claim().parts["not_attractors"]["verdict"] == "not contradicted"
 
 
 def test_claim_splits_the_homotopy_sample_by_crossing_order():
@@ -96,7 +96,7 @@ def test_claim_splits_the_homotopy_sample_by_crossing_order():
     res = find_equilibria(p, 12, n_starts=8, seed=0, method="homotopy", homotopy_steps=200)
     order = res.crossing_order()
     assert all(o is not None and o >= 1 for o in order) and 1 in order and max(order) > 1
-    c = _wrap([res]).claim()
+    c = _wrap([res]).claim().parts
     first = [lab for o, lab in zip(order, res.labels) if o == 1]
     later = [lab for o, lab in zip(order, res.labels) if o > 1]
     assert c["by_crossing"]["first"]["n"] == len(first) and c["by_crossing"]["later"]["n"] == len(later)
@@ -105,18 +105,17 @@ def test_claim_splits_the_homotopy_sample_by_crossing_order():
     assert set(first) <= {"attractor", "repeller"}
 
 
-def test_report_sentence_judges_each_part(planted12):
-    from tl_steering.report.verdicts import critical_sentence
-    from tl_steering.suite import SuiteResult
-
-    text = critical_sentence(SuiteResult(critical=_wrap([planted12])))
-    assert "'not attractors' fails: 2 verified attractors on 1 of 1 layer" in text
-    assert "rotational modes: 16 of 16 points (100%" in text and "supported" in text
-    assert "'mostly saddles' is not decided by this sample: 12 of 16 found are saddles (75%" in text
-    assert "Poincaré-Hopf" not in text  # the complete set misses none
+def test_the_claim_judges_each_part(planted12):
+    c = _wrap([planted12]).claim()
+    assert c.verdict == "does not hold" and c.interval == (c.parts["pooled"]["ci_low"], c.parts["pooled"]["ci_high"])
+    assert "'not attractors' fails: 2 verified attractors on 1 of 1 layer" in c.why
+    assert "rotational modes: 16 of 16 points (100%" in c.why and "supported" in c.why
+    assert "'mostly saddles' is not decided by this sample: 12 of 16 found are saddles (75%" in c.why
+    assert "Poincaré-Hopf" not in c.why  # the complete set misses none
     missed = _subset(planted12, [i for i, k in enumerate(planted12.index) if k not in (0, 2)])
-    text = critical_sentence(SuiteResult(critical=_wrap([missed])))
-    assert "'not attractors' is not contradicted" in text and "at least 4 equilibria went unfound" in text
+    c = _wrap([missed]).claim()
+    assert c.verdict == "undecided"  # no attractor, and no sample decides "mostly saddles"
+    assert "'not attractors' is not contradicted" in c.why and "at least 4 equilibria went unfound" in c.why
 
 
 def test_a_layer_without_equilibria_says_what_was_tried():
@@ -127,7 +126,7 @@ def test_a_layer_without_equilibria_says_what_was_tried():
     res = find_equilibria(lambda u: u @ j.T, 4, n_starts=6, seed=0, method="flow")
     assert res.n_points == 0
     out = _wrap([res])
-    assert out.claim()["not_attractors"]["verdict"] == "no equilibria"
-    assert out.claim()["parity"]["missing_at_least"] == 0  # chi(S^3) = 0: no point need exist
+    assert out.claim().parts["not_attractors"]["verdict"] == "no equilibria"
+    assert out.claim().parts["parity"]["missing_at_least"] == 0  # chi(S^3) = 0: no point need exist
     table = critical_layer_table(out)
     assert f"no equilibrium found from 6 starts ({res.n_starts} rows): power iteration of F and -F" in table

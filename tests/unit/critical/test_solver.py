@@ -189,7 +189,7 @@ def test_critical_points_result_claim_and_round_trip(tmp_path):
                                n_points=torch.tensor([res.n_points]), n_converged=torch.tensor([res.n_converged]),
                                n_starts=torch.tensor([res.n_starts], dtype=i64), radius=torch.tensor([1.0], dtype=F64),
                                seconds=torch.tensor([res.seconds], dtype=F64), results=[res])
-    claim = out.claim()
+    claim = out.claim().parts
     assert claim["pooled"]["n"] == res.n_points and claim["per_layer"][0]["saddles"] == res.counts()["saddle"]
     assert out.summary()["mostly_saddles_in_found_set"] == claim["pooled"]["verdict"]
     back = CriticalPointsResult.load(out.save(tmp_path / "cp.json"))

@@ -1,6 +1,7 @@
 """The report rendered from a loaded SuiteResult with no model (tl_steering/report/): every section and figure,
 escaped, offline, verdicts, the comparison with every published number."""
 
+import html
 import json
 import re
 from pathlib import Path
@@ -80,6 +81,24 @@ def test_every_section_opens_with_a_verdict_and_hides_raw_keys(rendered):
     assert ex.speedup_interval[0] <= ex.measured_speedup <= ex.speedup_interval[1]
     assert loaded.executor_choice.timing_sequential_s == ex.timing_sequential_s  # timed in the same rounds
     assert "A/A control" in text and "alternating rounds" in text
+
+
+def test_the_page_shows_the_claims_of_the_results(rendered):
+    """The report only formats the claims: each section's verdict on the page of a saved and loaded result is the
+    sentence of that section's claim (the protocol result's own ``claim()``, collected by ``SuiteResult.claims()``),
+    and each row of the comparison table shows the one band check's verdict."""
+    page, loaded = rendered
+    text = page.read_text()
+    claims = loaded.claims()
+    assert set(claims) == {key for key, *_ in SECTIONS} | {"parallel"}
+    for key, claim in claims.items():
+        tag = f"<h2 id='{key}'>" if key != "parallel" else "<h3 id='parallel'>"
+        shown = text.split(tag)[1].split("<p class='verdict'>", 1)[1].split("</p>", 1)[0]
+        assert html.unescape(shown) == claim.sentence(), key
+    assert claims["deficit"] == loaded.deficit.claim() and claims["critical"] == loaded.critical.claim()
+    table = text.split("<h2 id='summary'>")[1].split("<h2 ")[0]
+    for row in comparison_rows(loaded):
+        assert f">{html.escape(row['verdict'].why)}</span>" in table, row["id"]
 
 
 def test_page_is_self_contained_and_escaped(rendered):
