@@ -427,15 +427,11 @@ class Claim:
     (every protocol result's ``claim()``; docs/suite.md, "Claims").
 
     Attributes:
-        statement: what is claimed: the paper's words (``tl_steering/reference/published.json``, "claims") or ours;
+        statement: the paper's words (``tl_steering/reference/published.json``, "claims") or ours (``by="ours"``);
             empty when the result lacks what the verdict reads (``why`` says so).
-        verdict: one of :data:`VERDICTS`.
-        why: what we found and why that verdict (plain text, no final period).
-        value: our number (a float, int or bool; None where there is none).
-        interval: its interval ``(low, high)`` (None: no interval).
-        by: ``"paper"`` or ``"ours"`` (our own claim, not the paper's).
-        parts: the verdict's parts where it has several (the critical claim's three; ``against``: what a published
-            number was judged against).
+        verdict: one of :data:`VERDICTS`; why: what we found and why that verdict (plain text, no final period).
+        value, interval: our number (None where there is none) and its interval ``(low, high)`` (None: none).
+        parts: the verdict's parts (the critical claim's three; ``against``: what a number was judged against).
     """
 
     statement: str

@@ -399,16 +399,14 @@ class CriticalPointsResult(Result):
         return {"per_layer": per, "missing_at_least": None if None in miss else int(sum(miss))}
 
     def claim(self, level: float = 0.95) -> Claim:
-        """The paper's claim in its three parts, per layer and pooled (docs/critical_points.md section 4): does not
-        hold as soon as one verified attractor is found, else undecided ("mostly saddles" is decided by no finder's
-        sample), not judged without equilibria. ``parts``:
-
-        ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against
-        1/2); ``mostly_saddles_decided``: False, with the reason in ``why_undecided``, for every finder here (the
-        interval describes the finder's sample, ``sample``); ``by_crossing``: the homotopy sample split into the
-        paths' first crossings and their later ones; ``not_attractors``: "fails" as soon as one verified attractor
-        is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the
-        Poincaré-Hopf lower bound on equilibria not found."""
+        """The paper's claim in its three parts (docs/critical_points.md section 4): does not hold once one verified
+        attractor is found, else undecided ("mostly saddles" is decided by no finder's sample). ``parts``:
+        ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against 1/2);
+        ``mostly_saddles_decided``: False, the reason in ``why_undecided``, for every finder here (the interval
+        describes the finder's sample, ``sample``); ``by_crossing``: the homotopy sample split into the paths' first
+        crossings and their later ones; ``not_attractors``: "fails" once one verified attractor is found;
+        ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the Poincaré-Hopf lower
+        bound on equilibria not found."""
         s, a = self.labels.index("saddle"), self.labels.index("attractor")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
@@ -424,8 +422,7 @@ class CriticalPointsResult(Result):
                 by_crossing[part] = saddle_verdict(labs.count("saddle"), len(labs), level)
         rm = proportion_verdict(int(self.rotational.sum()), n, level, count_key="rotational")
         why_undecided = "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods)
-        parity = self.parity()
-        miss = parity["missing_at_least"]
+        parity, miss = self.parity(), self.parity()["missing_at_least"]
         parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": False,
                  "why_undecided": why_undecided, "by_crossing": by_crossing,
                  "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
@@ -443,18 +440,18 @@ class CriticalPointsResult(Result):
                  f"({pct(later['fraction'])})" if later and later["n"] else "")
         par = f"; by the Poincaré-Hopf parity at least {miss} equilibri{'um' if miss == 1 else 'a'} went unfound" \
             if miss else ""
+        ci = [f"{pct(v['fraction'])}, {level:.0%} CI [{pct(v['ci_low'])}, {pct(v['ci_high'])}]" for v in (rm, p)]
         return Claim(paper_statement("critical"), "does not hold" if n_attr else "undecided",
-                     f"{attr}; rotational modes: {rm['rotational']} of {n} points ({pct(rm['fraction'])}, {level:.0%} CI "
-                     f"[{pct(rm['ci_low'])}, {pct(rm['ci_high'])}]: {rm['verdict']}); 'mostly saddles' is not decided "
-                     f"by this sample: {p['saddles']} of {n} found are saddles ({pct(p['fraction'])}, {level:.0%} CI "
-                     f"[{pct(p['ci_low'])}, {pct(p['ci_high'])}]), but {why_undecided}{later}{par}",
+                     f"{attr}; rotational modes: {rm['rotational']} of {n} points ({ci[0]}: {rm['verdict']}); 'mostly "
+                     f"saddles' is not decided by this sample: {p['saddles']} of {n} found are saddles ({ci[1]}), but "
+                     f"{why_undecided}{later}{par}",
                      value=p["fraction"], interval=(p["ci_low"], p["ci_high"]), parts=parts)
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers pooled over the layers, one type per key (docs/critical_points.md, "Summary keys"):
         counts are ints, shares and seconds floats (NaN where undefined), verdicts strings."""
-        pooled = self.claim().parts["pooled"]
-        missed = self.parity()["missing_at_least"]
+        c = self.claim().parts
+        pooled, missed = c["pooled"], c["parity"]["missing_at_least"]
         tot = self.totals()
         return {"field": self.field, "layers": len(self.layers), "equilibria": int(self.n_points.sum()),
                 "attractors": tot["attractor"], "repellers": tot["repeller"], "saddles": tot["saddle"],

@@ -173,10 +173,10 @@ class DefectResult(Result):
         the candidate layers); not judged without the curves at that k (``parallel_defect(..., evaluate=True)``)."""
         k = len(self.candidates) // 2 if k is None else k
         if not self.evaluated or k not in self.k_values:
-            return ordering_claim(k, len(self.candidates), math.nan, math.nan,
-                                  missing=f"no loss curves at k = {k} (parallel_defect(..., evaluate=True)): not judged")
-        j = self.k_values.index(k)
-        return ordering_claim(k, len(self.candidates), float(self.curves["lowest"][j]), float(self.curves["highest"][j]))
+            why = f"no loss curves at k = {k} (parallel_defect(..., evaluate=True)): not judged"
+            return ordering_claim(k, len(self.candidates), math.nan, math.nan, missing=why)
+        lo, hi = (float(self.curves[s][self.k_values.index(k)]) for s in ("lowest", "highest"))
+        return ordering_claim(k, len(self.candidates), lo, hi)
 
     # -- display --------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -256,11 +256,9 @@ class DefectResult(Result):
 
 def ordering_claim(k: int, n_candidates: int, lowest: float, highest: float, strategy: str = "C",
                    missing: str = "") -> Claim:
-    """The paper's claim on a plan of ``k`` of ``n_candidates`` layers (docs/defect.md): the plan's dCE ``lowest``
-    against the tolerance band of published.json, and the ``k`` highest-C layers' dCE ``highest`` against the
-    plan's (the threshold of published.json). Holds when the ordering holds at the threshold and the plan's dCE is in
-    the band; does not hold when the control costs no more than the plan; partly holds in between; ``missing``: the
-    reason it is not judged."""
+    """The paper's claim on a plan of ``k`` of ``n_candidates`` layers (docs/defect.md): holds when the ``k``
+    highest-C layers' dCE ``highest`` is at least the published threshold times the plan's ``lowest`` and ``lowest``
+    is in its published band; does not hold when the control costs no more; partly holds in between."""
     if missing:
         return Claim(paper_statement("defect"), "not judged", missing)
     thr = published_number("parallel_gpt2_large_high_defect_degrades")["band"][0]

@@ -105,7 +105,8 @@ class AblationResult(Result):
         elif tan >= rad:
             verdict, why = "does not hold", "the claim does not hold: tangential-only is not cheaper than radial-only"
         elif tan <= tr[1]:
-            verdict, why = "holds", f"the claim holds: tangential-only costs {fmt(rad / tan if tan > 0 else math.inf)}x less"
+            less = fmt(rad / tan if tan > 0 else math.inf)
+            verdict, why = "holds", f"the claim holds: tangential-only costs {less}x less"
         else:
             verdict, why = "partly holds", ("the ordering holds (tangential-only is cheaper) but the tangential part "
                                             "does not preserve the model's quality as the paper says")

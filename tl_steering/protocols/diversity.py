@@ -221,8 +221,7 @@ class DiversityResult(Result):
         held, judged = sum(1 for c in checks if c.ok), sum(1 for c in checks if c.ok is not None)
         verdict = ("not judged" if not judged else "holds" if held == judged else "does not hold" if not held
                    else "partly holds")
-        said = {"holds": "the claim holds", "does not hold": "the claim does not hold"}.get(
-            verdict, f"{held} of {judged} parts hold")
+        said = f"the claim {verdict}" if verdict in ("holds", "does not hold") else f"{held} of {judged} parts hold"
         tan_txt = {True: "closer to the clean model's than the radial-only model's", None: "not compared",
                    False: "not closer to the clean model's than the radial-only model's"}[tan]
         return Claim(paper_statement("diversity"), verdict,

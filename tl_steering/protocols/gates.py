@@ -103,7 +103,8 @@ class GateResult(Result):
         if not s["n_gates"]:
             verdict, why = "not judged", "no gate was fitted (the plan is empty): not judged"
         elif not math.isfinite(frac):
-            verdict, why = "not judged", "the recovered fraction is not defined (the plan costs nothing held out): not judged"
+            verdict, why = "not judged", ("the recovered fraction is not defined (the plan costs nothing held out): "
+                                          "not judged")
         elif frac <= 0:
             fit = f" although they lower the calibration loss by {fmt(self.improvement_calib)} nats" \
                 if self.improvement_calib > 0 else ""

@@ -105,7 +105,7 @@ class PrefixSensitivityResult(Result):
             verdict, before = "holds", "every earlier position is bit-identical: the claim holds"
         elif not math.isfinite(a):
             verdict, before = "not judged", "earlier positions were not measured: not judged"
-        elif math.isfinite(a) and a < 1e-6:
+        elif a < 1e-6:
             verdict, before = "holds", f"earlier positions move by at most {a:.2g} rad (rounding): the claim holds"
         else:
             verdict, before = "does not hold", f"earlier positions move by up to {fmt(a)} rad: the claim does not hold"

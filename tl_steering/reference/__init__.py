@@ -73,37 +73,34 @@ def band_check(ours: Any, number: str | dict[str, Any], by_range: bool = True) -
     """Our value ``ours`` against one published number (its ``id`` or row): the one band check of the claims, the
     report's comparison table and ``tests/published``.
 
-    With ``by_range``, the paper's published range decides where there is one: a value outside it "does not hold"
-    even when the wider tolerance band holds it (the band is named beside it). Otherwise, or without a range, the
+    With ``by_range``, the paper's published range decides where there is one: a value outside it does not hold even
+    when the wider tolerance band holds it (the band is named beside it). Otherwise, or without a range, the
     tolerance band (either end None) around the paper's number or threshold decides. A bool is a shape target.
     ``parts["against"]``: ``"paper's range"``, ``"tolerance band"``, ``"shape"`` or ``""`` (not judged).
     """
     row = published_number(number) if isinstance(number, str) else number
-    rng, band = (row["range"] if by_range else None), row["band"]
+    rng, band, v = (row["range"] if by_range else None), row["band"], as_number(ours)
 
-    def claim(verdict: str, why: str, against: str) -> Claim:
+    def claim(ok: bool | None, why: str, against: str) -> Claim:
+        verdict = {True: "holds", False: "does not hold", None: "not judged"}[ok]
         return Claim(row["description"], verdict, why, value=ours, parts={"against": against})
-
-    if isinstance(ours, bool):
-        return claim("holds" if ours else "does not hold", "holds" if ours else "does not hold", "shape")
-    v = as_number(ours)
-    if not math.isfinite(v) or (rng is None and band is None):
-        return claim("not judged", "not judged", "")
 
     def inside(lo: Any, hi: Any) -> bool:
         return (lo is None or v >= lo) and (hi is None or v <= hi)
 
-    if rng is not None:
-        if inside(*rng):
-            return claim("holds", f"inside the paper's range {span(*rng)}", "paper's range")
-        where = "above" if rng[1] is not None and v > rng[1] else "below"
-        also = "" if band is None else (f"; {'inside' if inside(*band) else 'also outside'} the tolerance band "
-                                         f"{span(*band)}")
-        return claim("does not hold", f"outside the paper's range {span(*rng)}, {where} it{also}", "paper's range")
-    around = f" around the paper's {fmt(row['value'])}" if row["value"] is not None else ""
-    ok = inside(*band)
-    return claim("holds" if ok else "does not hold",
-                 f"{'inside' if ok else 'outside'} the tolerance band {span(*band)}{around}", "tolerance band")
+    if isinstance(ours, bool):
+        return claim(ours, "holds" if ours else "does not hold", "shape")
+    if not math.isfinite(v) or (rng is None and band is None):
+        return claim(None, "not judged", "")
+    if rng is None:
+        around = f" around the paper's {fmt(row['value'])}" if row["value"] is not None else ""
+        where = "inside" if inside(*band) else "outside"
+        return claim(inside(*band), f"{where} the tolerance band {span(*band)}{around}", "tolerance band")
+    if inside(*rng):
+        return claim(True, f"inside the paper's range {span(*rng)}", "paper's range")
+    where = "above" if rng[1] is not None and v > rng[1] else "below"
+    also = "" if band is None else f"; {'inside' if inside(*band) else 'also outside'} the tolerance band {span(*band)}"
+    return claim(False, f"outside the paper's range {span(*rng)}, {where} it{also}", "paper's range")
 
 
 def pinned_values(model: str = "smollm2-135m") -> dict[str, Any]:

@@ -29,10 +29,9 @@ def _same_model(paper_model: str, ours: str) -> bool:
     return False
 
 
-#: published numbers that are a timing of ours with no interval: their band is shown for orientation, not judged
-UNJUDGED_TIMINGS = ("parallel_gpt2_large_speedup",)
-#: published numbers one model cannot give (an ordering across models)
-TWO_MODELS = ("deficit_order_gpt2_llama",)
+#: published numbers that are a timing of ours with no interval (shown for orientation, not judged) and that one
+#: model cannot give (an ordering across models)
+UNJUDGED_TIMINGS, TWO_MODELS = ("parallel_gpt2_large_speedup",), ("deficit_order_gpt2_llama",)
 
 
 def _verdict(pub: dict[str, Any], value: Any) -> Any:

@@ -1,6 +1,7 @@
 """The claims of the suite's own records (the executor's timing, the chosen plan, the measured parallel forward) and
 the collection of every section's claim (:func:`suite_claims`, ``SuiteResult.claims()``; docs/suite.md, "Claims")."""
 
+import dataclasses
 import math
 from typing import Any
 
@@ -13,14 +14,12 @@ _TIMING_VERDICTS = {"faster": "holds", "slower": "does not hold", "within noise"
 
 
 def timing_claim(ex: Any) -> Claim:
-    """Ours: the plan's parallel forward is faster than the original (an ``ExecutorTiming``).
+    """Ours: the plan's whole parallel forward is faster than the original's (an ``ExecutorTiming``).
 
-    "within noise" (undecided) when the speedup's interval holds 1 or overlaps the A/A control's interval (the
-    original timed against itself the same way); else "faster" (interval above 1: holds) or "slower" (below: does
-    not hold). Fewer than 3 alternating rounds, no finite interval, a skipped or unsupported plan: not judged.
-    ``parts["status"]`` holds the status, ``parts["speedup"]`` the speedup with its interval as text.
+    ``parts["status"]``: "within noise" (undecided) when the speedup's interval holds 1 or overlaps the A/A control's
+    (the original timed against itself the same way), else "faster" (holds) or "slower" (does not hold); "not judged"
+    with fewer than 3 rounds, no finite interval or no run. ``parts["speedup"]``: the speedup and interval as text.
     """
-    statement = "the plan's whole parallel forward is faster than the original's"
     s = as_number(ex.measured_speedup)
     lo, hi = (as_number(x) for x in ex.speedup_interval)
     clo, chi = (as_number(x) for x in ex.speedup_control_interval)
@@ -37,9 +36,11 @@ def timing_claim(ex: Any) -> Claim:
         status = "within noise" if overlap else "faster" if lo > 1.0 else "slower"
         cov = as_number(ex.speedup_coverage)
         level = f"{cov:.0%} interval, " if math.isfinite(cov) else ""
-        ctrl = f"; A/A control {fmt(ex.speedup_control)} [{fmt(clo)}, {fmt(chi)}]" if has_control else "; no A/A control"
+        ctrl = (f"; A/A control {fmt(ex.speedup_control)} [{fmt(clo)}, {fmt(chi)}]" if has_control else
+                "; no A/A control")
         why = f"{speed} ({level}median of {ex.rounds} alternating rounds{ctrl}): {status}"
-    return Claim(statement, _TIMING_VERDICTS.get(status, "not judged"), why, value=s, interval=(lo, hi), by="ours",
+    return Claim("the plan's whole parallel forward is faster than the original's",
+                 _TIMING_VERDICTS.get(status, "not judged"), why, value=s, interval=(lo, hi), by="ours",
                  parts={"status": status, "speedup": speed})
 
 
@@ -47,24 +48,21 @@ def plan_choice_claim(pc: Any) -> Claim:
     """Ours: a plan chosen by cheap scores with a fitted correction loses less held out than the paper's lowest-C
     plan on the same windows (a ``PlanChoice``; holds when the ratio is below 1)."""
     statement = "a plan chosen by cheap scores with a fitted correction should lose less than the paper's lowest-C plan"
-    p = pc.plan
+    p, ratio = pc.plan, as_number(pc.ratio_to_lowest_c)
     if p is None:
         return Claim(statement, "not judged", "no plan was chosen: not judged", by="ours")
-    ratio, low = as_number(pc.ratio_to_lowest_c), pc.lowest_c_held_out_delta_ce
-    if not math.isfinite(ratio):
-        verdict, vs = "not judged", "not compared with the lowest-C plan"
-    else:
-        verdict = "holds" if ratio < 1 else "does not hold"
-        vs = f"{fmt(ratio)}x the lowest-C plan's {sgn(low)} on the same windows: {'better' if ratio < 1 else 'no better'}"
+    verdict = "not judged" if not math.isfinite(ratio) else "holds" if ratio < 1 else "does not hold"
+    vs = "not compared with the lowest-C plan" if verdict == "not judged" else (
+        f"{fmt(ratio)}x the lowest-C plan's {sgn(pc.lowest_c_held_out_delta_ce)} on the same windows: "
+        f"{'better' if ratio < 1 else 'no better'}")
     corr = f"{p.refit} correction" if p.refit != "none" else "no correction"
     return Claim(statement, verdict, f"the chosen plan ({p.strategy}, {corr}, {plural(p.k, 'layer')}) costs ΔCE "
                  f"{sgn(p.held_out_delta_ce)} nats held out, {vs}", value=ratio, by="ours")
 
 
 def _phrase(c: Claim) -> str:
-    status, speed = c.parts["status"], c.parts["speedup"]
-    return {"within noise": f"within noise of the original (speedup {speed})", "faster": f"faster (speedup {speed})",
-            "slower": f"slower (speedup {speed})"}.get(status, f"not judged ({c.why})")
+    status, of = c.parts["status"], " of the original" if c.parts["status"] == "within noise" else ""
+    return f"not judged ({c.why})" if status == "not judged" else f"{status}{of} (speedup {c.parts['speedup']})"
 
 
 def parallel_claim(r: Any) -> Claim:
@@ -81,8 +79,7 @@ def parallel_claim(r: Any) -> Claim:
     if r.speedup is not None and math.isfinite(as_number(r.speedup.speedup)):
         why += (f", and the critical-path estimate from this machine's sub-module median times is "
                 f"{fmt(r.speedup.speedup)}x (a model, no interval)")
-    return Claim(paper_statement("parallel"), lowest.verdict, why, value=lowest.value, interval=lowest.interval,
-                 parts=lowest.parts)
+    return dataclasses.replace(lowest, statement=paper_statement("parallel"), why=why, by="paper")
 
 
 def _defect(r: Any) -> Claim:
@@ -92,31 +89,24 @@ def _defect(r: Any) -> Claim:
     return ordering_claim(p.k, p.n_candidates, p.delta_ce_lowest, p.delta_ce_highest, p.strategy)
 
 
-#: report section -> (the SuiteResult field that must be set, its claim)
-SECTIONS: dict[str, tuple[str, Any]] = {
-    "deficit": ("deficit", lambda r: r.deficit.claim()),
-    "ablation": ("ablation", lambda r: r.ablation.claim()),
-    "diversity": ("diversity", lambda r: r.diversity.claim()),
-    "defect": ("defect", _defect),
-    "plan_choice": ("plan_choice", lambda r: plan_choice_claim(r.plan_choice)),
-    "parallel": ("executor", parallel_claim),
-    "gates": ("gates", lambda r: r.gates.claim()),
-    "critical": ("critical", lambda r: r.critical.claim()),
-    "prefix": ("prefix", lambda r: r.prefix.claim()),
-}
+#: report section -> (the SuiteResult field that must be set, its claim); the others: the result's own ``claim()``
+_OWN = {"defect": ("defect", _defect), "plan_choice": ("plan_choice", lambda r: plan_choice_claim(r.plan_choice)),
+        "parallel": ("executor", parallel_claim)}
+SECTIONS = ("deficit", "ablation", "diversity", "defect", "plan_choice", "parallel", "gates", "critical", "prefix")
 
 
 def suite_claims(r: Any) -> dict[str, Claim]:
     """``{section: Claim}`` for every section of :data:`SECTIONS` whose stage ran; a result that lacks what a claim
     reads (an older or foreign file) gets a not-judged claim saying so, never an error."""
     out = {}
-    for key, (field, claim) in SECTIONS.items():
-        if getattr(r, field, None) is None:
-            continue
-        try:
-            out[key] = claim(r)
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
-            out[key] = Claim("", "not judged", f"this result lacks what the verdict reads ({type(e).__name__}: {e})")
+    for key in SECTIONS:
+        field, claim = _OWN.get(key, (key, lambda r, key=key: getattr(r, key).claim()))
+        if getattr(r, field, None) is not None:
+            try:
+                out[key] = claim(r)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+                why = f"this result lacks what the verdict reads ({type(e).__name__}: {e})"
+                out[key] = Claim("", "not judged", why)
     return out
 
 
