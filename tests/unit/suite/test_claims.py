@@ -228,6 +228,12 @@ def test_defect_claim_reads_the_curves_or_the_plan():
     assert ordering_claim(2, 4, 0.05, 0.01).verdict == "does not hold"
     assert ordering_claim(2, 4, 0.0, 0.1).verdict == "holds"  # only the control costs
     assert ordering_claim(2, 4, 0.0, 0.0).verdict == "not judged"
+    curves = {"k": torch.tensor([0, 2]), "lowest": torch.tensor([0.0, 0.01], dtype=torch.float64),
+              "highest": torch.tensor([0.0, 0.2], dtype=torch.float64)}
+    d = DefectResult(layers=[0, 1, 2, 3], scores={"C": torch.rand(4, dtype=torch.float64)}, evaluated=True,
+                     k_values=[0, 2], curves=curves)
+    assert d.claim() == ordering_claim(2, 4, 0.01, 0.2)  # k defaults to half the candidates
+    assert d.claim(1).verdict == "not judged" and "no loss curves at k = 1" in d.claim(1).why
     suite = SuiteResult(defect=DefectResult(), plan=PlanLosses(k=2, n_candidates=4, delta_ce_lowest=0.01,
                                                                delta_ce_highest=0.2))
     assert suite.claims()["defect"] == ordering_claim(2, 4, 0.01, 0.2)
