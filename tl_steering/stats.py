@@ -1,6 +1,5 @@
 """Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
-the bootstrap over sequences (see docs/statistics.md), exact binomial intervals, and :class:`Claim`, the verdict of
-a result on one claim (docs/suite.md, "Claims"). Pure functions, no model.
+the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model.
 """
 
 import dataclasses
@@ -395,7 +394,7 @@ def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Ten
 
 
 # ----------------------------------------------------------------------------------------------------------
-# proportions and claims
+# proportions
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -417,56 +416,12 @@ def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k"
             "level": level, "verdict": verdict}
 
 
-#: the verdicts a :class:`Claim` can carry
-VERDICTS = ("holds", "partly holds", "does not hold", "undecided", "not judged")
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """One claim judged on one result: what is claimed, our number with its interval, the verdict and why
-    (every protocol result's ``claim()``; docs/suite.md, "Claims").
-
-    Attributes:
-        statement: the paper's words (``tl_steering/reference/published.json``, "claims") or ours (``by="ours"``);
-            empty when the result lacks what the verdict reads (``why`` says so).
-        verdict: one of :data:`VERDICTS`; why: what we found and why that verdict (plain text, no final period).
-        value, interval: our number (None where there is none) and its interval ``(low, high)`` (None: none).
-        parts: the verdict's parts (the critical claim's three; ``against``: what a number was judged against).
-    """
-
-    statement: str
-    verdict: str
-    why: str
-    value: Any = None
-    interval: tuple[float, float] | None = None
-    by: str = "paper"
-    parts: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.verdict not in VERDICTS:
-            raise InputError(f"Claim verdict must be one of {VERDICTS}, got {self.verdict!r}")
-
-    @property
-    def ok(self) -> bool | None:
-        """True when it holds, False when it does not, None otherwise (partly, undecided, not judged)."""
-        return {"holds": True, "does not hold": False}.get(self.verdict)
-
-    def sentence(self) -> str:
-        """The claim in one sentence, as the report shows it."""
-        if not self.statement:
-            return f"No verdict: {self.why}."
-        head = "The paper" if self.by == "paper" else "Ours, not the paper's claim [ours]"
-        return f"{head}: {self.statement}; here {self.why}."
-
-
 __all__ = [
     "LINEAR_RIDGE",
     "Moments",
     "ridge_df",
     "ridge_for_df",
     "solve_correction",
-    "VERDICTS",
-    "Claim",
     "clopper_pearson",
     "proportion_verdict",
     "bin_labels",

@@ -1,7 +1,5 @@
-"""The short printed form of a result (``Result.__repr__``): a few lines, never tensor contents; and the short
-number words of the claims (:func:`fmt`, :func:`sgn`, :func:`span`, :func:`pct`, :func:`plural`)."""
+"""The short printed form of a result (``Result.__repr__``): a few lines, never tensor contents."""
 
-import math
 from typing import Any
 
 import torch
@@ -47,46 +45,4 @@ def wrap_items(items: Any, prefix: str = "", max_lines: int = LINES) -> list[str
     return lines
 
 
-def as_number(x: Any) -> float:
-    """``x`` as a float (NaN for None, a bool or anything that is not a number)."""
-    if x is None or isinstance(x, bool):
-        return math.nan
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def fmt(x: Any, digits: int = 3) -> str:
-    """A number as short text: ``digits`` significant digits, ``n/a`` for NaN / None."""
-    v = as_number(x)
-    return "n/a" if not math.isfinite(v) else f"{v:.{digits}g}"
-
-
-def sgn(x: Any) -> str:
-    """A signed number (a loss change): ``+0.123``, ``-0.0456``, ``n/a``."""
-    v = as_number(x)
-    return "n/a" if not math.isfinite(v) else f"{v:+.3g}"
-
-
-def pct(x: Any) -> str:
-    """A fraction as a whole percentage: ``83%``, ``n/a``."""
-    v = as_number(x)
-    return f"{100 * v:.0f}%" if math.isfinite(v) else "n/a"
-
-
-def span(lo: Any, hi: Any) -> str:
-    """``lo–hi``, ``≥ lo`` or ``≤ hi`` (a band or range with an open end)."""
-    if lo is None and hi is None:
-        return "any value"
-    if hi is None:
-        return f"≥ {fmt(lo, 4)}"
-    return f"≤ {fmt(hi, 4)}" if lo is None else f"{fmt(lo, 4)}–{fmt(hi, 4)}"
-
-
-def plural(k: int, noun: str) -> str:
-    """``1 layer``, ``3 layers``."""
-    return f"{k} {noun}" + ("" if k == 1 else "s")
-
-
-__all__ = ["as_number", "fmt", "pct", "plural", "sgn", "short_value", "span", "wrap_items"]
+__all__ = ["short_value", "wrap_items"]

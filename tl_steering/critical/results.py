@@ -10,11 +10,11 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from .._util.display import pct, plural
+from .._util.claims import Claim, pct, plural
 from ..errors import InputError
 from ..reference import paper_statement
 from ..results import Result, register
-from ..stats import Claim, clopper_pearson, proportion_verdict
+from ..stats import clopper_pearson, proportion_verdict
 from .spectrum import LABELS
 
 

@@ -14,11 +14,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .._util.display import fmt, plural
+from .._util.claims import Claim, fmt, plural
 from ..errors import InputError
 from ..reference import band_check, paper_statement, published_number
 from ..results import Result, register, tensor_field
-from ..stats import Claim
 from . import strategies as _strategies
 from .speedup import estimate_speedup
 

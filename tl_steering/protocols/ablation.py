@@ -16,9 +16,9 @@ from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
 from ..results import Result, register
 from ..data.sharding import World, gather_rows, my_batches
-from .._util.display import fmt, sgn
+from .._util.claims import Claim, fmt, sgn
 from ..reference import band_check, paper_statement, published_number
-from ..stats import Claim, bootstrap_ci
+from ..stats import bootstrap_ci
 from ..validation import as_int
 from ..backends.ownership import exclusive
 

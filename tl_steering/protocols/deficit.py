@@ -15,10 +15,9 @@ from ..data.windows import model_tokens
 from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from ..data.batching import iter_batches
-from .._util.display import fmt, pct
+from .._util.claims import Claim, fmt, pct
 from ..reference import paper_statement, published_number
-from ..stats import (Claim, bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean,
-                     position_bins, position_mask)
+from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
 from ._common import activation64
 from ..validation import as_int
 from ..backends.ownership import exclusive

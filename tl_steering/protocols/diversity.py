@@ -21,9 +21,9 @@ from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from .._util.threads import single_threaded
 from ..data.batching import iter_batches
-from .._util.display import pct
+from .._util.claims import Claim, pct
 from ..reference import band_check, paper_statement
-from ..stats import Claim, check_exclude_positions, finite_mean, position_mask
+from ..stats import check_exclude_positions, finite_mean, position_mask
 from ._common import activation64
 from ..validation import as_int
 from .ablation import VARIANTS

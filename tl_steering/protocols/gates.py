@@ -15,9 +15,9 @@ from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
 from ..metrics import next_token_loss
-from .._util.display import fmt, pct
+from .._util.claims import Claim, fmt, pct
 from ..results import Result, register, tensor_field
-from ..stats import Claim, Moments
+from ..stats import Moments
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
 

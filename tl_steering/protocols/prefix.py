@@ -16,9 +16,9 @@ from ..data.windows import model_tokens
 from ..errors import InputError
 from ..metrics import kl_divergence
 from ..results import Result, register, tensor_field
-from .._util.display import fmt
+from .._util.claims import Claim, fmt
 from ..reference import paper_statement
-from ..stats import Claim, check_exclude_positions, position_mask
+from ..stats import check_exclude_positions, position_mask
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
 

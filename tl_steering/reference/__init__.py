@@ -9,9 +9,8 @@ import math
 from importlib import resources
 from typing import Any
 
-from .._util.display import as_number, fmt, span
+from .._util.claims import Claim, as_number, fmt, span
 from ..errors import InputError
-from ..stats import Claim
 
 PUBLISHED_FILE = "published.json"
 PINNED_FILE = "smollm2_pinned.json"

@@ -64,7 +64,7 @@ def _value_and_note(r: SuiteResult, number_id: str, summary: dict[str, Any]) -> 
 
 def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
     """One row per published number (tl_steering/reference/published.json) with our value beside it and its
-    ``verdict`` (a :class:`~tl_steering.stats.Claim`)."""
+    ``verdict`` (a :class:`~tl_steering._util.claims.Claim`)."""
     model_name = r.model.name
     device = r.speedup.device if r.speedup is not None else ""
     rows, summary = [], r.summary()

@@ -10,9 +10,9 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from .._util.display import span
+from .._util.claims import Claim, span
 from ..results import _encode
-from ..stats import Claim, median_interval
+from ..stats import median_interval
 from ..suite import SuiteResult
 from ..suite.claims import timing_claim
 from .comparison import comparison_rows

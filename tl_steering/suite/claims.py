@@ -5,10 +5,9 @@ import dataclasses
 import math
 from typing import Any
 
-from .._util.display import as_number, fmt, plural, sgn
+from .._util.claims import Claim, as_number, fmt, plural, sgn
 from ..parallel.defect_result import ordering_claim
 from ..reference import paper_statement
-from ..stats import Claim
 
 _TIMING_VERDICTS = {"faster": "holds", "slower": "does not hold", "within noise": "undecided"}
 

@@ -21,7 +21,7 @@ from ..parallel.defect import DefectResult
 from ..protocols.deficit import DeficitResult
 from ..protocols.diversity import DiversityResult
 from ..results import Result, register
-from ..stats import Claim
+from .._util.claims import Claim
 from .claims import suite_claims
 from .settings import SuiteSettings
 

@@ -1,4 +1,4 @@
-"""The claims (tl_steering.stats.Claim; docs/suite.md "Claims"): every protocol result judges its own claim from its
+"""The claims (tl_steering._util.claims.Claim; docs/suite.md "Claims"): every protocol result judges its own claim from its
 numbers, the suite collects them, and the one band check (tl_steering.reference.band_check) judges a value against
 a published number. Synthetic results: moving a number across a band, an interval across 1 or a recovered fraction
 across 0 changes the verdict. No model runs here."""
@@ -19,7 +19,7 @@ from tl_steering.reference import band_check, paper_statement, published_number
 from tl_steering.report.comparison import comparison_rows
 from tl_steering.report.labels import labelled
 from tl_steering.report.page import summary_section
-from tl_steering.stats import VERDICTS, Claim
+from tl_steering._util.claims import VERDICTS, Claim
 from tl_steering.suite import SuiteResult
 from tl_steering.suite.claims import parallel_claim, timing_claim
 from tl_steering.suite.result import ExecutorTiming
