@@ -389,10 +389,6 @@ def critical_sentence(r: SuiteResult) -> str:
     p = c["pooled"]
     sad = (f"'mostly saddles' is not decided by this sample: {p['saddles']} of {n} found are saddles "
            f"({_pct(p['fraction'])}, 95% CI [{_pct(p['ci_low'])}, {_pct(p['ci_high'])}]), but {c['why_undecided']}")
-    later = c["by_crossing"].get("later")
-    if later and later["n"]:
-        sad += (f"; past the paths' first crossings {later['saddles']} of {later['n']} are saddles "
-                f"({_pct(later['fraction'])})")
     miss = c["parity"]["missing_at_least"]
     par = (f"; by the Poincaré-Hopf parity at least {miss} equilibri{'um' if miss == 1 else 'a'} went unfound"
            if miss else "")
