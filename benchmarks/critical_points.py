@@ -38,7 +38,7 @@ def main() -> None:
     results = []
     for layer in layers:
         extra = {} if a.max_iter is None else {"max_iter": a.max_iter}
-        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, **extra)
+        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, options=extra or None)
         results.append(r)
         e = r.results[0]
         c = e.counts()

@@ -1,7 +1,7 @@
-"""The "mostly saddles" claim over a sample without a bias toward stability: every layer's FFN field, equilibria
-reached from N token directions by the Newton homotopy (``--method homotopy``, the default: docs/critical_points.md,
-section 9) or the reflected finder (``--method reflected``, section 8), or by the default finder (``--method
-landscape``: flow + solution landscape, a biased sample for comparison).
+"""The one finder (flow + solution landscape, docs/critical_points.md section 9) per layer from N token directions,
+and its coverage of planted fields. The homotopy and reflected finders this script once compared were measured to
+lose and left the package (their measurements: docs/critical_points.md sections 8 and 10); ``--method`` keeps only
+``landscape``.
 
 Per layer: starts (token directions of the FFN input, positions >= 1, seeded choice), rows (starts + repair +
 landscape rows), converged rows, distinct equilibria, label counts, the Morse index histogram, dense Jacobians
@@ -47,8 +47,7 @@ def coverage(dims: list[int], n_starts: dict[int, int], seeds: list[int], method
         for seed in seeds:
             p = symmetric_field(d, seed=seed) if symmetric else planted_field(d, seed=seed, quartic=quartic)
             t0 = time.perf_counter()
-            kw = {"max_iter": max_iter} if method == "reflected" else {"homotopy_steps": steps} if method == "homotopy" else {}
-            r = find_equilibria(p, d, n_starts=n_starts[d], seed=seed, method=method, **kw)
+            r = find_equilibria(p, d, n_starts=n_starts[d], seed=seed, options={"landscape_solves": 256})
             found: dict[int, list[bool]] = {}
             for x, k, lab in zip(p.points, p.index, p.labels):
                 dist = (r.points - x).norm(dim=-1) if r.n_points else torch.ones(1)
@@ -90,16 +89,9 @@ def run_model(name: str, layers: list[int] | None, n_starts: int, max_iter: int,
         t1 = time.perf_counter()
         fld = critical_field(model, layer, tokens=tokens)
         starts = _token_starts(acts[layer], n_starts, seed=0)
-        if method == "reflected":
-            kw = {"max_iter": max_iter, "landscape": landscape}
-        elif method == "homotopy":
-            kw = {"homotopy_steps": steps}
-        else:
-            kw = {"landscape_solves": budget, "max_iter": max_iter}
-        if method == "landscape":  # the default finder's own starts: half token directions, half random
-            r = find_equilibria(fld, fld.dim, n_starts=2 * starts.shape[0], starts=starts, method=method, **kw)
-        else:
-            r = find_equilibria(fld, fld.dim, n_starts=starts.shape[0], starts=starts, method=method, **kw)
+        # the finder's own starts: half token directions, half random
+        r = find_equilibria(fld, fld.dim, n_starts=2 * starts.shape[0], starts=starts,
+                            options={"landscape_solves": budget, "max_iter": max_iter})
         secs = time.perf_counter() - t1
         c = r.counts()
         v = saddle_verdict(c["saddle"], r.n_points)
@@ -150,8 +142,7 @@ def main() -> None:
     p.add_argument("--sample", choices=("models", "coverage", "symmetric"), default="models")
     p.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma-3-270m"])
     p.add_argument("--layers", type=int, nargs="*", default=None)
-    p.add_argument("--method", choices=("homotopy", "reflected", "landscape"), default=None,
-                   help="models: homotopy (default); coverage: landscape (the default finder)")
+    p.add_argument("--method", choices=("landscape",), default="landscape", help="the one finder")
     p.add_argument("--n-starts", type=int, default=1, help="token directions per layer")
     p.add_argument("--steps", type=int, default=200, help="homotopy: accepted steps per path (two paths per start)")
     p.add_argument("--budget", type=int, default=16, help="landscape: solves per layer")
@@ -172,7 +163,7 @@ def main() -> None:
         return
     out: dict = {}
     for name in a.models:
-        run_model(name, a.layers, a.n_starts, a.max_iter, not a.no_landscape, out, a.method or "homotopy", a.steps,
+        run_model(name, a.layers, a.n_starts, a.max_iter, not a.no_landscape, out, a.method, a.steps,
                   a.budget)
         if a.json:
             with open(a.json, "w") as fh:

@@ -174,8 +174,8 @@ def _every_protocol(model, tokens) -> dict[str, tuple[object, str]]:
     g = ts.calibrate_gates(model, tokens, method="closed_form", plan=[5])
     out["calibrate_gates.closed_form"] = (float(g.gates[5]), "geometry")
     out["calibrate_gates.loss_gated_heldout"] = (float(g.loss_gated_heldout), "loss")
-    cp = ts.critical_points(model, 17, n_starts=2, max_iter=20, eigensolver="dense", tokens=cal,
-                            method="fixed_point", pre_iter=20).result(17)
+    cp = ts.critical_points(model, 17, n_starts=2, eigensolver="dense", tokens=cal,
+                            options={"max_iter": 20, "pre_iter": 20, "landscape_solves": 0}).result(17)
     out["critical_points.radius"] = (float(cp.options["radius"]), "geometry")
     out["critical_points.n_starts"] = (int(cp.n_starts), "exact")
     out["critical_points.residuals"] = (cp.residuals, "finite")

@@ -96,7 +96,6 @@ def _settings(protocol: str, n_layers: int):
         plan_k=n // 2,
         critical_layers=sorted({n // 4, n // 2, (3 * n) // 4}),
         critical_n_starts=16,
-        critical_methods=["riemannian"],
         critical_max_windows=4,
     )
 

@@ -16,7 +16,7 @@ from tl_steering.backends import adapt
 # the settings that differ between sizes
 _SIZES = {
     "small": {"n_bootstrap": 20, "n_random": 2, "n_starts": 4, "cp_tokens": None, "cp_kwargs": {}, "steps": 3},
-    "tiny": {"n_bootstrap": 4, "n_random": 1, "n_starts": 1, "cp_tokens": (1, 6), "cp_kwargs": {"max_iter": 2},
+    "tiny": {"n_bootstrap": 4, "n_random": 1, "n_starts": 1, "cp_tokens": (1, 6), "cp_kwargs": {"options": {"max_iter": 2}},
              "steps": 1},
 }
 

@@ -30,7 +30,6 @@ def suite_inputs(tmp_path_factory):
     s = default_settings(2, quick=True, windows=4, length=16)
     s.n_bootstrap = 20
     s.critical_n_starts = 2
-    s.critical_methods = ["flow", "fixed_point"]  # the default finder and the second slot of the report
     s.timing_repeats = 1
     tokens = text_windows(model, source=str(text), n_windows=4, length=16, seed=0)
     return model, tokens, s

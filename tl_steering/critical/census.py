@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..results import Result, register
 from ..stats import chao1
 from .finder import find_equilibria
+from .options import CENSUS_LANDSCAPE_SOLVES, FinderOptions, finder_options
 from .results import EquilibriaResult
 
 
@@ -47,7 +48,7 @@ class CensusResult(Result):
     """The census of one field (module docstring).
 
     Attributes:
-        equilibria: the points found (random starts, flow without edge tracking, then the landscape phase).
+        equilibria: the points found (the one finder from random starts).
         attractors, repellers: :func:`tl_steering.stats.chao1` of the power rows that reached each one.
         saddles: distinct saddles found: a lower bound on the field's saddles.
         degenerate: degenerate points found (counted with the non-saddles).
@@ -87,8 +88,8 @@ ASSUMPTIONS = ("independent uniform starts sample the basins of the power map of
                "statistically by the upper bound; the saddles are those found")
 
 
-def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = 256, level: float = 0.95,
-           **finder_kwargs: Any) -> CensusResult:
+def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = CENSUS_LANDSCAPE_SOLVES,
+           level: float = 0.95, options: FinderOptions | dict[str, Any] | None = None) -> CensusResult:
     """The census of the equilibria of ``field`` on S^{dim-1} (module docstring).
 
     Args:
@@ -99,17 +100,17 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
         landscape_solves: Newton solves of the landscape phase (the saddle search; every one found raises the lower
             bound, so the default is find_equilibria's full budget: about 3 s a solve on one core for d = 576).
         level: level of the upper bounds on attractors and repellers.
-        **finder_kwargs: passed to :func:`find_equilibria` (not ``starts``, ``method`` or ``edge_pairs``: the
-            census needs random starts only and no edge rows among its samples).
+        options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
+            every entry point uses); ``landscape_solves`` replaces its budget.
+
+    The census runs the one finder of :func:`find_equilibria` from random starts only (the abundance counts need
+    independent uniform starts); only the power rows' hits enter the upper bounds, and every other row (edge,
+    landscape) only adds saddles to the lower bound.
     """
-    for key in ("starts", "method", "edge_pairs"):
-        if key in finder_kwargs:
-            raise InputError(f"census chooses {key!r} itself (random starts, the landscape finder, no edge rows); "
-                             "call find_equilibria for another sample")
-    if not 0.0 < float(level) < 1.0:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
         raise InputError(f"level must be in (0, 1), got {level!r}")
-    res = find_equilibria(field, dim, n_starts=n_starts, seed=seed, method="landscape", edge_pairs=0,
-                          landscape_solves=landscape_solves, **finder_kwargs)
+    opts = dataclasses.replace(finder_options(options), landscape_solves=landscape_solves)
+    res = find_equilibria(field, dim, n_starts=n_starts, seed=seed, options=opts)
     att, rep = chao1(_abundance(res, "attractor"), level), chao1(_abundance(res, "repeller"), level)
     saddles, degenerate = res.labels.count("saddle"), res.labels.count("degenerate")
     high = att["ci_high"] + rep["ci_high"] + degenerate

@@ -1,4 +1,4 @@
-"""The flow finder (``method="flow"``): equilibria reached by the dynamics themselves (docs/critical_points.md).
+"""The flow phase of the finder: equilibria reached by the dynamics themselves (docs/critical_points.md, 6.2).
 
 Two cheap phases, both built from field evaluations only (no Jacobian), then the Levenberg-Marquardt end game of
 :mod:`tl_steering.critical.solver` and the usual classification:
@@ -26,14 +26,16 @@ import time
 import torch
 from torch import Tensor
 
-from .fields import _FieldAdapter, _match_point, _normalize, relative_residual
+from ..geometry import EPS_NORM, _normalize
+from .fields import _FieldAdapter, _match_point, relative_residual
+from .options import FinderOptions
 from .solver import lm_solve
 
 
 def _map(fld: _FieldAdapter, u: Tensor, s: Tensor, shift: Tensor | None) -> Tensor:
     """One step of the (shifted) power map, u <- normalize(s·F(u) + σ u), per row."""
     f = s * fld.many_no_grad(u)
-    return _normalize(f if shift is None else f + shift * u)
+    return _normalize(f if shift is None else f + shift * u, EPS_NORM)
 
 
 def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, switch: float,
@@ -57,7 +59,7 @@ def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, swit
             if idx.numel() == 0:
                 break
             step = s[idx] * f[idx]
-            u[idx] = _normalize(step if sh is None else step + sh[idx] * u[idx])
+            u[idx] = _normalize(step if sh is None else step + sh[idx] * u[idx], EPS_NORM)
             f[idx] = fld.many_no_grad(u[idx])
             rel[idx] = relative_residual(u[idx], f[idx])
             active[idx[~torch.isfinite(rel[idx]) | (rel[idx] < switch)]] = False
@@ -110,7 +112,7 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
             aa, bb, ea, eb, ss = a[idx], b[idx], end_a[idx], end_b[idx], s[idx]
             sh = None if sh_all is None else sh_all[idx]
             for _ in range(int(bisections) if first else max(1, int(bisections) * 2 // 3)):
-                m = _normalize(aa + bb)
+                m = _normalize(aa + bb, EPS_NORM)
                 to_a = _side(fld, m, ss, ea, eb, int(horizon), sh)
                 aa = torch.where(to_a[:, None], m, aa)
                 bb = torch.where(to_a[:, None], bb, m)
@@ -122,7 +124,7 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
                 better = together & (ra < rl)
                 bst = torch.where(better[:, None], aa, bst)
                 rl = torch.where(better, ra, rl)
-                step_a = _normalize(ss * fa if sh is None else ss * fa + sh * aa)
+                step_a = _normalize(ss * fa if sh is None else ss * fa + sh * aa, EPS_NORM)
                 step_b = _iterate(fld, bb, ss, 1, sh)
                 aa = torch.where(together[:, None], step_a, aa)
                 bb = torch.where(together[:, None], step_b, bb)
@@ -172,22 +174,17 @@ def _edge_pairs(ends: list[int], n_pairs: int) -> list[tuple[int, int]]:
     return out
 
 
-def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter: int, patience: int,
-          pre_iter: int, edge_pairs: int, dedup_angle: float) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
-    """method="flow": power phase (both signs) and edge phase (:mod:`tl_steering.critical.dynamics`), each
-    finished by LM without deflation. A sign none of whose rows reached a point of its own sign (:func:`_reached`)
-    is rerun with the shifted map (``SHIFTS``). Rows: 2n power rows, then one row per edge pair, then the rows the
-    plain map of a shifted sign had left on an equilibrium (s·λ < 0; ``plain_rows``, kept so that no point it
-    reached is lost); where the power phase reaches no point at all, n more rows: LM from the starts (the map has
-    no fixed point there)."""
-    n, dim = u0.shape
+def _power_phase(fld: _FieldAdapter, u0: Tensor, pre_iter: int, tol: float) -> tuple:
+    """Power rows of both signs from the starts (2n rows: s = +1, then s = -1); a sign none of whose rows reached
+    a point of its own sign (:func:`_reached`) is rerun with the shifted map (``SHIFTS``). Returns ``(u, rel, sign,
+    shift, plain)``, ``plain`` the rows the plain map of a shifted sign had left on an equilibrium (s·λ < 0)."""
+    n = u0.shape[0]
     dev, dt = u0.device, u0.dtype
     sign = torch.cat([torch.ones(n, dtype=dt, device=dev), -torch.ones(n, dtype=dt, device=dev)])
     starts = torch.cat([u0, u0])
-    clock = time.perf_counter()
     up, relp = power_iterate(fld, starts, sign, pre_iter, tol)  # linear but cheap: no Jacobian
     shift = torch.zeros(2 * n, dtype=dt, device=dev)
-    plain = []  # rows of a shifted sign that the plain map left on an equilibrium (s·λ < 0): kept as extra rows
+    plain = []
     for half in (slice(0, n), slice(n, 2 * n)):  # a sign whose map fixes nothing: the shifted map (damped rotation)
         for factor in SHIFTS:
             if _reached(fld, up[half], relp[half], sign[half]):
@@ -197,24 +194,26 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
                 plain.append((near, up[near].clone(), relp[near].clone()))
             shift[half] = factor * fld.many_no_grad(u0).norm(dim=-1).median()
             up[half], relp[half] = power_iterate(fld, starts[half], sign[half], pre_iter, tol, shift[half])
-    seconds = {"power": time.perf_counter() - clock}
+    return up, relp, sign, shift, plain
 
-    def finish(u: Tensor, rel: Tensor, near: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        status = torch.where(rel <= tol, 0, 1).cpu()
-        iters = torch.zeros(u.shape[0], dtype=torch.long)
-        todo = ((rel > tol) & (rel < near)).nonzero().flatten()
-        if todo.numel():
-            ub, rb, ib, sb = lm_solve(fld, u[todo], u[:0], tol, max_iter, patience=patience)
-            u, rel = u.clone(), rel.clone()
-            u[todo], rel[todo] = ub.detach(), rb
-            status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
-        return u, rel, iters, status
 
-    clock = time.perf_counter()
-    u, rel, iters, status = finish(up, relp, 1e-2)
-    seconds["power_finish"] = time.perf_counter() - clock
-    # fixed-point ids per sign (angle <= 1e-6 is one point)
-    ends = [-1] * (2 * n)
+def _finish(fld: _FieldAdapter, u: Tensor, rel: Tensor, near: float, opts: FinderOptions
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """LM end game (no deflation) of the rows whose relative residual lies in (tol, near)."""
+    status = torch.where(rel <= opts.tol, 0, 1).cpu()
+    iters = torch.zeros(u.shape[0], dtype=torch.long)
+    todo = ((rel > opts.tol) & (rel < near)).nonzero().flatten()
+    if todo.numel():
+        ub, rb, ib, sb = lm_solve(fld, u[todo], opts.tol, opts.max_iter, patience=opts.patience)
+        u, rel = u.clone(), rel.clone()
+        u[todo], rel[todo] = ub.detach(), rb
+        status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
+    return u, rel, iters, status
+
+
+def _map_ids(u: Tensor, status: Tensor, dedup_angle: float) -> tuple[list[int], Tensor]:
+    """Fixed-point id per row (-1: not converged; angle <= max(dedup_angle, 1e-6) is one point) and the points."""
+    ends = [-1] * u.shape[0]
     points = u[:0]
     for i in (status == 0).nonzero().flatten().tolist():
         hit = _match_point(points, u[i], max(dedup_angle, 1e-6))
@@ -222,44 +221,60 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], tol: float, max_iter
             points = torch.cat([points, u[i][None]])
             hit = points.shape[0] - 1
         ends[i] = hit
-    plus = _edge_pairs(ends[:n], edge_pairs - edge_pairs // 2)
-    minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], edge_pairs - len(plus))]
-    if len(plus) < edge_pairs - edge_pairs // 2:
-        plus = _edge_pairs(ends[:n], edge_pairs - len(minus))
+    return ends, points
+
+
+def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], opts: FinderOptions
+          ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
+    """The flow finder: power phase (both signs, :func:`_power_phase`) and edge phase, each finished by LM without
+    deflation. Rows: 2n power rows, then one row per edge pair, then the rows the plain map of a shifted sign had
+    left on an equilibrium (``plain_rows``, kept so that no point it reached is lost); where the power phase reaches
+    no point at all, n more rows: LM from the starts (the map has no fixed point there)."""
+    n = u0.shape[0]
+    clock = time.perf_counter()
+    up, relp, sign, shift, plain = _power_phase(fld, u0, opts.pre_iter, opts.tol)
+    seconds = {"power": time.perf_counter() - clock}
+    clock = time.perf_counter()
+    u, rel, iters, status = _finish(fld, up, relp, 1e-2, opts)
+    seconds["power_finish"] = time.perf_counter() - clock
+    ends, points = _map_ids(u, status, opts.dedup_angle)
+    n_plus = opts.edge_pairs - opts.edge_pairs // 2
+    plus = _edge_pairs(ends[:n], n_plus)
+    minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], opts.edge_pairs - len(plus))]
+    if len(plus) < n_plus:
+        plus = _edge_pairs(ends[:n], opts.edge_pairs - len(minus))
     pairs = plus + minus
     row_kinds = [f"{k}/power+" for k in kinds] + [f"{k}/power-" for k in kinds]
     info = {"power_rows": 2 * n, "power_converged": int((status == 0).sum()), "edge_rows": len(pairs),
             "fixed_points_of_map": points.shape[0], "shift": [float(shift[0]), float(shift[-1])]}
+    parts = [(u, rel, iters, status)]
     if pairs:
-        ia = torch.tensor([a for a, _ in pairs], device=dev)
-        ib_ = torch.tensor([b for _, b in pairs], device=dev)
+        ia = torch.tensor([a for a, _ in pairs], device=u0.device)
+        ib = torch.tensor([b for _, b in pairs], device=u0.device)
+        starts = torch.cat([u0, u0])
         clock = time.perf_counter()
-        ue, rele = edge_track(fld, starts[ia], starts[ib_], u[ia], u[ib_], sign[ia], shift=shift[ia])
+        ue, rele = edge_track(fld, starts[ia], starts[ib], u[ia], u[ib], sign[ia], shift=shift[ia])
         seconds["edge"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        ue, rele, ie, se = finish(ue, rele, 5e-2)
+        parts.append(_finish(fld, ue, rele, 5e-2, opts))
         seconds["edge_finish"] = time.perf_counter() - clock
-        u, rel = torch.cat([u, ue]), torch.cat([rel, rele])
-        iters, status = torch.cat([iters, ie]), torch.cat([status, se])
         row_kinds += [f"edge{'+' if a < n else '-'}" for a, _ in pairs]
-        info["edge_converged"] = int((se == 0).sum())
+        info["edge_converged"] = int((parts[-1][3] == 0).sum())
     rows = [i for near, _, _ in plain for i in near.tolist()]
     if rows:  # equilibria the plain map reached before its sign was shifted are kept, never discarded
-        up_, relp_, ip_, sp_ = finish(torch.cat([x for _, x, _ in plain]), torch.cat([r for _, _, r in plain]),
-                                      REACHED_BELOW)
-        u, rel = torch.cat([u, up_]), torch.cat([rel, relp_])
-        iters, status = torch.cat([iters, ip_]), torch.cat([status, sp_])
+        parts.append(_finish(fld, torch.cat([x for _, x, _ in plain]), torch.cat([r for _, _, r in plain]),
+                             REACHED_BELOW, opts))
         row_kinds += [f"{kinds[i % n]}/power{'+' if i < n else '-'}/plain" for i in rows]
     info["plain_rows"] = len(rows)
-    if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): plain LM
+    if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): LM
         clock = time.perf_counter()
-        ul, rl, il, sl = lm_solve(fld, u0, u0[:0], tol, max_iter, patience=patience)
+        ul, rl, il, sl = lm_solve(fld, u0, opts.tol, opts.max_iter, patience=opts.patience)
         seconds["lm_fallback"] = time.perf_counter() - clock
-        u, rel = torch.cat([u, ul.detach()]), torch.cat([rel, rl])
-        iters, status = torch.cat([iters, il.cpu()]), torch.cat([status, sl.cpu()])
+        parts.append((ul.detach(), rl, il.cpu(), sl.cpu()))
         row_kinds += [f"{k}/lm" for k in kinds]
         info["lm_rows"] = n
     info["phase_seconds"] = seconds
+    u, rel, iters, status = (torch.cat([p[k] for p in parts]) for k in range(4))
     return u, rel, iters, status, row_kinds, info
 
 

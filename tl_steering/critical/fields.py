@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..backends import autodiff
 from ..errors import InputError
-from ..geometry import angle
+from ..geometry import EPS_NORM, _normalize, _tangential_part, angle
 
 Field = Callable[[Tensor], Tensor]
 
@@ -24,24 +24,15 @@ _EPS = 1e-300  # guards 0/0 only; the residual of a point where ||F|| underflows
 
 
 # ----------------------------------------------------------------------------------------------------------
-# small geometry helpers (pure tensor functions)
-
-
-def tangent_part(u: Float[Tensor, "*batch d"], v: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
-    """P_u v = v - <u, v> u for a unit u (no normalisation; differentiable under torch.func). The checked public
-    version for arbitrary references is :func:`tl_steering.geometry.tangential_part`."""
-    return v - (u * v).sum(-1, keepdim=True) * u
+# the relative residual (the convergence measure of every phase)
 
 
 def relative_residual(u: Float[Tensor, "*batch d"], f: Float[Tensor, "*batch d"]) -> Float[Tensor, " *batch"]:
-    """||P_u F(u)|| / ||F(u)||: the sine of the angle between u and F(u); 0 exactly at an equilibrium."""
+    """||P_u F(u)|| / ||F(u)||: the sine of the angle between u and F(u); 0 exactly at an equilibrium, inf where F
+    vanishes or is not finite."""
     fn = f.norm(dim=-1)
-    res = tangent_part(u, f).norm(dim=-1) / fn.clamp_min(_EPS)
+    res = _tangential_part(f, u).norm(dim=-1) / fn.clamp_min(_EPS)
     return torch.where(torch.isfinite(res) & (fn > 0), res, torch.full_like(res, math.inf))
-
-
-def _normalize(x: Tensor) -> Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 class _Householder:
@@ -117,7 +108,7 @@ class _Householder:
 def tangent_basis(u: Float[Tensor, " d"]) -> Float[Tensor, "d d_minus_1"]:
     """An orthonormal basis of the tangent space at unit u, as columns (the last d-1 columns of a Householder
     reflector that maps u to ∓e_1)."""
-    h = _Householder(_normalize(u))
+    h = _Householder(_normalize(u, EPS_NORM))
     eye = torch.eye(u.shape[0], dtype=u.dtype, device=u.device)
     return (eye - h.beta * torch.outer(h.w, h.w))[:, 1:]
 

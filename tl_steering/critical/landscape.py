@@ -43,7 +43,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, _normalize
+from ..geometry import EPS_NORM, _normalize, _tangential_part
+from .options import FinderOptions
+from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
 
 #: Newton steps are capped at this many radians
 MAX_STEP = 0.5
@@ -51,6 +53,9 @@ MAX_STEP = 0.5
 FULL_STEP_BELOW = 1e-4
 #: offset δ of a landscape start u* ± δ w (radians)
 DELTA = 0.1
+#: p and σ of the deflation m(u) = prod_i (||u - u_i||^-p + σ) (Farrell, Birkisson & Funke 2015)
+DEFLATION_POWER = 2.0
+DEFLATION_SHIFT = 1.0
 #: a start is explained (deferred) when a known point's geodesic direction from its origin has this cosine with it
 EXPLAINED_COS = 0.99
 
@@ -63,37 +68,24 @@ def tangent_jacobian(u: Tensor, f: Tensor, jac: Tensor) -> tuple[_Householder, T
     fh = f / fn
     dh = (jac - torch.outer(fh, fh @ jac)) / fn  # (I - F̂F̂ᵀ) DF / ||F||
     a = h.conjugate(dh)[1:, 1:] - float(u @ fh) * torch.eye(u.shape[0] - 1, dtype=u.dtype, device=u.device)
-    w = fh - (u @ fh) * u
-    return h, a, h.qt(w)
+    return h, a, h.qt(_tangential_part(fh, u))
 
 
-def _log_deflation_grad(u: Tensor, known: Tensor, power: float, shift: float) -> Tensor:
-    """∇ log m(u) (ambient, [d]) for m = prod_i (||u - u_i||^-p + σ)."""
+def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
+    """(log m(u), ∇ log m(u)) per row of ``u`` ([..., d] -> [...], [..., d]) for the deflation
+    m(u) = prod_i (||u - u_i||^-p + σ) of the ``known`` points (p = ``DEFLATION_POWER``, σ = ``DEFLATION_SHIFT``);
+    (0, 0) while none is known."""
     if known.shape[0] == 0:
-        return torch.zeros_like(u)
-    diff = u[None] - known
+        return u.new_zeros(u.shape[:-1]), torch.zeros_like(u)
+    diff = u[..., None, :] - known
     r2 = (diff ** 2).sum(-1).clamp_min(1e-300)
-    rp = r2 ** (-power / 2)
-    coef = -power * rp / r2 / (rp + shift)
-    return (coef[:, None] * diff).sum(0)
+    rp = r2 ** (-DEFLATION_POWER / 2)
+    coef = -DEFLATION_POWER * rp / r2 / (rp + DEFLATION_SHIFT)
+    return torch.log(rp + DEFLATION_SHIFT).sum(-1), (coef[..., None] * diff).sum(-2)
 
 
-def _log_deflation(u: Tensor, known: Tensor, power: float, shift: float) -> Tensor:
-    if known.shape[0] == 0:
-        return u.new_zeros(u.shape[:-1])
-    r2 = ((u[..., None, :] - known) ** 2).sum(-1).clamp_min(1e-300)
-    return torch.log(r2 ** (-power / 2) + shift).sum(-1)
-
-
-def _rel(f: Tensor, u: Tensor) -> Tensor:
-    fn = f.norm(dim=-1)
-    w = f - (u * f).sum(-1, keepdim=True) * u
-    out = w.norm(dim=-1) / fn.clamp_min(_EPS)
-    return torch.where(torch.isfinite(out) & (fn > 0), out, torch.full_like(out, math.inf))
-
-
-def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8,
-                 power: float = 2.0, shift: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """Deflated Newton on the sphere from the rows of ``u0`` (module docstring), rows batched per iteration.
 
     Returns ``(u, rel, iterations, status, jacobians)``; status as :func:`tl_steering.critical.solver.lm_solve`
@@ -101,13 +93,13 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
     3 iteration limit); ``jacobians`` counts the dense Jacobians of F evaluated.
     """
     n = u0.shape[0]
-    u = _normalize(u0.clone())
+    u = _normalize(u0.clone(), EPS_NORM)
     with torch.no_grad():
-        rel = _rel(fld.many(u), u)
+        rel = relative_residual(u, fld.many(u))
     status = torch.full((n,), -1, dtype=torch.long)
     iters = torch.zeros(n, dtype=torch.long)
     status[(rel <= tol * 1e-3).cpu()] = 0
-    merit = torch.log(rel.clamp_min(1e-300)) + _log_deflation(u, known, power, shift)
+    merit = torch.log(rel.clamp_min(1e-300)) + _deflation(u, known)[0]
     history = [merit.clone()]
     n_jac = 0
     for _ in range(max_iter):
@@ -129,7 +121,7 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
             if not bool(torch.isfinite(s).all()):
                 status[i] = 2
                 continue
-            g = h.qt(_log_deflation_grad(ui, known, power, shift))
+            g = h.qt(_deflation(ui, known)[1])
             denom = 1.0 - float(g @ s)
             if known.shape[0] and abs(denom) > 1e-12:
                 s = s / denom
@@ -139,10 +131,10 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
             full = float(rel[i]) < FULL_STEP_BELOW
             ok = False
             for _ in range(1 if full else 12):
-                cand = _normalize(ui + h.q(s))
+                cand = _normalize(ui + h.q(s), EPS_NORM)
                 with torch.no_grad():
-                    rc = _rel(fld.one(cand)[None], cand[None])[0]
-                mc = torch.log(rc.clamp_min(1e-300)) + _log_deflation(cand[None], known, power, shift)[0]
+                    rc = relative_residual(cand, fld.one(cand))
+                mc = torch.log(rc.clamp_min(1e-300)) + _deflation(cand, known)[0]
                 if bool(torch.isfinite(rc)) and (full or float(mc) < float(merit[i])):
                     u[i], rel[i], merit[i], ok = cand, rc, mc, True
                     break
@@ -190,16 +182,14 @@ def explained(x: Tensor, w: Tensor, known: Tensor, cos: float = EXPLAINED_COS) -
     return bool(((t[ok] @ w) / nrm[ok] >= cos).any())
 
 
-def landscape_phase(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: int, dedup_angle: float,
-                    dirs: int = 2, max_solves: int = 256, batch: int = 8, patience: int = 8,
-                    explained_cos: float = EXPLAINED_COS,
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
+def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, batch: int = 8,
+                    explained_cos: float = EXPLAINED_COS) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
     """Breadth-first solution landscape from the distinct ``points`` (module docstring): for each point, starts at
-    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``dirs`` per side), deflated Newton with every
-    known point deflated; new points are expanded (their Jacobians batched) as soon as the starts before them are
+    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``opts.landscape_dirs`` per side),
+    deflated Newton with every known point deflated; new points are expanded (their Jacobians batched) as soon as the starts before them are
     taken. A start that a known point explains (:func:`explained`, checked against the known set when its batch is
     chosen) is deferred: deferred starts run, in the order deferred, only when no unexplained start is left and no
-    new point waits to be expanded, within the same ``max_solves``. Returns rows (u, rel, iterations, status,
+    new point waits to be expanded, within the same ``opts.landscape_solves``. Returns rows (u, rel, iterations, status,
     kinds: "landscape", or "landscape/deferred" for a deferred start) and counts."""
     dim = points.shape[-1]
     known = points.detach().clone()
@@ -218,12 +208,12 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: in
             with torch.no_grad():
                 f = fld.one(x)
             h, a, _ = tangent_jacobian(x, f, jac.detach())
-            for w in eigen_directions(a, h, dirs):
-                pending.extend([(x, w, _normalize(x + DELTA * w)), (x, -w, _normalize(x - DELTA * w))])
+            for w in eigen_directions(a, h, opts.landscape_dirs):
+                pending.extend([(x, w, _normalize(x + DELTA * w, EPS_NORM)), (x, -w, _normalize(x - DELTA * w, EPS_NORM))])
         queue = []
 
-    while solves < max_solves:
-        room = min(batch, max_solves - solves)
+    while solves < opts.landscape_solves:
+        room = min(batch, opts.landscape_solves - solves)
         chosen: list[Tensor] = []
         while len(chosen) < room:
             if not pending and queue:
@@ -245,7 +235,7 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: in
         if not chosen:
             break
         u0 = torch.stack(chosen)
-        u, rel, it, st, nj = newton_solve(fld, u0, known, tol, max_iter, patience=patience)
+        u, rel, it, st, nj = newton_solve(fld, u0, known, opts.tol, opts.max_iter, patience=opts.patience)
         n_jac += nj
         solves += u0.shape[0]
         us.append(u)
@@ -254,8 +244,8 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, tol: float, max_iter: in
         sts.append(st)
         kinds += [kind] * u0.shape[0]
         for x in u[st.to(u.device) == 0]:
-            if _match_point(known, x, dedup_angle) < 0:
-                known = _add_distinct(known, x[None], dedup_angle)
+            if _match_point(known, x, opts.dedup_angle) < 0:
+                known = _add_distinct(known, x[None], opts.dedup_angle)
                 queue.append(x)
     counts = {"landscape_deferred": n_deferred, "landscape_deferred_run": n_deferred_run,
               "landscape_exhausted": not (queue or pending or deferred)}

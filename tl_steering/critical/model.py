@@ -29,9 +29,10 @@ from ..backends.field64 import Float64Block
 from ..data.windows import token_source
 from ..errors import InputError
 from .census import CensusResult, census
-from .finder import find_equilibria
+from .finder import ROW_KEYS, find_equilibria, polish_points
+from .options import CENSUS_LANDSCAPE_SOLVES, DEFAULT_FINDER, DEFAULT_N_STARTS, FinderOptions, finder_options
 from .results import CriticalPointsResult, EquilibriaResult
-from .spectrum import DENSE_MAX_DIM, LABELS
+from .spectrum import LABELS
 from ..backends.ownership import exclusive
 
 FieldKind = Literal["ffn", "attention", "block"]
@@ -182,12 +183,14 @@ def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str
 
 
 @exclusive
-def critical_census(model: Any, layer: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = 256,
-                    level: float = 0.95, field: FieldKind = "ffn", radius: str | float = "median",
-                    tokens: Tensor | None = None, corpus: str | None = None, **finder_kwargs: Any) -> CensusResult:
+def critical_census(model: Any, layer: int, n_starts: int = 64, seed: int = 0,
+                    landscape_solves: int = CENSUS_LANDSCAPE_SOLVES, level: float = 0.95, field: FieldKind = "ffn",
+                    radius: str | float = "median", tokens: Tensor | None = None, corpus: str | None = None,
+                    options: FinderOptions | dict[str, Any] | None = None) -> CensusResult:
     """:func:`tl_steering.critical.census.census` of one layer's field (docs/critical_points.md section 11): the
     upper bound on its attractors and repellers from random starts, the saddles found from below, and whether
-    saddles are more than half of all its equilibria. Arguments as :func:`critical_points` and ``census``."""
+    saddles are more than half of all its equilibria. Arguments as :func:`critical_points` and ``census``: the
+    same finder and options as every entry point, with the census's own budget."""
     ad = adapt(model)
     layer = ad.check_layer(layer)
     kind = _check_field(field)
@@ -196,7 +199,7 @@ def critical_census(model: Any, layer: int, n_starts: int = 64, seed: int = 0, l
     acts = _activations(ad, tokens, [layer], kind)[layer]
     fld, mode = _build_field(ad, layer, kind, radius, acts, None, 0)
     out = census(fld, fld.dim, n_starts=n_starts, seed=seed, landscape_solves=landscape_solves, level=level,
-                 **finder_kwargs)
+                 options=options)
     out.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, protocol="census", layer=layer, field=kind,
                                    radius=fld.radius, radius_mode=mode, n_starts=n_starts,
                                    landscape_solves=landscape_solves, level=level)
@@ -217,22 +220,20 @@ def _check_scales(radius_scales: Any) -> tuple[float, ...]:
 
 
 def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, acts: Tensor, n_starts: int,
-         token_index: int | None, sequence: int, seed: int, eigensolver: str, scales: tuple[float, ...],
-         finder_kwargs: dict[str, Any], corpus: str | None = None) -> EquilibriaResult:
+         where: tuple[int | None, int], seed: int, eigensolver: str, scales: tuple[float, ...],
+         opts: FinderOptions, corpus: str | None = None) -> EquilibriaResult:
     t0 = time.perf_counter()
-    fld, mode = _build_field(ad, layer, kind, radius, acts, token_index, sequence)
+    fld, mode = _build_field(ad, layer, kind, radius, acts, *where)
     starts = _token_starts(acts, n_starts // 2, seed)
-    res = find_equilibria(fld, fld.dim, n_starts=n_starts, starts=starts, seed=seed, eigensolver=eigensolver,
-                          **finder_kwargs)
+    res = find_equilibria(fld, fld.dim, n_starts=n_starts, starts=starts, seed=seed, options=opts,
+                          eigensolver=eigensolver)
     sensitivity: dict[str, Any] = {}
     for s in scales:
         if res.n_points == 0:
             sensitivity[f"{s:g}"] = {"scale": s, "radius": s * fld.radius, "n_points": 0,
                                      "counts": {k: 0 for k in (*LABELS, "rotational")}}
             continue
-        again = find_equilibria(fld.with_radius(s * fld.radius), fld.dim, n_starts=res.n_points,
-                                starts=res.points.to(acts.device), seed=seed, eigensolver=eigensolver,
-                                **{**finder_kwargs, "deflation": False, "method": "lm"})
+        again = polish_points(fld.with_radius(s * fld.radius), res.points.to(acts.device), opts, eigensolver)
         sensitivity[f"{s:g}"] = {"scale": s, "radius": s * fld.radius, "n_points": again.n_points,
                                  "n_converged": again.n_converged, "counts": again.counts()}
     options = {
@@ -243,14 +244,10 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
         "radius_sensitivity": sensitivity,
     }
     res.options = {**res.options, **options}
-    res.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, **{k: v for k, v in res.options.items()
-                                                          if k not in ("seed", "iterations", "start_residuals", "row_kind", "row_point")})
+    res.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, **{
+        k: v for k, v in res.options.items() if k not in ("seed", *ROW_KEYS)})
     res.seconds = time.perf_counter() - t0
     return res
-
-
-#: Newton solves of the landscape phase per layer in :func:`critical_points` (find_equilibria's default is 256)
-MODEL_LANDSCAPE_SOLVES = 32
 
 
 @exclusive
@@ -259,7 +256,7 @@ def critical_points(
     layers: Sequence[int] | int | None = None,
     field: FieldKind = "ffn",
     radius: str | float = "median",
-    n_starts: int = 16,
+    n_starts: int = DEFAULT_N_STARTS,
     tokens: Int[Tensor, "batch pos"] | None = None,
     token_index: int | None = None,
     seed: int = 0,
@@ -267,7 +264,7 @@ def critical_points(
     radius_scales: Sequence[float] | None = None,
     sequence: int = 0,
     corpus: str | None = None,
-    **finder_kwargs: Any,
+    options: FinderOptions | dict[str, Any] | None = None,
 ) -> CriticalPointsResult:
     """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
 
@@ -292,16 +289,10 @@ def critical_points(
             per scale in each layer's ``options["radius_sensitivity"]``.
         sequence: which sequence supplies the frozen prefix (attention/block).
         corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
-        **finder_kwargs: passed to :func:`find_equilibria` (tol, max_iter, method, deflation, batch_size,
-            edge_pairs, landscape_solves, ...). ``method`` defaults to ``"landscape"`` (the flow finder: power
-            iteration of both signs and edge tracking between basins, then the solution-landscape phase: deflated
-            Newton along the tangent eigenvectors of every point found, which reaches saddles of any index; see
-            docs/critical_points.md), or ``"lm"`` where the dense end game is not available (d_model above the
-            dense limit or ``eigensolver="arpack"``). ``method="homotopy"`` follows homotopy paths from every
-            start (stability-agnostic, but biased by crossing order: docs/critical_points.md section 10); ``"flow"`` the finder without the landscape phase. On a model the
-            landscape phase is capped at ``landscape_solves=MODEL_LANDSCAPE_SOLVES`` (32) Newton solves per layer
-            (on SmolLM2 a solve costs about 3 s on one core: the full budget of :func:`find_equilibria`, 256, would
-            take minutes per layer); pass ``landscape_solves=256`` for the whole landscape.
+        options: :class:`~tl_steering.critical.options.FinderOptions` (or a dict of some of its fields) of the one
+            finder, :func:`find_equilibria`'s (docs/critical_points.md, "The one way in"); None: ``DEFAULT_OPTIONS``,
+            whose landscape phase runs at most 32 Newton solves per layer (about 3 s each on one core for
+            d = 576).
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
@@ -313,19 +304,12 @@ def critical_points(
     ad.require_resident(sel, "critical_points (a float64 copy of the block)")
     if isinstance(n_starts, bool) or not isinstance(n_starts, int) or n_starts < 1:
         raise InputError(f"n_starts must be an int >= 1, got {n_starts!r}")
-    if "starts" in finder_kwargs or "dim" in finder_kwargs:
-        raise InputError("critical_points chooses the starts (half token directions, half random) and dim itself;"
-                         " call tl_steering.find_equilibria with critical_field(...) for your own")
-    if "method" not in finder_kwargs:  # the landscape finder needs the dense end game
-        dense = eigensolver == "dense" or (eigensolver == "auto" and ad.d_model <= DENSE_MAX_DIM)
-        finder_kwargs["method"] = "landscape" if dense else "lm"
-    if finder_kwargs["method"] == "landscape":  # a model's layer: a bounded landscape phase (docstring)
-        finder_kwargs.setdefault("landscape_solves", MODEL_LANDSCAPE_SOLVES)
+    opts = finder_options(options)
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)
-    results = [_run(ad, tokens, layer, kind, radius, acts[layer], n_starts, token_index, sequence, seed,
-                    eigensolver, scales, dict(finder_kwargs), corpus) for layer in sel]
+    results = [_run(ad, tokens, layer, kind, radius, acts[layer], n_starts, (token_index, sequence), seed,
+                    eigensolver, scales, opts, corpus) for layer in sel]
     counts = torch.tensor([[r.labels.count(lab) for lab in LABELS] for r in results], dtype=torch.int64)
     i64 = torch.int64
     return CriticalPointsResult(
@@ -333,8 +317,7 @@ def critical_points(
                                  field=kind,
                                  radius=radius if isinstance(radius, str) else float(radius), n_starts=n_starts,
                                  eigensolver=eigensolver, radius_scales=list(scales),
-                                 finder_kwargs={k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                                for k, v in finder_kwargs.items()}),
+                                 method=DEFAULT_FINDER, finder_options=opts.as_dict()),
         layers=sel,
         field=kind,
         counts=counts.reshape(len(sel), len(LABELS)),

@@ -15,6 +15,7 @@ from ..errors import InputError
 from ..reference import paper_statement
 from ..results import Result, register
 from ..stats import clopper_pearson, proportion_verdict
+from .options import DEFAULT_FINDER
 from .spectrum import LABELS
 
 
@@ -92,7 +93,8 @@ class EquilibriaResult(Result):
         n_starts: number of solver rows run: the starts asked for (``options["n_starts"]``) plus the rows the
             finder adds (edge-tracking rows, landscape solves, the other sign's power rows).
         n_converged: number of starts that converged (before deduplication).
-        method: "riemannian" or "fixed_point".
+        method: the finder, ``"landscape"`` (:data:`~tl_steering.critical.options.DEFAULT_FINDER`), or
+            ``"polish"`` for :func:`~tl_steering.critical.finder.polish_points`.
         eigensolver: "dense" or "arpack" (resolved from "auto").
         seconds: wall time.
         options: every option of the call.
@@ -115,7 +117,7 @@ class EquilibriaResult(Result):
     dim: int = 0
     n_starts: int = 0
     n_converged: int = 0
-    method: str = "riemannian"
+    method: str = DEFAULT_FINDER
     eigensolver: str = "dense"
     seconds: float = 0.0
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -197,15 +199,6 @@ class EquilibriaResult(Result):
         return {"index_sum": int(total), "euler_characteristic": int(euler),
                 "missing_at_least": abs(int(total) - int(euler)) if valid else None}
 
-    def crossing_order(self) -> list[int | None]:
-        """Per point, its crossing's number along the homotopy path that met it first (1 = the path's first
-        crossing of t = 1), or None for points of another finder (docs/critical_points.md section 10)."""
-        out: list[int | None] = []
-        for kind in self.start_kind:
-            tail = kind.rsplit("/homotopy:", 1)
-            out.append(int(tail[1]) if len(tail) == 2 and tail[1].isdigit() else None)
-        return out
-
     def plot(self, title: str | None = None):
         """Tangent eigenvalues of every point in the complex plane, one colour per label (plotly Figure)."""
         import plotly.graph_objects as go
@@ -250,28 +243,12 @@ class EquilibriaResult(Result):
 
 
 SAMPLE_NOTES = {
-    "landscape": "the flow finder's sample (attractors, repellers, boundary saddles) plus the solution landscape: "
-                 "deflated Newton solves along the real tangent eigenvectors of every point found reach its "
-                 "neighbours of any index, breadth first within a solve budget; which points are reached depends "
-                 "on the flow's seeds and the budget, so the fraction describes this sample",
-    "homotopy": "the equilibria crossed by homotopy paths from the starts (fixed-point homotopy by default, for F "
-                "and -F, through every crossing of t = 1 up to the step cap): no construction step selects a zero by "
-                "its stability, but a path's first crossing is the stable end of its branch (an attractor for F, a "
-                "repeller for -F, unless the path folds first) and its later crossings are mostly saddles, so the "
-                "fraction depends on how many crossings the step budget allows; paths that reach no crossing are "
-                "counted",
-    "flow": "what the dynamics reach: attractors and repellers (power iteration) and boundary saddles of index 1 or "
-            "d-2 (edge tracking); saddles of middle index are out of its reach, so the fraction describes this "
-            "sample, not all equilibria of the field",
-    "flow+lm": "the flow finder's sample plus the roots LM reaches from the same starts with those deflated (on "
-               "small fields every kind; on real models LM adds few)",
-    "fixed_point": "points stable for the power iteration (attractors, repellers): saddles are out of its reach",
-    "lm": "the roots Levenberg-Marquardt reaches from the starts (few on real models: docs/critical_points.md)",
-    "riemannian": "the roots gradient descent then LM reach from the starts (few on real models)",
-    "reflected": "the equilibria the reflected flow reaches from the starts, every hyperbolic equilibrium being an "
-                 "attractor of that flow whatever its index (no bias toward stability; which points are reached "
-                 "depends on the starts and the basins of the reflected flow), plus the landscape searches next "
-                 "to them",
+    DEFAULT_FINDER: "the flow finder's sample (attractors and repellers of the power iteration, boundary saddles of "
+                    "edge tracking) plus the solution landscape: deflated Newton solves along the real tangent "
+                    "eigenvectors of every point found reach its neighbours of any index, breadth first within a "
+                    "solve budget; which points are reached depends on the flow's seeds and the budget, so the "
+                    "fraction describes this sample",
+    "polish": "the given points followed by Levenberg-Marquardt to the field",
 }
 
 
@@ -281,18 +258,11 @@ def sample_note(methods: Any) -> str:
     return "; ".join(f"{m}: {SAMPLE_NOTES.get(m, 'custom finder')}" for m in names) or "no finder run"
 
 
-#: samples that cannot decide "mostly saddles" for all equilibria of a field, and why (docs section 4); every finder
-#: is in it: none samples the equilibria without a bias tied to their index
+#: why a finder's sample cannot decide "mostly saddles" for all equilibria of a field (docs section 4): none
+#: samples the equilibria without a bias tied to their index
 UNDECIDABLE_BY = {
-    "flow": "saddles of middle index are out of the flow finder's reach",
-    "fixed_point": "saddles are out of the power iteration's reach",
-    "landscape": "the landscape walks out from the flow's points within a solve budget",
-    "homotopy": "the fraction depends on how many crossings the paths' step budget allows (first crossings are "
-                "stable ends, later ones mostly saddles)",
-    "reflected": "the reflected flow's basin sizes are not measured",
-    "lm": "which roots LM reaches depends on its basins",
-    "riemannian": "which roots gradient descent reaches depends on its basins",
-    "flow+lm": "saddles of middle index are out of the flow finder's reach",
+    DEFAULT_FINDER: "the landscape walks out from the flow's points within a solve budget",
+    "polish": "the points were given",
 }
 
 
@@ -306,8 +276,6 @@ def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     return proportion_verdict(k, n, level, count_key="saddles")
 
 
-def _zeros(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tensor]:
-    return lambda: torch.zeros(*shape, dtype=dtype)
 
 
 @register
@@ -332,14 +300,14 @@ class CriticalPointsResult(Result):
     layers: list[int] = dataclasses.field(default_factory=list)
     field: str = "ffn"
     labels: list[str] = dataclasses.field(default_factory=lambda: list(LABELS))
-    counts: Int[Tensor, "layer label"] = dataclasses.field(default_factory=_zeros(0, 4, dtype=torch.int64))
-    rotational: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
-    rotational_pairs: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
-    n_points: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
-    n_converged: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
-    n_starts: Int[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0, dtype=torch.int64))
-    radius: Float[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0))
-    seconds: Float[Tensor, " layer"] = dataclasses.field(default_factory=_zeros(0))
+    counts: Int[Tensor, "layer label"] = dataclasses.field(default_factory=_empty(0, 4, dtype=torch.int64))
+    rotational: Int[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0, dtype=torch.int64))
+    rotational_pairs: Int[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0, dtype=torch.int64))
+    n_points: Int[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0, dtype=torch.int64))
+    n_converged: Int[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0, dtype=torch.int64))
+    n_starts: Int[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0, dtype=torch.int64))
+    radius: Float[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0))
+    seconds: Float[Tensor, " layer"] = dataclasses.field(default_factory=_empty(0))
     results: list[EquilibriaResult] = dataclasses.field(default_factory=list)
 
     kind = "critical_points"
@@ -403,9 +371,8 @@ class CriticalPointsResult(Result):
         attractor is found, else undecided ("mostly saddles" is decided by no finder's sample). ``parts``:
         ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against 1/2);
         ``mostly_saddles_decided``: False, the reason in ``why_undecided``, for every finder here (the interval
-        describes the finder's sample, ``sample``); ``by_crossing``: the homotopy sample split into the paths' first
-        crossings and their later ones; ``not_attractors``: "fails" once one verified attractor is found;
-        ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the Poincaré-Hopf lower
+        describes the finder's sample, ``sample``; the census, ``critical_census``, is what can decide it);
+        ``not_attractors``: "fails" once one verified attractor is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the Poincaré-Hopf lower
         bound on equilibria not found."""
         s, a = self.labels.index("saddle"), self.labels.index("attractor")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
@@ -414,17 +381,11 @@ class CriticalPointsResult(Result):
         p = saddle_verdict(int(self.counts[:, s].sum()), int(self.counts.sum()), level)
         methods = sorted({r.method for r in self.results})
         with_attr = [int(layer) for i, layer in enumerate(self.layers) if int(self.counts[i, a]) > 0]
-        by_crossing: dict[str, Any] = {}
-        orders = [(o, lab) for r in self.results for o, lab in zip(r.crossing_order(), r.labels) if o is not None]
-        if orders:
-            for part, keep in (("first", lambda o: o == 1), ("later", lambda o: o > 1)):
-                labs = [lab for o, lab in orders if keep(o)]
-                by_crossing[part] = saddle_verdict(labs.count("saddle"), len(labs), level)
         rm = proportion_verdict(int(self.rotational.sum()), n, level, count_key="rotational")
         why_undecided = "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods)
         parity, miss = self.parity(), self.parity()["missing_at_least"]
         parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": False,
-                 "why_undecided": why_undecided, "by_crossing": by_crossing,
+                 "why_undecided": why_undecided,
                  "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
                                     "n_layers": len(self.layers),
                                     "verdict": "fails" if n_attr else "not contradicted" if n else "no equilibria"},
@@ -435,16 +396,13 @@ class CriticalPointsResult(Result):
         attr = (f"'not attractors' fails: {plural(n_attr, 'verified attractor')} on {len(with_attr)} of "
                 f"{plural(len(self.layers), 'layer')}" if n_attr else
                 "'not attractors' is not contradicted: no attractor in this sample")
-        later = by_crossing.get("later")
-        later = (f"; past the paths' first crossings {later['saddles']} of {later['n']} are saddles "
-                 f"({pct(later['fraction'])})" if later and later["n"] else "")
         par = f"; by the Poincaré-Hopf parity at least {miss} equilibri{'um' if miss == 1 else 'a'} went unfound" \
             if miss else ""
         ci = [f"{pct(v['fraction'])}, {level:.0%} CI [{pct(v['ci_low'])}, {pct(v['ci_high'])}]" for v in (rm, p)]
         return Claim(paper_statement("critical"), "does not hold" if n_attr else "undecided",
                      f"{attr}; rotational modes: {rm['rotational']} of {n} points ({ci[0]}: {rm['verdict']}); 'mostly "
                      f"saddles' is not decided by this sample: {p['saddles']} of {n} found are saddles ({ci[1]}), but "
-                     f"{why_undecided}{later}{par}",
+                     f"{why_undecided}{par}",
                      value=p["fraction"], interval=(p["ci_low"], p["ci_high"]), parts=parts)
 
     def summary(self) -> dict[str, Any]:

@@ -1,14 +1,9 @@
-"""Levenberg-Marquardt on the sphere with deflation: the default equilibrium solver (docs/critical_points.md).
+"""Levenberg-Marquardt on the sphere: the end game of the finder's power and edge rows (docs/critical_points.md).
 
-Unknown: a unit vector u. Residual (scale invariant, tangent, d components):
+Unknown: a unit vector u. Residual (scale invariant, tangent, d components): r(u) = P_u F(u) / ||F(u)||, whose
+norm is the relative residual (the sine of the angle between u and F(u)), the convergence measure.
 
-    r(u) = m(u) · P_u F(u) / ||F(u)||,      m(u) = prod_i ( ||u - u_i||^(-p) + σ ),
-
-where u_1, u_2, ... are the equilibria already found (deflation, Farrell, Birkisson & Funke 2015: every known root
-becomes a pole of the merit, so a later solve cannot return to it; m = 1 while none is known). The undeflated
-relative residual ||P_u F(u)|| / ||F(u)|| (the sine of the angle between u and F(u)) is the convergence measure.
-
-Step: with the exact Jacobian J = Dr(u) (dense, by ``torch.func.jacrev``, vmapped over the starts) restricted to
+Step: with the exact Jacobian J = Dr(u) (dense, by ``torch.func.jacrev``, vmapped over the rows) restricted to
 the tangent space, A = J P_u, solve
 
     (AᵀA + s·u uᵀ + μ s I) δ = -Aᵀ r,      s = max diag(AᵀA),
@@ -16,24 +11,24 @@ the tangent space, A = J P_u, solve
 (the u uᵀ term only pins the normal component of δ to zero; AᵀA is singular along u) and retract
 u <- (u + δ)/||u + δ||. A step is accepted when ||r|| decreases; μ follows Nielsen's rule (×max(1/3, 1-(2ρ-1)³)
 on success, ×ν with ν doubling on failure), and close to a root (relative residual < 1e-4) a pure Gauss-Newton step
-(μ = 0) is tried first, which gives the quadratic end game. A start stops when it converges, when its merit has
-not halved over ``patience`` iterations (a local minimum of the merit that is not a root: the field has no
-equilibrium there), when no damping gives a decrease, or after ``max_iter`` iterations.
+(μ = 0) is tried first, which gives the quadratic end game. A row stops when it converges, when its residual has
+not halved over ``patience`` iterations (a local minimum that is not a root), when no damping gives a decrease, or
+after ``max_iter`` iterations.
 
 Why our own loop rather than ``scipy.optimize.least_squares``: scipy solves one start at a time and its ``trf`` /
 ``lm`` recompute the full Jacobian at every iteration exactly as here, so it brings no saving, while a batched
-torch loop shares one vmapped Jacobian call and one batched Cholesky across the starts of a round; scipy's Broyden
-variant (``root(method="hybr")``) converged 1 of 12 starts on a SmolLM2 FFN field where this loop converges most.
+torch loop shares one vmapped Jacobian call and one batched Cholesky across the rows; scipy's Broyden variant
+(``root(method="hybr")``) converged 1 of 12 starts on a SmolLM2 FFN field where this loop converged 3 of 8.
 """
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..backends import autodiff
-from .fields import _EPS, _FieldAdapter
+from ..geometry import EPS_NORM, _normalize, _tangential_part
+from .fields import _EPS, _FieldAdapter, relative_residual
 
 #: Converged starts are polished to ``POLISH * tol`` where steps still decrease the residual.
 POLISH = 1e-3
@@ -41,46 +36,24 @@ POLISH = 1e-3
 GAUSS_NEWTON_BELOW = 1e-4
 
 
-def _deflation(u: Tensor, known: Tensor, power: float, shift: float) -> Tensor:
-    """m(u) = prod_i (||u - u_i||^-p + σ) per row of ``u`` ([n, d] -> [n]); 1 when ``known`` is empty."""
-    if known.shape[0] == 0:
-        return u.new_ones(u.shape[:-1])
-    dist2 = ((u[..., None, :] - known) ** 2).sum(-1).clamp_min(1e-300)
-    return (dist2 ** (-power / 2) + shift).prod(-1)
-
-
-def _residual_rows(f: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
-    """(P_u F / ||F||, ||P_u F|| / ||F||) for rows; inf where F vanishes or is not finite."""
-    fn = f.norm(dim=-1, keepdim=True)
-    v = (f - (u * f).sum(-1, keepdim=True) * u) / fn.clamp_min(_EPS)
-    rel = v.norm(dim=-1)
-    bad = ~torch.isfinite(rel) | (fn[..., 0] <= 0)
-    return v, torch.where(bad, torch.full_like(rel, math.inf), rel)
-
-
 class _Merit:
-    """Deflated residual r(u) for a batch, and its Jacobian per row."""
+    """Residual r(u) = P_u F / ||F|| for a batch, and its Jacobian per row."""
 
-    def __init__(self, fld: _FieldAdapter, known: Tensor, power: float, shift: float) -> None:
+    def __init__(self, fld: _FieldAdapter) -> None:
         self.fld = fld
-        self.known = known
-        self.power = power
-        self.shift = shift
         self._jac_mode: str | None = None
 
     def rows(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """(r [n, d], undeflated relative residual [n]) without autograd."""
+        """(r [n, d], relative residual [n]) without autograd; r is inf where the residual is."""
         with torch.no_grad():
-            v, rel = _residual_rows(self.fld.many(u), u)
-            m = _deflation(u, self.known, self.power, self.shift)
-        r = v * m[:, None]
-        r = torch.where(torch.isfinite(rel)[:, None], r, torch.full_like(r, math.inf))
-        return r, rel
+            f = self.fld.many(u)
+            rel = relative_residual(u, f)
+            r = _tangential_part(f, u) / f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+        return torch.where(torch.isfinite(rel)[:, None], r, torch.full_like(r, math.inf)), rel
 
     def one(self, u: Tensor) -> Tensor:
         f = self.fld.one(u)
-        v = (f - (u @ f) * u) / f.norm().clamp_min(_EPS)
-        return v * _deflation(u[None], self.known, self.power, self.shift)[0]
+        return _tangential_part(f, u) / f.norm().clamp_min(_EPS)
 
     def jacobian(self, u: Tensor) -> Tensor:
         """Dr(u) per row, [n, d, d]: vmapped reverse mode, else a loop (reverse, then forward, then autograd)."""
@@ -107,10 +80,6 @@ class _Merit:
         return torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in u])
 
 
-def _normalize_rows(x: Tensor) -> Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-
-
 def _damped_solve(h: Tensor, g: Tensor, u: Tensor, scale: Tensor, mu: Tensor) -> Tensor:
     """δ = -(H + s u uᵀ + μ s I)^-1 g per row (Cholesky; least squares where it fails)."""
     eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device)
@@ -124,16 +93,15 @@ def _damped_solve(h: Tensor, g: Tensor, u: Tensor, scale: Tensor, mu: Tensor) ->
     return delta
 
 
-def lm_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8,
-             power: float = 2.0, shift: float = 1.0, mu0: float = 1e-3,
-             on_iteration: Callable[[int], None] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Batched Levenberg-Marquardt from the rows of ``u0`` (unit) with the roots ``known`` deflated.
+def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, patience: int = 8, mu0: float = 1e-3
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Batched Levenberg-Marquardt from the rows of ``u0`` (unit).
 
     Rows are iterated until the relative residual is below ``POLISH * tol`` or no step decreases it; a row
-    counts as converged when its final relative residual is <= ``tol``. Returns ``(u, rel, iterations, status)``: final points, undeflated relative residuals, iterations per row, and
+    counts as converged when its final relative residual is <= ``tol``. Returns ``(u, rel, iterations, status)``: final points, relative residuals, iterations per row, and
     status per row (0 converged, 1 merit stalled, 2 no damped step decreased it, 3 iteration limit).
     """
-    merit = _Merit(fld, known, power, shift)
+    merit = _Merit(fld)
     target = tol * POLISH  # iterate past tol while it still pays: one more quadratic step costs one Jacobian
     n = u0.shape[0]
     u = u0.clone()
@@ -146,7 +114,7 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter
     status[rel <= target] = 0
     status[(status < 0) & ~torch.isfinite(c)] = 2
     history: list[Tensor] = [c.clone()]
-    for it in range(max_iter):
+    for _ in range(max_iter):
         idx = (status < 0).nonzero().flatten()
         if idx.numel() == 0:
             break
@@ -167,7 +135,7 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter
             if trial == 0:
                 mu_try = torch.where(gauss_newton[pending], torch.zeros_like(mu_try), mu_try)
             delta = _damped_solve(h[pending], g[pending], ua[pending], scale[pending], mu_try)
-            cand = _normalize_rows(ua[pending] + delta)
+            cand = _normalize(ua[pending] + delta, EPS_NORM)
             rc, relc = merit.rows(cand)
             cc = rc.norm(dim=-1)
             ok = torch.isfinite(cc) & (cc < ca[pending])
@@ -193,8 +161,6 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter
         if len(history) > patience:
             stalled = (status < 0) & (c > 0.5 * history[-1 - patience]) & (rel > target)
             status[stalled] = 1
-        if on_iteration is not None:
-            on_iteration(it)
     status[status < 0] = 3
     status[(status != 0) & (rel <= tol)] = 0
     return u, rel, iters, status

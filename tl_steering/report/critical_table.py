@@ -11,10 +11,7 @@ def _e(x: Any) -> str:
 def tried(r: Any) -> str:
     """What a finder tried on one layer, from its options: the words of a layer with no equilibrium."""
     o = r.options
-    if r.method == "homotopy":
-        return (f"{o.get('paths', 0)} homotopy paths (F and -F) of up to {o.get('homotopy_steps', '?')} steps, "
-                f"{o.get('paths_reaching_t1', 0)} reaching t = 1")
-    if r.method in ("flow", "landscape", "flow+lm"):
+    if r.method == "landscape":
         shift = [x for x in o.get("shift", []) if x]
         out = ("power iteration of F and -F" + (" with the shifted map" if shift else "")
                + f", {o.get('edge_rows', 0)} edge-tracking rows")

@@ -309,29 +309,23 @@ def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 
 def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    """Critical points of the FFN field on ``critical_layers``, once per finder method."""
+    """Critical points of the FFN field on ``critical_layers`` with the one finder (``critical_methods``)."""
     from ..critical import critical_points
 
     s = c.s
     if not s.critical_layers:
         return
     tokens = c.tokens if s.critical_max_windows is None else c.tokens[: s.critical_max_windows]
-    for method in s.critical_methods:
-        summ = critical_points(
-            c.model,
-            layers=list(s.critical_layers),
-            field="ffn",
-            tokens=tokens,
-            n_starts=s.critical_n_starts,
-            seed=c.seed,
-            method=method,
-            corpus=c.corpus,
-        )
-        if method == "fixed_point":  # every other finder of CRITICAL_METHODS fills the main critical section
-            res.critical_fixed_point = summ
-        else:
-            res.critical = summ
-        tick(f"{method}: {int(summ.n_points.sum())} points")
+    res.critical = critical_points(
+        c.model,
+        layers=list(s.critical_layers),
+        field="ffn",
+        tokens=tokens,
+        n_starts=s.critical_n_starts,
+        seed=c.seed,
+        corpus=c.corpus,
+    )
+    tick(f"{s.critical_methods[0]}: {int(res.critical.n_points.sum())} points")
 
 
 def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
@@ -361,7 +355,7 @@ STAGE_FUNCTIONS: dict[
     "plan_choice": (stage_plan_choice, lambda s: 2),
     "parallel": (stage_parallel, lambda s: 2),
     "gates": (stage_gates, lambda s: 1),
-    "critical": (stage_critical, lambda s: max(1, len(s.critical_methods))),
+    "critical": (stage_critical, lambda s: 1),
     "prefix": (stage_prefix, lambda s: 1),
 }
 

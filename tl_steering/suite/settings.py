@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from ..errors import InputError
 from ..parallel.strategies import FISHER_SAMPLES, PLANNER
+from ..critical.options import DEFAULT_FINDER, METHODS
 from ..results import register
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
@@ -31,7 +32,8 @@ STAGES: tuple[str, ...] = (
 #: :data:`tl_steering.parallel.strategies.PLANNER` (as ``plan_parallel``).
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = PLANNER.strategies
 
-CRITICAL_METHODS: tuple[str, ...] = ("flow", "landscape", "homotopy", "riemannian", "fixed_point", "reflected")
+#: the finders the critical stage can run: the one finder of tl_steering.critical (docs/critical_points.md)
+CRITICAL_METHODS: tuple[str, ...] = METHODS
 
 
 @register
@@ -78,11 +80,8 @@ class SuiteSettings:
             windows keep the rounds cheap (4 forwards a round), the loss still runs over every window.
         gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
         critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
-            (``critical_methods`` among ``"flow"`` (the report's default: its ~20 s share), ``"landscape"`` (the
-            default of ``critical_points``: flow + solution landscape), ``"homotopy"`` (homotopy paths from
-            every start, stability-agnostic but biased by crossing order), ``"riemannian"``, ``"fixed_point"`` and
-            ``"reflected"``: docs/critical_points.md sections 8-10;
-            all but "fixed_point" fill ``critical``, "fixed_point" fills ``critical_fixed_point``).
+            (``critical_methods``: one finder, ``[DEFAULT_FINDER]``, the finder of ``critical_points``:
+            flow + solution landscape, docs/critical_points.md; a second entry would overwrite the first).
         critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
         prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
         batch_size: windows per forward.
@@ -123,7 +122,7 @@ class SuiteSettings:
     gate_steps: int = 0
     critical_layers: list[int] = dataclasses.field(default_factory=list)
     critical_n_starts: int = 8
-    critical_methods: list[str] = dataclasses.field(default_factory=lambda: ["flow"])
+    critical_methods: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_FINDER])
     critical_max_windows: int | None = None
     prefix_layer: int = 0
     prefix_positions: list[int] = dataclasses.field(default_factory=list)
@@ -153,9 +152,10 @@ class SuiteSettings:
             raise InputError(f"SuiteSettings.plan_choice_refit must be one of {list(REFITS)}, got "
                              f"{self.plan_choice_refit!r}")
         bad = [m for m in self.critical_methods if m not in CRITICAL_METHODS]
-        if bad:
+        if bad or len(self.critical_methods) != 1:
             raise InputError(
-                f"SuiteSettings.critical_methods: unknown {bad}; known: {list(CRITICAL_METHODS)}"
+                f"SuiteSettings.critical_methods must name one finder of {list(CRITICAL_METHODS)} (the critical "
+                f"section holds one result), got {self.critical_methods!r}"
             )
         for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
                      "critical_n_starts"):
@@ -220,7 +220,7 @@ def default_settings(
         gate_steps=0,
         critical_layers=crit,
         critical_n_starts=4 if quick else 8,
-        critical_methods=["flow"],
+        critical_methods=[DEFAULT_FINDER],
         prefix_layer=L // 2,
         prefix_positions=[p for p in positions if 0 < p < length],
         prefix_eps=1e-2,

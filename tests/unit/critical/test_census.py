@@ -55,11 +55,15 @@ def test_census_does_not_decide_when_saddles_are_few():
     assert out.verdict == "not decided" and out.share_low < 0.5
 
 
-def test_census_refuses_its_own_choices():
+def test_census_runs_the_one_finder_and_checks_its_arguments():
     p = planted_field(12, seed=0)
-    for bad in ({"starts": torch.eye(12)}, {"method": "flow"}, {"edge_pairs": 4}):
-        with pytest.raises(InputError, match="census chooses"):
-            census(p, 12, **bad)
+    out = census(p, 12, n_starts=4, seed=0, landscape_solves=8, options={"edge_pairs": 2})
+    assert out.equilibria.method == "landscape" and out.equilibria.options["landscape_solves"] == 8
+    assert out.equilibria.options["edge_pairs"] == 2 and out.equilibria.options["given_starts"] == 0
+    with pytest.raises(InputError, match="unknown finder options"):
+        census(p, 12, options={"method": "flow"})
+    with pytest.raises(InputError, match="landscape_solves"):
+        census(p, 12, landscape_solves=-1)
     with pytest.raises(InputError, match="level"):
         census(p, 12, level=1.5)
 

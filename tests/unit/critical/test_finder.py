@@ -59,8 +59,11 @@ def _check_symmetric_point(p: torch.Tensor, lam: float, eigs: torch.Tensor, labe
 
 
 def test_symmetric_linear_random_starts_find_only_eigenvectors():
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=64, seed=0, method="lm")
-    assert res.n_starts == 64 and res.n_converged == 64 and res.eigensolver == "dense"
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=64, seed=0)
+    o = res.options
+    assert o["n_starts"] == 64 and res.eigensolver == "dense" and res.method == "landscape"
+    assert o["power_rows"] == 128 and o["landscape_rows"] == 32
+    assert res.n_starts == o["power_rows"] + o["edge_rows"] + o["plain_rows"] + o["landscape_rows"]
     assert res.eigenvalues.shape == (res.n_points, 5) and res.eigenvalues.dtype == torch.complex128
     assert bool((res.residuals < 1e-8).all())
     found = set()
@@ -68,11 +71,11 @@ def test_symmetric_linear_random_starts_find_only_eigenvectors():
         i = _check_symmetric_point(res.points[k], float(res.lambdas[k]), res.eigenvalues[k], res.labels[k],
                                    res.index[k])
         found.add((i, int(torch.sign(res.points[k] @ V[:, i]))))
-    # the scale-invariant objective has narrow basins near small |μ|, but the ends are always found
-    assert {(0, 1), (0, -1), (5, 1), (5, -1)} <= found
+    # the power rows reach the ends (±v_1 for F, ±v_6 for -F), edge tracking and the landscape the rest
+    assert found == {(i, s) for i in range(6) for s in (1, -1)}
     assert len(found) == res.n_points  # deduplicated
     assert sum(res.hits) == res.n_converged
-    assert set(res.start_kind) == {"random"}
+    assert {k.split("/")[0] for k in res.start_kind} <= {"random", "edge+", "edge-", "landscape"}
     assert res.counts()["attractor"] == 2 and res.counts()["repeller"] == 2
     assert res.counts()["rotational"] == 0
     # sorted by λ, descending
@@ -82,31 +85,15 @@ def test_symmetric_linear_random_starts_find_only_eigenvectors():
 def test_symmetric_linear_all_twelve_from_perturbed_starts():
     g = torch.Generator().manual_seed(3)
     starts = torch.cat([V.T, -V.T]) + 0.01 * torch.randn(12, 6, generator=g, dtype=F64)
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=12, starts=starts, method="lm")
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=12, starts=starts)
     assert res.n_points == 12
-    assert res.start_kind == ["given"] * 12
+    assert res.options["given_starts"] == 12
+    assert {k.split("/")[0] for k in res.start_kind} <= {"given", "edge+", "edge-", "landscape"}
     seen = {_check_symmetric_point(res.points[k], float(res.lambdas[k]), res.eigenvalues[k], res.labels[k],
                                    res.index[k]) for k in range(12)}
     assert seen == set(range(6))
     assert res.counts() == {"attractor": 2, "repeller": 2, "saddle": 8, "degenerate": 0, "rotational": 0}
     assert res.near_zero == [0] * 12
-
-
-def test_fixed_point_phase_is_biased_to_the_dominant_eigenvector():
-    """The projected power iteration alone (the first phase of method="fixed_point") reaches only ±v_1, never
-    the saddles; the full finder with that method then hands over to LM and deflation."""
-    from tl_steering.critical.fields import _FieldAdapter, _normalize
-    from tl_steering.critical.firstorder import _fixed_point
-
-    fld = _FieldAdapter(_linear(M_SYM), 6, F64, torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    u0 = _normalize(torch.randn(32, 6, generator=g, dtype=F64))
-    fld.probe(u0[:2])
-    u = _fixed_point(fld, u0, 500, 1e-10)
-    assert bool(((u @ V[:, 0]).abs() > 1 - 1e-9).all())
-    full = find_equilibria(_linear(M_SYM), 6, n_starts=32, method="fixed_point")
-    assert full.n_points >= 2 and full.options["method"] == "fixed_point"  # measured: 6 of the 12
-    assert bool(((full.points @ V).abs().amax(-1) > 1 - 1e-9).all())  # every point is some ±v_i
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -130,7 +117,7 @@ def test_antisymmetric_part_gives_rotational_modes():
         1: (1.0, "saddle"),
         2: (-2.0, "repeller"),
     }
-    res = find_equilibria(lambda u: m @ u, 5, n_starts=6, starts=torch.cat([r[:, :3].T, -r[:, :3].T]), method="lm")
+    res = find_equilibria(lambda u: m @ u, 5, n_starts=6, starts=torch.cat([r[:, :3].T, -r[:, :3].T]))
     assert res.n_points == 6 and res.options["field_mode"] == "vmap"
     for p, lam, eigs, label, rot, ratio in zip(res.points, res.lambdas, res.eigenvalues, res.labels,
                                                res.rotational, res.max_im_re):
@@ -171,7 +158,7 @@ def test_quadratic_field_known_equilibria_and_spectra():
     def field(u):
         return u @ a_mat.T + c * (u @ a)[..., None] ** 2 * a
 
-    res = find_equilibria(field, d, n_starts=64, seed=0, method="lm")
+    res = find_equilibria(field, d, n_starts=64, seed=0)
     for sign, lam in ((1.0, mu_a + c), (-1.0, mu_a - c)):
         hit = [k for k in range(res.n_points) if float(res.points[k] @ (sign * a)) > 1 - 1e-10]
         assert len(hit) == 1, f"u* = {sign:+}a not found from random starts"
@@ -201,7 +188,7 @@ def test_planted_mlp_equilibrium_found_and_spectrum_matches_independent_basis():
     def field(u):
         return torch.tanh(u @ w1.T + b) @ w2.T
 
-    res = find_equilibria(field, d, n_starts=64, seed=0, method="lm")
+    res = find_equilibria(field, d, n_starts=64, seed=0)
     k = int((res.points @ u_star).argmax())
     assert float(res.points[k] @ u_star) > 1 - 1e-10, "planted equilibrium not found from random starts"
     assert abs(float(res.lambdas[k]) - lam_star) < 1e-10
@@ -270,22 +257,27 @@ def test_arpack_matches_dense_d256_through_the_finder():
     m, eig, top, bottom = _schur_matrix(d, 0)
     g = torch.Generator().manual_seed(5)
     starts = torch.stack([top, bottom]) + 1e-4 * torch.randn(2, d, generator=g, dtype=F64)  # Newton must refine
-    kw = dict(n_starts=2, starts=starts, n_eigs=n_eigs)
-    dense = find_equilibria(_linear(m), d, eigensolver="dense", **kw, method="lm")
-    arpack = find_equilibria(_linear(m), d, eigensolver="arpack", **kw)  # Newton by GMRES on JVPs here
-    assert dense.n_points == arpack.n_points == 2
-    assert arpack.eigenvalues.shape == (2, 2 * n_eigs) and dense.eigenvalues.shape == (2, d - 1)
-    torch.testing.assert_close(dense.lambdas, torch.tensor([4.5, -4.0], dtype=F64), rtol=0, atol=1e-10)
+    kw = dict(n_starts=2, starts=starts, options={"n_eigs": n_eigs, "landscape_solves": 0, "edge_pairs": 0})
+    dense = find_equilibria(_linear(m), d, eigensolver="dense", **kw)
+    arpack = find_equilibria(_linear(m), d, eigensolver="arpack", **kw)  # the same rows, ARPACK spectra
+    # ±top (λ = 4.5: the power row of F, and the plain row of -F, which the shifted map replaced) and bottom
+    assert dense.n_points == arpack.n_points == 3
+    assert arpack.eigenvalues.shape == (3, 2 * n_eigs) and dense.eigenvalues.shape == (3, d - 1)
+    # a power row stops at a relative residual <= tol = 1e-10; λ = <u, m u> is then within about tol·||m|| of μ
+    lam_tol = 10 * dense.options["tol"] * float(torch.linalg.matrix_norm(m, 2))
+    torch.testing.assert_close(dense.lambdas, torch.tensor([4.5, 4.5, -4.0], dtype=F64), rtol=0, atol=lam_tol)
+    torch.testing.assert_close((dense.points @ top).abs(), torch.tensor([1.0, 1.0, 0.0220], dtype=F64), rtol=0,
+                               atol=1e-4)
     torch.testing.assert_close(arpack.points, dense.points, rtol=0, atol=1e-10)
     torch.testing.assert_close(arpack.lambdas, dense.lambdas, rtol=0, atol=1e-10)
-    for k, lam in enumerate((4.5, -4.0)):
+    for k, lam in enumerate((4.5, 4.5, -4.0)):
         want = _expected_tangent(eig, lam)
         torch.testing.assert_close(dense.eigenvalues[k].real, want.real, rtol=0, atol=1e-8)  # analytic spectrum
         _assert_extremes_agree(dense.eigenvalues[k], arpack.eigenvalues[k], n_eigs)
-    assert arpack.labels == dense.labels == ["attractor", "repeller"]
-    assert arpack.index == [0, 2 * n_eigs] and dense.index == [0, d - 1]  # ARPACK counts the computed ones only
+    assert arpack.labels == dense.labels == ["attractor", "attractor", "repeller"]
+    assert arpack.index == [0, 0, 2 * n_eigs] and dense.index == [0, 0, d - 1]  # ARPACK: the computed ones only
     torch.testing.assert_close(arpack.spectral_abscissa, dense.spectral_abscissa, rtol=0, atol=1e-6)
-    assert arpack.rotational == dense.rotational == [True, True]  # a rotation block is among the extremes
+    assert arpack.rotational == dense.rotational == [True, True, True]  # a rotation block is among the extremes
 
 
 def test_arpack_matches_dense_d1024_classify_point(capsys):
@@ -319,13 +311,13 @@ def test_auto_eigensolver_switches_at_dense_max_dim():
 
 def test_field_calling_conventions_agree():
     m = M_SYM[:4, :4] + M_SYM[:4, :4].T
-    batched = find_equilibria(lambda u: u @ m.T, 4, n_starts=8, seed=2, method="lm")
-    single = find_equilibria(lambda u: m @ u, 4, n_starts=8, seed=2, method="lm")
+    batched = find_equilibria(lambda u: u @ m.T, 4, n_starts=8, seed=2)
+    single = find_equilibria(lambda u: m @ u, 4, n_starts=8, seed=2)
 
     def not_vmappable(u):  # .item() breaks vmap and forward AD: the loop and reverse-mode paths take over
         return m @ u + 0.0 * float(u.sum().item())
 
-    looped = find_equilibria(not_vmappable, 4, n_starts=8, seed=2, method="lm")
+    looped = find_equilibria(not_vmappable, 4, n_starts=8, seed=2)
     assert (batched.options["field_mode"], single.options["field_mode"], looped.options["field_mode"]) == (
         "batched", "vmap", "loop")
     # The three conventions reach the points through different summation orders, and LM amplifies the difference
@@ -353,21 +345,21 @@ def test_field_calling_conventions_agree():
 
 def test_deterministic_given_seed_and_fills_random_starts():
     kw = dict(n_starts=16, starts=V[:, 0][None], seed=7)
-    a = find_equilibria(_linear(M_SYM), 6, **kw, method="lm")
-    b = find_equilibria(_linear(M_SYM), 6, **kw, method="lm")
+    a = find_equilibria(_linear(M_SYM), 6, **kw)
+    b = find_equilibria(_linear(M_SYM), 6, **kw)
     assert torch.equal(a.points, b.points) and torch.equal(a.eigenvalues, b.eigenvalues)
     assert a.labels == b.labels and a.hits == b.hits
-    assert a.n_starts == 16 and a.options["given_starts"] == 1
-    assert a.start_kind[a.start_index.index(0)] == "given"
-    assert all(k == ("given" if i == 0 else "random") for i, k in zip(a.start_index, a.start_kind))
-    c = find_equilibria(_linear(M_SYM), 6, n_starts=16, starts=V[:, 0][None], seed=8, method="lm")
+    assert a.options["n_starts"] == 16 and a.options["given_starts"] == 1
+    assert a.start_kind[a.start_index.index(0)] == "given/power+"  # row 0: the given start's power row of F
+    assert all(k.startswith("given/") == (i % 16 == 0 and i < 32) for i, k in zip(a.start_index, a.start_kind))
+    c = find_equilibria(_linear(M_SYM), 6, n_starts=16, starts=V[:, 0][None], seed=8)
     assert c.hits != a.hits or not torch.equal(c.points, a.points)
 
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_save_load_round_trip_is_exact(tmp_path, suffix):
     m, _ = _rotational_matrix()
-    res = find_equilibria(lambda u: u @ m.T, 5, n_starts=16, method="lm")
+    res = find_equilibria(lambda u: u @ m.T, 5, n_starts=16)
     assert res.n_points > 0
     back = EquilibriaResult.load(res.save(tmp_path / f"eq{suffix}"))
     for name in ("points", "lambdas", "residuals", "eigenvalues", "spectral_abscissa", "max_im_re",
@@ -384,7 +376,7 @@ def test_no_equilibrium_gives_an_empty_result(tmp_path):
     # F(u) = J u with J a complex structure on R^4: <u, Ju> = 0, so P_u F = F ≠ 0 everywhere
     j = torch.zeros(4, 4, dtype=F64)
     j[0, 1], j[1, 0], j[2, 3], j[3, 2] = 1.0, -1.0, 1.0, -1.0
-    res = find_equilibria(_linear(j), 4, n_starts=4, max_iter=20, method="lm")
+    res = find_equilibria(_linear(j), 4, n_starts=4, options={"max_iter": 20})
     assert res.n_points == 0 and res.n_converged == 0
     assert res.points.shape == (0, 4) and res.eigenvalues.shape == (0, 3) and res.lambdas.shape == (0,)
     assert res.counts() == {"attractor": 0, "repeller": 0, "saddle": 0, "degenerate": 0, "rotational": 0}
@@ -397,12 +389,13 @@ def test_no_equilibrium_gives_an_empty_result(tmp_path):
 def test_identity_field_is_degenerate_everywhere():
     # every point is an equilibrium of F(u) = u and the tangent Jacobian is 0
     out = classify_point(lambda u: u, torch.tensor([1.0, 2.0, 2.0], dtype=F64))
-    assert out.label == "degenerate" and out.near_zero == 2 and out.residual == 0.0
+    assert out.label == "degenerate" and out.near_zero == 2
+    assert out.residual <= 4 * torch.finfo(F64).eps  # 0 up to the rounding of normalising u
     assert abs(out.lam - 1.0) < 1e-15
 
 
 def test_plots_and_summary():
-    res = find_equilibria(_linear(M_SYM), 6, n_starts=16, method="lm")
+    res = find_equilibria(_linear(M_SYM), 6, n_starts=16)
     fig = res.plot()
     assert isinstance(fig, go.Figure)
     assert {t.name for t in fig.data} == set(res.labels)
@@ -472,7 +465,7 @@ def test_batched_householder_equals_the_unbatched_one_row_by_row():
 # Under the suite's runtime type checking (--jaxtyping-packages=tl_steering,beartype.beartype) a value outside a
 # Literal or a non-callable field is rejected by the type checker before the body runs; without it, the body
 # raises InputError with the message below.
-TYPED = (InputError, TypeCheckError)
+TYPED = (InputError, TypeCheckError, TypeError)
 
 
 def _assert_message(excinfo: pytest.ExceptionInfo, match: str) -> None:
@@ -485,12 +478,14 @@ def _assert_message(excinfo: pytest.ExceptionInfo, match: str) -> None:
     [
         (dict(dim=1), "dim must be an int >= 2", False),
         (dict(n_starts=0), "n_starts must be an int >= 1", False),
-        (dict(method="newton"), "unknown method", True),
+        (dict(method="newton"), "unexpected keyword", True),
+        (dict(options={"method": "lm"}), "unknown finder options", False),
+        (dict(options={"landscape_solves": -1}), "landscape_solves must be an int >= 0", False),
         (dict(eigensolver="lapack"), "unknown eigensolver", True),
-        (dict(eigensolver="arpack", n_eigs=4), "n_eigs <= 3", False),
+        (dict(eigensolver="arpack", options={"n_eigs": 4}), "n_eigs <= 3", False),
         (dict(starts=torch.ones(2, 5, dtype=F64)), r"starts must have shape \[m, 6\]", False),
         (dict(starts=torch.zeros(1, 6, dtype=F64)), "finite non-zero", False),
-        (dict(tol=0.0), "tol must be a float", False),
+        (dict(options={"tol": 0.0}), "tol must be a float", False),
     ],
 )
 def test_bad_options_raise_input_error(kwargs, match, typed):

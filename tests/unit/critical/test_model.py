@@ -159,7 +159,7 @@ def _check_ffn_points(model, tokens, layer, **kw):
 
 def test_ffn_critical_points_converge(tiny, tiny_tokens):
     """The FFN field's equilibria are found to relative residual <= 1e-10 on every tiny arch x backend."""
-    _check_ffn_points(tiny, tiny_tokens, 0, **FAST)
+    _check_ffn_points(tiny, tiny_tokens, 0, options=FAST)
 
 
 def test_user_hooks_kept_and_ignored(tiny, tiny_tokens):
@@ -184,7 +184,7 @@ def test_attention_field_and_radius_scales(tiny_tokens):
     model = ts.tiny_model("llama", backend="bridge", seed=0)
     fp = weights_fingerprint(model)
     res = critical_points(model, 0, "attention", n_starts=4, tokens=tiny_tokens, token_index=5,
-                          radius_scales=(0.5, 1, 2), **FAST).results[0]
+                          radius_scales=(0.5, 1, 2), options=FAST).results[0]
     assert res.n_points >= 1 and float(res.residuals.max()) <= 1e-10
     sens = res.options["radius_sensitivity"]
     assert set(sens) == {"0.5", "1", "2"}
@@ -196,25 +196,24 @@ def test_attention_field_and_radius_scales(tiny_tokens):
 
 
 def test_the_landscape_phase_is_capped_on_a_model(tiny_tokens):
-    """critical_points' default on a model: the landscape finder with at most MODEL_LANDSCAPE_SOLVES (32) Newton
-    solves per layer (find_equilibria's own default, 256, takes minutes per layer on a real model); an explicit
-    landscape_solves wins, and the rows run never exceed it."""
+    """critical_points' default on a model: the one finder with DEFAULT_OPTIONS, whose landscape phase runs at most
+    32 Newton solves; a landscape_solves in options wins, and the rows run never exceed it."""
     import tl_steering as ts
-    from tl_steering.critical.model import MODEL_LANDSCAPE_SOLVES
+    from tl_steering.critical import DEFAULT_OPTIONS
 
-    model = ts.tiny_model("llama", backend="bridge", seed=0)
-    res = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, max_iter=30).results[0]
-    assert res.method == "landscape" and MODEL_LANDSCAPE_SOLVES == 32
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0)
+    res = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, options={"max_iter": 30}).results[0]
+    assert res.method == "landscape" and DEFAULT_OPTIONS.landscape_solves == 32
     assert res.options["landscape_solves"] == 32 and res.options["landscape_rows"] <= 32
-    few = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, max_iter=30, landscape_solves=2).results[0]
-    assert few.options["landscape_solves"] == 2 and few.options["landscape_rows"] <= 2
+    few = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, options={"max_iter": 30, "landscape_solves": 2})
+    assert few.results[0].options["landscape_solves"] == 2 and few.results[0].options["landscape_rows"] <= 2
 
 
 def test_all_layers_summary(tmp_path, tiny_tokens):
     import tl_steering as ts
 
     model = ts.tiny_model("gpt2", backend="bridge", seed=0)
-    s = critical_points(model, n_starts=4, tokens=tiny_tokens, **FAST)
+    s = critical_points(model, n_starts=4, tokens=tiny_tokens, options=FAST)
     assert isinstance(s, CriticalPointsResult)
     assert s.layers == [0, 1] and tuple(s.counts.shape) == (2, 4)
     assert s.counts.sum(1).tolist() == s.n_points.tolist() == [r.n_points for r in s.results]
@@ -245,8 +244,10 @@ def test_bad_inputs(tiny_tokens):
         critical_points(model, 0, field="attention", token_index=99, tokens=tiny_tokens)
     with pytest.raises(InputError, match="radius_scales"):
         critical_points(model, 0, radius_scales=(0.0,), tokens=tiny_tokens)
-    with pytest.raises(InputError, match="starts"):
+    with pytest.raises(TypeError, match="starts"):  # critical_points chooses its starts itself
         critical_points(model, 0, starts=torch.ones(1, 64), tokens=tiny_tokens)
+    with pytest.raises(InputError, match="unknown finder options"):
+        critical_points(model, 0, tokens=tiny_tokens, options={"method": "lm"})
 
 
 def test_no_grad_field_equals_field(tiny, tiny_tokens):
@@ -262,14 +263,13 @@ def test_no_grad_field_equals_field(tiny, tiny_tokens):
     assert hook_count(tiny) == 0
 
 
-def test_reflected_finder_on_a_model():
-    """method="reflected" through critical_points on a tiny model (d = 64): its points are equilibria of the model's
-    own FFN, the result says which sample it is, and the model keeps its weights and hooks."""
+def test_the_finder_on_a_model_finds_equilibria_of_its_own_ffn():
+    """critical_points on a tiny model (d = 64): its points are equilibria of the model's own float32 FFN, the result
+    says which sample it is, and the model keeps its weights and hooks."""
     model = ts.tiny_model("gpt2", backend="bridge", seed=0)
     tokens = torch.randint(1, 257, (3, 16), generator=torch.Generator().manual_seed(0))
     fp = weights_fingerprint(model)
-    out = critical_points(model, 0, "ffn", n_starts=4, tokens=tokens, method="reflected", max_iter=30,
-                          landscape=False)
+    out = critical_points(model, 0, "ffn", n_starts=4, tokens=tokens, options=FAST)
     res = out.result(0)
     assert res.n_points >= 1 and float(res.residuals.max()) <= 1e-10
     ad = adapt(model)
@@ -278,14 +278,14 @@ def test_reflected_finder_on_a_model():
         f32 = ad.ffn(0)((fld.radius * res.points).to(ad.dtype)[None])[0].to(F64)
     assert float(relative_residual(res.points, f32).max()) < 1e-4
     s = out.sample()
-    assert s["methods"] == ["reflected"] and s["token_starts_per_layer"] == [2] and "reflected flow" in s["note"]
-    assert res.options["reflected_rows"] == 4 and res.options["jacobians"] > 0
+    assert s["methods"] == ["landscape"] and s["token_starts_per_layer"] == [2] and "solution landscape" in s["note"]
+    assert res.options["power_rows"] == 8 and res.options["landscape_jacobians"] >= 0
     assert weights_fingerprint(model) == fp and hook_count(model) == 0
 
 
 def test_without_tokens_the_provenance_names_the_corpus_drawn():
     """No tokens passed: the call draws pydoc windows and its provenance says so (not 'user tokens')."""
     model = ts.tiny_model("gpt2", backend="bridge", seed=0)
-    s = critical_points(model, layers=[0], n_starts=2, **FAST)
+    s = critical_points(model, layers=[0], n_starts=2, options=FAST)
     assert s.provenance.corpus == "pydoc:4x64:seed0" and s.provenance.n_sequences == 4
     assert s.results[0].provenance.corpus == "pydoc:4x64:seed0"

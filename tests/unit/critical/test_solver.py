@@ -59,9 +59,9 @@ def _expected_label(mu: float) -> tuple[str, int]:
 
 def test_d12_mixed_spectrum_all_twenty_equilibria_from_random_starts():
     m, q = _field12()
-    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=64, seed=0, method="lm")
+    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=64, seed=0, options={"landscape_solves": 256})
     assert res.n_points == 20
-    assert res.n_converged >= 32  # at least half of the starts reach rel. residual <= 1e-10
+    assert res.options["power_converged"] >= 64  # at least half of the power rows reach rel. residual <= 1e-10
     assert float(res.residuals.max()) <= 1e-10
     known = torch.cat([q[:, :10].T, -q[:, :10].T])
     rows = _match(res.points, known)
@@ -75,15 +75,6 @@ def test_d12_mixed_spectrum_all_twenty_equilibria_from_random_starts():
     assert res.morse_histogram() == {k: 2 for k in (0, 1, 2, 3, 6, 7, 8, 9, 10, 11)}
     assert res.rotational_pairs() == [1] * 20
     assert res.counts() == {"attractor": 2, "repeller": 2, "saddle": 16, "degenerate": 0, "rotational": 20}
-
-
-def test_deflation_finds_more_points_than_plain_restarts():
-    m, _ = _field12()
-    kw = dict(n_starts=12, seed=3)
-    plain = find_equilibria(lambda u: u @ m.T, 12, deflation=False, **kw, method="lm")
-    deflated = find_equilibria(lambda u: u @ m.T, 12, deflation=True, **kw, method="lm")
-    assert deflated.n_points > plain.n_points
-    assert deflated.n_points >= 10
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,18 +102,9 @@ def test_linear_plus_cubic_axes_found_and_labelled():
     d = 14
     field, a, c, q = _cubic_field(d)
     axes = torch.cat([q[:, : d - 2].T, -q[:, : d - 2].T])
-    lm = find_equilibria(field, d, n_starts=128, seed=1, method="lm")
-    # LM alone: 22 of the 24 axes from these 128 starts; ±e_10 (λ = 2.72, an attractor: c_10 = 0.49 lifts it above
-    # a_11 = 2.7) is never reached by it, whatever the seed, start count or deflation power tried
-    assert sum(r >= 0 for r in _match(lm.points, axes)) == 22
-    # flow + LM: the power iteration reaches -e_10 and ±e_11 (s = +1; the s = -1 rows sat on those attractors,
-    # λ > 0, and so count only as extra rows: the shifted map gives the repellers ±e_0), then LM (those deflated)
-    # the saddles; measured 23 of 24 axes for seeds 0, 1, 2, 5 (one of ±e_10 missed), 24 for seeds 3, 4
-    both = find_equilibria(field, d, n_starts=64, seed=1, method="flow+lm")
-    assert sum(r >= 0 for r in _match(both.points, axes)) >= 23
-    assert _match(both.points, axes)[10 + d - 2] >= 0  # -e_10, which LM alone never reaches
-    # the default finder (flow, then the solution landscape from every point found): all 24 axes
-    res = find_equilibria(field, d, n_starts=64, seed=1)
+    # the finder (flow, then the solution landscape from every point found): all 24 axes, ±e_10 included (λ = 2.72,
+    # an attractor: c_10 = 0.49 lifts it above a_11 = 2.7), which LM from raw starts never reached
+    res = find_equilibria(field, d, n_starts=64, seed=1, options={"landscape_solves": 256})
     rows = _match(res.points, axes)
     assert all(r >= 0 for r in rows), f"missing axes: {[i for i, r in enumerate(rows) if r < 0]}"
     for i, j in enumerate(rows):
@@ -150,8 +132,8 @@ def test_d576_planted_equilibria_found_and_labelled():
     q = _orthogonal(d, 7)
     mu = torch.cat([torch.tensor([9.0, 6.0, -8.0], dtype=F64), torch.linspace(-1.0, 1.0, d - 3, dtype=F64)])
     m = (q * mu) @ q.T
-    res = find_equilibria(lambda u: u @ m.T, d, n_starts=8, seed=0, batch_size=4, max_iter=30, method="lm")
-    assert res.n_converged >= 4 and res.n_points >= 3
+    res = find_equilibria(lambda u: u @ m.T, d, n_starts=8, seed=0, options={"max_iter": 30, "landscape_solves": 8})
+    assert res.options["power_converged"] >= 8 and res.n_points >= 3
     order = torch.argsort(mu, descending=True)
     for k in range(res.n_points):
         p = res.points[k]
@@ -181,7 +163,7 @@ def test_clopper_pearson_exact_values():
 
 def test_critical_points_result_claim_and_round_trip(tmp_path):
     m, _ = _field12()
-    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=24, seed=0, method="lm")
+    res = find_equilibria(lambda u: u @ m.T, 12, n_starts=24, seed=0)
     counts = torch.tensor([[res.labels.count(x) for x in ("attractor", "repeller", "saddle", "degenerate")]])
     i64 = torch.int64
     out = CriticalPointsResult(layers=[0], counts=counts, rotational=torch.tensor([sum(res.rotational)]),
@@ -198,7 +180,7 @@ def test_critical_points_result_claim_and_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# method="flow" on F(u) = q (x³) with x = qᵀu (the gradient of Σ x_i⁴ / 4, rotated): its attractors are the 2d axes
+# the flow phase (landscape_solves=0) on F(u) = q (x³) with x = qᵀu (the gradient of Σ x_i⁴ / 4, rotated): its attractors are the 2d axes
 # ±q_i (λ = 1, tangent spectrum -1), the saddles of index 1 are the 2d(d-1) points (±q_i ± q_j)/√2 (λ = 1/2,
 # tangent spectrum +1 once and -1/2 otherwise) on the boundaries between two axes' basins, the 2^d points with every
 # coordinate ±1/√d are repellers (λ = 1/d, index d - 1: the minima of Σ x_i⁴), reached by the shifted s = -1 map;
@@ -209,7 +191,7 @@ def test_flow_finder_reaches_attractors_and_boundary_saddles():
     d = 8
     q = _orthogonal(d, 3)
     field = lambda u: ((u @ q) ** 3) @ q.T  # noqa: E731
-    res = find_equilibria(field, d, n_starts=16, seed=0, method="flow", edge_pairs=6)
+    res = find_equilibria(field, d, n_starts=16, seed=0, options={"edge_pairs": 6, "landscape_solves": 0})
     n_rows = res.n_starts
     # the field is odd with λ > 0 everywhere: the plain s = -1 map flips every row between ±(an attractor), a point of
     # the other sign, so that sign runs the shifted map and its 16 plain rows are kept as extra rows
@@ -243,7 +225,7 @@ def test_flow_finder_reaches_attractors_and_boundary_saddles():
     # the points reached by the map's own rows (s = +1 plain, s = -1 shifted) are its fixed points
     assert res.options["power_rows"] == 32
     assert res.options["fixed_points_of_map"] == sum(k.endswith(("/power+", "/power-")) for k in res.start_kind)
-    again = find_equilibria(field, d, n_starts=16, seed=0, method="flow", edge_pairs=6)
+    again = find_equilibria(field, d, n_starts=16, seed=0, options={"edge_pairs": 6, "landscape_solves": 0})
     assert torch.equal(again.points, res.points)  # deterministic for a seed
 
 
@@ -263,7 +245,7 @@ def test_d576_planted_quartic_field_every_equilibrium_found_by_flow():
         known.append(q @ (s * torch.sqrt(lam / c)))
         lams.append(lam)
         labels.append(("attractor", 0) if 0 in (s1, s2) else ("saddle", 1))
-    res = find_equilibria(field, d, n_starts=32, seed=0, method="flow", edge_pairs=12)
+    res = find_equilibria(field, d, n_starts=32, seed=0, options={"edge_pairs": 12, "landscape_solves": 0})
     assert res.n_points == 8 and res.options["edge_converged"] == res.options["edge_rows"] == 12
     # λ >= 0 everywhere (no repeller): the plain s = -1 rows flip between ±(an attractor), so that sign runs the shifted
     # map and its 32 plain rows are kept; shifted rows that drift toward Q^⊥, where F vanishes, converge nowhere

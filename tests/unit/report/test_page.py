@@ -33,10 +33,10 @@ def test_report_renders_a_loaded_result_without_a_model(rendered, suite):
     table = text.split("<table class='critical-layers'>")[1].split("</table>")[0]
     assert table.count("<tr>") == 1 + len(loaded.critical.layers)
     assert f"<td>{loaded.critical.results[0].n_starts}</td>" in table
-    assert "The counts are a sample of flow: what the dynamics reach" in text
+    assert "The counts are a sample of landscape: the flow finder" in text
     # and the pooled Morse index histogram with the sentence naming the sample (finder, starts, token directions)
     assert "<table class='critical-index'>" in text and "<th>Morse index</th>" in text
-    assert f"finder flow, {s_starts(loaded)} starts per layer" in text
+    assert f"finder landscape, {s_starts(loaded)} starts per layer" in text
     # the chosen plan: its figure (every strategy's curve), its rows in the summary table and its executor run
     assert "plan_choice" in figs and "id='figure-plan_choice'" in text
     assert len(figs["plan_choice"].data) == 2 * len(suite.plan_choice.plan.strategies)

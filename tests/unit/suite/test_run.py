@@ -32,11 +32,11 @@ def test_every_stage_fills_its_fields(suite):
         "executor_choice",
         "gates",
         "critical",
-        "critical_fixed_point",
         "prefix",
     ):
         assert getattr(suite, name) is not None, name
     assert suite.defect_gold is None  # only when settings.defect_gold_layers is set
+    assert suite.critical_fixed_point is None  # one finder fills the critical section
     assert suite.deficit.provenance.corpus == "file:corpus.txt:4x16:seed0"
     assert suite.provenance.corpus == "file:corpus.txt:4x16:seed0"
     # every stage's results carry the corpus label, the critical points' per-layer results too
