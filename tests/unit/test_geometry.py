@@ -453,3 +453,11 @@ def test_wrong_shapes_raise_input_error() -> None:
         inspect.unwrap(g.participation_ratio)(randn(0, 4))
     with pytest.raises(shape_errors):
         g.mean_pairwise_cosine(randn(0, 2, 3, 4), torch.ones(2, 4, dtype=torch.bool))
+
+
+def test_degenerate_mask_drops_zero_and_tiny_norms_of_the_valid_positions():
+    norms = torch.tensor([[5.0, 1.0, 0.0, 1e-12, 2.0, 3.0, 1.5]], dtype=torch.float64)
+    base = torch.tensor([[False, True, True, True, True, True, True]])
+    x = norms[..., None] * torch.tensor([0.6, 0.8], dtype=torch.float64)
+    valid = base & ~g.degenerate_mask(x, base)  # the protocols' rule
+    assert valid.tolist() == [[False, True, False, False, True, True, True]]

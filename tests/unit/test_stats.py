@@ -12,6 +12,7 @@ import torch
 from tl_steering import stats
 from tl_steering._util import timing
 from tl_steering.errors import InputError
+from tl_steering.stats import bootstrap_ci, position_bins, position_mask
 
 pytestmark = pytest.mark.one_line("tl4")  # pure torch, no TransformerLens: the same computation on both lines
 
@@ -157,3 +158,31 @@ def test_alternating_seconds_rotates_the_order():
     assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
     slow = timing.alternating_seconds([lambda: time.sleep(0.004), lambda: None], "cpu", warmup=0, rounds=2)
     assert min(slow[0]) >= 0.004 and len(slow[1]) == 2  # the sleeping function's times are in its own slot
+
+
+def test_position_bins_and_mask():
+    edges, index = position_bins(128)
+    assert edges == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert index[0] == -1 and index[1] == 0 and index[2] == index[3] == 1 and index[4] == 2 and index[127] == 6
+    edges, index = position_bins(16)
+    assert edges == [1, 2, 4, 8, 16] and index[15] == 3
+    assert position_bins(2)[0] == [1, 2]
+    m = position_mask(5, (0, -1))
+    assert m.tolist() == [False, True, True, True, False]
+    with pytest.raises(InputError, match="leaves no position"):
+        position_mask(2, (0, 1))
+
+
+def test_bootstrap_ci_is_seeded_and_brackets_the_mean():
+    x = torch.randn(40, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b = bootstrap_ci(x, n_bootstrap=300, seed=3), bootstrap_ci(x, n_bootstrap=300, seed=3)
+    assert torch.equal(a, b) and a.shape == (3, 2)
+    mean = x.mean(0)
+    assert bool((a[:, 0] < mean).all() and (mean < a[:, 1]).all())
+    # width of a 95 % CI of a mean of 40 N(0,1) draws: about 2 * 1.96 / sqrt(40) = 0.62
+    assert 0.4 < float((a[:, 1] - a[:, 0]).mean()) < 0.85
+    assert torch.isnan(bootstrap_ci(x, n_bootstrap=0)).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# angular deficit
