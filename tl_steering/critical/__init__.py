@@ -10,16 +10,35 @@ is the default of every entry point:
 * :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
 * :mod:`.finder`: :func:`find_equilibria`, :func:`classify_point` for any torch field;
 * :mod:`.model`: :func:`critical_points` / :func:`critical_field` / :func:`critical_census` for TransformerLens models;
-* :mod:`.census`: :func:`census`, the bounds that can decide "mostly saddles" for all equilibria of a field.
+* :mod:`.census`: :func:`~.census.census`, the bounds that can decide "mostly saddles" for all equilibria of a field.
 """
 
-from .census import CensusResult, census
-from .fields import relative_residual, tangent_basis
-from .finder import classify_point, find_equilibria
-from .model import FIELDS, CriticalField, critical_census, critical_field, critical_points
-from .options import DEFAULT_FINDER, DEFAULT_OPTIONS, METHODS, FinderOptions
-from .results import CriticalPointsResult, EquilibriaResult, PointClassification, clopper_pearson, saddle_verdict
-from .spectrum import DENSE_MAX_DIM, LABELS
+from typing import TYPE_CHECKING
+
+from .._util.lazy import lazy_attributes
+
+# lazy (PEP 562): the suite's settings (read by the CLI before it imports torch or TransformerLens) import .options
+_LAZY = {
+    **{n: ".census" for n in ("CensusResult",)},  # census(): tl_steering.critical.census.census (module name)
+    **{n: ".fields" for n in ("relative_residual", "tangent_basis")},
+    **{n: ".finder" for n in ("classify_point", "find_equilibria")},
+    **{n: ".model" for n in ("FIELDS", "CriticalField", "critical_census", "critical_field", "critical_points")},
+    **{n: ".options" for n in ("DEFAULT_FINDER", "DEFAULT_OPTIONS", "METHODS", "FinderOptions")},
+    **{n: ".results" for n in ("CriticalPointsResult", "EquilibriaResult", "PointClassification", "clopper_pearson",
+                               "saddle_verdict")},
+    **{n: ".spectrum" for n in ("DENSE_MAX_DIM", "LABELS")},
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+if TYPE_CHECKING:
+    from .census import CensusResult  # noqa: F401
+    from .fields import relative_residual, tangent_basis  # noqa: F401
+    from .finder import classify_point, find_equilibria  # noqa: F401
+    from .model import FIELDS, CriticalField, critical_census, critical_field, critical_points  # noqa: F401
+    from .options import DEFAULT_FINDER, DEFAULT_OPTIONS, METHODS, FinderOptions  # noqa: F401
+    from .results import (CriticalPointsResult, EquilibriaResult, PointClassification,  # noqa: F401
+                          clopper_pearson, saddle_verdict)
+    from .spectrum import DENSE_MAX_DIM, LABELS  # noqa: F401
 
 __all__ = [
     "DEFAULT_FINDER",
@@ -34,8 +53,7 @@ __all__ = [
     "EquilibriaResult",
     "FinderOptions",
     "PointClassification",
-    "census",
-    "classify_point",
+        "classify_point",
     "clopper_pearson",
     "critical_census",
     "critical_field",
