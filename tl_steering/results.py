@@ -158,7 +158,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str 
         head = {"dtype": str(t.dtype).removeprefix("torch."), "complex": is_complex, "shape": list(value.shape)}
         if tensors is not None:
             name = at if at not in tensors else f"{at}#{len(tensors)}"
-            tensors[name] = t.clone(memory_format=torch.contiguous_format)  # its own storage: safetensors refuses shared
+            tensors[name] = t.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
             return {"__tensor_ref__": name, **head}
         data = (t.float() if t.dtype == torch.bfloat16 else t).tolist()
         return {"__tensor__": True, **head, "data": _encode_floats(data)}
@@ -187,14 +187,10 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str 
 
 def _encode_floats(x: Any) -> Any:
     """JSON has no NaN/Inf: write them as strings that ``_decode`` reads back."""
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "Infinity" if x > 0 else "-Infinity"
-        return x
     if isinstance(x, list):
         return [_encode_floats(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else "Infinity" if x > 0 else "-Infinity"
     return x
 
 
@@ -209,10 +205,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "") -> An
         if value.get("__tensor__"):
             return _decode_tensor(value, where)
         if "__tensor_ref__" in value:
-            t = tensors.get(value["__tensor_ref__"])
-            if t is None:
-                raise ResultFileError(f"{where or 'tensor'}: tensor {value['__tensor_ref__']!r} is not in the "
-                                      "tensors file")
+            if (t := tensors.get(value["__tensor_ref__"])) is None:
+                raise ResultFileError(f"{where}: tensor {value['__tensor_ref__']!r} is not in the tensors file")
             return torch.view_as_complex(t.contiguous()) if value.get("complex") else t
         if "__complex__" in value:
             re, im = (_decode(v, tensors) for v in value["__complex__"])
@@ -242,9 +236,8 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
 
 
 def import_result_modules() -> None:
-    """Import every module of the package, registering every result kind: ``import tl_steering`` is lazy, so a
-    file may name a kind whose module is not imported yet. Modules whose optional dependencies are missing are
-    passed over (their kinds stay unknown)."""
+    """Import every module of the package, registering every result kind (``import tl_steering`` is lazy); modules
+    whose optional dependencies are missing are passed over."""
     import importlib
     import pkgutil
 
@@ -376,7 +369,10 @@ def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         if not js.exists():
             raise ResultFileError(f"it holds the tensors of a result whose fields are in {js.name}, which is not "
                                   "beside it: copy NAME.json with NAME.safetensors")
-    tree = _json(js.read_bytes(), "" if js == path else f"{js.name}: ")
+    try:
+        tree = _json(js.read_bytes(), "" if js == path else f"{js.name}: ")
+    except OSError as e:
+        raise ResultFileError(f"cannot read {js.name} ({type(e).__name__}: {e})") from None
     ref = tree.pop("__sidecar__", None) if isinstance(tree, dict) else None
     if ref is None:
         return tree, {}
@@ -385,8 +381,8 @@ def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     name, digest = (ref.get("file"), ref.get("sha256")) if isinstance(ref, dict) else (None, None)
     if not isinstance(name, str) or Path(name).name != name or not isinstance(digest, str):
         raise ResultFileError(f"malformed __sidecar__ record {ref!r}")
-    found = [p for p in dict.fromkeys((js.with_suffix(".safetensors"), js.with_suffix(".tensors.safetensors"),
-                                        js.parent / name)) if p.exists()]
+    names = (js.with_suffix(".safetensors"), js.with_name(js.stem + ".tensors.safetensors"), js.parent / name)
+    found = [p for p in dict.fromkeys(names) if p.exists()]
     if not found:
         raise ResultFileError(f"its tensors file {name!r} is not beside it: copy NAME.safetensors with NAME.json")
     for p in found:
