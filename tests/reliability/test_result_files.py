@@ -17,6 +17,7 @@ import torch
 import tl_steering as ts
 from tl_steering.errors import ResultFileError
 from tl_steering.results import Result
+from tl_steering.suite import SuiteResult
 
 from ._calls import PUBLIC_CALLS, tokens_for
 
@@ -88,13 +89,13 @@ def test_files_of_earlier_versions_load(tmp_path):
     """The three earlier formats load bit for bit (``suite.json`` finds its sidecar among two safetensors files by
     its hash) and save again in the one format."""
     want = old_suite()
-    sidecar, whole = ts.SuiteResult.load(OLD / "suite.json"), Result.load(OLD / "suite.safetensors")
+    sidecar, whole = SuiteResult.load(OLD / "suite.json"), Result.load(OLD / "suite.safetensors")
     assert "__tensor__" in (OLD / "suite.json").read_text()  # the inline tensors of that format
     for got in (sidecar, whole):
         assert _same(got.plan_choice.plan, want.plan_choice.plan) and _same(got.deficit, want.deficit)
         assert got.to_dict() == whole.to_dict() and got.started == want.started
     assert _same(Result.load(OLD / "deficit.json"), want.deficit)
-    again = ts.SuiteResult.load(sidecar.save(tmp_path / "suite.json"))
+    again = SuiteResult.load(sidecar.save(tmp_path / "suite.json"))
     assert _same(again, sidecar) and "__tensor__" not in (tmp_path / "suite.json").read_text()
 
 
