@@ -25,7 +25,7 @@ ORDER: list[tuple[str, ...]] = [
     ("cli",),
     ("tl_steering",),  # the public surface: tl_steering/__init__.py
 ]
-PRIMITIVES = {"errors", "validation", "_util", "geometry", "stats", "metrics", "results", "result_sidecar", "hub"}
+PRIMITIVES = {"errors", "validation", "_util", "geometry", "stats", "metrics", "results", "hub"}
 MAX_FLAT_MODULES = 10
 MAX_LINES = 500
 

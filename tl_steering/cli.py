@@ -182,7 +182,6 @@ def run_report(
     from .report import render_report
     from .probing.scan import load_named
     from .data.sharding import world
-    from .result_sidecar import sidecar_path
     from .suite import RunArguments, StageTiming, default_settings, run_suite
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -197,8 +196,8 @@ def run_report(
     out_dir = Path(out)
     checkpoint = out_dir / "checkpoint.json"
     if not resume and world().rank == 0:
-        checkpoint.unlink(missing_ok=True)
-        sidecar_path(checkpoint).unlink(missing_ok=True)
+        for f in (checkpoint, checkpoint.with_suffix(".safetensors")):
+            f.unlink(missing_ok=True)
     if world().active:
         torch.distributed.barrier()  # no rank reads a checkpoint rank 0 is about to discard
     suite = run_suite(m, tokens, s, progress=progress, seed=seed, checkpoint=checkpoint)
@@ -219,8 +218,8 @@ def run_report(
     if world().rank != 0:  # under torchrun: rank 0 alone writes (every rank holds the same result)
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
-    checkpoint.unlink(missing_ok=True)
-    sidecar_path(checkpoint).unlink(missing_ok=True)  # its tensors (tl_steering.result_sidecar)
+    for f in (checkpoint, checkpoint.with_suffix(".safetensors")):  # its fields and its tensors
+        f.unlink(missing_ok=True)
     return render_report(suite, out_dir)
 
 

@@ -1,16 +1,19 @@
-"""Result objects: typed dataclasses with provenance, ``to_dict()``, ``save()`` / ``load()`` (JSON or
-safetensors, never pickle) and ``.plot()`` returning plotly figures.
-
-Every protocol returns a subclass of :class:`Result`. Tensor fields are stored as they are (CPU, their own
-dtype); ``to_dict()`` turns them into nested lists tagged with dtype and shape so that ``from_dict`` restores
-them exactly. Complex tensors are stored as ``[..., 2]`` real views.
+"""Result objects: typed dataclasses with provenance, ``to_dict()``, ``save()`` / ``load()`` and ``.plot()``
+returning plotly figures. Every protocol returns a subclass of :class:`Result`; a saved one is ``NAME.json`` (every
+field but the tensors) and ``NAME.safetensors`` (every tensor, bit for bit); never pickle (docs/protocols.md,
+"Saving and loading results"). ``to_dict()`` is the same tree with the tensors inline as nested lists tagged with
+dtype and shape (complex ones as ``[..., 2]`` real views), which ``from_dict`` reads back exactly.
 """
 
+import contextlib
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import math
+import os
 import platform
+import threading
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -20,7 +23,6 @@ import torch
 from beartype import BeartypeConf
 from beartype.door import is_bearable
 
-from . import result_sidecar
 from ._util.display import short_value, wrap_items
 from .errors import InputError, ResultFileError
 
@@ -145,34 +147,36 @@ def tensor_field(*shape: int, dtype: torch.dtype = torch.float64) -> Any:
 # encoding
 
 
-def _encode(value: Any) -> Any:
+def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str = "") -> Any:
+    """``value`` as a JSON tree. A tensor goes into ``tensors`` under its place ``at`` in the tree, which keeps a
+    reference to it, or, without ``tensors``, inline as nested lists (``to_dict``)."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu()
+        t = value.detach().cpu().resolve_conj().resolve_neg()
         is_complex = t.is_complex()
         if is_complex:
-            t = torch.view_as_real(t.resolve_conj())
-        dtype = str(t.dtype).removeprefix("torch.")
-        if t.dtype == torch.bfloat16:
-            t = t.float()
-        data = t.tolist()
-        return {"__tensor__": True, "dtype": dtype, "complex": is_complex, "shape": list(value.shape),
-                "data": _encode_floats(data)}
+            t = torch.view_as_real(t)
+        head = {"dtype": str(t.dtype).removeprefix("torch."), "complex": is_complex, "shape": list(value.shape)}
+        if tensors is not None:
+            name = at if at not in tensors else f"{at}#{len(tensors)}"
+            tensors[name] = t.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
+            return {"__tensor_ref__": name, **head}
+        data = (t.float() if t.dtype == torch.bfloat16 else t).tolist()
+        return {"__tensor__": True, **head, "data": _encode_floats(data)}
+    here = (lambda k: f"{at}.{k}" if at else str(k))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
         if _REGISTRY.get(kind_of(cls)) is not cls:
             raise InputError(f"cannot serialise {cls.__name__}: decorate it with @tl_steering.results.register")
-        out = {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        out["__kind__"] = kind_of(cls)
-        out["__format__"] = format_version_of(cls)
-        return out
+        out = {f.name: _encode(getattr(value, f.name), tensors, here(f.name)) for f in dataclasses.fields(value)}
+        return {**out, "__kind__": kind_of(cls), "__format__": format_version_of(cls)}
     if isinstance(value, dict):
-        return {str(k): _encode(v) for k, v in value.items()}
+        return {str(k): _encode(v, tensors, here(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
+        return [_encode(v, tensors, here(i)) for i, v in enumerate(value)]
     if isinstance(value, float):
         return _encode_floats(value)
     if isinstance(value, complex):
-        return {"__complex__": [value.real, value.imag]}
+        return {"__complex__": [_encode_floats(value.real), _encode_floats(value.imag)]}
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if hasattr(value, "item"):  # numpy scalars
@@ -182,43 +186,36 @@ def _encode(value: Any) -> Any:
 
 
 def _encode_floats(x: Any) -> Any:
-    """JSON has no NaN/Inf: write them as strings that ``_decode_floats`` reads back."""
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "Infinity" if x > 0 else "-Infinity"
-        return x
+    """JSON has no NaN/Inf: write them as strings that ``_decode`` reads back."""
     if isinstance(x, list):
         return [_encode_floats(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else "Infinity" if x > 0 else "-Infinity"
     return x
 
 
 _SPECIAL = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
 
 
-def _decode_floats(x: Any) -> Any:
-    if isinstance(x, str) and x in _SPECIAL:
-        return _SPECIAL[x]
-    if isinstance(x, list):
-        return [_decode_floats(v) for v in x]
-    return x
-
-
-def _decode(value: Any, where: str = "") -> Any:
-    """Rebuild tensors and registered dataclasses; strict: unknown kinds, missing, unknown or wrong-typed fields
-    raise :class:`ResultFileError` naming the field (``where`` is the path of the value inside the file)."""
+def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "") -> Any:
+    """Rebuild tensors (inline, or by reference from ``tensors``) and registered dataclasses; strict: unknown kinds,
+    missing, unknown or wrong-typed fields raise :class:`ResultFileError` naming the field (``where`` is the path of
+    the value inside the file)."""
     if isinstance(value, dict):
         if value.get("__tensor__"):
             return _decode_tensor(value, where)
+        if "__tensor_ref__" in value:
+            if (t := tensors.get(value["__tensor_ref__"])) is None:
+                raise ResultFileError(f"{where}: tensor {value['__tensor_ref__']!r} is not in the tensors file")
+            return torch.view_as_complex(t.contiguous()) if value.get("complex") else t
         if "__complex__" in value:
-            re, im = value["__complex__"]
+            re, im = (_decode(v, tensors) for v in value["__complex__"])
             return complex(re, im)
         if "__kind__" in value:
-            return _decode_record(value, where)
-        return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
+            return _decode_record(value, tensors, where)
+        return {k: _decode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, str) and value in _SPECIAL:
         return _SPECIAL[value]
     return value
@@ -229,36 +226,31 @@ def _decode_tensor(value: dict, where: str) -> torch.Tensor:
         dtype = getattr(torch, value["dtype"])
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"{value['dtype']!r} is not a torch dtype")
-        data = _decode_floats(value["data"])
-        build_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-        t = torch.tensor(data, dtype=build_dtype)
+        data = _decode(value["data"], {})
+        t = torch.tensor(data, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
         if value.get("complex"):
-            shape = list(value["shape"]) + [2]
-            return torch.view_as_complex(t.reshape(shape).contiguous())
+            return torch.view_as_complex(t.reshape([*value["shape"], 2]).contiguous())
         return t.reshape(value["shape"]).to(dtype)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         raise ResultFileError(f"{where or 'tensor'}: malformed tensor record ({type(e).__name__}: {e})") from None
 
 
-# Modules that define registered results. ``import tl_steering`` is lazy (it imports no protocol), so a file may
-# name a kind whose module has not been imported yet: it is imported on first need.
-RESULT_MODULES = ("tl_steering.critical.census", "tl_steering.critical.results", "tl_steering.parallel.defect_result", "tl_steering.parallel.plan_result",
-                  "tl_steering.parallel.scores", "tl_steering.probing.result", "tl_steering.protocols.ablation",
-                  "tl_steering.protocols.deficit", "tl_steering.protocols.diversity", "tl_steering.protocols.gates",
-                  "tl_steering.protocols.prefix", "tl_steering.suite.result", "tl_steering.suite.settings")
-
-
-def _import_result_modules() -> None:
+def import_result_modules() -> None:
+    """Import every module of the package, registering every result kind (``import tl_steering`` is lazy); modules
+    whose optional dependencies are missing are passed over."""
     import importlib
+    import pkgutil
 
-    for name in RESULT_MODULES:
-        importlib.import_module(name)
+    for m in pkgutil.walk_packages(importlib.import_module(__package__).__path__, f"{__package__}."):
+        if not m.name.endswith(".__main__"):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(m.name)
 
 
-def _decode_record(value: dict, where: str) -> Any:
+def _decode_record(value: dict, tensors: dict[str, torch.Tensor], where: str) -> Any:
     kind = value["__kind__"]
     if isinstance(kind, str) and kind not in _REGISTRY:
-        _import_result_modules()
+        import_result_modules()
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ResultFileError(f"{where or 'file'}: unknown result kind {kind!r}; known kinds: "
@@ -282,7 +274,7 @@ def _decode_record(value: dict, where: str) -> Any:
     hints = _type_hints(cls)
     kwargs, late = {}, {}
     for name, raw in data.items():
-        v = _decode(raw, f"{label}.{name}")
+        v = _decode(raw, tensors, f"{label}.{name}")
         tp = hints.get(name)
         if tp is not None and not _has_type(v, tp):
             raise ResultFileError(f"{label}.{name}: expected {_type_name(tp)}, got {_value_desc(v)}")
@@ -328,8 +320,80 @@ def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
-def _sidecar_fields(kind: str) -> tuple[str, ...]:
-    return tuple(getattr(_REGISTRY.get(kind), "sidecar_fields", ()))
+# ----------------------------------------------------------------------------------------------------------
+# files
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write to a temporary name beside ``path``, then rename: a killed write leaves no half file under ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _json(text: str | bytes, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultFileError(f"{what}not valid JSON ({e}): the file is truncated or corrupted; save the result "
+                              "again") from None
+
+
+def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The JSON tree of the result named by ``path`` (its JSON or its tensors file) and its tensors. Files of
+    earlier versions load too: a JSON with its tensors inline, a JSON whose ``"__sidecar__"`` names
+    ``NAME.tensors.safetensors``, a safetensors file holding the JSON in its metadata (key ``"tl_steering"``)."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    js = path
+    if path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                whole = {k: f.get_tensor(k) for k in f.keys()} if "tl_steering" in meta else None
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError
+            raise ResultFileError(f"not a readable safetensors file ({type(e).__name__}: {e}); the file is truncated"
+                                  " or corrupted") from None
+        if whole is not None:  # the whole-file format of earlier versions
+            return _json(meta["tl_steering"], "its metadata: "), whole
+        if "tl_steering_result" not in meta:
+            raise ResultFileError("a safetensors file without tl_steering metadata (not saved by Result.save)")
+        js = path.with_suffix(".json")
+        if not js.exists():
+            raise ResultFileError(f"it holds the tensors of a result whose fields are in {js.name}, which is not "
+                                  "beside it: copy NAME.json with NAME.safetensors")
+    try:
+        tree = _json(js.read_bytes(), "" if js == path else f"{js.name}: ")
+    except OSError as e:
+        raise ResultFileError(f"cannot read {js.name} ({type(e).__name__}: {e})") from None
+    ref = tree.pop("__sidecar__", None) if isinstance(tree, dict) else None
+    if ref is None:
+        return tree, {}
+    # the tensors file: NAME.safetensors, else (earlier versions, a renamed pair) NAME.tensors.safetensors or the
+    # name recorded; the first whose SHA-256 is the one recorded (another is the file of another save)
+    name, digest = (ref.get("file"), ref.get("sha256")) if isinstance(ref, dict) else (None, None)
+    if not isinstance(name, str) or Path(name).name != name or not isinstance(digest, str):
+        raise ResultFileError(f"malformed __sidecar__ record {ref!r}")
+    names = (js.with_suffix(".safetensors"), js.with_name(js.stem + ".tensors.safetensors"), js.parent / name)
+    found = [p for p in dict.fromkeys(names) if p.exists()]
+    if not found:
+        raise ResultFileError(f"its tensors file {name!r} is not beside it: copy NAME.safetensors with NAME.json")
+    for p in found:
+        blob = p.read_bytes()
+        if hashlib.sha256(blob).hexdigest() == digest:
+            try:
+                return tree, load(blob)
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+                raise ResultFileError(f"{p.name}: not a readable safetensors file ({e})") from None
+    raise ResultFileError(f"{found[0].name} is not the tensors file saved with {js.name} (SHA-256 differs): a "
+                          "later or interrupted save wrote it; save the result again")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -351,110 +415,56 @@ class Result:
 
     # -- serialisation ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Every field, tensors as ``{"__tensor__", dtype, shape, data}`` records; JSON-serialisable."""
+        """Every field, tensors inline as ``{"__tensor__", dtype, complex, shape, data}`` records; strict JSON."""
         return _encode(self)
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         """Rebuild a result from :meth:`to_dict` output. Strict: an unknown kind or format version, a missing,
         unknown or wrong-typed field raises :class:`~tl_steering.errors.ResultFileError` naming it."""
+        return cls._build(data, {})
+
+    @classmethod
+    def _build(cls: type[T], data: Any, tensors: dict[str, torch.Tensor]) -> T:
         if not isinstance(data, dict) or "__kind__" not in data:
             raise ResultFileError(f"not a tl_steering result record (expected a dict with '__kind__', got "
                                   f"{type(data).__name__})")
-        obj = _decode(data)
+        obj = _decode(data, tensors)
         if not isinstance(obj, cls):
             raise ResultFileError(f"the data holds a {type(obj).__name__} ({kind_of(type(obj))!r}), "
                                   f"not a {cls.__name__}")
         return obj
 
     def save(self, path: str | Path) -> Path:
-        """Save as JSON (``*.json``) or safetensors (``*.safetensors``: tensors in the file, the rest in its
-        metadata). Never pickle."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
+        """Save as ``NAME.json`` (every field but the tensors) and ``NAME.safetensors`` (every tensor; its SHA-256
+        is in the JSON), ``path`` naming either. Each is written to a temporary name and renamed, the tensors first: a killed save
+        never leaves a pair that loads. Returns ``path``."""
+        from safetensors.torch import save
 
-            tensors: dict[str, torch.Tensor] = {}
-            meta = self._split_tensors(self.to_dict(), tensors, prefix="")
-            save_file(tensors, str(path), metadata={"tl_steering": json.dumps(meta)})
-        else:  # the classes' sidecar_fields go to <stem>.tensors.safetensors (tl_steering.result_sidecar)
-            data = result_sidecar.save(self.to_dict(), path, _sidecar_fields, _decode)
-            path.write_text(json.dumps(data, indent=1, allow_nan=False))
-        return path
+        if Path(path).suffix not in (".json", ".safetensors"):
+            raise InputError(f"a result is saved as NAME.json (its fields) with NAME.safetensors (its tensors): give "
+                             f"a path ending in .json or .safetensors, got {str(path)!r}")
+        js, st, tensors = Path(path).with_suffix(".json"), Path(path).with_suffix(".safetensors"), {}
+        tree = _encode(self, tensors)
+        blob = save(tensors, metadata={"tl_steering_result": js.name})
+        tree["__sidecar__"] = {"file": st.name, "sha256": hashlib.sha256(blob).hexdigest()}
+        js.parent.mkdir(parents=True, exist_ok=True)
+        _write(st, blob)
+        _write(js, json.dumps(tree, indent=1, allow_nan=False).encode())
+        return Path(path)
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
-        """Load a result saved by :meth:`save`. Every failure (truncated or corrupted file, unknown kind,
-        missing / unknown / wrong-typed field) raises :class:`~tl_steering.errors.ResultFileError` naming the
-        file and the field."""
+        """Load a result saved by :meth:`save` (``path``: either file; files of earlier versions too). Every failure
+        (a missing, truncated or corrupted file, tensors of another save, an unknown kind, a missing / unknown /
+        wrong-typed field) raises :class:`~tl_steering.errors.ResultFileError` naming the file and the field."""
         path = Path(path)
         if not path.exists():
             raise ResultFileError(f"no result file at {path}")
         try:
-            if path.suffix == ".safetensors":
-                data = cls._read_safetensors(path)
-            else:
-                try:
-                    data = json.loads(path.read_text())
-                except json.JSONDecodeError as e:
-                    raise ResultFileError(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): the "
-                                          "file is truncated or corrupted; save the result again") from None
-                except (OSError, UnicodeDecodeError) as e:
-                    raise ResultFileError(f"cannot read it ({type(e).__name__}: {e})") from None
-                data = result_sidecar.load(data, path, cls._join_tensors)
-            return cls.from_dict(data)
+            return cls._build(*_read(path))
         except ResultFileError as e:
             raise ResultFileError(f"{path}: {e}") from None
-
-    @classmethod
-    def _read_safetensors(cls, path: Path) -> Any:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta_text = (f.metadata() or {}).get("tl_steering")
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError
-            raise ResultFileError(f"not a readable safetensors file ({type(e).__name__}: {e}); the file is "
-                                  "truncated or corrupted") from None
-        if meta_text is None:
-            raise ResultFileError("a safetensors file without tl_steering metadata (not saved by Result.save)")
-        try:
-            meta = json.loads(meta_text)
-        except json.JSONDecodeError as e:
-            raise ResultFileError(f"corrupted tl_steering metadata ({e.msg})") from None
-        try:
-            return cls._join_tensors(meta, tensors)
-        except KeyError as e:
-            raise ResultFileError(f"tensor {e} named in the metadata is missing from the file") from None
-
-    @staticmethod
-    def _split_tensors(node: Any, out: dict[str, torch.Tensor], prefix: str) -> Any:
-        if isinstance(node, dict):
-            if node.get("__tensor__"):
-                t = _decode(node)
-                if t.is_complex():
-                    t = torch.view_as_real(t)
-                out[prefix] = t.contiguous()
-                return {"__tensor_ref__": prefix, "complex": node["complex"], "dtype": node["dtype"]}
-            return {k: Result._split_tensors(v, out, f"{prefix}.{k}" if prefix else k) for k, v in node.items()}
-        if isinstance(node, list):
-            return [Result._split_tensors(v, out, f"{prefix}.{i}") for i, v in enumerate(node)]
-        return node
-
-    @staticmethod
-    def _join_tensors(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-        if isinstance(node, dict):
-            if "__tensor_ref__" in node:
-                t = tensors[node["__tensor_ref__"]]
-                if node.get("complex"):
-                    t = torch.view_as_complex(t.contiguous())
-                return t  # the stored bytes as they are (_decode keeps a tensor)
-            return {k: Result._join_tensors(v, tensors) for k, v in node.items()}
-        if isinstance(node, list):
-            return [Result._join_tensors(v, tensors) for v in node]
-        return node
 
     # -- display ----------------------------------------------------------------------------------------
     def __repr__(self) -> str:

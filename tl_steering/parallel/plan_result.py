@@ -1,14 +1,12 @@
 """The result of :func:`tl_steering.plan_parallel`: :class:`ParallelPlan` (docs/parallel.md "Planning").
 
-Its tensors (``gates``, ``biases``, ``linears``: the fitted corrections) are :attr:`ParallelPlan.sidecar_fields`:
-``plan.save("plan.json")`` writes them to ``plan.tensors.safetensors`` beside the JSON (a linear-corrected plan
-holds k x d_model^2 float64 entries, 40 MB for SmolLM2 at k = 15, which JSON lists would blow up), and
-``ParallelPlan.load`` reads them back bit for bit; plan files written before (tensors inline) still load.
+Saved like every result: ``plan.save("plan.json")`` writes its tensors (``gates``, ``biases``, ``linears``: the
+fitted corrections) to ``plan.safetensors`` beside the JSON, and ``ParallelPlan.load`` reads them back bit for bit.
 """
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -131,8 +129,6 @@ class ParallelPlan(Result):
                     "calibration_intervals", "held_out_intervals", "held_out_intervals_uncorrected",
                     "calibration_delta_ce_interval", "held_out_delta_ce_interval",
                     "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval", "interval")
-    #: tensors a JSON save writes to the safetensors sidecar (``<stem>.tensors.safetensors``; results.Result.save)
-    sidecar_fields: ClassVar[tuple[str, ...]] = ("gates", "biases", "linears")
 
     def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
         """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`

@@ -51,12 +51,6 @@ def _digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _save_atomic(res: ProbeResult, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
-    res.save(tmp)
-    os.replace(tmp, path)
-
-
 @exclusive
 def scan(
     model: Any,
@@ -133,7 +127,7 @@ def scan(
         if w.active:
             torch.distributed.barrier()
         if resume:
-            done = {j for j in mine if (shard_dir / f"shard-{j:06d}.safetensors").exists()}
+            done = {j for j in mine if (shard_dir / f"shard-{j:06d}.json").exists()}  # written last
             metrics = _resumed_metrics(metrics, shard_dir)
 
     todo = [j for j in mine if j not in done]
@@ -156,7 +150,7 @@ def scan(
                     ad.model(t, return_type=None)
             res = trace.result()
             if shard_dir is not None:
-                _save_atomic(res, shard_dir / f"shard-{j:06d}.safetensors")
+                res.save(shard_dir / f"shard-{j:06d}.json")  # atomic: no half shard
             results[j] = res
             if bar is not None:
                 bar.update(len(batch_rows) * length)
@@ -183,7 +177,7 @@ def scan(
     if bar is not None:
         bar.close()
     for j in sorted(done):
-        results[j] = ProbeResult.load(shard_dir / f"shard-{j:06d}.safetensors")
+        results[j] = ProbeResult.load(shard_dir / f"shard-{j:06d}.json")
 
     # gather every rank's shard sums and add them in shard order (the same order on every rank)
     payload = {j: r.to_dict() for j, r in results.items()}
@@ -212,7 +206,7 @@ def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Se
     or a subset of theirs (a shard of this scan upgraded on load, e.g. ``effective_rank`` split from
     ``diversity``); otherwise as asked. Shards of one scan then always merge, and the scan gives what it gave
     when it started."""
-    first = next(iter(sorted(shard_dir.glob("shard-*.safetensors"))), None)
+    first = next(iter(sorted(shard_dir.glob("shard-*.json"))), None)
     if first is None:
         return metrics
     have = ProbeResult.load(first).metrics

@@ -1,15 +1,13 @@
-"""Checkpoints of a suite run (docs/suite.md, "Resuming"): what a run's numbers depend on, the result so far written
-atomically after every stage, and resuming from it."""
+"""Checkpoints of a suite run (docs/suite.md, "Resuming"): what a run's numbers depend on and resuming from the
+result so far (``SuiteResult.save`` after every stage: a kill never leaves half a file that loads)."""
 
 import dataclasses
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from .. import result_sidecar
 from ..backends import weights_fingerprint
 from ..errors import InputError
 from .result import SuiteResult
@@ -21,15 +19,6 @@ def run_key(model: Any, name: str, tokens: Tensor, settings: SuiteSettings, seed
     return {"model": name, "weights": weights_fingerprint(model),
             "settings": hashlib.sha256(repr(settings).encode()).hexdigest()[:16], "seed": seed,
             "tokens": hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16], "shape": list(tokens.shape)}
-
-
-def write_checkpoint(res: SuiteResult, path: Path) -> None:
-    """Write ``res`` to ``path`` atomically (a temporary file renamed into place: a kill never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.json")
-    res.save(tmp)
-    result_sidecar.move(tmp, path)  # the chosen plan's tensors (result_sidecar), checked by hash on load
-    os.replace(tmp, path)
 
 
 def resume(path: Path, key: dict[str, Any], fresh: SuiteResult, ran: list[str]) -> tuple[SuiteResult, set[str]]:
@@ -51,4 +40,4 @@ def resume(path: Path, key: dict[str, Any], fresh: SuiteResult, ran: list[str]) 
     return fresh, done
 
 
-__all__ = ["resume", "run_key", "write_checkpoint"]
+__all__ = ["resume", "run_key"]

@@ -35,7 +35,7 @@ from .result import (
     StageTiming,
     SuiteResult,
 )
-from .checkpoint import resume, run_key, write_checkpoint
+from .checkpoint import resume, run_key
 from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
 from ..parallel.strategies import PLANNER
@@ -458,7 +458,7 @@ def run_suite(
                 res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
         if checkpoint is not None and w.rank == 0:
-            write_checkpoint(res, Path(checkpoint))
+            res.save(checkpoint)
     res.total_wall_s = time.perf_counter() - t_start
     return res
 

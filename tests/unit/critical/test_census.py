@@ -78,7 +78,7 @@ def test_census_result_saves_and_loads_in_a_fresh_process(tmp_path):
     back = CensusResult.load(path)
     assert back.summary() == out.summary() and back.equilibria.labels == out.equilibria.labels
     assert torch.equal(back.equilibria.points, out.equilibria.points) and back.attractors == out.attractors
-    # a fresh process finds the kind through tl_steering.results.RESULT_MODULES
+    # a fresh process finds the kind by importing the package (tl_steering.results.import_result_modules)
     code = ("import sys, tl_steering.results as r; x = r.Result.load(sys.argv[1]); "
             "print(type(x).__name__, x.verdict, x.saddles)")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)

@@ -1,5 +1,5 @@
-"""A ParallelPlan's tensors in a safetensors sidecar beside its JSON (tl_steering.result_sidecar): exact round
-trip of a linear-corrected plan, inside a suite-like container too, and plan files written before still load."""
+"""A ParallelPlan's tensors in the safetensors file beside its JSON (tl_steering.results): exact round trip of a
+linear-corrected plan, and plan files written before still load."""
 
 import json
 
@@ -8,7 +8,6 @@ import torch
 
 import tl_steering as ts
 from tl_steering.errors import ResultFileError
-from tl_steering.result_sidecar import sidecar_path
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +29,19 @@ def test_linear_plan_round_trip_is_exact(linear_plan, tmp_path):
     p = linear_plan
     assert p.refit == "linear" and p.linears.shape == (2, 32, 32) and float(p.linears.abs().max()) > 0
     path = p.save(tmp_path / "plan.json")
-    side = sidecar_path(path)
-    assert side.name == "plan.tensors.safetensors" and side.exists()
     data = json.loads(path.read_text())
-    assert data["__sidecar__"]["file"] == side.name
+    assert data["__sidecar__"]["file"] == "plan.safetensors" and (tmp_path / "plan.safetensors").exists()
     assert all("__tensor_ref__" in data[name] for name in ("gates", "biases", "linears"))  # not in the JSON
     back = ts.ParallelPlan.load(path)
     _same(p, back)
     # the loaded plan runs: its maps are the plan's, ready for parallelize(..., linears=)
     assert back.linear_maps().keys() == p.linear_maps().keys()
-    # the whole-file safetensors format keeps working, exactly
-    _same(p, ts.ParallelPlan.load(p.save(tmp_path / "plan.safetensors")))
 
 
-def test_sidecar_missing_is_a_clear_error(linear_plan, tmp_path):
+def test_tensors_file_missing_is_a_clear_error(linear_plan, tmp_path):
     path = linear_plan.save(tmp_path / "plan.json")
-    sidecar_path(path).unlink()
-    with pytest.raises(ResultFileError, match="sidecar"):
+    (tmp_path / "plan.safetensors").unlink()
+    with pytest.raises(ResultFileError, match="tensors file 'plan.safetensors' is not beside it"):
         ts.ParallelPlan.load(path)
 
 
@@ -79,18 +74,8 @@ def test_old_plan_files_still_load(linear_plan, tmp_path):
         assert torch.equal(again.held_out_intervals[s], linear_plan.held_out_intervals[s])
 
 
-def test_sidecar_moved_and_overwritten(linear_plan, tmp_path):
-    """An atomic write (save to a temporary name, move the sidecar, rename the JSON) loads; a sidecar of another
-    save is refused by its hash."""
-    import os
-
-    from tl_steering.result_sidecar import move
-
-    tmp, final = tmp_path / ".plan.tmp.json", tmp_path / "plan.json"
-    linear_plan.save(tmp)
-    move(tmp, final)
-    os.replace(tmp, final)
-    _same(linear_plan, ts.ParallelPlan.load(final))
+def test_tensors_of_another_save_are_refused(linear_plan, tmp_path):
+    """A tensors file of another save (the JSON records its SHA-256) is refused."""
     other = tmp_path / "other.json"
     linear_plan.save(other)
     data = json.loads(other.read_text())

@@ -68,7 +68,8 @@ def test_shards_merge_to_one_probe_over_the_same_windows(model, corpus, tmp_path
     _close(res, trace.result(), same_batches=False)  # the scan's batches of 3 against one batch of 22
     assert res.n_sequences == 22 and res.n_tokens == 22 * 16
     assert res.provenance.corpus == "file:c.txt:22x16" and res.provenance.world_size == 1
-    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{j:06d}.safetensors" for j in range(5)]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{j:06d}{s}" for j in range(5)
+                                                                       for s in (".json", ".safetensors")]
     assert ProbeResult.load(tmp_path / "result.json").n_tokens == 22 * 16
     with pytest.raises(InputError, match="already holds a scan"):
         scan(model, str(corpus), n_windows=22, length=16, shard_windows=5, out_dir=tmp_path)
@@ -107,12 +108,12 @@ def test_a_killed_scan_resumes_to_the_uninterrupted_numbers(model, corpus, tmp_p
     shards = tmp_path / "run" / "shards"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if shards.exists() and len(list(shards.glob("shard-*.safetensors"))) >= 3:
+        if shards.exists() and len(list(shards.glob("shard-*.json"))) >= 3:
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = len(list(shards.glob("shard-*.safetensors")))
+    done = len(list(shards.glob("shard-*.json")))
     assert 3 <= done < n // shard, f"kill landed after {done} shards"
     assert not (tmp_path / "run" / "result.json").exists()
     resumed = _run(args + ["--resume"], timeout=300)
@@ -400,8 +401,9 @@ def test_resume_keeps_the_metrics_of_the_shards_written_so_far(model, corpus, tm
     for asked in (None, ["diversity"]):
         out = tmp_path / f"run-{asked}"
         scan(model, str(corpus), metrics=old, out_dir=out, **kw)
-        for f in sorted((out / "shards").glob("shard-*.safetensors"))[2:]:
+        for f in sorted((out / "shards").glob("shard-*.json"))[2:]:
             f.unlink()  # killed after two shards
+            f.with_suffix(".safetensors").unlink()
         (out / "result.json").unlink()
         manifest = json.loads((out / "scan.json").read_text())
         manifest["digest"] = scale._digest({**manifest["settings"], "metrics": asked})
