@@ -20,50 +20,26 @@ from ..backends.ownership import exclusive
 if TYPE_CHECKING:
     from .plan_result import ParallelPlan
 
-# ----------------------------------------------------------------------------------------------------------
-# public API
-
-
 @exclusive
 def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
-    """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
-
-    ``parallelize(model, plan)`` runs a :class:`~tl_steering.parallel.ParallelPlan` as fitted: its layers and
-    every part of its correction (gates, biases, and the linear maps of ``refit="linear"``), folded into the fused
-    weights. The explicit form ``parallelize(model, layers, gates=, biases=, linears=)`` stays; given only some
-    parts of a plan's correction (``plan.corrections()`` of a linear plan without ``plan.linear_maps()``) it raises
-    :class:`~tl_steering.errors.InputError` naming what is missing.
+    """A new model (a deep copy; ``model`` is never modified) in which exactly the chosen blocks compute
+    x + A(x) + Phi(x) (parallel attention/MLP); docs/parallel.md "API", "Design: the fused block", "Hooks".
 
     Args:
-        model: a TransformerLens ``HookedTransformer`` (TL 3.9) or ``TransformerBridge`` (TL 3.9 / 4.x) with
-            GPT-2-style or Llama-style blocks. It is deep-copied and never modified.
-        layers: a ``ParallelPlan`` (then no ``gates`` / ``biases`` / ``linears``: the plan carries them), or block
-            indices to parallelize (an empty list gives an unchanged copy). Blocks that are
-            parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
-        fuse: fold each norm's affine into the input projections and run the block as two GEMMs (one for
-            Q/K/V + MLP in/gate, one for [z, h] @ [W_O; W_out]). ``False``: the unfused parallel block
-            attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every inner hook fires).
+        layers: a ``ParallelPlan`` (run as fitted: its layers and every part of its correction, folded into the
+            fused weights; then no ``gates`` / ``biases`` / ``linears``), or block indices (``[]``: an unchanged
+            copy). Blocks parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
+        fuse: fold each norm's affine into the input projections and run the block as two GEMMs; ``False``: the
+            unfused parallel block attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every hook fires).
         streams: on CUDA, run the attention core on a side stream concurrently with the MLP branch.
-        verify: run the new model once on 8 random tokens fused and unfused and raise
-            :class:`ParallelBlockError` if they disagree (guards against weight layouts this fold does not
-            understand). Cheap; turn off only when timing the call itself.
-        gates / biases: ``{layer: g}`` / ``{layer: b}`` (``b`` a ``[d_model]`` tensor): the parallel block's FFN
-            write becomes g Phi(x) + b, the fitted corrections of ``plan_parallel(..., refit=...)``
-            (``parallelize(model, plan)`` applies them; ``hooks.parallel_blocks(model, layers, g, b)`` is the
-            same model as hooks). Folded into the fused weights (no run-time cost);
-            on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
-            shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
-        linears: ``{layer: W}`` (``[d_model, d_model]``, ``plan.linear_maps()`` of ``refit="linear"``): the FFN write
-            also adds a W, a the block's attention write (as ``hooks.parallel_blocks(..., linears=)``); folded into
-            the attention output projection, W_O -> W_O (I + W) (sandwich-norm blocks: one extra [d, d] product
-            after the post-attention norm).
-
-    Returns:
-        The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
-        ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block. TransformerLens's
-        ``generate`` works on it with and without the KV cache (docs/generate.md).
+        verify: run the new model once on 8 random tokens fused and unfused; :class:`ParallelBlockError` if they
+            disagree.
+        gates / biases / linears: ``{layer: g}``, ``{layer: b}`` (``[d_model]``), ``{layer: W}`` (``[d_model,
+            d_model]``): the FFN write becomes g Phi(x) + b + a W (a the block's attention write), as
+            ``hooks.parallel_blocks``; given only some parts of a plan's correction, :class:`InputError` names
+            what is missing.
     """
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
