@@ -44,7 +44,8 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
-    chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
+    empty = isinstance(layers, (list, tuple, range)) and len(layers) == 0
+    chosen = [] if empty else ad.layers(layers, allow_none=False)
     ad.require_resident(range(ad.n_layers), "parallelize (a copy of the model)")
     already = [lay for lay in chosen if ad.is_parallel(lay)]
     if already:
@@ -96,10 +97,6 @@ def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, bi
             for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
 
 
-def _is_empty(layers: Any) -> bool:
-    return isinstance(layers, (list, tuple, range)) and len(layers) == 0
-
-
 def _lean_sequential_copy(model: Any, layers: Sequence[int]) -> Any:
     """Benchmark CONTROL, not a parallel model: a copy whose chosen blocks stay SEQUENTIAL but run on the same
     lean kernels as the fused parallel blocks (folded norms, SDPA, addmm). Comparing it with the original
@@ -134,7 +131,7 @@ def unfused(model: Any):
             s.force_unfused = b
 
 
-def _verify(model: Any, rtol: float | None = None) -> float:
+def _verify(model: Any) -> None:
     ad = adapt(model)
     vocab = int(model.cfg.d_vocab)
     g = torch.Generator().manual_seed(1234)
@@ -144,13 +141,12 @@ def _verify(model: Any, rtol: float | None = None) -> float:
         with unfused(model):
             ref = model(tokens, return_type="logits")
     err = float((fused.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-    tol = rtol if rtol is not None else {torch.float64: 1e-9, torch.float32: 1e-4}.get(ad.dtype, 3e-2)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(ad.dtype, 3e-2)
     if not err <= tol:
         raise ParallelBlockError(
             f"the fused parallel blocks disagree with the unfused parallel reference (relative error {err:.3g} > "
             f"{tol:g}); this model's weight layout is not what the fold expects. Use parallelize(..., fuse=False)."
         )
-    return err
 
 
 __all__ = ["parallel_layers", "parallelize", "unfused"]

@@ -121,11 +121,6 @@ class PlanContext:
             self.loss = RefitLoss(model, self.cal, batch_size, world, refit=self.refit, carry=self.carry)
             self.held_loss = FittedLoss(model, self.held, batch_size, world, source=self.loss)
 
-    @property
-    def fresh_scores(self) -> bool:
-        """Whether a strategy reads a score (one :func:`parallel_scores` call on the calibration windows)."""
-        return any(s in st.SCORE_STRATEGIES for s in self.names)
-
     def score_of(self, name: str) -> dict[int, float]:
         """``{layer: score}`` of the candidates on the calibration windows."""
         if self.scores is None:
@@ -184,11 +179,14 @@ def _carried(ad: Any, cal: Tensor, refit: str) -> tuple[str, str, bool]:
     return fitted, note, True
 
 
+def _ci(loss: PlanLoss, cols: list[Tensor], seed: int) -> Tensor:
+    """``[len(cols), 2]``: the intervals of per-block sums on ``loss``'s windows, resampled together."""
+    return cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), N_BOOTSTRAP, seed, INTERVAL_LEVEL)
+
+
 def _intervals(loss: PlanLoss, curves: dict[str, list[list[int]]], seed: int) -> dict[str, Tensor]:
-    """``{name: [n_plans, 2]}`` float64: every plan's per-block dCE sums on ``loss``'s windows resampled together
-    (:func:`tl_steering.stats.cluster_bootstrap_ci`)."""
-    cols = [loss.delta_blocks(p) for plans in curves.values() for p in plans]
-    ci = cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), N_BOOTSTRAP, seed, INTERVAL_LEVEL)
+    """``{name: [n_plans, 2]}`` float64: the intervals of every plan's dCE (:func:`_ci`)."""
+    ci = _ci(loss, [loss.delta_blocks(p) for plans in curves.values() for p in plans], seed)
     out, i = {}, 0
     for name, plans in curves.items():
         out[name] = ci[i:i + len(plans)].clone()
@@ -200,8 +198,7 @@ def _margins(loss: PlanLoss, plan_of: dict[str, list[int]], ref: str, seed: int)
     """``{name: [point, low, high]}`` of ``loss``'s dCE of ``plan_of[name]`` minus that of ``plan_of[ref]``, the
     interval paired (the same windows and blocks resampled for both plans)."""
     base_blocks = loss.delta_blocks(plan_of[ref])
-    diffs = torch.stack([loss.delta_blocks(p) - base_blocks for p in plan_of.values()], -1)
-    ci = cluster_bootstrap_ci(diffs, loss.block_counts(), N_BOOTSTRAP, seed, INTERVAL_LEVEL)
+    ci = _ci(loss, [loss.delta_blocks(p) - base_blocks for p in plan_of.values()], seed)
     base = loss.delta(plan_of[ref])
     return {name: [loss.delta(p) - base, float(ci[i, 0]), float(ci[i, 1])] for i, (name, p) in enumerate(plan_of.items())}
 
@@ -282,7 +279,7 @@ def _result(ctx: PlanContext, sets: dict[str, list[list[int]]], costs: dict[str,
     layers = list(sets[chosen][j])
     corr = _corrections(ctx, layers, fig, chosen)
     plain = fig["plain_cal"].passes + fig["plain_held"].passes if ctx.refit != "none" else 0
-    fresh = ctx.fresh_scores
+    fresh = any(s in st.SCORE_STRATEGIES for s in ctx.names)  # one parallel_scores call on the calibration windows
     total = {"forward": float(ctx.loss.passes + ctx.held_loss.passes + (2 if fresh else 0) + plain
                               + getattr(ctx.loss, "fit_passes", 0)),
              "backward": float(1 + ctx.fisher_samples if fresh else 0), "seconds": seconds}
