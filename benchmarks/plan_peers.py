@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def one_shot(args, t0, model, cal, held, ks) -> dict:
-    from tl_steering.parallel.peers import PEER_SCORES
+    from tl_steering.parallel.strategies import PEER_SCORES
 
     t1 = time.time()
     names = list(ONE_SHOT_COMPARISON) + list(PEER_SCORES)

@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import assert_no_hooks
 from tl_steering.data.batching import mean_loss
 from tl_steering.hooks import parallel_blocks
-from tl_steering.parallel.refit import corrected_loss
+from tl_steering.parallel.refit import RefitLoss
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,8 +26,9 @@ def test_affine_refit_halves_the_c_plan_loss(smollm2, smollm2_tokens):
     clean_c, clean_h = mean_loss(smollm2, cal, [], 4), mean_loss(smollm2, held, [], 4)
     out = {}
     for name, plan in (("C", C_PLAN), ("best", BEST)):
-        loss, gates, biases, passes = corrected_loss(smollm2, cal, plan, "affine", batch_size=4)
-        assert passes == 1  # the fit rides in the measuring forward
+        rl = RefitLoss(smollm2, cal, 4, refit="affine", share_prefix=False, crossfit=False)
+        loss, (gates, biases, _) = rl(plan), rl.fitted(plan)
+        assert rl.passes == 1  # the fit rides in the measuring forward
         held_d = mean_loss(smollm2, held, parallel_blocks(smollm2, plan, gates, biases), 4) - clean_h
         out[name] = (loss - clean_c, held_d)
     c_plain = mean_loss(smollm2, held, parallel_blocks(smollm2, C_PLAN), 4) - clean_h

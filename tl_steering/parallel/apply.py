@@ -20,55 +20,32 @@ from ..backends.ownership import exclusive
 if TYPE_CHECKING:
     from .plan_result import ParallelPlan
 
-# ----------------------------------------------------------------------------------------------------------
-# public API
-
-
 @exclusive
 def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
-    """A new model in which exactly the chosen blocks compute x + A(x) + Phi(x) (parallel attention/MLP).
-
-    ``parallelize(model, plan)`` runs a :class:`~tl_steering.parallel.ParallelPlan` as fitted: its layers and
-    every part of its correction (gates, biases, and the linear maps of ``refit="linear"``), folded into the fused
-    weights. The explicit form ``parallelize(model, layers, gates=, biases=, linears=)`` stays; given only some
-    parts of a plan's correction (``plan.corrections()`` of a linear plan without ``plan.linear_maps()``) it raises
-    :class:`~tl_steering.errors.InputError` naming what is missing.
+    """A new model (a deep copy; ``model`` is never modified) in which exactly the chosen blocks compute
+    x + A(x) + Phi(x) (parallel attention/MLP); docs/parallel.md "API", "Design: the fused block", "Hooks".
 
     Args:
-        model: a TransformerLens ``HookedTransformer`` (TL 3.9) or ``TransformerBridge`` (TL 3.9 / 4.x) with
-            GPT-2-style or Llama-style blocks. It is deep-copied and never modified.
-        layers: a ``ParallelPlan`` (then no ``gates`` / ``biases`` / ``linears``: the plan carries them), or block
-            indices to parallelize (an empty list gives an unchanged copy). Blocks that are
-            parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
-        fuse: fold each norm's affine into the input projections and run the block as two GEMMs (one for
-            Q/K/V + MLP in/gate, one for [z, h] @ [W_O; W_out]). ``False``: the unfused parallel block
-            attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every inner hook fires).
+        layers: a ``ParallelPlan`` (run as fitted: its layers and every part of its correction, folded into the
+            fused weights; then no ``gates`` / ``biases`` / ``linears``), or block indices (``[]``: an unchanged
+            copy). Blocks parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
+        fuse: fold each norm's affine into the input projections and run the block as two GEMMs; ``False``: the
+            unfused parallel block attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every hook fires).
         streams: on CUDA, run the attention core on a side stream concurrently with the MLP branch.
-        verify: run the new model once on 8 random tokens fused and unfused and raise
-            :class:`ParallelBlockError` if they disagree (guards against weight layouts this fold does not
-            understand). Cheap; turn off only when timing the call itself.
-        gates / biases: ``{layer: g}`` / ``{layer: b}`` (``b`` a ``[d_model]`` tensor): the parallel block's FFN
-            write becomes g Phi(x) + b, the fitted corrections of ``plan_parallel(..., refit=...)``
-            (``parallelize(model, plan)`` applies them; ``hooks.parallel_blocks(model, layers, g, b)`` is the
-            same model as hooks). Folded into the fused weights (no run-time cost);
-            on the unfused path applied to the FFN output (HookedTransformer: before ``hook_mlp_out``, which then
-            shows the corrected write; bridge: after the MLP's own hooks, which show Phi(x)).
-        linears: ``{layer: W}`` (``[d_model, d_model]``, ``plan.linear_maps()`` of ``refit="linear"``): the FFN write
-            also adds a W, a the block's attention write (as ``hooks.parallel_blocks(..., linears=)``); folded into
-            the attention output projection, W_O -> W_O (I + W) (sandwich-norm blocks: one extra [d, d] product
-            after the post-attention norm).
-
-    Returns:
-        The parallelized copy (same class as ``model``). Hooks at block boundaries (``hook_resid_pre``,
-        ``hook_resid_post``) always fire; see the module docstring for hooks inside a fused block. TransformerLens's
-        ``generate`` works on it with and without the KV cache (docs/generate.md).
+        verify: run the new model once on 8 random tokens fused and unfused; :class:`ParallelBlockError` if they
+            disagree.
+        gates / biases / linears: ``{layer: g}``, ``{layer: b}`` (``[d_model]``), ``{layer: W}`` (``[d_model,
+            d_model]``): the FFN write becomes g Phi(x) + b + a W (a the block's attention write), as
+            ``hooks.parallel_blocks``; given only some parts of a plan's correction, :class:`InputError` names
+            what is missing.
     """
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
-    chosen = ad.layers(layers, allow_none=False) if not _is_empty(layers) else []
+    empty = isinstance(layers, (list, tuple, range)) and len(layers) == 0
+    chosen = [] if empty else ad.layers(layers, allow_none=False)
     ad.require_resident(range(ad.n_layers), "parallelize (a copy of the model)")
     already = [lay for lay in chosen if ad.is_parallel(lay)]
     if already:
@@ -120,10 +97,6 @@ def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, bi
             for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
 
 
-def _is_empty(layers: Any) -> bool:
-    return isinstance(layers, (list, tuple, range)) and len(layers) == 0
-
-
 def _lean_sequential_copy(model: Any, layers: Sequence[int]) -> Any:
     """Benchmark CONTROL, not a parallel model: a copy whose chosen blocks stay SEQUENTIAL but run on the same
     lean kernels as the fused parallel blocks (folded norms, SDPA, addmm). Comparing it with the original
@@ -158,7 +131,7 @@ def unfused(model: Any):
             s.force_unfused = b
 
 
-def _verify(model: Any, rtol: float | None = None) -> float:
+def _verify(model: Any) -> None:
     ad = adapt(model)
     vocab = int(model.cfg.d_vocab)
     g = torch.Generator().manual_seed(1234)
@@ -168,13 +141,12 @@ def _verify(model: Any, rtol: float | None = None) -> float:
         with unfused(model):
             ref = model(tokens, return_type="logits")
     err = float((fused.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-    tol = rtol if rtol is not None else {torch.float64: 1e-9, torch.float32: 1e-4}.get(ad.dtype, 3e-2)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(ad.dtype, 3e-2)
     if not err <= tol:
         raise ParallelBlockError(
             f"the fused parallel blocks disagree with the unfused parallel reference (relative error {err:.3g} > "
             f"{tol:g}); this model's weight layout is not what the fold expects. Use parallelize(..., fuse=False)."
         )
-    return err
 
 
 __all__ = ["parallel_layers", "parallelize", "unfused"]

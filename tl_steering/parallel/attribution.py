@@ -9,30 +9,24 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import adapt
-from ..errors import InputError
-from ..hooks import parallel_blocks
-from ..metrics import next_token_loss
 from ..backends.ownership import exclusive
-
-ATTRIBUTION_VARIANTS: tuple[str, ...] = ("attribution", "attribution_abs", "attribution_rms")
-"""Keys of :func:`attribution_scores` (first order; always computed)."""
-FISHER_VARIANTS: tuple[str, ...] = ("attribution_fisher", "attribution_2nd", "attribution_fisher_diag")
-"""Keys added by :func:`attribution_scores` with ``fisher_samples > 0`` (second order)."""
+from ..errors import InputError
+from ..metrics import next_token_loss
 
 
 @exclusive
-def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], base: Sequence[int] = (),
-                       batch_size: int = 8, fisher_samples: int = 0,
-                       seed: int = 0) -> tuple[dict[str, Tensor], float]:
-    """Attribution variants per layer of ``layers`` (NaN for already-parallel blocks and ``base`` layers)
-    and the mean CE of the (partly parallel) model; float64. Cost: one forward + ``1 + fisher_samples``
-    backward passes per batch. The sampled labels are deterministic for a seed, whatever ``batch_size``."""
+def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], batch_size: int = 8,
+                       fisher_samples: int = 0, seed: int = 0) -> tuple[dict[str, Tensor], float]:
+    """The attribution variants per layer of ``layers`` (float64; NaN for already-parallel blocks): ``attribution``,
+    ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0`` ``attribution_fisher``,
+    ``attribution_2nd``, ``attribution_fisher_diag``; and the model's mean CE. Cost: one forward + ``1 +
+    fisher_samples`` backward passes per batch; the sampled labels are deterministic for a seed, whatever
+    ``batch_size``."""
     if isinstance(fisher_samples, bool) or not isinstance(fisher_samples, int) or fisher_samples < 0:
         raise InputError(f"fisher_samples must be an int >= 0, got {fisher_samples!r}")
     ad = adapt(model)
     layers = list(layers)
-    base = sorted({int(b) for b in base})
-    todo = [lay for lay in layers if not ad.is_parallel(lay) and lay not in base]
+    todo = [lay for lay in layers if not ad.is_parallel(lay)]
     n = len(layers)
     signed = torch.zeros(n, dtype=torch.float64)
     absval = torch.zeros(n, dtype=torch.float64)
@@ -55,7 +49,7 @@ def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], base: 
                 store[name] = act.detach() if detach else act
             return fn
 
-        hooks = [(first, leaf)] + parallel_blocks(model, base)
+        hooks = [(first, leaf)]
         for lay in todo:
             hooks += [(ad.hook_name(lay, "resid_pre"), keep(f"x{lay}", True)),
                       (ad.hook_name(lay, "mlp_out"), keep(f"m{lay}", True)),
@@ -113,4 +107,4 @@ def _fisher_terms(logits: Tensor, outs: list[Tensor], defects: dict[int, Tensor]
                 fisher_diag[idx[lay]] += float((per_tok * per_tok).sum())
 
 
-__all__ = ["ATTRIBUTION_VARIANTS", "FISHER_VARIANTS", "attribution_scores"]
+__all__ = ["attribution_scores"]

@@ -1,5 +1,5 @@
-"""The sequential-to-parallel defect, its Lie-bracket terms and the parallelization scores C_l, with the gold
-standard and the speedup estimate (protocol 4; specification: docs/defect.md)."""
+"""The sequential-to-parallel defect, its Lie-bracket terms, the parallelization scores C_l and the field's peer
+scores, with the gold standard and the speedup estimate (protocol 4; specification: docs/defect.md)."""
 
 import math
 import time
@@ -12,39 +12,25 @@ from torch import Tensor
 
 from .. import geometry as geo
 from ..backends import autodiff, check_finite
+from ..backends.ownership import exclusive
+from ..data.batching import iter_batches
+from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
-from . import peers as _peers
-from . import strategies as st
-from .gold import PlanLoss, delta_curves, single_layer_gold
-from .speedup import SPEEDUP_LABEL, submodule_times
-from .strategies import default_k_values
-from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
-from ..data.batching import iter_batches
 from ..stats import check_exclude_positions, position_mask
 from ..validation import as_int
-from ..backends.ownership import exclusive
-from .defect_result import (  # noqa: F401  (re-exported: the public names of this protocol)
-    BRACKET_TERMS,
-    CURVE_STRATEGIES,
-    DEFECT_RMS_TERMS,
-    DEFECT_VARIANTS,
-    DefectResult,
-)
+from . import strategies as st
+from .defect_result import BRACKET_TERMS, CURVE_STRATEGIES, DEFECT_RMS_TERMS, DEFECT_VARIANTS, DefectResult
+from .gold import PlanLoss, delta_curves, single_layer_gold
+from .speedup import SPEEDUP_LABEL, submodule_times
+from .strategies import PEER_SCORES, default_k_values
 
 _PHI_CHECK_FACTOR = 10.0  # Phi(ffn input) vs hook_mlp_out may differ by kernel rounding: 10x the identity tol
 
 
-# ----------------------------------------------------------------------------------------------------------
-# helpers
-
-
 class _Sums:
-    """Float64 sums of squared norms per sequence and layer over the valid tokens (``[n_seq, n_layer]``).
-
-    Kept per sequence so that the ranks of a distributed run can gather them in window order
-    (:func:`tl_steering.data.sharding.gather_rows`); :meth:`get` pools them over the sequences.
-    """
+    """Float64 sums of squared norms per sequence and layer over the valid tokens (``[n_seq, n_layer]``), kept per
+    sequence so that the ranks of a distributed run gather them in window order; :meth:`get` pools them."""
 
     def __init__(self, n_seq: int, n: int) -> None:
         self.v: dict[str, Tensor] = {}
@@ -77,8 +63,14 @@ def _defect_terms(phi: Callable[[Tensor], Tensor], x: Tensor, a: Tensor, phi_x: 
     return {"d": d, "ja": ja, "tan": geo.tangential_part(d, ffn_in), "phi": geo.to64(phi_in)}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the protocol
+def _peer_terms(x: Tensor, post: Tensor, phi_x: Tensor, phi_in: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """Per sequence, the sums over the kept positions of the per-token terms of :data:`~.strategies.PEER_SCORES`
+    (``[batch]`` float64): ``1 - cos(x, post)``, ``angle(x, post) / pi`` and ``1 - cos(phi_in, phi_x)``."""
+    cos_block = geo.safe_cosine(x[:, keep], post[:, keep])
+    ang = geo.angle(x[:, keep], post[:, keep]) / math.pi
+    cos_ffn = geo.safe_cosine(phi_in[:, keep], phi_x[:, keep])
+    return {"block_influence": (1.0 - cos_block).sum(-1), "angular_distance": ang.sum(-1),
+            "ffn_fusion": (1.0 - cos_ffn).sum(-1)}
 
 
 @exclusive
@@ -98,37 +90,24 @@ def parallel_defect(
     timing_repeats: int = 7,
     world: World | None = None,
 ) -> DefectResult:
-    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); see the module docstring.
-
-    Layer planning beyond the paper's lowest-C choice (a loss-aware score, greedy and contiguous planners,
-    held-out evaluation) is :func:`tl_steering.plan_parallel` / :func:`tl_steering.parallel_scores`.
+    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); planning beyond the paper's lowest-C
+    choice is :func:`tl_steering.plan_parallel`.
 
     Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge). Never modified; every hook
-            added is removed before returning.
-        tokens: ``[batch, pos]`` token ids on the model's device (calibration text).
+        model: a TransformerLens model (HookedTransformer or TransformerBridge); never modified, no hook left.
+        tokens: ``[batch, pos]`` token ids (calibration text).
         layers: blocks to analyse (default all). Curves and plans use the sequential ones among them.
-        exclude_positions: positions left out of every pooled statistic (default the BOS/sink position 0);
-            they stay in the forward pass.
-        brackets: also compute the RMS of DPhi.A, DA.Phi and the Lie bracket [A, Phi] (one JVP of each
-            attention sublayer over the whole sequence).
-        evaluate: compute the gold standard: clean CE, single-layer dCE_l, Spearman of every variant with it,
-            and the loss-vs-k curves.
-        k_values: k of the curves (default :func:`default_k_values`); each in ``[0, L]`` with L the number of
-            sequential layers analysed.
+        exclude_positions: positions left out of every pooled statistic (kept in the forward pass).
+        brackets: also the RMS of DPhi.A, DA.Phi and the Lie bracket [A, Phi] (one JVP of each attention).
+        evaluate: the gold standard: clean CE, single-layer dCE_l, each variant's Spearman with it, the curves.
+        k_values: k of the curves (default :func:`~.strategies.default_k_values`), each in ``[0, L]``.
         n_random: random layer sets per k (seeded by ``seed``).
         seed: seed of the random layer sets.
-        timing: also measure per-submodule times for :meth:`DefectResult.speedup_estimate` (opt-in: off by
-            default so a scoring call is fast and deterministic; see
-            :func:`tl_steering.parallel.speedup.submodule_times`).
+        corpus: provenance label of the tokens.
+        timing: also the sub-module times of :meth:`DefectResult.speedup_estimate` (rank 0).
         batch_size: sequences per forward pass (also the timed slice).
-        timing_repeats: timed calls per sub-module (median reported, after 1 warm-up call).
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches of the
-            scores (per-sequence sums gathered in window order), the gold-standard losses are split over the
-            ranks one plan each, the timing runs on rank 0; the same result on every rank.
-
-    Returns:
-        A :class:`DefectResult`.
+        timing_repeats: timed calls per sub-module (median, after 1 warm-up call).
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls; the same result on every rank).
     """
     t_start = time.perf_counter()
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
@@ -137,10 +116,8 @@ def parallel_defect(
     exclude = check_exclude_positions(exclude_positions)
     batch_size = as_int(batch_size, "batch_size", minimum=1)
     seed = as_int(seed, "seed")
-    if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 0:
-        raise InputError(f"n_random must be an int >= 0, got {n_random!r}")
-    if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
-        raise InputError(f"timing_repeats must be a positive int, got {timing_repeats!r}")
+    n_random = as_int(n_random, "n_random", minimum=0)
+    timing_repeats = as_int(timing_repeats, "timing_repeats", minimum=1)
     parallel = [ad.is_parallel(lay) for lay in sel]
     candidates = [lay for lay, par in zip(sel, parallel) if not par]
     ks = _k_values(k_values, len(candidates))
@@ -148,25 +125,24 @@ def parallel_defect(
     sums, peer_sums, phi_check = _collect(ad, tokens, sel, parallel, keep, brackets, batch_size, world)
     n_tokens = int(tokens.shape[0] * keep.sum())
     scores, cf_scores, nonlin, cf_nonlin, rms, bracket_rms = _reduce(sums, parallel, n_tokens, brackets)
-    tm = {"t_attn": torch.full((len(sel),), math.nan, dtype=torch.float64), "t_forward": math.nan,
-          "t_other": math.nan, "timing_shape": []}
-    tm["t_ffn"] = tm["t_attn"].clone()
+    nan = torch.full((len(sel),), math.nan, dtype=torch.float64)
+    tm = {"t_attn": nan, "t_ffn": nan.clone(), "t_forward": math.nan, "t_other": math.nan, "timing_shape": []}
     if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
         tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
     gold = _gold(model, tokens, sel, parallel, scores, ks, n_random, seed, batch_size, world) if evaluate else {}
     options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
                "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
                "batch_size": batch_size, "timing_repeats": timing_repeats}
+    peers = {k: (v.sum(0) / n_tokens) if n_tokens else nan.clone() for k, v in peer_sums.items()}
     return DefectResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options), layers=sel,
         already_parallel=parallel, score=scores["C"].clone(), scores=scores, nonlinearity=nonlin,
         counterfactual_scores=cf_scores, counterfactual_nonlinearity=cf_nonlin, rms=rms,
-        phi_check=torch.tensor(phi_check, dtype=torch.float64), brackets=bracket_rms,
-        peer_scores=_peers.pooled(peer_sums, n_tokens), n_tokens=n_tokens, evaluated=bool(evaluate),
-        clean_loss=gold.get("clean_loss", math.nan),
-        delta_ce=gold.get("delta_ce", torch.full((len(sel),), math.nan, dtype=torch.float64)),
-        spearman=gold.get("spearman", {}), k_values=ks if evaluate else [], curves=gold.get("curves", {}),
-        curve_layers=gold.get("curve_layers", {}), t_attn=torch.as_tensor(tm["t_attn"], dtype=torch.float64),
+        phi_check=torch.tensor(phi_check, dtype=torch.float64), brackets=bracket_rms, peer_scores=peers,
+        n_tokens=n_tokens, evaluated=bool(evaluate), clean_loss=gold.get("clean_loss", math.nan),
+        delta_ce=gold.get("delta_ce", nan.clone()), spearman=gold.get("spearman", {}),
+        k_values=ks if evaluate else [], curves=gold.get("curves", {}), curve_layers=gold.get("curve_layers", {}),
+        t_attn=torch.as_tensor(tm["t_attn"], dtype=torch.float64),
         t_ffn=torch.as_tensor(tm["t_ffn"], dtype=torch.float64), t_forward=tm["t_forward"], t_other=tm["t_other"],
         timing_shape=tm["timing_shape"], timing_device=str(ad.device) if timing else "",
         seconds=time.perf_counter() - t_start, options=options)
@@ -189,7 +165,7 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
     peers' terms and the Phi check's error per sequence."""
     n, n_seq = len(sel), tokens.shape[0]
     sums = _Sums(n_seq, n)
-    peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in _peers.PEER_SCORES}
+    peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in PEER_SCORES}
     phi_rows = torch.zeros(n_seq, n, dtype=torch.float64)  # per sequence: its batch's Phi check error
     names = []
     for lay in sel:
@@ -245,14 +221,12 @@ def _layer_sums(ad: Any, cache: Any, lay: int, i: int, par: bool, rows: slice, k
     # counterfactual: the sequential ordering at this block, d = Phi(x + a) - Phi(x)
     cf = act if not par else _defect_terms(phi, x, a, phi_x, phi_cf, y_cf)
     dx = geo.to64(g["resid_post"]) - geo.to64(x)
-    for name, v in _peers.peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
+    for name, v in _peer_terms(x, g["resid_post"], phi_x, phi_cf, keep).items():
         peer_sums[name][rows, i] = v.cpu()
     for prefix, terms in (("", act), ("cf_", cf)):
-        sums.add(prefix + "d", rows, i, terms["d"][:, keep])
-        sums.add(prefix + "ja", rows, i, terms["ja"][:, keep])
-        sums.add(prefix + "tan", rows, i, terms["tan"][:, keep])
+        for key in ("d", "ja", "tan", "phi"):
+            sums.add(prefix + key, rows, i, terms[key][:, keep])
         sums.add(prefix + "res", rows, i, (terms["d"] - terms["ja"])[:, keep])
-        sums.add(prefix + "phi", rows, i, terms["phi"][:, keep])
     sums.add("dx", rows, i, dx[:, keep])
     if brackets:
         _, da_phi = autodiff.jvp(ad.attention(lay), (x,), (phi_x,))
@@ -313,13 +287,5 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
             "curve_layers": sets}
 
 
-__all__ = [
-    "BRACKET_TERMS",
-    "DefectResult",
-    "DEFECT_RMS_TERMS",
-    "SPEEDUP_LABEL",
-    "CURVE_STRATEGIES",
-    "DEFECT_VARIANTS",
-    "default_k_values",
-    "parallel_defect",
-]
+__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",
+           "default_k_values", "parallel_defect"]

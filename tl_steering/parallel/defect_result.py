@@ -32,11 +32,6 @@ DEFECT_RMS_TERMS: tuple[str, ...] = ("defect", "update", "ffn_write", "first_ord
 """Keys of :attr:`DefectResult.rms`: per-token RMS of d, Dx, Phi(ffn input), J a, P_u d and d - J a."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# result
-
-
-
 @register
 @dataclasses.dataclass(kw_only=True)
 class DefectResult(Result):
@@ -58,7 +53,7 @@ class DefectResult(Result):
             reproduces the model's FFN write; rounding level).
         brackets: RMS per token of ``DPhi_A``, ``DA_Phi``, ``bracket`` (empty unless ``brackets=True``).
         peer_scores: the field's layer-choice scores from the same forward, keys
-            :data:`tl_steering.parallel.peers.PEER_SCORES` (``block_influence``, ``angular_distance``,
+            :data:`tl_steering.parallel.strategies.PEER_SCORES` (``block_influence``, ``angular_distance``,
             ``ffn_fusion``; token means, float64, lower = safer; docs/defect.md "Peer scores").
         n_tokens: tokens pooled per layer (non-excluded positions of every sequence).
         evaluated: whether the gold-standard losses were computed.
@@ -109,7 +104,6 @@ class DefectResult(Result):
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "defect"
-    # 2026-12-05 (issue 30): the peers' scores came after the first defect files, which load without them
     added_fields = ("peer_scores",)
 
     def __post_init__(self) -> None:
@@ -162,8 +156,6 @@ class DefectResult(Result):
         unembedding, overhead) to both totals. The ``label`` says what this is: an estimate of the critical
         path if attention and FFN ran concurrently, not a measured kernel speedup.
         """
-        if not torch.isfinite(self.t_attn).all() or not torch.isfinite(self.t_ffn).all() or not self.layers:
-            raise InputError("no sub-module times in this result: run parallel_defect(..., timing=True)")
         return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
                                 t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
 
@@ -284,7 +276,6 @@ def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: 
             lowest: bool) -> list[int]:
     pos = {lay: i for i, lay in enumerate(layers)}
     return _strategies.one_shot(candidates, {lay: float(score[pos[lay]]) for lay in candidates}, k, lowest)
-
 
 
 __all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult", "ordering_claim"]

@@ -1,4 +1,5 @@
-"""The gold standard of layer planning: the measured loss of a plan (see docs/defect.md "Gold standard")."""
+"""The gold standard of layer planning: the measured loss of a plan, the one oracle, and the one curve builder
+(docs/defect.md "Gold standard", "Prefix sharing of the gold standard and the curves")."""
 
 import math
 import warnings
@@ -8,65 +9,47 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._util.progress import forward_done
 from ..backends import adapt
 from ..data.batching import loss_block_sums
+from ..data.sharding import batch_slices, split_map
 from ..hooks import Write, parallel_blocks, parallel_hooks
-from .._util.progress import forward_done
-from ..data.sharding import batch_slices
 from ..stats import block_length
 
-#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (windows x positions x d_model x
-#: layers x element size); above it every plan runs a whole forward.
+#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing; above it every plan runs a whole
+#: forward.
 PREFIX_CACHE_BYTES = 1 << 30
 
 
 class PlanLoss:
-    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows.
+    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows: ``loss(layers)``.
 
-    ``loss(layers)`` runs ``ceil(batch / batch_size)`` hooked forwards the first time a set is asked for;
-    :attr:`passes` counts the passes over the windows actually run (the cost, over all ranks).
-    ``world`` (a :class:`tl_steering.data.sharding.World`): :meth:`prefetch` then evaluates a list of plans one plan
-    per rank in turn and hands every value to every rank; the values are those of one process.
-
-    Every measured plan also keeps its per-block CE sums, :attr:`blocks` (``[window, block]`` float64, blocks of
-    :attr:`block` consecutive predicted tokens, :func:`tl_steering.stats.block_length` of the window's predicted
-    tokens): the resampling units of the plan losses' intervals (:func:`tl_steering.stats.cluster_bootstrap_ci`;
-    docs/parallel.md "Uncertainty").
+    :attr:`passes` counts the passes over the windows run (over all ranks; ``world``: :meth:`prefetch` splits the
+    plans over the ranks). Every measured plan keeps its per-block CE sums, :attr:`blocks` (``[window, block]``
+    float64, :attr:`block` consecutive predicted tokens each): the resampling units of the intervals
+    (docs/parallel.md "Uncertainty and the choice"). ``share_prefix``: run each plan from the clean residual
+    entering its first parallel layer (off, or :attr:`prefix_note` saying why it could not be used: a whole hooked
+    forward per plan).
     """
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None,
                  share_prefix: bool = True):
-        self.model = model
-        self.ad = adapt(model)
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.world = world
+        self.model, self.ad, self.tokens, self.batch_size, self.world = model, adapt(model), tokens, batch_size, world
         self.memo: dict[tuple[int, ...], float] = {}
+        self.blocks: dict[tuple[int, ...], Tensor] = {}
         self._counted: dict[tuple[int, ...], int] = {}  # plan -> passes its measurement ran
         self.share_prefix = share_prefix
-        #: why prefix sharing is off ("" while it is on or not tried yet)
         self.prefix_note = ""
         self._prefix: dict[int, Tensor] | None = None  # layer -> clean residual entering it, every window
-        self._clean_ce = math.nan
         self._clean_blocks: Tensor | None = None
-        #: tokens per bootstrap block (of the ``pos - 1`` predicted tokens of a window)
         self.block = block_length(int(tokens.shape[1]) - 1)
-        #: plan -> its per-block CE sums ``[window, block]`` (float64, CPU)
-        self.blocks: dict[tuple[int, ...], Tensor] = {}
 
     @staticmethod
     def _key(layers: Sequence[int]) -> tuple[int, ...]:
         return tuple(sorted(int(x) for x in layers))
 
     def _measure(self, key: tuple[int, ...]) -> Tensor:
-        """The per-block CE sums of the plan ``key`` (``[window, block]``); :meth:`__call__` keeps them and their
-        token-weighted mean."""
         return self.ce_blocks(key)
-
-    @property
-    def n_tokens(self) -> int:
-        """Predicted tokens of these windows (every one weighs the same in the mean CE)."""
-        return int(self.tokens.shape[0]) * (int(self.tokens.shape[1]) - 1)
 
     def block_counts(self) -> Tensor:
         """Predicted tokens in each block, ``[window, block]`` float64 (the last block of a window may be short)."""
@@ -74,18 +57,13 @@ class PlanLoss:
         counts = torch.tensor([min(self.block, t - j) for j in range(0, t, self.block)], dtype=torch.float64)
         return counts.expand(int(self.tokens.shape[0]), counts.shape[0]).clone()
 
-    def mean_ce(self, layers: Sequence[int], write: Write | None = None) -> float:
-        """Mean next-token CE over these windows with ``layers`` parallel (not memoised), their FFN writes
-        replaced by ``write(layer, sequential_write, parallel_write, attn_write)`` when given (as
-        :func:`tl_steering.hooks.parallel_hooks`); through the shared clean prefix when it is available."""
-        return self.mean_of(self.ce_blocks(layers, write))
-
     def mean_of(self, blocks: Tensor) -> float:
         """The token-weighted mean CE of per-block sums of these windows (:meth:`ce_blocks`)."""
-        return float(blocks.sum()) / self.n_tokens
+        return float(blocks.sum()) / (int(self.tokens.shape[0]) * (int(self.tokens.shape[1]) - 1))
 
     def ce_blocks(self, layers: Sequence[int], write: Write | None = None) -> Tensor:
-        """As :meth:`mean_ce`, the per-block CE sums ``[window, block]`` (float64, CPU; not memoised)."""
+        """Per-block CE sums ``[window, block]`` (float64, CPU; not memoised) with ``layers`` parallel, their FFN
+        writes given by ``write`` (as :func:`tl_steering.hooks.parallel_hooks`) when given."""
         plan = sorted(lay for lay in set(int(v) for v in layers) if not self.ad.is_parallel(lay))
         if self._prefix_ready():  # the clean pass that builds the prefix gives the clean CE
             return self._suffix_blocks(plan, write) if plan else self._clean_blocks.clone()
@@ -97,15 +75,15 @@ class PlanLoss:
         return torch.cat(parts)
 
     def _prefix_ready(self) -> bool:
-        """Build the clean prefix on first use (one clean pass, which also fills the clean CE); False when
-        prefix sharing is off or cannot be used here (:attr:`prefix_note` says why)."""
+        """Build the clean prefix on first use (one clean pass, which also gives the clean CE); False when prefix
+        sharing is off or cannot be used here (:attr:`prefix_note` says why)."""
         if self._prefix is not None:
             return True
         if not self.share_prefix or self.prefix_note:
             return False
         ad, toks = self.ad, self.tokens
-        n, pos = int(toks.shape[0]), int(toks.shape[1])
-        size = n * pos * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
+        n = int(toks.shape[0])
+        size = n * int(toks.shape[1]) * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
         if size > PREFIX_CACHE_BYTES:
             self.prefix_note = f"the clean residuals would take {size / 2**20:.0f} MiB (> PREFIX_CACHE_BYTES)"
             return False
@@ -120,8 +98,7 @@ class PlanLoss:
                 logits, cache = ad.run_with_cache(toks[rows], names)
                 per_row.append(loss_block_sums(logits, toks[rows], self.block))
                 if i == 0:  # the path against the model's own forward: the last block, final norm, unembedding
-                    last = ad.n_layers - 1
-                    ours = ad.run_blocks(cache[names[last]], last)
+                    ours = ad.run_blocks(cache[names[-1]], ad.n_layers - 1)
                     err = float((ours - logits).abs().max()) / max(float(logits.abs().max()), 1e-30)
                     if not err <= 10 * ad.identity_tolerance():
                         self.prefix_note = (f"run_blocks differs from the model's forward by {err:.2g} (relative) "
@@ -133,23 +110,18 @@ class PlanLoss:
                                                   device=cache[name].device)
                     prefix[lay][rows] = cache[name]
                 del cache, logits
-        self._prefix = prefix
-        self._clean_blocks = torch.cat(per_row)
-        self._clean_ce = self.mean_of(self._clean_blocks)
+        self._prefix, self._clean_blocks = prefix, torch.cat(per_row)
         if () not in self.memo:
-            self.memo[()], self.blocks[()] = self._clean_ce, self._clean_blocks
+            self.memo[()], self.blocks[()] = self.mean_of(self._clean_blocks), self._clean_blocks
         self._counted.setdefault((), 1)
         return True
 
     def _suffix_blocks(self, plan: list[int], write: Write | None) -> Tensor:
-        """Per-block CE sums of ``plan`` from the clean residual entering its first layer (blocks before it not
-        re-run)."""
-        assert self._prefix is not None
-        start = plan[0]
+        """Per-block CE sums of ``plan`` from the clean residual entering its first layer."""
         parts = []
         with torch.no_grad():
             for rows in batch_slices(int(self.tokens.shape[0]), self.batch_size):
-                logits = self.ad.run_blocks(self._prefix[start][rows], start, plan, write)
+                logits = self.ad.run_blocks(self._prefix[plan[0]][rows], plan[0], plan, write)
                 forward_done(int(self.tokens[rows].numel()))  # progress: a run from the prefix counts as a forward
                 parts.append(loss_block_sums(logits, self.tokens[rows], self.block))
         return torch.cat(parts)
@@ -159,13 +131,11 @@ class PlanLoss:
         return 1
 
     def cost_of(self, layers: Sequence[int]) -> int:
-        """Passes over the windows one measurement of the plan ``layers`` runs."""
         return self._cost(self._key(layers))
 
     @property
     def passes(self) -> int:
-        """Passes over the windows run so far (the clean pass that builds the shared prefix counts once, as the
-        clean plan's measurement; a plan run from the prefix counts as one pass)."""
+        """Passes over the windows run so far (the clean pass that builds the shared prefix counts once)."""
         return sum(self._counted.values())
 
     def __call__(self, layers: Sequence[int]) -> float:
@@ -173,22 +143,15 @@ class PlanLoss:
         if key not in self.memo:
             blocks = self._measure(key)
             self._counted.setdefault(key, self._cost(key))
-            self.blocks[key] = blocks
-            self.memo[key] = self.mean_of(blocks)
+            self.blocks[key], self.memo[key] = blocks, self.mean_of(blocks)
         return self.memo[key]
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
-        """Measure every plan of ``plans`` not known yet: split over the ranks of :attr:`world` (one pass over all
-        windows per plan, :func:`tl_steering.data.sharding.split_map`), in this process without one. Every rank must
-        call it with the same plans (the planners derive them from numbers every rank holds)."""
-        from ..data.sharding import split_map
-
+        """Measure every plan of ``plans`` not known yet, split over the ranks of :attr:`world`
+        (:func:`tl_steering.data.sharding.split_map`; every rank calls it with the same plans)."""
         keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
-        if not keys:
-            return
-        for k, blocks in zip(keys, split_map(self._measure, keys, self.world)):
-            self.blocks[k] = blocks
-            self.memo[k] = self.mean_of(blocks)
+        for k, blocks in zip(keys, split_map(self._measure, keys, self.world) if keys else []):
+            self.blocks[k], self.memo[k] = blocks, self.mean_of(blocks)
         for k in keys:
             self._counted.setdefault(k, self._cost(k))
 
@@ -222,12 +185,10 @@ def delta_curves(loss: PlanLoss, sets: dict[str, list[list[int]]]) -> dict[str, 
 def single_layer_gold(loss: PlanLoss, layers: Sequence[int], already_parallel: Sequence[bool],
                       scores: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
     """The measured single-layer dCE of every layer (0 for already-parallel blocks; float64) and the Spearman rho
-    of each score with it over the sequential layers (docs/defect.md "Gold standard")."""
-    seq = [lay for lay, par in zip(layers, already_parallel) if not par]
-    curves = delta_curves(loss, {"single": [[lay] for lay in seq]})
-    delta = torch.zeros(len(layers), dtype=torch.float64)
+    of each score with it over the sequential layers."""
     cidx = [i for i, par in enumerate(already_parallel) if not par]
-    delta[cidx] = curves["single"]
+    delta = torch.zeros(len(layers), dtype=torch.float64)
+    delta[cidx] = delta_curves(loss, {"single": [[layers[i]] for i in cidx]})["single"]
     return delta, {k: spearman(v[cidx], delta[cidx]) for k, v in scores.items()}
 
 
@@ -239,8 +200,7 @@ def spearman(x: Tensor, y: Tensor) -> float:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rho = spearmanr(x.numpy(), y.numpy()).statistic
-    return float(rho)
+        return float(spearmanr(x.numpy(), y.numpy()).statistic)
 
 
 __all__ = ["PREFIX_CACHE_BYTES", "PlanLoss", "delta_curves", "single_layer_gold", "spearman"]

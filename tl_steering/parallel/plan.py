@@ -1,13 +1,8 @@
 """The one planner, :func:`plan_parallel`: plans chosen on calibration windows, reported on held-out windows
-(docs/parallel.md "Planning").
+(docs/parallel.md "Planning"). The strategies and the default are in :mod:`.strategies`; every plan is measured
+by one oracle (:class:`~.gold.PlanLoss`, its corrected twins in :mod:`.refit`), every curve built by
+:func:`~.gold.delta_curves`."""
 
-The strategies are :data:`tl_steering.parallel.strategies.STRATEGIES`; the default is
-:data:`~tl_steering.parallel.strategies.PLANNER` (the strategies ``"best"`` compares, its reference ``C`` and the
-correction ``"linear"``). Every plan is measured by one oracle (:class:`~tl_steering.parallel.gold.PlanLoss`, its
-corrected twins in :mod:`.refit`) and every curve built by :func:`~tl_steering.parallel.gold.delta_curves`.
-"""
-
-import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -27,7 +22,7 @@ from . import strategies as st
 from .gold import PlanLoss, delta_curves
 from .plan_result import ParallelPlan
 from .refit import REFITS, FittedLoss, RefitLoss, carried_max_df, carried_refit
-from .scores import ParallelScoresResult, parallel_scores
+from .scores import parallel_scores
 from .strategies import FISHER_SAMPLES, PLANNER, STRATEGIES
 
 PLAN_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
@@ -53,48 +48,34 @@ def plan_parallel(
     batch_size: int = 8,
     world: Any = None,
 ) -> ParallelPlan:
-    """Choose k layers to make parallel on calibration windows; report the loss on held-out windows.
-
-    The default call, ``plan_parallel(model, tokens, k)``, compares :data:`~.strategies.PLANNER`'s strategies (the
-    paper's ``C``, ``attribution_abs``, ``attribution_2nd``) with the cross-fitted linear correction at k and keeps
-    ``C`` unless another beats its calibration dCE by more than the 95 % interval of the paired difference (then
-    the lowest of those); the held-out dCE is reported, never used to choose (docs/parallel.md "Planning",
-    "Uncertainty and the choice"). ``total_cost`` says what a call ran.
+    """Choose k layers to make parallel on calibration windows; report the loss on held-out windows
+    (docs/parallel.md "Planning", "Refit", "Uncertainty and the choice").
 
     Args:
         model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
-        tokens: calibration windows ``[batch, pos]`` or a ``TokenWindows`` (its corpus label goes into the
-            provenance). With ``held_out=None`` the first ``ceil(batch / 2)`` windows calibrate, the rest are held
-            out.
+        tokens: calibration windows ``[batch, pos]`` or a ``TokenWindows``. With ``held_out=None`` the first
+            ``ceil(batch / 2)`` windows calibrate, the rest are held out.
         k: number of layers to make parallel, in ``[0, L]`` (L = sequential layers among ``layers``).
-        strategy: ``"best"`` (compare :data:`~.strategies.PLANNER`'s strategies), a list of strategy names (compare
-            those the same way; ``random`` is never chosen), or one name of :data:`PLAN_STRATEGIES`.
+        strategy: ``"best"`` (compare :data:`~.strategies.PLANNER`'s strategies; keep its reference unless another
+            beats it beyond noise), a list of strategy names (compared the same way), or one name of
+            :data:`PLAN_STRATEGIES`.
         held_out: held-out windows (never used to choose).
         layers: blocks that may be chosen (default all).
-        k_values: k of the curves (default: 0 and k for ``"best"``, else :func:`~.strategies.default_k_values` up
-            to k, and k).
-        refit: ``"linear"`` (default: g_l Phi(x) + b_l + a W_l, a the block's attention write), ``"affine"``,
-            ``"gate"`` or ``"none"`` (the plain parallel surrogate): the closed-form correction fitted on the
-            calibration windows for every plan measured, each layer on the forward that runs the corrected layers
-            before it (:mod:`tl_steering.parallel.refit`). ``"linear"`` plans are compared by their out-of-fold
-            calibration dCE (fitted on one half, measured on the other); with one calibration window nothing can
-            be cross-fitted: the plan records it (``calibration_fit="in-sample"``, ``calibration_note``), one
-            warning says it, and the correction is the richest the tokens carry (:func:`.refit.carried_refit`).
-            Every compared plan is also measured uncorrected on the held-out windows.
-        fisher_samples: sampled-label backwards of the second-order score (``attribution_2nd``; 0 drops it from
-            ``"best"``).
+        k_values: k of the curves (default: 0 and k for ``"best"``, else
+            :func:`~.strategies.default_k_values` up to k, and k).
+        refit: the closed-form correction fitted for every plan measured: ``"linear"`` (default, cross-fitted),
+            ``"affine"``, ``"gate"`` or ``"none"``.
+        fisher_samples: sampled-label backwards of ``attribution_2nd`` (0 drops it from ``"best"``).
         seed: seed of the ``random`` baseline, of the sampled labels and of the intervals' resamples.
         batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls, docs/scale_out.md): the measured plans
-            are split over the ranks, the scores run on rank 0 and are handed to the others; the same plan on
-            every rank.
+        world: a :class:`tl_steering.data.sharding.World` (every rank calls, docs/scale_out.md).
 
     Returns:
         A :class:`ParallelPlan` (its ``layers``, fitted correction and every figure with its 95 % interval).
     """
     t0 = time.perf_counter()
-    ctx = PlanContext.build(model, tokens, k, strategy, held_out, layers, k_values, refit, fisher_samples, seed,
-                            batch_size, world)
+    ctx = PlanContext(model, tokens, k, strategy, held_out, layers, k_values, refit, fisher_samples, seed,
+                      batch_size, world)
     sets, costs = {}, {}
     for name in ctx.names:
         t1 = time.perf_counter()
@@ -105,69 +86,40 @@ def plan_parallel(
     return _result(ctx, sets, costs, figures, chosen, choice, time.perf_counter() - t0)
 
 
-@dataclasses.dataclass
 class PlanContext:
-    """What the strategies of one :func:`plan_parallel` call read: the candidates, ``score_of(name)`` (the
-    calibration windows' :func:`parallel_scores`, computed once on first use), the oracle ``loss`` (the calibration
-    loss of a plan, corrected as asked) and the seed; and the call's windows, losses and options."""
+    """One :func:`plan_parallel` call, its arguments checked: what the strategies read (``candidates``,
+    ``score_of(name)``: the calibration windows' :func:`parallel_scores`, computed once on first use; the oracle
+    ``loss``, the calibration loss of a plan corrected as asked; ``seed``, ``fisher_samples``), the windows, the
+    losses and the options."""
 
-    model: Any
-    ad: Any
-    cal: Tensor
-    held: Tensor
-    corpus: str | None
-    held_given: bool
-    sel: list[int]
-    candidates: list[int]
-    k: int
-    ks: list[int]
-    requested: str
-    names: list[str]
-    refit: str
-    refit_requested: str
-    note: str
-    carry: bool
-    fisher_samples: int
-    seed: int
-    batch_size: int
-    world: Any
-    loss: PlanLoss = dataclasses.field(init=False)
-    held_loss: PlanLoss = dataclasses.field(init=False)
-    scores: ParallelScoresResult | None = None
-
-    @classmethod
-    def build(cls, model: Any, tokens: Any, k: Any, strategy: Any, held_out: Any, layers: Any, k_values: Any,
-              refit: Any, fisher_samples: Any, seed: int, batch_size: int, world: Any) -> "PlanContext":
-        """Check the arguments of :func:`plan_parallel`, split the windows and set up the losses."""
-        ad = adapt(model)
-        tokens, corpus = token_source(tokens, None)
-        held_given = held_out is not None
-        held = ad.validate_tokens(token_source(held_out, None)[0]) if held_given else None
-        cal, held = _split(ad.validate_tokens(tokens), held)
-        sel = ad.layers(layers)
-        cand = [lay for lay in sel if not ad.is_parallel(lay)]
-        already = [lay for lay in sel if ad.is_parallel(lay)]
-        k = st.check_k(k, len(cand), already)
-        names, requested = _names(strategy, fisher_samples)
+    def __init__(self, model: Any, tokens: Any, k: Any, strategy: Any, held_out: Any, layers: Any, k_values: Any,
+                 refit: Any, fisher_samples: Any, seed: int, batch_size: int, world: Any):
+        self.model, self.ad, self.seed, self.batch_size, self.world = model, adapt(model), seed, batch_size, world
+        tokens, self.corpus = token_source(tokens, None)
+        self.held_given = held_out is not None
+        held = self.ad.validate_tokens(token_source(held_out, None)[0]) if self.held_given else None
+        self.cal, self.held = _split(self.ad.validate_tokens(tokens), held)
+        self.sel = self.ad.layers(layers)
+        self.candidates = [lay for lay in self.sel if not self.ad.is_parallel(lay)]
+        already = [lay for lay in self.sel if self.ad.is_parallel(lay)]
+        self.k = st.check_k(k, len(self.candidates), already)
+        self.names, self.requested = _names(strategy, fisher_samples)
         if refit not in REFITS:
             raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
         if k_values is None:
-            k_values = [0] if strategy == "best" else [j for j in st.default_k_values(len(cand)) if j <= k]
-        ks = sorted({st.check_k(int(j), len(cand), already) for j in k_values} | {k})
-        fitted, note, carry = _carried(ad, cal, refit)
-        ctx = cls(model, ad, cal, held, corpus, held_given, sel, cand, k, ks, requested, names, fitted, refit, note,
-                  carry, fisher_samples if "attribution_2nd" in names else 0, seed, batch_size, world)
-        if fitted == "none":
-            ctx.loss, ctx.held_loss = PlanLoss(model, cal, batch_size, world), PlanLoss(model, held, batch_size, world)
+            k_values = [0] if strategy == "best" else [j for j in st.default_k_values(len(self.candidates))
+                                                       if j <= self.k]
+        self.ks = sorted({st.check_k(int(j), len(self.candidates), already) for j in k_values} | {self.k})
+        self.refit_requested = refit
+        self.refit, self.note, self.carry = _carried(self.ad, self.cal, refit)
+        self.fisher_samples = fisher_samples if "attribution_2nd" in self.names else 0
+        self.scores = None
+        if self.refit == "none":
+            self.loss, self.held_loss = PlanLoss(model, self.cal, batch_size, world), PlanLoss(model, self.held,
+                                                                                              batch_size, world)
         else:
-            ctx.loss = RefitLoss(model, cal, batch_size, world, refit=fitted, carry=carry)
-            ctx.held_loss = FittedLoss(model, held, batch_size, world, source=ctx.loss)
-        return ctx
-
-    @property
-    def fresh_scores(self) -> bool:
-        """Whether a strategy reads a score (one :func:`parallel_scores` call on the calibration windows)."""
-        return any(s in st.SCORE_STRATEGIES for s in self.names)
+            self.loss = RefitLoss(model, self.cal, batch_size, world, refit=self.refit, carry=self.carry)
+            self.held_loss = FittedLoss(model, self.held, batch_size, world, source=self.loss)
 
     def score_of(self, name: str) -> dict[int, float]:
         """``{layer: score}`` of the candidates on the calibration windows."""
@@ -227,23 +179,45 @@ def _carried(ad: Any, cal: Tensor, refit: str) -> tuple[str, str, bool]:
     return fitted, note, True
 
 
+def _ci(loss: PlanLoss, cols: list[Tensor], seed: int) -> Tensor:
+    """``[len(cols), 2]``: the intervals of per-block sums on ``loss``'s windows, resampled together."""
+    return cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), N_BOOTSTRAP, seed, INTERVAL_LEVEL)
+
+
+def _intervals(loss: PlanLoss, curves: dict[str, list[list[int]]], seed: int) -> dict[str, Tensor]:
+    """``{name: [n_plans, 2]}`` float64: the intervals of every plan's dCE (:func:`_ci`)."""
+    ci = _ci(loss, [loss.delta_blocks(p) for plans in curves.values() for p in plans], seed)
+    out, i = {}, 0
+    for name, plans in curves.items():
+        out[name] = ci[i:i + len(plans)].clone()
+        i += len(plans)
+    return out
+
+
+def _margins(loss: PlanLoss, plan_of: dict[str, list[int]], ref: str, seed: int) -> dict[str, list[float]]:
+    """``{name: [point, low, high]}`` of ``loss``'s dCE of ``plan_of[name]`` minus that of ``plan_of[ref]``, the
+    interval paired (the same windows and blocks resampled for both plans)."""
+    base_blocks = loss.delta_blocks(plan_of[ref])
+    ci = _ci(loss, [loss.delta_blocks(p) - base_blocks for p in plan_of.values()], seed)
+    base = loss.delta(plan_of[ref])
+    return {name: [loss.delta(p) - base, float(ci[i, 0]), float(ci[i, 1])] for i, (name, p) in enumerate(plan_of.items())}
+
+
 def _figures(ctx: PlanContext, sets: dict[str, list[list[int]]]) -> dict[str, Any]:
     """Every strategy's dCE curves and intervals: calibration, held out, and held out uncorrected."""
     every = [[]] + [p for s in ctx.names for p in sets[s]]
     ctx.loss.prefetch(every)
     ctx.held_loss.prefetch(every)
-    interval_of = _Intervals(N_BOOTSTRAP, ctx.seed)
     plain_held = ctx.held_loss if ctx.refit == "none" else PlanLoss(ctx.model, ctx.held, ctx.batch_size, ctx.world)
     plain_held.share_clean(ctx.held_loss)  # the same clean forward
     plain_cal = ctx.loss if ctx.refit == "none" else PlanLoss(ctx.model, ctx.cal, ctx.batch_size, ctx.world)
     plain_cal.share_clean(ctx.loss)
     out = {"cal": delta_curves(ctx.loss, sets), "held": delta_curves(ctx.held_loss, sets),
-           "cal_iv": interval_of(ctx.loss, sets), "held_iv": interval_of(ctx.held_loss, sets),
-           "held_unc": {}, "held_unc_iv": {}, "plain_cal": plain_cal, "plain_held": plain_held,
-           "interval_of": interval_of}
+           "cal_iv": _intervals(ctx.loss, sets, ctx.seed), "held_iv": _intervals(ctx.held_loss, sets, ctx.seed),
+           "held_unc": {}, "held_unc_iv": {}, "plain_cal": plain_cal, "plain_held": plain_held}
     if ctx.refit != "none":
         plain_held.prefetch(every)
-        out["held_unc"], out["held_unc_iv"] = delta_curves(plain_held, sets), interval_of(plain_held, sets)
+        out["held_unc"], out["held_unc_iv"] = delta_curves(plain_held, sets), _intervals(plain_held, sets, ctx.seed)
     return out
 
 
@@ -254,16 +228,15 @@ def _choose(ctx: PlanContext, sets: dict[str, list[list[int]]], fig: dict[str, A
     selectable = [s for s in ctx.names if s != "random"] or ctx.names
     ref = PLANNER.reference if PLANNER.reference in selectable and len(selectable) > 1 else None
     at_k = {s: sets[s][j] for s in ctx.names}
-    interval_of, plain_cal = fig["interval_of"], fig["plain_cal"]
     margins: dict[str, list[float]] = {}
     margins_unc: dict[str, list[float]] = {}
     if ref is not None:
-        margins = interval_of.margins(ctx.loss, at_k, ref)
+        margins = _margins(ctx.loss, at_k, ref, ctx.seed)
         rule = (f"{ref} unless a strategy's calibration dCE is below it by more than the {INTERVAL_LEVEL:.0%} "
                 f"interval of the paired difference (then the lowest of those)")
         if ctx.refit != "none" and not getattr(ctx.loss, "crossfit", False):  # in-sample: also without the fit
-            plain_cal.prefetch(list(at_k.values()))
-            margins_unc = interval_of.margins(plain_cal, at_k, ref)
+            fig["plain_cal"].prefetch(list(at_k.values()))
+            margins_unc = _margins(fig["plain_cal"], at_k, ref, ctx.seed)
             rule += "; the corrections compared in-sample, so also without them"
     else:
         rule = "lowest calibration dCE" if len(selectable) > 1 else "the one strategy run"
@@ -278,27 +251,25 @@ def _corrections(ctx: PlanContext, layers: list[int], fig: dict[str, Any], chose
     j = ctx.ks.index(ctx.k)
     f64, d = torch.float64, ctx.ad.d_model
     if ctx.refit == "none":
-        return {"gates": torch.ones(len(layers), dtype=f64), "biases": torch.zeros(len(layers), d, dtype=f64),
-                "linears": torch.zeros(0, 0, 0, dtype=f64),
-                "calibration_delta_ce_uncorrected": float(fig["cal"][chosen][j]),
-                "held_out_delta_ce_uncorrected": float(fig["held"][chosen][j]),
-                "calibration_delta_ce_uncorrected_interval": fig["cal_iv"][chosen][j].tolist(),
-                "held_out_delta_ce_uncorrected_interval": fig["held_iv"][chosen][j].tolist()}
-    g_of, b_of = ctx.loss.corrections(layers)
-    w_of = ctx.loss.linear_maps(layers)
-    plain_cal, plain_held, interval_of = fig["plain_cal"], fig["plain_held"], fig["interval_of"]
-    plain_cal.prefetch([layers])
-    plain_held.prefetch([layers])
+        g_of, b_of, w_of = {}, {}, {}
+        unc = [float(fig["cal"][chosen][j]), float(fig["held"][chosen][j]), fig["cal_iv"][chosen][j].tolist(),
+               fig["held_iv"][chosen][j].tolist()]
+    else:
+        g_of, b_of, w_of = ctx.loss.fitted(layers)
+        plain_cal, plain_held = fig["plain_cal"], fig["plain_held"]
+        plain_cal.prefetch([layers])
+        plain_held.prefetch([layers])
+        unc = [plain_cal.delta(layers), plain_held.delta(layers),
+               _intervals(plain_cal, {"": [layers]}, ctx.seed)[""][0].tolist(),
+               _intervals(plain_held, {"": [layers]}, ctx.seed)[""][0].tolist()]
     return {
         "gates": torch.tensor([g_of.get(lay, 1.0) for lay in layers], dtype=f64),
         "biases": torch.stack([b_of[lay].to(f64).cpu() if lay in b_of else torch.zeros(d, dtype=f64)
                                for lay in layers]) if layers else torch.zeros(0, d, dtype=f64),
         "linears": torch.stack([w_of[lay].to(f64).cpu() for lay in layers]) if layers and w_of
         else torch.zeros(0, 0, 0, dtype=f64),
-        "calibration_delta_ce_uncorrected": plain_cal.delta(layers),
-        "held_out_delta_ce_uncorrected": plain_held.delta(layers),
-        "calibration_delta_ce_uncorrected_interval": interval_of(plain_cal, {"": [layers]})[""][0].tolist(),
-        "held_out_delta_ce_uncorrected_interval": interval_of(plain_held, {"": [layers]})[""][0].tolist()}
+        **dict(zip(("calibration_delta_ce_uncorrected", "held_out_delta_ce_uncorrected",
+                    "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval"), unc))}
 
 
 def _result(ctx: PlanContext, sets: dict[str, list[list[int]]], costs: dict[str, dict[str, float]],
@@ -308,7 +279,7 @@ def _result(ctx: PlanContext, sets: dict[str, list[list[int]]], costs: dict[str,
     layers = list(sets[chosen][j])
     corr = _corrections(ctx, layers, fig, chosen)
     plain = fig["plain_cal"].passes + fig["plain_held"].passes if ctx.refit != "none" else 0
-    fresh = ctx.fresh_scores
+    fresh = any(s in st.SCORE_STRATEGIES for s in ctx.names)  # one parallel_scores call on the calibration windows
     total = {"forward": float(ctx.loss.passes + ctx.held_loss.passes + (2 if fresh else 0) + plain
                               + getattr(ctx.loss, "fit_passes", 0)),
              "backward": float(1 + ctx.fisher_samples if fresh else 0), "seconds": seconds}
@@ -335,34 +306,6 @@ def _result(ctx: PlanContext, sets: dict[str, list[list[int]]], costs: dict[str,
         interval={"level": INTERVAL_LEVEL, "n_bootstrap": N_BOOTSTRAP, "seed": ctx.seed,
                   "block_tokens_calibration": ctx.loss.block, "block_tokens_held_out": ctx.held_loss.block,
                   "method": "two-stage percentile bootstrap: windows, then blocks of consecutive tokens in each"})
-
-
-class _Intervals:
-    """Intervals of dCE curves: ``self(loss, {name: [plan per k]})`` -> ``{name: [k, 2]}`` float64, every plan's
-    per-block dCE sums on ``loss``'s windows resampled together (:func:`tl_steering.stats.cluster_bootstrap_ci`)."""
-
-    def __init__(self, n_bootstrap: int, seed: int):
-        self.n_bootstrap, self.seed = n_bootstrap, seed
-
-    def __call__(self, loss: PlanLoss, curves: dict[str, list[list[int]]]) -> dict[str, Tensor]:
-        cols = [loss.delta_blocks(p) for plans in curves.values() for p in plans]
-        ci = cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), self.n_bootstrap, self.seed,
-                                  INTERVAL_LEVEL)
-        out, i = {}, 0
-        for name, plans in curves.items():
-            out[name] = ci[i:i + len(plans)].clone()
-            i += len(plans)
-        return out
-
-    def margins(self, loss: PlanLoss, plan_of: dict[str, list[int]], ref: str) -> dict[str, list[float]]:
-        """``{name: [point, low, high]}`` of ``loss``'s dCE of ``plan_of[name]`` minus that of ``plan_of[ref]``,
-        the interval paired (the same windows and blocks resampled for both plans)."""
-        base_blocks = loss.delta_blocks(plan_of[ref])
-        diffs = torch.stack([loss.delta_blocks(p) - base_blocks for p in plan_of.values()], -1)
-        ci = cluster_bootstrap_ci(diffs, loss.block_counts(), self.n_bootstrap, self.seed, INTERVAL_LEVEL)
-        base = loss.delta(plan_of[ref])
-        return {name: [loss.delta(p) - base, float(ci[i, 0]), float(ci[i, 1])]
-                for i, (name, p) in enumerate(plan_of.items())}
 
 
 __all__ = ["INTERVAL_LEVEL", "N_BOOTSTRAP", "PLAN_STRATEGIES", "ParallelPlan", "PlanContext", "plan_parallel"]

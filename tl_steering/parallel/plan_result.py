@@ -8,67 +8,29 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..errors import InputError
-from ..results import Result, register
 from .._util.plan_parts import PlanPart
+from ..errors import InputError
+from ..results import Result, register, tensor_field
+
+
+def _no_interval() -> Any:
+    return dataclasses.field(default_factory=lambda: [math.nan, math.nan])
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
 class ParallelPlan(Result):
-    """A set of layers to make parallel, how it was chosen and what it costs (loss and planner passes).
+    """A set of layers to make parallel, how it was chosen and what it costs (loss and planner passes); every field
+    is described in docs/parallel.md "Planning", "Refit" and "Uncertainty and the choice".
 
-    Attributes:
-        layers: the chosen layers (sorted).
-        k: ``len(layers)``.
-        strategy: the strategy that produced :attr:`layers`.
-        requested: the ``strategy`` argument (``"best"`` or a strategy name).
-        candidates: the sequential layers that could be chosen.
-        calibration_delta_ce / held_out_delta_ce: CE(plan) - CE(clean) on the calibration / held-out windows.
-        clean_loss_calibration / clean_loss_held_out: the clean mean next-token CE on each.
-        cost: passes over the calibration windows the chosen strategy needed on its own (``forward``,
-            ``backward``, ``seconds``); total_cost: of the whole call (every strategy and every curve point).
-        k_values: the k of the curves; strategies: the strategies compared.
-        calibration_curves / held_out_curves: per strategy, dCE at each k (float64).
-        plans: per strategy, the layer set at each k.
-        strategy_costs: per strategy, its own cost (as :attr:`cost`).
-        n_calibration / n_held_out: token windows in each set.
-        options: the call's options.
-        refit: the closed-form correction of the parallel FFN writes (``"none"``, ``"gate"``, ``"affine"``,
-            ``"linear"``;
-            :mod:`tl_steering.parallel.refit`), fitted on the calibration windows for EVERY plan measured (so
-            every dCE above, and the choice, is of the corrected plans); refit_order: ``"sequential"`` or
-            ``"joint"``.
-        gates: ``[k]`` float64, the fitted g_l of :attr:`layers` (in that order; ones for ``"none"``).
-        biases: ``[k, d_model]`` float64, the fitted b_l (zeros unless ``"affine"`` or ``"linear"``).
-        linears: ``[k, d_model, d_model]`` float64, the fitted W_l of ``refit="linear"`` (the write adds a W_l,
-            a the block's attention write); ``[0, 0, 0]`` for the other refits.
-        calibration_delta_ce_uncorrected / held_out_delta_ce_uncorrected: the chosen layers' dCE without the
-            correction (equal to the corrected ones for ``"none"``).
-        held_out_curves_uncorrected: per strategy, the held-out dCE of its plans WITHOUT the correction at each
-            k (``plan_parallel(..., uncorrected_curves=True)`` with a refit; else empty).
-        refit_requested: the ``refit`` asked for; :attr:`refit` is the one fitted (they differ when the
-            calibration windows were too few to cross-fit and carry it: :attr:`calibration_note`).
-        calibration_fit: how the calibration dCE of a corrected plan was measured: ``"out-of-fold"``
-            (cross-fitted), ``"in-sample"`` (on the tokens the correction was fitted on: optimistic) or ``"none"``
-            (no fitted correction); ``""`` in files written before.
-        calibration_note: why the calibration set could not be cross-fitted and what was done instead (also
-            warned once); ``""`` when nothing was.
-        reference: the strategy ``"best"`` kept unless beaten beyond noise (``""``: the lowest calibration dCE
-            won); choice_rule: the rule, in words.
-        margins: per strategy at k, ``[point, low, high]`` of its calibration dCE minus the reference's (the
-            interval paired: the same windows and token blocks resampled for both); empty without a reference.
-            margins_uncorrected: the same without the corrections, when they were compared in-sample (a
-            strategy then has to beat the reference beyond noise in both; else empty).
-        calibration_intervals / held_out_intervals / held_out_intervals_uncorrected: per strategy, ``[k, 2]``
-            float64, the interval (:attr:`interval`) of the matching curve at each k.
-        calibration_delta_ce_interval / held_out_delta_ce_interval (and ``_uncorrected_``): ``[low, high]`` of the
-            chosen plan's figures.
-        interval: how the intervals were computed (level, resamples, seed, tokens per block on each set, method).
+    Besides those: ``requested`` is the ``strategy`` argument, ``candidates`` the sequential layers that could be
+    chosen, ``strategy_costs`` each strategy's own ``cost``, ``n_calibration`` / ``n_held_out`` the windows of each
+    set, ``refit_requested`` the correction asked for (:attr:`refit` is the one fitted), ``gates`` / ``biases`` /
+    ``linears`` the fitted ``[k]`` / ``[k, d_model]`` / ``[k, d_model, d_model]`` float64 corrections in the order
+    of :attr:`layers` (``linears`` ``[0, 0, 0]`` unless ``refit="linear"``).
     """
 
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -93,11 +55,9 @@ class ParallelPlan(Result):
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     refit: str = "none"
     refit_order: str = "sequential"
-    gates: Float[Tensor, " k"] = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    biases: Float[Tensor, "k d_model"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, dtype=torch.float64))
-    linears: Float[Tensor, "k2 d_model2 d_model3"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, 0, 0, dtype=torch.float64))
+    gates: Float[Tensor, " k"] = tensor_field(0)
+    biases: Float[Tensor, "k d_model"] = tensor_field(0, 0)
+    linears: Float[Tensor, "k2 d_model2 d_model3"] = tensor_field(0, 0, 0)
     calibration_delta_ce_uncorrected: float = math.nan
     held_out_delta_ce_uncorrected: float = math.nan
     held_out_curves_uncorrected: dict[str, Float[Tensor, " k"]] = dataclasses.field(default_factory=dict)
@@ -111,18 +71,14 @@ class ParallelPlan(Result):
     calibration_intervals: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
     held_out_intervals: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
     held_out_intervals_uncorrected: dict[str, Float[Tensor, "k 2"]] = dataclasses.field(default_factory=dict)
-    calibration_delta_ce_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
-    held_out_delta_ce_interval: list[float] = dataclasses.field(default_factory=lambda: [math.nan, math.nan])
-    calibration_delta_ce_uncorrected_interval: list[float] = dataclasses.field(
-        default_factory=lambda: [math.nan, math.nan])
-    held_out_delta_ce_uncorrected_interval: list[float] = dataclasses.field(
-        default_factory=lambda: [math.nan, math.nan])
+    calibration_delta_ce_interval: list[float] = _no_interval()
+    held_out_delta_ce_interval: list[float] = _no_interval()
+    calibration_delta_ce_uncorrected_interval: list[float] = _no_interval()
+    held_out_delta_ce_uncorrected_interval: list[float] = _no_interval()
     interval: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "parallel_plan"
-    # the closed-form corrections (refit) came after the first plans: older files load uncorrected;
-    # held_out_curves_uncorrected: 2026-12-05 (issue 30); the intervals, the reference rule and the calibration
-    # fit's record: issue 36
+    # fields that came after the first plan files (older files load without them)
     added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
                     "held_out_delta_ce_uncorrected", "held_out_curves_uncorrected", "refit_requested",
                     "calibration_fit", "calibration_note", "reference", "choice_rule", "margins", "margins_uncorrected",

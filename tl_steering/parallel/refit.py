@@ -1,38 +1,23 @@
 """Closed-form corrections of the parallel FFN writes, fitted on calibration windows (``refit=``; docs/parallel.md,
-"Refit")."""
+"Refit" and "Uncertainty and the choice")."""
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..backends import adapt
 from ..backends.fused import corrected_ffn_write
+from ..data.sharding import batch_slices
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
-from ..data.sharding import batch_slices
 from ..stats import Moments, check_exclude_positions
 from .gold import PlanLoss
 
-#: ``loss_fn(plan, write)``: mean CE on the fitting windows with ``plan`` parallel, FFN writes from ``write``
-LossFn = Callable[[Sequence[int], Any], float]
-
-Refit = Literal["none", "gate", "affine", "linear"]
 REFITS: tuple[str, ...] = ("none", "gate", "affine", "linear")
-
-
-def refit_parameters(refit: str, d_model: int) -> int:
-    """Fitted numbers per layer of a correction: 0 (``"none"``), 1 (``"gate"``: g), d + 1 (``"affine"``: g, b),
-    d^2 + d + 1 (``"linear"``: g, b, W)."""
-    _check(refit)
-    return {"none": 0, "gate": 1, "affine": d_model + 1, "linear": d_model * d_model + d_model + 1}[refit]
-
-
 CARRY = 0.5
-"""Effective parameters per output coordinate a correction compared in-sample may have, as a fraction of its fitted
-tokens (:func:`carried_refit`)."""
+"""Effective parameters per output coordinate a correction compared in-sample may have, per fitted token."""
 
 
 def carried_max_df(n_tokens: int, d_model: int) -> float:
@@ -42,20 +27,13 @@ def carried_max_df(n_tokens: int, d_model: int) -> float:
 
 
 def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
-    """The richest correction, no richer than ``refit`` (order none < gate < affine < linear), that ``n_tokens``
-    fitting tokens carry when it can only be judged in-sample (no cross-fit): at most ``CARRY`` = 1/2 effective
-    parameter per fitted token and output coordinate (the write's coordinates are fitted alike). An ordinary
-    least-squares fit of p parameters to N numbers leaves an in-sample residual σ²(1 - p/N) against σ²(1 + p/N) on
-    new data: at p ≤ N/2 the fit absorbs at most half of the noise; beyond it the in-sample figure mostly measures
-    how much noise was absorbed. Per coordinate the gate costs 1/d, the affine correction 1 + 1/d (b and g), the
-    linear one 1 + 1/d + df, df the ridge's effective degrees of freedom, which a carried fit caps at
-    :func:`carried_max_df` by raising the ridge (``fit_corrections(..., carry=True)``): so ``"linear"`` is carried
-    wherever ``"affine"`` is (3 tokens and more), with a stronger ridge on few tokens. One 32-token window on
-    SmolLM2 (31 fitted tokens, d = 576): ``"linear"`` with df <= 14.5 (19-25 at the default ridge)."""
+    """The richest correction, no richer than ``refit`` (none < gate < affine < linear), that ``n_tokens`` fitted
+    tokens carry when it can only be judged in-sample: at most :data:`CARRY` effective parameter per fitted token and
+    output coordinate (docs/parallel.md "Uncertainty and the choice"; ``"linear"`` counts as ``"affine"``, its ridge
+    capped at :func:`carried_max_df`)."""
     order = list(REFITS)
     for cand in reversed(order[:order.index(refit) + 1]):
-        per_coordinate = {"none": 0.0, "gate": 1.0 / d_model, "affine": 1.0 + 1.0 / d_model,
-                          "linear": 1.0 + 1.0 / d_model}[cand]  # linear: df >= 0 more, capped by carried_max_df
+        per_coordinate = {"none": 0.0, "gate": 1.0 / d_model}.get(cand, 1.0 + 1.0 / d_model)
         if per_coordinate <= CARRY * int(n_tokens):
             return cand
     return "none"
@@ -70,49 +48,19 @@ class _Stop(Exception):
     """Ends a fitting forward after the last layer it needs (hooks are removed by ``run_with_hooks``)."""
 
 
-def fit_corrections(
-    model: Any,
-    tokens: Tensor,
-    layers: Sequence[int],
-    refit: Refit = "affine",
-    batch_size: int = 8,
-    exclude_positions: Sequence[int] = (0,),
-    linears: dict[int, Tensor] | None = None,
-    carry: bool = False,
-) -> tuple[dict[int, float], dict[int, Tensor], int]:
+def fit_corrections(model: Any, tokens: Tensor, layers: Sequence[int], refit: str = "affine", batch_size: int = 8,
+                    exclude_positions: Sequence[int] = (0,), linears: dict[int, Tensor] | None = None,
+                    carry: bool = False) -> tuple[dict[int, float], dict[int, Tensor], int]:
     """Fit the corrections of the parallel plan ``layers`` on ``tokens``, each layer on the forward that runs the
     corrected layers before it (docs/parallel.md "Refit").
 
     Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
     ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
-    one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``) of
-    ``refit="linear"`` (``parallel_blocks(..., linears=)``); required for that refit. ``carry``: cap each linear
-    map's effective degrees of freedom at :func:`carried_max_df` of its fitted tokens (the ridge raised as needed:
-    the fit a few tokens carry, :func:`carried_refit`).
+    one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``), required
+    for ``refit="linear"``. ``carry``: cap each linear map's effective degrees of freedom at :func:`carried_max_df`.
     """
     _, g, b, passes = _fit(model, tokens, layers, refit, batch_size, exclude_positions, None, linears, carry)
     return g, b, passes
-
-
-def corrected_loss(
-    model: Any,
-    tokens: Tensor,
-    layers: Sequence[int],
-    refit: Refit = "affine",
-    batch_size: int = 8,
-    exclude_positions: Sequence[int] = (0,),
-    loss_fn: LossFn | None = None,
-    linears: dict[int, Tensor] | None = None,
-    carry: bool = False,
-) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
-    """Fit on ``tokens`` and return ``(mean CE of the corrected plan on the same tokens, gates, biases, passes)``
-    (one pass in all on one batch: the fit rides in the measuring forward). ``loss_fn(plan, write)``: the mean CE
-    on ``tokens`` with ``plan`` parallel and its FFN writes given by ``write`` (as
-    :func:`tl_steering.hooks.parallel_hooks`); default a hooked forward per batch (:class:`RefitLoss` passes its
-    prefix-sharing ``PlanLoss.mean_ce``). ``linears``, ``carry``: as in :func:`fit_corrections`."""
-    if loss_fn is None:  # a whole hooked forward per batch
-        loss_fn = PlanLoss(model, tokens, batch_size, share_prefix=False).mean_ce
-    return _fit(model, tokens, layers, refit, batch_size, exclude_positions, loss_fn, linears, carry)
 
 
 class _Fitter:
@@ -120,10 +68,9 @@ class _Fitter:
     applies the corrections fitted so far (``write(layer, sequential, parallel, attn)`` of ``parallel_hooks``)."""
 
     def __init__(self, ad: Any, refit: str, carry: bool, linears: dict[int, Tensor]):
-        self.ad, self.refit, self.carry = ad, refit, carry
+        self.ad, self.refit, self.carry, self.linears = ad, refit, carry, linears
         self.gates: dict[int, float] = {}
         self.biases: dict[int, Tensor] = {}
-        self.linears = linears
 
     def moments(self) -> Moments:
         return Moments(self.ad.d_model, self.ad.device, linear=self.refit == "linear")
@@ -144,9 +91,10 @@ class _Fitter:
 
 
 def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_size: int,
-         exclude_positions: Sequence[int], loss_fn: LossFn | None, linears_out: dict[int, Tensor] | None,
-         carry: bool) -> tuple[float, dict[int, float], dict[int, Tensor], int]:
-    """The sequential fit of :func:`fit_corrections` (``loss_fn`` None) or :func:`corrected_loss`."""
+         exclude_positions: Sequence[int], measure: Callable[[list[int], Any], Any] | None,
+         linears_out: dict[int, Tensor] | None, carry: bool) -> tuple[Any, dict[int, float], dict[int, Tensor], int]:
+    """The sequential fit; with ``measure(plan, write)`` (``PlanLoss.ce_blocks``) also what it measures on the
+    corrected plan, on one batch in the fitting forward itself."""
     _check(refit)
     if refit == "linear" and linears_out is None:
         raise InputError('refit="linear" fits a [d_model, d_model] map per layer: pass a dict as linears= to '
@@ -158,8 +106,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
     lins.clear()
     fitter = _Fitter(ad, refit, carry, lins)
     if refit == "none" or not plan:
-        loss = loss_fn(plan, None) if loss_fn is not None else math.nan
-        return loss, fitter.gates, fitter.biases, int(loss_fn is not None)
+        return (measure(plan, None) if measure else None), fitter.gates, fitter.biases, int(measure is not None)
     rows = batch_slices(tokens.shape[0], batch_size)
     if len(rows) == 1:  # one forward: each hook fits its layer on the batch and applies it at once
         def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
@@ -168,10 +115,10 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
             fitter.fit(layer, m)
             return fitter.write(layer, act, par, attn)
 
-        if loss_fn is not None:
-            return loss_fn(plan, write), fitter.gates, fitter.biases, 1
+        if measure is not None:
+            return measure(plan, write), fitter.gates, fitter.biases, 1
         _run_stopped(ad, tokens, [slice(None)], parallel_hooks(model, plan, write), plan[-1])
-        return math.nan, fitter.gates, fitter.biases, 1
+        return None, fitter.gates, fitter.biases, 1
     for j, layer in enumerate(plan):  # one early-stopped forward per layer, the layers before it corrected
         m = fitter.moments()
 
@@ -183,10 +130,10 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
 
         _run_stopped(ad, tokens, rows, parallel_hooks(model, plan[:j + 1], write), None)
         fitter.fit(layer, m)
-    if loss_fn is None:
-        return math.nan, fitter.gates, fitter.biases, len(plan)
-    loss = loss_fn(plan, corrected_write(ad, plan, fitter.gates, fitter.biases, "refit", lins))
-    return loss, fitter.gates, fitter.biases, len(plan) + 1
+    if measure is None:
+        return None, fitter.gates, fitter.biases, len(plan)
+    out = measure(plan, corrected_write(ad, plan, fitter.gates, fitter.biases, "refit", lins))
+    return out, fitter.gates, fitter.biases, len(plan) + 1
 
 
 def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list, last: int | None) -> None:
@@ -205,31 +152,21 @@ def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list, last: 
 
 
 class RefitLoss(PlanLoss):
-    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits the
-    corrections of that plan on these windows and returns the corrected mean CE (memoised; :attr:`passes`
-    counts every forward, fitting included). :meth:`corrections` gives the fitted ``(gates, biases)``, fitted on
-    all the windows.
+    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits that plan's
+    corrections on these windows and returns the corrected mean CE (memoised; :attr:`passes` counts the fitting
+    forwards too); :meth:`fitted` gives ``(gates, biases, linears)`` fitted on all the windows.
 
-    ``crossfit`` (default: on for ``refit="linear"`` only, given at least 2 windows): the loss of a plan is measured out of fold: the windows
-    are split in two halves, the corrections fitted on each half are applied to the other, and the two halves'
-    CE are averaged (token-weighted). An in-sample loss rewards a correction that fits the calibration windows'
-    noise: a ``[d_model, d_model]`` map per layer fitted on a few hundred tokens can push a plan's calibration
-    loss below the clean model's while its held-out loss grows, and a planner that compares in-sample losses
-    picks exactly those plans. Cost: one fitting pass more per plan (the fits do not ride in the measuring
-    forward)."""
+    ``crossfit`` (default: on for ``refit="linear"`` given at least 2 windows): the loss is measured out of fold,
+    the corrections fitted on each half of the windows applied to the other half (docs/parallel.md "Refit")."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
                  share_prefix: bool = True, crossfit: bool | None = None, carry: bool = False):
         super().__init__(model, tokens, batch_size, world, share_prefix)
         _check(refit)
-        self.refit = refit
-        #: fit the correction these windows carry (:func:`fit_corrections`'s ``carry``)
-        self.carry = bool(carry)
-        self.fitted: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
-        # default: on for "linear" when there are two windows to split (one window: in-sample, as the others)
+        self.refit, self.carry = refit, bool(carry)
+        self._fits: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
         self.crossfit = (refit == "linear" and int(tokens.shape[0]) >= 2) if crossfit is None else bool(crossfit)
-        #: passes of the fits on all the windows that no measurement ran (the stored corrections of a cross-fitted
-        #: loss, or of a plan measured on another rank)
+        #: passes of the fits on all the windows that no measurement ran (cross-fitted, or measured on another rank)
         self.fit_passes = 0
         self._folds: list[RefitLoss] | None = None
         if self.crossfit and refit != "none":
@@ -237,59 +174,41 @@ class RefitLoss(PlanLoss):
             if n < 2:
                 raise InputError("a cross-fitted refit needs at least 2 calibration windows (it fits on one half "
                                  "and measures on the other): pass more windows, or crossfit=False")
-            h = (n + 1) // 2
-            self._folds = [RefitLoss(model, tokens[:h], batch_size, None, refit, share_prefix, crossfit=False,
-                                     carry=carry),
-                           RefitLoss(model, tokens[h:], batch_size, None, refit, share_prefix, crossfit=False,
-                                     carry=carry)]
+            self._folds = [RefitLoss(model, part, batch_size, None, refit, share_prefix, False, carry)
+                           for part in (tokens[:(n + 1) // 2], tokens[(n + 1) // 2:])]
 
     def _measure(self, key: tuple[int, ...]) -> Tensor:
-        plan = [lay for lay in key if not self.ad.is_parallel(lay)]
-        if self._folds is not None and plan:
-            first, second = self._folds
-            # the fits of each half applied to the other half; the blocks in window order (first half, second)
-            g1, b1, w1 = first._fitted(key)
-            g2, b2, w2 = second._fitted(key)
+        if self._folds is not None and any(not self.ad.is_parallel(lay) for lay in key):
+            first, second = self._folds  # the fits of each half applied to the other; blocks in window order
+            (g1, b1, w1), (g2, b2, w2) = first.fitted(key), second.fitted(key)
             on_second = second.ce_blocks(key, corrected_write(self.ad, list(key), g1, b1, "RefitLoss", w1))
             on_first = first.ce_blocks(key, corrected_write(self.ad, list(key), g2, b2, "RefitLoss", w2))
             return torch.cat([on_first, on_second])
         w: dict[int, Tensor] = {}
-        out: dict[str, Tensor] = {}
-
-        def loss_fn(layers: Sequence[int], write: Any) -> float:
-            out["blocks"] = self.ce_blocks(layers, write)
-            return self.mean_of(out["blocks"])
-
-        _, g, b, _ = corrected_loss(self.model, self.tokens, list(key), self.refit, self.batch_size, loss_fn=loss_fn, linears=w, carry=self.carry)
-        self.fitted[key] = (g, b, w)
-        return out["blocks"]
+        blocks, g, b, _ = _fit(self.model, self.tokens, list(key), self.refit, self.batch_size, (0,), self.ce_blocks,
+                               w, self.carry)
+        self._fits[key] = (g, b, w)
+        return blocks
 
     def _cost(self, key: tuple[int, ...]) -> int:
         plan = [lay for lay in key if not self.ad.is_parallel(lay)]
         if self.refit == "none" or not plan:
             return 1
         if self._folds is not None:  # per half: its fitting passes, then one measuring pass
-            one_batch = all(f.tokens.shape[0] <= self.batch_size for f in self._folds)
-            return (1 if one_batch else len(plan)) + 1
+            return (1 if all(f.tokens.shape[0] <= self.batch_size for f in self._folds) else len(plan)) + 1
         return 1 if self.tokens.shape[0] <= self.batch_size else len(plan) + 1
 
-    def corrections(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor]]:
-        """``(gates, biases)`` fitted for the plan ``layers`` (see :meth:`linear_maps` for ``refit="linear"``)."""
-        g, b, _ = self._fitted(layers)
-        return g, b
-
-    def linear_maps(self, layers: Sequence[int]) -> dict[int, Tensor]:
-        """``{layer: W}`` of ``refit="linear"`` for the plan ``layers`` (empty for the other refits)."""
-        return self._fitted(layers)[2]
-
-    def _fitted(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
+    def fitted(self, layers: Sequence[int]) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
+        """``(gates, biases, linears)`` fitted for the plan ``layers`` on all these windows (``linears`` empty unless
+        ``refit="linear"``)."""
         key = self._key(layers)
-        if key not in self.fitted:  # measured on another rank: refit here (deterministic)
+        if key not in self._fits:  # cross-fitted, or measured on another rank: fit here (deterministic)
             w: dict[int, Tensor] = {}
-            g, b, passes = fit_corrections(self.model, self.tokens, list(key), self.refit, self.batch_size, linears=w, carry=self.carry)
+            g, b, passes = fit_corrections(self.model, self.tokens, list(key), self.refit, self.batch_size,
+                                           linears=w, carry=self.carry)
             self.fit_passes += passes
-            self.fitted[key] = (g, b, w)
-        return self.fitted[key]
+            self._fits[key] = (g, b, w)
+        return self._fits[key]
 
 
 class FittedLoss(PlanLoss):
@@ -302,9 +221,8 @@ class FittedLoss(PlanLoss):
         self.source = source
 
     def _measure(self, key: tuple[int, ...]) -> Tensor:
-        gates, biases, lins = self.source._fitted(key)
+        gates, biases, lins = self.source.fitted(key)
         return self.ce_blocks(key, corrected_write(self.ad, list(key), gates, biases, "FittedLoss", lins))
 
 
-__all__ = ["CARRY", "FittedLoss", "REFITS", "Refit", "RefitLoss", "carried_max_df", "carried_refit", "corrected_loss",
-           "fit_corrections", "refit_parameters"]
+__all__ = ["CARRY", "FittedLoss", "REFITS", "RefitLoss", "carried_max_df", "carried_refit", "fit_corrections"]

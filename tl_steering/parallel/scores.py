@@ -1,4 +1,4 @@
-"""Every per-layer parallelization score in one call: :func:`parallel_scores` (see docs/defect.md "Scores")."""
+"""Every per-layer parallelization score in one call: :func:`parallel_scores` (docs/defect.md "Attribution")."""
 
 import dataclasses
 import math
@@ -11,13 +11,13 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..backends import adapt
+from ..backends.ownership import exclusive
 from ..data.windows import token_source
 from ..errors import InputError
-from ..results import Result, register
+from ..results import Result, register, tensor_field
 from .attribution import attribution_scores
 from .defect import parallel_defect
 from .gold import PlanLoss, single_layer_gold
-from ..backends.ownership import exclusive
 
 
 @register
@@ -27,12 +27,9 @@ class ParallelScoresResult(Result):
 
     Attributes:
         layers: the analysed blocks.
-        already_parallel: per layer, whether the block is parallel already (never a candidate; scores NaN
-            for the attribution variants, 0 defect for the C variants).
-        scores: ``C``, ``C_phi``, ``C1``, ``C_tan`` (relative defect) and ``attribution`` (first-order dCE,
-            nats), ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0``
-            ``attribution_fisher``, ``attribution_2nd`` (second-order dCE, nats), ``attribution_fisher_diag``;
-            and the peers' ``block_influence``, ``angular_distance``, ``ffn_fusion`` (:mod:`.peers`); float64.
+        already_parallel: per layer, whether the block is parallel already (never a candidate).
+        scores: float64, lower = safer: the defect's ``C``, ``C_phi``, ``C1``, ``C_tan``, the attribution variants
+            (:func:`~.attribution.attribution_scores`) and the peers' scores (:data:`~.strategies.PEER_SCORES`).
         clean_loss: mean next-token CE of the model on the tokens.
         evaluated: whether the measured gold (``delta_ce``) was computed.
         delta_ce: per layer, measured CE with that layer alone parallel minus clean CE (NaN unless evaluated).
@@ -46,8 +43,7 @@ class ParallelScoresResult(Result):
     scores: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     clean_loss: float = math.nan
     evaluated: bool = False
-    delta_ce: Float[Tensor, " layer"] = dataclasses.field(
-        default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    delta_ce: Float[Tensor, " layer"] = tensor_field(0)
     spearman: dict[str, float] = dataclasses.field(default_factory=dict)
     cost: dict[str, float] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -107,25 +103,21 @@ def parallel_scores(
     fisher_samples: int = 8,
     seed: int = 0,
 ) -> ParallelScoresResult:
-    """Every per-layer score of making a block parallel (module docstring; docs/defect.md "Scores").
+    """Every per-layer score of making a block parallel (docs/defect.md "Attribution", "Second order", "Peer
+    scores"); the model is never modified, no hook or ``.grad`` left on it.
 
     Args:
-        model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
         tokens: ``[batch, pos]`` token ids (calibration windows), or a ``TokenWindows``.
         layers: blocks to score (default all).
-        exclude_positions: positions left out of the C statistics (the attribution and the loss use every
-            predicted position, as the loss does).
+        exclude_positions: positions left out of the C statistics (the attribution uses every predicted one).
         gold: also measure the single-layer dCE of every candidate (one forward pass per layer).
-        batch_size: sequences per forward pass.
-        corpus: provenance label of the tokens.
         fisher_samples: sampled-label backward passes of the second-order scores (0: first order only).
-        seed: seed of the sampled labels (the scores are deterministic for a seed).
+        seed: seed of the sampled labels.
 
     Returns:
-        A :class:`ParallelScoresResult`; cost in passes: 1 forward (C and the peers' scores) + 1 forward and
-        ``1 + fisher_samples`` backwards (attribution), plus 1 + L forwards with ``gold``.
+        A :class:`ParallelScoresResult`; cost: 2 forwards and ``1 + fisher_samples`` backwards, plus 1 + L forwards
+        with ``gold``.
     """
-
     t0 = time.perf_counter()
     tokens, corpus = token_source(tokens, corpus)
     tokens = adapt(model).validate_tokens(tokens)

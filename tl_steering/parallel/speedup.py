@@ -1,10 +1,5 @@
-"""Sub-module timing and the speedup estimate of a parallel plan (opt-in; see docs/defect.md "Speedup").
-
-``T_seq = sum_l (t_attn,l + t_ffn,l)`` and ``T_par = sum_{l not in S} (t_attn,l + t_ffn,l) +
-sum_{l in S} max(t_attn,l, t_ffn,l)``: an *estimate* of the critical path if attention and FFN ran
-concurrently, not a kernel measurement [S+I]. Measured speedups of the executor are in
-``benchmarks/parallel_speedup.py``.
-"""
+"""Sub-module timing and the speedup estimate of a parallel plan (opt-in; docs/defect.md "Speedup estimate"):
+an estimate of the critical path if attention and FFN ran concurrently, not a kernel measurement."""
 
 import math
 from collections.abc import Sequence
@@ -14,17 +9,16 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .._util.timing import median_seconds  # the one timer (docs/statistics.md)
+from .._util.timing import median_seconds
 
 SPEEDUP_LABEL = "estimate (sub-module times, critical path max(t_attn, t_ffn))"
 """Label of every speedup estimate: an estimate, not a measured kernel speedup."""
 
 
 def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int) -> dict[str, Any]:
-    """Median seconds of ``ad.attention(l)`` (LN1 + attention) on resid_pre and ``ad.ffn(l)`` (LN2 + MLP) on
-    the FFN input, per layer of ``layers``, on ``tokens`` (one batch), after 1 warm-up call (the cached forward
-    before them warms the model); and of a whole
-    hook-free forward. ``t_other = t_forward - sum(t_attn + t_ffn)`` (clamped at 0) when every layer is timed."""
+    """Median seconds of ``ad.attention(l)`` on resid_pre and ``ad.ffn(l)`` on the FFN input per layer of
+    ``layers`` on ``tokens`` (one batch, 1 warm-up call), of a hook-free forward, and ``t_other`` (the forward
+    minus the sub-modules, clamped at 0; NaN unless every layer is timed)."""
     names = []
     for lay in layers:
         names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, ad.ffn_input_site(lay))]
@@ -46,11 +40,9 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
 def estimate_speedup(layers: Sequence[int], already_parallel: Sequence[bool], t_attn: Tensor, t_ffn: Tensor,
                      chosen: Sequence[int], t_other: float = math.nan, timing_shape: Sequence[int] = (),
                      device: str = "") -> dict[str, Any]:
-    """Estimated speedup of making ``chosen`` parallel from per-layer sub-module times (module docstring).
-
-    Already-parallel blocks count with ``max`` in both totals, as the model has them. ``*_with_other`` adds
-    ``t_other`` (embedding, final norm, unembedding, overhead) to both totals.
-    """
+    """Estimated speedup of making ``chosen`` parallel from per-layer sub-module times: ``T_seq / T_par`` of
+    docs/defect.md "Speedup estimate" (already-parallel blocks count with ``max`` in both; ``*_with_other`` adds
+    ``t_other`` to both)."""
     if not layers or not torch.isfinite(t_attn).all() or not torch.isfinite(t_ffn).all():
         raise InputError("no sub-module times: run parallel_defect(..., timing=True)")
     picked = sorted({int(x) for x in chosen})
@@ -69,4 +61,4 @@ def estimate_speedup(layers: Sequence[int], already_parallel: Sequence[bool], t_
             "timing_shape": list(timing_shape), "device": device}
 
 
-__all__ = ["SPEEDUP_LABEL", "estimate_speedup", "median_seconds", "submodule_times"]
+__all__ = ["SPEEDUP_LABEL", "estimate_speedup", "submodule_times"]

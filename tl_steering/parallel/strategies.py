@@ -1,12 +1,9 @@
-"""The one planner's strategies: which k layers to make parallel (no torch here, so the CLI checks its arguments
-fast; docs/parallel.md "Planning").
+"""The one planner's strategies and its one default, :data:`PLANNER` (docs/parallel.md "Planning"; no torch here,
+so the CLI checks its arguments fast).
 
-:data:`STRATEGIES` maps each name to one small function ``plan(ctx, ks) -> (one plan per k of ks, cost)``, a plan
-a sorted list of candidate layers; ``ctx`` (:class:`tl_steering.parallel.plan.PlanContext`) gives the candidates,
-``score_of(name)`` (the per-layer scores of :func:`tl_steering.parallel_scores` on the calibration windows), the
-measured-loss oracle ``loss`` and the ``seed``. Ties are broken by the lower layer index; NaN scores rank last.
-:data:`PLANNER` is the one default of every entry point (``plan_parallel``, the suite's ``plan`` and
-``plan_choice`` stages, the report and the CLI).
+:data:`STRATEGIES` maps each name to ``plan(ctx, ks) -> (one plan per k of ks, cost)``, a plan a sorted list of
+candidate layers; ``ctx`` is a :class:`tl_steering.parallel.plan.PlanContext`. Ties go to the lower layer index;
+NaN scores rank last.
 """
 
 import math
@@ -18,8 +15,7 @@ import numpy as np
 from ..errors import InputError
 
 PEER_SCORES: tuple[str, ...] = ("block_influence", "angular_distance", "ffn_fusion")
-"""The field's one-shot layer-choice scores (:mod:`tl_steering.parallel.peers`: ShortGPT's block influence, Gromov
-et al.'s angular distance, FFN Fusion's dependency), from the same forward as C."""
+"""The field's one-shot layer-choice scores (docs/defect.md "Peer scores"), computed in the forward of C."""
 FISHER_SAMPLES = 8
 """Sampled-label backwards of the second-order score ``attribution_2nd`` (``plan_parallel(fisher_samples=)``)."""
 
@@ -34,10 +30,8 @@ class Planner(NamedTuple):
 
 
 PLANNER = Planner(strategies=("C", "attribution_abs", "attribution_2nd"), reference="C", refit="linear")
-"""The one default: the paper's lowest-C plan (the reference; the suite's ``plan`` stage measures it uncorrected)
-against our first- and second-order loss scores, each plan with the cross-fitted linear correction. Measured the
-best held out on SmolLM2-135M and Gemma-3-270M (docs/parallel.md "Planners against the field"); the searches
-(measured, greedy, contiguous, greedy_measured) were no better held out at tens to hundreds of forwards."""
+"""The one default of every entry point: the paper's lowest-C plan (the reference) against our first- and
+second-order loss scores, each plan with the cross-fitted linear correction (docs/parallel.md "Planning")."""
 
 
 def check_k(k: object, n_candidates: int, parallel: Sequence[int] = ()) -> int:
@@ -92,9 +86,6 @@ def random_sets(candidates: Sequence[int], ks: Sequence[int], n_random: int, see
             for _ in range(n_random)]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the registry: one function per strategy
-
 Cost = dict[str, float]
 Strategy = Callable[[Any, Sequence[int]], tuple[list[list[int]], Cost]]
 
@@ -140,8 +131,7 @@ STRATEGIES: dict[str, Strategy] = {
     "sleb": sleb,
     "random": random,
 }
-"""Every strategy of the planner: the paper's ``C``; our ``attribution_abs`` and ``attribution_2nd``; the field's
-scores (:data:`PEER_SCORES`) and search (``sleb``) as baselines; the ``random`` baseline."""
+"""Every strategy of the planner (docs/parallel.md "Planning", the table of strategies)."""
 SCORE_STRATEGIES: tuple[str, ...] = tuple(SCORE_COST)
 """The strategies that read a score of :func:`tl_steering.parallel_scores`."""
 
@@ -149,15 +139,11 @@ SCORE_STRATEGIES: tuple[str, ...] = tuple(SCORE_COST)
 def choose(calibration: Mapping[str, float], order: Sequence[str], reference: str | None = None,
            margins: Mapping[str, Sequence[float]] | None = None,
            also: Mapping[str, Sequence[float]] | None = None) -> str:
-    """The strategy ``"best"`` keeps, from the calibration dCE at k of the strategies in ``order`` (ties: the first
-    in ``order``).
-
-    Without ``reference`` (or with one not in ``order``): the lowest calibration dCE. With one: the reference,
-    unless some strategies beat it beyond noise, i.e. the upper end of the interval of their calibration dCE minus
-    the reference's (``margins[s] = [point, low, high]``) is below zero; then the lowest of those. A NaN interval
-    never beats the reference. ``also``: margins of a second measurement that must be beaten too (given: a
-    strategy missing from it never beats the reference); the planner passes the uncorrected margins when
-    corrections were compared in-sample, a win a fit cannot make up."""
+    """The strategy ``"best"`` keeps from the calibration dCE at k of the strategies in ``order`` (ties: the first
+    in ``order``): without a ``reference`` in ``order``, the lowest; else the reference unless some strategies beat
+    it beyond noise (the upper end of ``margins[s] = [point, low, high]``, their dCE minus the reference's, below
+    zero; a NaN interval never beats it), then the lowest of those. ``also``: margins that must be beaten too (a
+    strategy missing from them never beats the reference)."""
     names = list(order)
     if not names:
         raise InputError("choose: no strategy to choose from")

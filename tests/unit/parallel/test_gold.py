@@ -72,8 +72,8 @@ def test_refit_losses_share_the_prefix(tiny):
     b = RefitLoss(tiny, cal, batch_size=4, share_prefix=False)
     for plan in ([1], [0, 1]):
         assert a(plan) == pytest.approx(b(plan), abs=1e-6)
-        ga, ba = a.corrections(plan)
-        gb, bb = b.corrections(plan)
+        ga, ba, _ = a.fitted(plan)
+        gb, bb, _ = b.fitted(plan)
         assert ga.keys() == gb.keys() and all(abs(ga[k] - gb[k]) < 1e-5 for k in ga)
         assert all(torch.allclose(ba[k], bb[k], rtol=1e-4, atol=1e-6) for k in ba)
         fa, fb = FittedLoss(tiny, held, 4, source=a), FittedLoss(tiny, held, 4, source=b, share_prefix=False)

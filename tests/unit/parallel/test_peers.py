@@ -1,6 +1,6 @@
-"""The field's layer-choice scores (tl_steering.parallel.peers; docs/defect.md "Peer scores") against a
-hand-written float64 reference, on float64 copies of every tiny architecture and backend, and as planner
-strategies."""
+"""The field's layer-choice scores (computed by tl_steering.parallel.defect, named in ``strategies.PEER_SCORES``;
+docs/defect.md "Peer scores") against a hand-written float64 reference, on float64 copies of every tiny
+architecture and backend, and as planner strategies."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 import tl_steering as ts
 from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt
-from tl_steering.parallel.peers import PEER_SCORES
+from tl_steering.parallel.strategies import PEER_SCORES
 
 
 def _cos(u: list[float], v: list[float]) -> float:

@@ -95,13 +95,6 @@ def test_fisher_term_is_the_gauss_newton_quadratic():
         attribution_scores(model, tokens, layers, fisher_samples=-1)
 
 
-def test_attribution_on_a_partly_parallel_model(planner_model, planner_tokens):
-    """``base`` layers are parallel in the same forward: their score is NaN, the clean loss is theirs."""
-    scores, loss = attribution_scores(planner_model, planner_tokens, [0, 1, 2, 3, 4], base=[2])
-    assert math.isnan(float(scores["attribution"][2])) and torch.isfinite(scores["attribution"][[0, 1, 3, 4]]).all()
-    assert loss == pytest.approx(_mean_loss(planner_model, planner_tokens, [2]), rel=1e-6)
-
-
 def test_parallel_scores(planner_model, planner_tokens, tmp_path):
     res = ts.parallel_scores(planner_model, planner_tokens, gold=True, batch_size=4, fisher_samples=2)
     defect = ts.parallel_defect(planner_model, planner_tokens, batch_size=4)

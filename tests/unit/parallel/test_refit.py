@@ -21,10 +21,21 @@ from tl_steering.backends import adapt
 from tl_steering.data.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
-from tl_steering.parallel.refit import RefitLoss, corrected_loss, fit_corrections
+from tl_steering.parallel.refit import RefitLoss, fit_corrections
 from tl_steering.stats import LINEAR_RIDGE, Moments, solve_correction
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def corrected_loss(model, tokens, plan, refit, batch_size, linears=None):
+    """``(mean CE of the corrected plan on the tokens it was fitted on, gates, biases, passes)`` through the hooked
+    forward (``RefitLoss`` in-sample, no shared prefix); ``linears`` receives the linear maps."""
+    rl = RefitLoss(model, tokens, batch_size, refit=refit, share_prefix=False, crossfit=False)
+    loss = rl(plan)
+    g, b, w = rl.fitted(plan)
+    if linears is not None:
+        linears.update(w)
+    return loss, g, b, rl.passes
 
 
 def _lstsq(y: torch.Tensor, p: torch.Tensor, affine: bool) -> tuple[float, torch.Tensor]:
