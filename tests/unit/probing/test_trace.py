@@ -605,3 +605,26 @@ def test_no_transformerlens_conversion_records_pile_up(tiny, tiny_tokens):
     assert count() == 1 and records[0][-1]["conversion_type"] == "transpose_1_2"
     records[0].pop(-1)
 
+
+def test_protocol_inside_probe_is_not_a_user_hook(tiny, tiny_tokens):
+    """A protocol run inside a probe hooks the model with the package's own (tagged) hooks: the probe neither
+    lists them as the user's nor warns, while a user's own hook inside the same block is listed."""
+    import warnings
+
+    import tl_steering as ts
+    from tl_steering.errors import UserHooksWarning
+
+    ad = adapt(tiny)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with probe(tiny, metrics="resid_norm") as trace:
+            ts.angular_deficit(tiny, tiny_tokens, n_bootstrap=2)
+            ad.run_with_cache(tiny_tokens, [ad.hook_name(0, "resid_post")])
+        res = trace.result()
+    assert res.n_forwards >= 2 and res.provenance.user_hooks == []
+    assert not [x for x in w if issubclass(x.category, UserHooksWarning)]
+    name = ad.hook_name(0, "attn_out")
+    with probe(tiny, metrics="resid_norm") as trace:
+        tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(name, lambda act, hook: None)])
+    with pytest.warns(UserHooksWarning):
+        assert name in trace.result().provenance.user_hooks
