@@ -11,7 +11,11 @@ Three variants:
   so only the route differs).
 
 Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) times after a warm-up each, and
-reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine).
+reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine) and the
+median over repeats of each repeat's ratio to the plain forward run next to it (the load of a shared machine
+changes between repeats more than within one). ``--profile``: also the CPU seconds per forward spent in each part
+of the probe (its hooks' copies, per-token Grams, per-sequence statistics and eigenproblems, entry, exit and
+result), from thread CPU time around those functions in one more interleaved run.
 Memory: one subprocess (``sys.executable``) per variant; ``ru_maxrss`` of that subprocess (model loading
 included, so a ceiling) and the peak RSS of one run above the RSS just before it (``VmHWM`` after resetting it
 through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler), with glibc's mmap threshold fixed
@@ -19,8 +23,8 @@ at 128 KiB in those subprocesses so that freed buffers leave RSS (otherwise the 
 and every variant reads the same peak).
 
 Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]
-[--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b]`` (``--threads``: torch intra-op threads in every
-subprocess; default: torch's own default). The per-sequence spectra of the diversity metric cost O(length^3) per
+[--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b] [--profile] [--no-memory]``
+(``--threads``: torch intra-op threads in every subprocess; default: torch's own default). The per-sequence spectra of the diversity metric cost O(length^3) per
 sequence against the forward's O(length) (plus attention's O(length^2)), so the ratio grows with ``--length``.
 """
 
@@ -125,9 +129,10 @@ def child_memory(variant: str, backend: str, threads: int | None = None, **shape
             "peak_method": "VmHWM" if hwm else "sampler"}
 
 
-def child_timing(repeats: int, backend: str, threads: int | None = None, **shape) -> dict:
+def child_timing(repeats: int, backend: str, threads: int | None = None, profile: bool = False, **shape) -> dict:
     """All variants in one process, interleaved (plain, probe, cache, plain, ...) after one warm-up each, so
-    that the load of a shared machine hits them alike; wall and process-CPU seconds."""
+    that the load of a shared machine hits them alike; wall and process-CPU seconds. ``profile``: then the CPU
+    seconds per forward of the probe's parts (:func:`_probe_parts`)."""
     run, info = _setup(backend, threads, **shape)
     for v in VARIANTS:
         run(v)
@@ -139,7 +144,48 @@ def child_timing(repeats: int, backend: str, threads: int | None = None, **shape
             run(v)
             wall[v].append(time.perf_counter() - t0)
             cpu[v].append(time.process_time() - c0)
-    return {**info, "wall": wall, "cpu": cpu}
+    return {**info, "wall": wall, "cpu": cpu, "parts": _probe_parts(run, repeats) if profile else {}}
+
+
+def _probe_parts(run, repeats: int) -> dict[str, float]:
+    """Thread CPU seconds per probed forward inside the probe's parts (the calling thread's share where the kernels
+    split over two threads), over ``repeats`` probed forwards interleaved with plain ones."""
+    import functools
+
+    import torch
+
+    from tl_steering.probing import kernels, trace
+
+    spent: dict[str, float] = {}
+    parts = {"hooks: float64 copies": (trace.ProbeTrace, "_slot_copy"),
+             "hooks: per-layer metrics (all below)": (trace.ProbeTrace, "_update"),
+             "  per-token Grams": (trace, "token_grams" if hasattr(trace, "token_grams") else "token_gram"),
+             "  token quantities": (trace, "token_quantities"),
+             "  per-sequence statistics (all below)": (trace, "diversity"),
+             "    Gram matrices (numpy dsyrk)": (kernels, "gram_sets"), "    eigvalsh": (torch.linalg, "eigvalsh"),
+             "probe(): set-up": (trace.ProbeTrace, "__init__"), "entry (hook guard, hooks)": (trace.ProbeTrace, "__enter__"),
+             "exit (hook restore)": (trace.ProbeTrace, "__exit__"), "result (provenance)": (trace.ProbeTrace, "result")}
+    saved = []
+    for label, (owner, name) in parts.items():
+        fn = getattr(owner, name)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            c0 = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.thread_time() - c0
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, functools.wraps(fn)(timed))
+    try:
+        for _ in range(repeats):
+            run("plain")
+            run("probe")
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {label: spent.get(label, 0.0) / repeats for label in parts}
 
 
 # glibc keeps freed heap pages resident and raises its mmap threshold after the first large free, so the RSS
@@ -169,6 +215,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
     ap.add_argument("--metrics", default="", help="comma-separated probe metrics (default: all)")
+    ap.add_argument("--profile", action="store_true", help="also the CPU seconds of the probe's parts per forward")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 5:
@@ -176,16 +224,21 @@ def main() -> None:
     shape = {"model_name": args.model, "windows": args.windows, "length": args.length,
              "metrics": args.metrics.split(",") if args.metrics else None}
     if args.child == "timing":
-        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, **shape)), flush=True)
+        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, args.profile, **shape)),
+              flush=True)
         return
     if args.child:
         print("RESULT " + json.dumps(child_memory(args.child, args.backend, args.threads, **shape)), flush=True)
         return
     common = ["--backend", args.backend, "--threads", str(args.threads), "--model", args.model,
               "--windows", str(args.windows), "--length", str(args.length), "--metrics", args.metrics]
-    timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common])
-    mem = {v: _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
+    timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common,
+                     *(["--profile"] if args.profile else [])])
+    nan = {"run_peak_mib": float("nan"), "maxrss_mib": float("nan"), "peak_method": "not measured"}
+    mem = {v: nan if args.no_memory else _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
     med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
+    ratio = {k: {v: statistics.median(a / b for a, b in zip(timing[k][v], timing[k]["plain"])) for v in VARIANTS}
+             for k in ("wall", "cpu")}
     print(f"{timing['model']} ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
           f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; "
           f"{'metrics ' + args.metrics if args.metrics else 'all metrics'}, all layers")
@@ -197,6 +250,12 @@ def main() -> None:
         rng = f"{min(timing['wall'][v]):.2f}..{max(timing['wall'][v]):.2f}"
         print(f"{labels[v]:<24}{w:>8.2f}{w / med['wall']['plain']:>9.2f}{c:>8.2f}{c / med['cpu']['plain']:>9.2f}"
               f"{rng:>16}{mem[v]['run_peak_mib']:>14.0f}{mem[v]['maxrss_mib']:>12.0f}")
+    print("median over repeats of the ratio to the plain forward of the same repeat, wall / CPU: "
+          + ", ".join(f"{v} {ratio['wall'][v]:.3f} / {ratio['cpu'][v]:.3f}" for v in VARIANTS[1:]))
+    if timing["parts"]:
+        print(f"CPU s per probed forward by part (plain forward {med['cpu']['plain']:.3f} CPU s):")
+        for label, sec in timing["parts"].items():
+            print(f"  {label:<40}{sec:>8.3f}")
     print(f"(run peak: peak RSS of one run above the RSS before it, via {mem['plain']['peak_method']}, one "
           "subprocess per variant, glibc mmap threshold fixed at 128 KiB so that RSS follows live memory; "
           "maxrss: ru_maxrss of that subprocess, model loading included)")

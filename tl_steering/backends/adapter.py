@@ -63,11 +63,15 @@ class ModelAdapter:
     # -- identity ----------------------------------------------------------------------------------------
     @property
     def info(self) -> ModelInfo:
+        return self.info_with(self.processing)
+
+    def info_with(self, processing: "WeightProcessing") -> ModelInfo:
+        """:attr:`info` with the weight processing already read (a provenance reads it once)."""
         info = getattr(self.model, "_tl_steering_info", None)
         if isinstance(info, ModelInfo):  # the loader's name and revision; the processing as the model is now
-            return dataclasses.replace(info, processing=self.processing.label)
+            return dataclasses.replace(info, processing=processing.label)
         name = getattr(self.cfg, "model_name", None) or type(self.model).__name__
-        return ModelInfo(name=str(name), processing=self.processing.label, prepend_bos=bool(
+        return ModelInfo(name=str(name), processing=processing.label, prepend_bos=bool(
             getattr(self.cfg, "default_prepend_bos", True)))
 
     @property
@@ -299,7 +303,7 @@ class ModelAdapter:
         def saver(name: str) -> Callable:
             def fn(act: Tensor, hook: Any) -> None:
                 store[name] = act.detach()
-            return fn
+            return _lifecycle.mark_owned(fn)  # ours: a probe around this call does not count it as the user's
 
         hooks = list(fwd_hooks) + [(n, saver(n)) for n in names]
         logits = self.run_with_hooks(tokens, hooks, return_type="logits")
@@ -332,9 +336,10 @@ class ModelAdapter:
                    **extra: Any):
         """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``: model,
         revision, TransformerLens version, backend, the weight processing read from the model
-        (:mod:`.processing`), the user's hook points during the call (:mod:`.ownership`; ``user_hooks=`` adds
-        those a probe saw), corpus, seed, dtype, device, world size and ``extra`` options. Warns once per model on
-        a processed residual stream and once per set of user hooks (:mod:`.provenance`)."""
+        (:mod:`.processing`), the user's hook points during the call (:mod:`.ownership`; ``user_hooks=`` and
+        ``interventions=``: those a probe saw during its forwards, instead), corpus, seed, dtype, device, world
+        size and ``extra`` options. Warns once per model on a processed residual stream and once per set of user
+        hooks (:mod:`.provenance`)."""
         from .provenance import model_provenance
 
         return model_provenance(self, tokens, corpus, seed, extra)

@@ -24,6 +24,7 @@ from .hookbase import (  # noqa: F401  (re-exported: the names callers import fr
     _OWNED_ATTR,
     _SILENCED,
     hook_points,
+    modules_of,
     is_ours,
     is_owned,
     mark_owned,
@@ -60,11 +61,14 @@ class _Snapshot:
         self.points: dict[int, tuple] = {}
         # id(module) -> {attr: (dict at entry, copy, {flag attr: (flag dict, copy)})} for its non-empty dicts
         self.hooked: dict[int, dict[str, tuple]] = {}
-        for m in model.modules():
-            ds = tuple(getattr(m, attr, None) for attr in _HOOK_DICTS)
+        fw, fp, bw, bp = _HOOK_DICTS
+        for m in modules_of(model):
+            md = m.__dict__  # torch keeps the hook dicts there (plain attribute reads, no generator per module)
+            ds = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
             if isinstance(m, HookPoint):
-                self.points[id(m)] = (ds, tuple(m.fwd_hooks), tuple(m.bwd_hooks))
-            if any(ds):
+                fh, bh = m.fwd_hooks, m.bwd_hooks
+                self.points[id(m)] = (ds, tuple(fh) if fh else (), tuple(bh) if bh else ())
+            if ds[0] or ds[1] or ds[2] or ds[3]:
                 self.hooked[id(m)] = {
                     attr: (d, dict(d), {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {}))
                                         for f in _FLAG_DICTS[attr]})
@@ -78,10 +82,18 @@ class _Snapshot:
     def restore(self) -> None:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
         torch.set_grad_enabled(self.grad_enabled)
-        for m in self.model.modules():
+        fw, fp, bw, bp = _HOOK_DICTS
+        for m in modules_of(self.model):
+            md = m.__dict__
+            ds = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
             point = self.points.get(id(m))
-            hp = isinstance(m, HookPoint)
             hooked = self.hooked.get(id(m), _EMPTY)
+            hp = isinstance(m, HookPoint)
+            if not hooked and not any(ds) and (not hp or not (m.fwd_hooks or m.bwd_hooks)):
+                # no hook then, none now (most modules): nothing to do unless a HookPoint's dict was swapped or TL
+                # listed a handle at entry
+                if point is None or (all(a is b for a, b in zip(ds, point[0])) and not point[1] and not point[2]):
+                    continue
             for i, attr in enumerate(_HOOK_DICTS):
                 orig, before, flags = hooked.get(attr, _NO_HOOKS)
                 if point is not None:

@@ -183,11 +183,12 @@ def exclusive(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
+def named_hook_points(model: Any, hook_dict: Any = None) -> list[tuple[Any, tuple[str, ...]]]:
     """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
     ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
-    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
-    named = getattr(model, "hook_dict", None)
+    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access;
+    ``hook_dict``: a snapshot of it the caller took already)."""
+    named = getattr(model, "hook_dict", None) if hook_dict is None else hook_dict
     if not isinstance(named, dict) or not named:
         return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
     by_id: dict[int, tuple[Any, list[str]]] = {}

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .hookbase import modules_of
+
 STEPS = ("compatibility_mode", "fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 WEIGHT_STEPS = STEPS[1:]
 _CHUNK = 1 << 22  # elements per chunk of a float64 reduction (32 MiB): Gemma's unembedding is 168M numbers
@@ -121,11 +123,14 @@ _lock = threading.Lock()
 
 
 def _state_key(model: Any) -> tuple:
-    """Changes when the weights or TransformerLens's processing flags change (a parameter replaced or written in
-    place bumps its ``id`` or ``_version``)."""
+    """Changes when the weights or TransformerLens's processing flags change: the identity and in-place version
+    of every parameter of every module inside ``model`` (a parameter replaced or written in place bumps its ``id``
+    or ``_version``; a bridge's own parameters are read along with the wrapped model's). Read from the modules'
+    ``_parameters`` dicts (:func:`.hookbase.modules_of`): a bridge's ``parameters()`` walk cost 2-3x more."""
     flags = (getattr(model, "compatibility_mode", None), getattr(model, "_weights_processed", None),
              str(getattr(getattr(model, "cfg", None), "normalization_type", None)))
-    return flags + tuple((id(p), p._version) for p in model.parameters())
+    return flags + tuple((id(p), p._version) for m in modules_of(model) for p in m._parameters.values()
+                         if p is not None)
 
 
 def weight_processing(model: Any) -> WeightProcessing:

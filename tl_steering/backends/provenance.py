@@ -17,13 +17,16 @@ def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: i
                      extra: dict[str, Any]) -> Any:
     from ..results import Provenance
 
-    info = ad.info
     proc = ad.processing
+    info = ad.info_with(proc)
     warn_if_processed(ad.model, proc)
-    seen = extra.pop("user_hooks", None)  # a probe passes the user's hook points it saw during its forwards
-    seen_interventions = extra.pop("interventions", None)  # and the hook factories' hooks it saw
-    user_hooks = sorted(set(_ownership.active_user_hooks(ad.model)) | set(seen or ()))
-    interventions = sorted(set(_ownership.active_interventions(ad.model)) | set(seen_interventions or ()))
+    # a probe passes the user's hook points and the hook factories' hooks it saw during its own forwards: those
+    # are the hooks its numbers were measured under (not the ones on the model when the result is read)
+    seen = extra.pop("user_hooks", None)
+    seen_interventions = extra.pop("interventions", None)
+    user_hooks = sorted(_ownership.active_user_hooks(ad.model) if seen is None else set(seen))
+    interventions = sorted(_ownership.active_interventions(ad.model) if seen_interventions is None
+                           else set(seen_interventions))
     if user_hooks:
         shown = ", ".join(user_hooks[:3]) + (", …" if len(user_hooks) > 3 else "")
         warn_once(ad.model, ("user_hooks", tuple(user_hooks)),

@@ -14,7 +14,8 @@ from ..geometry import EPS_NORM, SINGULAR_REL
 
 F64 = torch.float64
 EPS64 = torch.finfo(torch.float64).eps
-SLOT_ORDER = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+# slot order of the probe's buffer: the per-token Gram groups (x, a, z) and (y, phi) are runs of slots
+SLOT_ORDER = ("resid_pre", "attn_out", "resid_post", "resid_mid", "mlp_out")
 DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
 
@@ -38,10 +39,10 @@ def erank_from_eigvalsh(ev: Tensor) -> Tensor:
     return torch.exp(-torch.special.xlogy(p, p).sum(-1))
 
 
-def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], parallel: bool, has_mid: bool,
+def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], parallel: bool, has_mid: bool,
                      has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
-    """Every token quantity of one layer from the per-token Gram matrix ``G`` ``[batch, pos, slots, slots]``
-    of the slot vectors (slot index of each site in ``k``): (names, values ``[q, batch, pos]``, valid mask).
+    """Every token quantity of one layer from the float64 dot products ``dot(site1, site2)`` ``[batch, pos]`` of its
+    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask).
 
     Formulas of docs/probe.md, in dot products: with u = u(x), <u, a> = <x, a> / ||x||,
     ||P_u a||^2 = ||a||^2 - <u, a>^2, Dx = z - x so <u, Dx> = (<x, z> - ||x||^2) / ||x|| and
@@ -61,9 +62,6 @@ def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], paral
         names.append(q)
         values.append(v)
         valid.append(ok)
-
-    def dot(s1: str, s2: str) -> Tensor:
-        return G[..., k[s1], k[s2]]
 
     xx = dot("resid_pre", "resid_pre")
     nx = xx.sqrt()
@@ -103,60 +101,32 @@ def token_quantities(G: Tensor, k: dict[str, int], metrics: Sequence[str], paral
             wphi = fphi / nfc
             put("tangential_speed_ffn", (pp - wphi * wphi).clamp_min(0.0).sqrt() / nfc, ok_f)
     if not values:
-        return names, G.new_zeros((0, *G.shape[:2])), torch.zeros((0, *G.shape[:2]), dtype=torch.bool)
+        return names, xx.new_zeros((0, *xx.shape)), torch.zeros((0, *xx.shape), dtype=torch.bool)
     return names, torch.stack(values), torch.stack(valid)
-
-
-GRAM_STRIPS = 4  # row strips of the lower-triangular pos x pos Gram (5/8 of the flops of the full product)
-
-
-def gram_lower(T: Tensor, strips: int = GRAM_STRIPS, out: Tensor | None = None) -> Tensor:
-    """Lower triangle (diagonal included) of the Gram matrices ``T T^T`` of a batch ``[m, n, d]``; the strict
-    upper triangle is 0 (read it with ``eigvalsh(..., UPLO="L")``).
-
-    Row strip i holds rows ``[e_i, e_{i+1})`` against columns ``[0, e_{i+1})``: ``(strips + 1) / (2 strips)`` of
-    the flops of ``T @ T.mT`` in ``strips`` batched products (torch has no symmetric rank-k kernel). Each entry
-    is the same float64 dot product as in the full product (up to the BLAS's summation order, ~1e-16).
-    ``out``: a zero-filled ``[m, n, n]`` tensor to write into (returned)."""
-    m, n, _ = T.shape
-    H = T.new_zeros(m, n, n) if out is None else out
-    edges = [round(i * n / strips) for i in range(strips + 1)]
-    for a, b in zip(edges[:-1], edges[1:]):
-        if b > a:
-            H[:, a:b, :b] = T[:, a:b] @ T[:, :b].mT
-    return H.tril_()  # the diagonal blocks came out full
 
 
 def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
-    ``sets``, stacked set-major ``[len(sets) * b, size, size]``: the lower triangle (diagonal included); the strict
-    upper triangle is 0, as in :func:`gram_lower`.
+    ``sets``, stacked set-major ``[len(sets) * b, size, size]`` (both triangles).
 
     On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` and ``A.T @ A`` to its BLAS's
-    symmetric rank-k kernel (``dsyrk``: half the flops), which ran the diversity Grams of SmolLM2 (127 x 576 per
-    sequence) 25-30% faster than :func:`gram_lower` on torch's BLAS (2.2 against 3.0 ms per 8, one thread). Call it
-    with numpy's BLAS capped at one thread (``_util.threads.single_threaded``) when two threads call it at
-    once: a multi-threaded OpenBLAS serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's
-    products (:func:`gram_lower` for ``T T^T``).
+    symmetric rank-k kernel (``dsyrk``: half the flops) and mirrors the triangle, which ran the diversity Grams of
+    SmolLM2 (127 x 576 per sequence) 25-30% faster than torch's BLAS. Call it with numpy's BLAS capped at one
+    thread (``_util.threads.single_threaded``) when two threads call it at once: a multi-threaded OpenBLAS
+    serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's ``matmul``.
     """
     b, n, d = sets[0].shape
     size = d if cols else n
     t0 = sets[0]
     if t0.device.type != "cpu" or t0.dtype != F64 or t0.requires_grad or not all(t.is_contiguous() for t in sets):
-        H = t0.new_zeros(len(sets) * b, size, size)
-        for i, t in enumerate(sets):
-            if cols:
-                torch.matmul(t.mT, t, out=H[i * b:(i + 1) * b])
-            else:
-                gram_lower(t, out=H[i * b:(i + 1) * b])
-        return H.tril_()
+        return torch.cat([t.mT @ t if cols else t @ t.mT for t in sets])
     H = torch.empty(len(sets) * b, size, size, dtype=F64)
     out = H.numpy()
     for i, t in enumerate(sets):
         a = t.detach().numpy()
         at = a.transpose(0, 2, 1)
         np.matmul(*((at, a) if cols else (a, at)), out=out[i * b:(i + 1) * b])
-    return H.tril_()  # the same contract as gram_lower (the diversity sums read the lower triangle)
+    return H
 
 
 _HELPER: concurrent.futures.ThreadPoolExecutor | None = None
@@ -200,18 +170,23 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     return [first, fut.result()]
 
 
-def token_gram(V: Tensor, split: bool = False) -> Tensor:
-    """Per-token Gram matrices ``V V^T`` of ``[batch, pos, slots, d]``: ``[batch, pos, slots, slots]`` (with
-    ``split``, the two halves of the batch on two threads, :func:`in_halves`; the same products)."""
-    if not split or V.shape[0] < 2:
-        return V @ V.mT
-    G = V.new_empty((*V.shape[:-1], V.shape[-2]))
+def token_grams(groups: Sequence[Tensor], split: bool = False) -> list[Tensor]:
+    """Per-token Gram matrices of each group of slot vectors ``[slots, batch, pos, d]`` (a view of the probe's
+    buffer): ``[batch, pos, slots, slots]`` each; with ``split``, the two halves of the batch on two threads
+    (:func:`in_halves`; the same products).
+
+    The probe asks for the dot products its metrics use, in two groups (x, a, z and y, phi: 9 + 4 entries a
+    token) rather than one 5 x 5 product (25): a batched product of tiny matrices costs about its number of
+    entries, and the two groups ran in half the time of the 5 x 5 one."""
+    Vs = [g.permute(1, 2, 0, 3) for g in groups]
+    out = [V.new_empty((*V.shape[:-1], V.shape[-2])) for V in Vs]
 
     def part(a: int, b: int) -> None:
-        torch.matmul(V[a:b], V[a:b].mT, out=G[a:b])
+        for V, G in zip(Vs, out):
+            torch.matmul(V[a:b], V[a:b].mT, out=G[a:b])
 
-    in_halves(part, V.shape[0], True)
-    return G
+    in_halves(part, Vs[0].shape[0], split)
+    return out
 
 
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
@@ -221,70 +196,74 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
 
 
-def _frobenius2_lower(H: Tensor) -> Tensor:
-    """``||G||_F^2`` of symmetric matrices given by their lower triangle (strict upper triangle 0) ``[..., m, m]``."""
-    diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    return 2.0 * (H * H).sum((-1, -2)) - (diag * diag).sum(-1)
-
-
-def _diversity_stats(sets: list[Tensor], spectrum: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
-    ``[batch, n, d]`` set, stacked set-major ``[len(sets) * batch]``, from one Gram matrix per sequence (the
-    smaller one); the effective rank (an ``eigvalsh`` of it) only with ``spectrum``, else 0.
+    ``[batch, n, d]`` set (``sq``: its rows' squared norms ``[batch, n]``), stacked set-major ``[len(sets) * batch]``,
+    from one Gram matrix per sequence (the smaller one); the effective rank (an ``eigvalsh`` of it) only with
+    ``spectrum``, else 0.
 
     Participation ratio: ``(sum_k s_k^2)^2 / sum_k s_k^4 = tr(G)^2 / ||G||_F^2`` of the same Gram matrix (either
     one: ``||U U^T||_F = ||U^T U||_F``), no decomposition, as ``geometry.participation_ratio``."""
     n, d = sets[0].shape[-2:]
     if n <= d:
-        H = gram_sets(sets)  # [sets*batch, n, n]: raw Gram (the lower triangle is read)
+        H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
         inv, ok = _inverse_norms(torch.diagonal(H, dim1=-2, dim2=-1).clamp_min(0.0).sqrt())
         Gu = H.mul_(inv[:, :, None]).mul_(inv[:, None, :])  # Gram of the unit rows (zero rows for masked ones)
-        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
-        ss = 2.0 * Gu.sum((-1, -2)) - trace  # ||sum_j u_j||^2
+        ss = Gu.sum((-1, -2))  # ||sum_j u_j||^2
     else:  # long sequences: the d x d Gram is the smaller one
-        T = torch.cat(sets)
-        inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
-        U = T * inv[..., None]
+        b = sets[0].shape[0]
+        inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
+        U = sets[0].new_empty(len(sets) * b, n, d)
+        for i, t in enumerate(sets):
+            torch.mul(t, inv[i * b:(i + 1) * b, :, None], out=U[i * b:(i + 1) * b])
         total = U.sum(-2)
         ss = (total * total).sum(-1)
         Gu = gram_sets([U], cols=True)
-        trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
-    f2 = _frobenius2_lower(Gu)
+    trace = torch.diagonal(Gu, dim1=-2, dim2=-1).sum(-1)
+    f2 = (Gu * Gu).sum((-1, -2))  # ||G||_F^2
     pr = trace * trace / f2.clamp_min(torch.finfo(F64).tiny)
     erank = erank_from_eigvalsh(torch.linalg.eigvalsh(Gu, UPLO="L")) if spectrum else torch.zeros_like(ss)
     return ss, ok.sum(-1).to(F64), erank, pr
 
 
-def _direction_sums(sets: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count) of each sequence of each ``[batch, n, d]`` set, stacked set-major
-    ``[len(sets) * batch]``: O(n d) per sequence, no Gram matrix."""
-    T = torch.cat(sets)
-    inv, ok = _inverse_norms(torch.linalg.vector_norm(T, dim=-1))
-    total = (inv[:, None, :] @ T)[:, 0]  # sum_j u_j
+def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count) of each sequence of each ``[batch, n, d]`` set (``sq``: squared row
+    norms), stacked set-major ``[len(sets) * batch]``: O(n d) per sequence, no Gram matrix, no copy of a set."""
+    inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
+    b = sets[0].shape[0]
+    total = sets[0].new_empty(len(sets) * b, 1, sets[0].shape[-1])
+    for i, t in enumerate(sets):
+        torch.matmul(inv[i * b:(i + 1) * b, None, :], t, out=total[i * b:(i + 1) * b])  # sum_j u_j
+    total = total[:, 0]
     return (total * total).sum(-1), ok.sum(-1).to(F64)
 
 
-def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None
-              ) -> tuple[Tensor, Tensor]:
+def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
+              sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
     ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
     halves of the batch on two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix
-    either way).
+    either way). ``sq``: the squared norms ``[batch, n]`` of each set's rows where the caller has them (the probe:
+    the diagonals of its per-token Grams); None computes them.
 
-    ``spectrum`` (the effective rank) needs each sequence's Gram matrix (lower triangle, :func:`gram_sets`) and one
-    batched ``eigvalsh``; ``gram`` (the participation ratio; default: ``spectrum``) the Gram matrix only. The
-    pairwise cosine and the resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost.
-    With neither there is no Gram matrix: ``sum_j u_j`` directly, O(n d) per sequence instead of O(n^2 d + n^3); a
+    ``spectrum`` (the effective rank) needs each sequence's Gram matrix (:func:`gram_sets`) and one batched
+    ``eigvalsh``; ``gram`` (the participation ratio; default: ``spectrum``) the Gram matrix only. The pairwise
+    cosine and the resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost. With
+    neither there is no Gram matrix: ``sum_j u_j`` directly, O(n d) per sequence instead of O(n^2 d + n^3); a
     statistic not computed is 0 and marked invalid."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
+    if sq is None:
+        sq = [(t * t).sum(-1) for t in sets]
     if spectrum or gram:
-        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets], spectrum), B, split)
+        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum),
+                          B, split)
         # each part is set-major [n_sets * b]: put the halves side by side per set
         ss, cnt, erank, pr = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4))
     else:
-        ss, cnt = _direction_sums(sets)
+        ss, cnt = _direction_sums(sets, sq)
         erank = pr = torch.zeros_like(ss)
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
@@ -324,11 +303,18 @@ class Accumulator:
         return idx
 
     def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
-                   bins: Tensor) -> None:
+                   bins: Tensor | None) -> None:
         """Add ``values`` ``[q, batch, pos]`` (where ``valid``) to the sums of ``names`` at ``layer_row``,
-        binned by the position bins ``bins`` ``[pos]``; invalid rows are counted as masked."""
+        binned by the position bins ``bins`` ``[pos]`` (None: one bin); invalid rows are counted as masked."""
         q = self._rows(names, True)
-        s = torch.where(valid, values, torch.zeros_like(values)).sum(1)  # [q, pos]
+        kept = torch.where(valid, values, torch.zeros_like(values))
+        if bins is None:
+            c = valid.sum((1, 2))
+            self.t_sum[q, layer_row, 0] += kept.sum((1, 2))
+            self.t_cnt[q, layer_row, 0] += c
+            self.t_msk[q, layer_row, 0] += valid[0].numel() - c
+            return
+        s = kept.sum(1)  # [q, pos]
         c = valid.sum(1)
         m = valid.shape[1] - c
         for tgt, src in ((self.t_sum, s), (self.t_cnt, c), (self.t_msk, m)):

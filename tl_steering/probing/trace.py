@@ -2,6 +2,7 @@
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -11,11 +12,11 @@ from torch import Tensor
 
 from .. import validation
 from ..backends import adapt
-from ..backends.lifecycle import add_hook_last, conversion_records, drop_identity_conversions, refuse_meta_inputs
+from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identity_conversions, hook_guard,
+                                  refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import (DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_gram,
-                            token_quantities)
+from .kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
 from .result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -84,10 +85,9 @@ class ProbeTrace:
         self.n_forwards = 0
         self._longest = 0  # the longest window seen, and the most positions one left after exclude_positions
         self._most_kept = 0
-        self._points = named_hook_points(self.model)  # the user's hooks seen during forwards go into provenance
         self._user_hooks: set[str] = set()
         self._interventions: set[str] = set()
-        self._pos_cache: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._pos_cache: dict[tuple[int, str], tuple[Tensor | slice | None, Tensor | None]] = {}
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
@@ -101,6 +101,7 @@ class ProbeTrace:
                                  for i in self._div_stats] for mid in (False, True)}
         self._conversions = conversion_records(self.model)
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
+        self._points = named_hook_points(self.model, hook_dict)  # the hooks seen during forwards: provenance
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
@@ -129,13 +130,14 @@ class ProbeTrace:
         # (no MKL call here, so none of the oversubscription that _update avoids)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            buf = self._buf = torch.zeros(shape, dtype=_F64, device=src.device)
+            buf = self._buf = torch.empty(shape, dtype=_F64, device=src.device)  # every slot read is written first
         out = buf[self._cur[site]]
         out.copy_(src)
         return out
 
-    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor]:
-        """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one)."""
+    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor | None]:
+        """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one, None
+        without ``position_bins``)."""
         key = (n_pos, str(device))
         if key not in self._pos_cache:
             keep = torch.ones(n_pos, dtype=torch.bool)
@@ -150,8 +152,8 @@ class ProbeTrace:
                 idx = slice(int(pos[0]), int(pos[-1]) + 1)
             else:
                 idx = pos.to(device)
-            bins = _position_bins(pos) if self.position_bins else torch.zeros_like(pos)
-            self._pos_cache[key] = (idx, bins.clamp_max(len(self.bin_edges) - 2).to(device))
+            bins = _position_bins(pos).clamp_max(len(self.bin_edges) - 2).to(device) if self.position_bins else None
+            self._pos_cache[key] = (idx, bins)
         return self._pos_cache[key]
 
     def _layer_sites(self, layer: int) -> list[tuple[str, str]]:
@@ -257,7 +259,8 @@ class ProbeTrace:
         # pre-hooks that keep ours last) is undone by closing the stack, also when an interrupt lands here
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(self.ad.hook_guard("tl_steering.probe"))
+            # the user's hooks are read during the forwards (_count_forward), not recorded on entry
+            stack.enter_context(hook_guard(self.model, "tl_steering.probe", record_hooks=False))
             self._stack = stack
             refuse_meta_inputs(self.model)  # the user's forwards: a clear error for meta tokens (removed on exit)
             hook_dict = self.model.hook_dict
@@ -330,25 +333,41 @@ class ProbeTrace:
             return
         k = self._cur
         has_mid = not parallel and "resid_mid" in st
-        # every dot product a token needs, at once: the per-token Gram matrix of its slot vectors
-        G = token_gram(buf.permute(1, 2, 0, 3), split) if acc.token_q else None  # [batch, n, slots, slots]
-        # NaN/Inf anywhere in a slot shows in its squared norm (the Gram diagonal): name the layer and site
-        sq = G.diagonal(dim1=-2, dim2=-1) if G is not None else (buf * buf).sum(-1).permute(1, 2, 0)
-        if not bool(torch.isfinite(sq).all()):
-            self._raise_non_finite(layer, sq)
-        if G is not None:
-            names, values, valid = token_quantities(G, k, self.metrics, parallel, has_mid, "attn_out" in st,
+        # every dot product a token needs, in two per-token Gram products: (x, a, z) and (f, phi), f the FFN input
+        groups = [["resid_pre", *(["attn_out"] if "attn_out" in st else []), "resid_post"]]
+        if "mlp_out" in st:
+            groups.append(["resid_mid" if has_mid else "resid_pre", "mlp_out"])
+        elif has_mid:
+            groups.append(["resid_mid"])
+        views, at = [], []
+        for sites in groups:  # each group's slots are evenly spaced in the buffer: a strided view, no copy
+            slots = sorted(k[s_] for s_ in sites)
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            assert slots == list(range(slots[0], slots[-1] + 1, step)), slots
+            views.append(buf[slots[0]:slots[-1] + 1:step])
+            at.append({s_: (k[s_] - slots[0]) // step for s_ in sites})
+        grams = token_grams(views, split)  # each [batch, n, m, m]
+
+        def dot(s1: str, s2: str) -> Tensor:
+            g = next(i for i, pos in enumerate(at) if s1 in pos and s2 in pos)
+            return grams[g][..., at[g][s1], at[g][s2]]
+
+        # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
+        if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
+            self._raise_non_finite(layer, {s_: dot(s_, s_) for pos in at for s_ in pos})
+        if acc.token_q:
+            names, values, valid = token_quantities(dot, self.metrics, parallel, has_mid, "attn_out" in st,
                                                     "mlp_out" in st)
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
         if self._div_stats:
             which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
             reuse = st.get("_div_pre") is not None
-            todo = [w for w in which if not (w == "pre" and reuse)]
+            todo = [_SITE_OF[w] for w in which if not (w == "pre" and reuse)]
             self._n_diversity_sets += len(todo)
-            sets = [buf[k[_SITE_OF[w]]] for w in todo]
-            values, valid = diversity(sets, split, spectrum="effective_rank" in self.metrics,
-                                      gram="participation_ratio" in self.metrics)  # [sets, 4, batch]
+            values, valid = diversity([buf[k[s_]] for s_ in todo], split, spectrum="effective_rank" in self.metrics,
+                                      gram="participation_ratio" in self.metrics,
+                                      sq=[dot(s_, s_) for s_ in todo])  # [sets, 4, batch]
             if reuse:
                 values = torch.cat([st["_div_pre"][0], values])
                 valid = torch.cat([st["_div_pre"][1], valid])
@@ -358,8 +377,8 @@ class ProbeTrace:
             keep = self._div_stats
             acc.add_sequences(row, names, values[:, keep].flatten(0, 1), valid[:, keep].flatten(0, 1))
 
-    def _raise_non_finite(self, layer: int, sq: Tensor) -> None:
-        bad = [site for site, k in self._cur.items() if not bool(torch.isfinite(sq[..., k]).all())]
+    def _raise_non_finite(self, layer: int, sq: dict[str, Tensor]) -> None:
+        bad = [site for site, v in sq.items() if not bool(torch.isfinite(v).all())]
         raise NonFiniteError(
             f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
             "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "

@@ -104,3 +104,25 @@ def test_result_files_written_before_these_fields_load(tmp_path):
     old = type(res).load(path)
     assert old.provenance.processing_steps == [] and old.provenance.user_hooks == []
     assert old.provenance.processing == "raw"
+
+
+def test_cache_key_follows_every_weight_and_not_the_forwards():
+    """The processing cache is keyed on each parameter's identity and in-place version, read from every module's
+    ``_parameters`` (a bridge's own and the wrapped model's): a forward leaves the key as it was, an in-place
+    write or a replaced parameter changes it, and the result follows (a centred embedding read anew)."""
+    from tl_steering.backends.processing import _state_key
+
+    m = ts.tiny_model("gpt2", backend="bridge", seed=0, **SIZES)
+    key = _state_key(m)
+    with torch.no_grad():
+        m(_tokens())
+    assert _state_key(m) == key
+    p = next(m.parameters())
+    with torch.no_grad():
+        p.add_(0.0)
+    assert _state_key(m) != key
+    key = _state_key(m)
+    blk = m.original_model.transformer.h[0].mlp.c_fc
+    blk.weight = torch.nn.Parameter(blk.weight.detach().clone())
+    assert _state_key(m) != key
+    assert len({id(q) for q in m.parameters()} - {k[0] for k in _state_key(m)[3:]}) == 0

@@ -405,20 +405,21 @@ def test_single_metric(tiny, tiny_tokens, metric):
 
 @pytest.mark.parametrize("n", [1, 2, 7, 33])
 def test_diversity_kernel_equals_full_gram_formula(n):
-    """probing.kernels.diversity (lower-triangle Gram in row strips, ||sum u||^2 from it) against the plain
-    formula on the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length,
-    effective rank and participation ratio to 1e-12 relative; zero rows masked; n > d takes the d x d branch;
-    the participation ratio alone (gram=True, spectrum=False) solves no eigenproblem and gives the same."""
-    from tl_steering.probing.kernels import diversity, erank_from_eigvalsh, gram_lower
+    """probing.kernels.diversity (||sum u||^2 read off each sequence's Gram matrix) against the plain formula on
+    the full Gram matrix of the unit rows, per sequence: pairwise cosine, resultant length, effective rank and
+    participation ratio to 1e-12 relative; zero rows masked; n > d takes the d x d branch; the participation ratio
+    alone (gram=True, spectrum=False) solves no eigenproblem and gives the same; squared norms passed in (the
+    probe's, from its per-token Grams) give the numbers of the ones the kernel takes itself."""
+    from tl_steering.probing.kernels import diversity, erank_from_eigvalsh
 
     gen = torch.Generator().manual_seed(n)
     d = 16
     sets = [torch.randn(3, n, d, generator=gen, dtype=F64) + torch.randn(d, generator=gen, dtype=F64)
             for _ in range(2)]
     sets[1][1, 0] = 0.0  # a zero row: left out of its sequence's statistics
-    T = torch.randn(4, n, d, generator=gen, dtype=F64)
-    assert torch.allclose(gram_lower(T), torch.tril(T @ T.mT), rtol=0, atol=1e-12)
     values, valid = diversity(sets)
+    given, given_ok = diversity(sets, sq=[torch.linalg.vector_norm(t, dim=-1) ** 2 for t in sets])
+    assert torch.equal(given_ok, valid) and torch.allclose(given, values, rtol=1e-12, atol=1e-14)
     cheap, cheap_ok = diversity(sets, spectrum=False)  # no Gram matrix: sum_j u_j directly
     assert torch.equal(cheap_ok[:, :2], valid[:, :2]) and not cheap_ok[:, 2:].any()
     assert torch.allclose(cheap[:, :2][valid[:, :2]], values[:, :2][valid[:, :2]], rtol=1e-12, atol=1e-14)
@@ -444,9 +445,9 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_kernels_split_over_two_threads_equal_one_thread(batch):
-    """diversity / token_gram with split=True (the halves of the batch on two threads, the probe's path when
+    """diversity / token_grams with split=True (the halves of the batch on two threads, the probe's path when
     torch has >= 2 threads) give the numbers of the unsplit kernels, per sequence and per token."""
-    from tl_steering.probing.kernels import diversity, token_gram
+    from tl_steering.probing.kernels import diversity, token_grams
 
     gen = torch.Generator().manual_seed(batch)
     for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
@@ -456,35 +457,37 @@ def test_kernels_split_over_two_threads_equal_one_thread(batch):
         v2, ok2 = diversity(sets, split=True)
         assert torch.equal(ok1, ok2)
         assert torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
-        V = torch.randn(batch, n, 5, d, generator=gen, dtype=F64)
-        assert torch.allclose(token_gram(V, split=True), V @ V.mT, rtol=1e-13, atol=1e-13)
+        buf = torch.randn(5, batch, n, d, generator=gen, dtype=F64)  # [slots, batch, pos, d], as the probe's
+        groups = [buf[:3], buf[1:5:3]]  # a run of slots, and two slots 3 apart (a strided view)
+        for split in (False, True):
+            for got, g in zip(token_grams(groups, split=split), groups):
+                V = g.permute(1, 2, 0, 3)
+                assert torch.allclose(got, V @ V.mT, rtol=1e-13, atol=1e-13)
 
 
-def test_gram_sets_numpy_route_equals_gram_lower():
-    """gram_sets (numpy's symmetric BLAS kernel on CPU float64) gives gram_lower's lower triangle to 1e-12
-    with a zero strict upper triangle, and with cols=True the lower triangle of T^T T; other dtypes,
-    non-contiguous sets and tensors that require grad take the torch route and give the same."""
-    from tl_steering.probing.kernels import gram_lower, gram_sets
+def test_gram_sets_numpy_route_equals_torch():
+    """gram_sets (numpy's symmetric BLAS kernel on CPU float64) gives torch's full Gram matrices T T^T to 1e-12,
+    both triangles, and with cols=True T^T T; other dtypes, non-contiguous sets and tensors that require grad take
+    the torch route and give the same."""
+    from tl_steering.probing.kernels import gram_sets
 
     gen = torch.Generator().manual_seed(3)
     sets = [torch.randn(3, 9, 20, generator=gen, dtype=F64) + 2.0 for _ in range(2)]
-    want = torch.cat([gram_lower(t) for t in sets])
+    want = torch.cat([t @ t.mT for t in sets])
     got = gram_sets(sets)
-    assert got.shape == (6, 9, 9)
-    assert torch.equal(got.triu(1), torch.zeros_like(got.triu(1)))
+    assert got.shape == (6, 9, 9) and torch.equal(got, got.mT)
     assert torch.allclose(got, want, rtol=1e-13, atol=1e-12)
     strided = [torch.randn(3, 20, 9, generator=gen, dtype=F64).mT for _ in range(2)]
-    assert torch.allclose(gram_sets(strided), torch.cat([gram_lower(t) for t in strided]), rtol=0, atol=1e-12)
+    assert torch.allclose(gram_sets(strided), torch.cat([t @ t.mT for t in strided]), rtol=0, atol=1e-12)
     g32 = gram_sets([t.float() for t in sets])
     assert g32.dtype == torch.float32 and torch.allclose(g32.double(), want, rtol=1e-5, atol=1e-3)
     leaf = sets[0].clone().requires_grad_(True)
     assert torch.allclose(gram_sets([leaf]).detach(), want[:3], rtol=0, atol=1e-12)
     # cols=True: the d x d Gram T^T T (long sequences), on both routes
-    want_cols = torch.cat([torch.tril(t.mT @ t) for t in sets])
+    want_cols = torch.cat([t.mT @ t for t in sets])
     got_cols = gram_sets(sets, cols=True)
     assert got_cols.shape == (6, 20, 20) and torch.allclose(got_cols, want_cols, rtol=1e-13, atol=1e-11)
-    assert torch.allclose(gram_sets(strided, cols=True), torch.cat([torch.tril(t.mT @ t) for t in strided]),
-                          rtol=0, atol=1e-11)
+    assert torch.allclose(gram_sets(strided, cols=True), torch.cat([t.mT @ t for t in strided]), rtol=0, atol=1e-11)
 
 
 def test_single_threaded_caps_numpy_blas_and_restores():
@@ -601,3 +604,27 @@ def test_no_transformerlens_conversion_records_pile_up(tiny, tiny_tokens):
     drop_identity_conversions(records)
     assert count() == 1 and records[0][-1]["conversion_type"] == "transpose_1_2"
     records[0].pop(-1)
+
+
+def test_protocol_inside_probe_is_not_a_user_hook(tiny, tiny_tokens):
+    """A protocol run inside a probe hooks the model with the package's own (tagged) hooks: the probe neither
+    lists them as the user's nor warns, while a user's own hook inside the same block is listed."""
+    import warnings
+
+    import tl_steering as ts
+    from tl_steering.errors import UserHooksWarning
+
+    ad = adapt(tiny)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with probe(tiny, metrics="resid_norm") as trace:
+            ts.angular_deficit(tiny, tiny_tokens, n_bootstrap=2)
+            ad.run_with_cache(tiny_tokens, [ad.hook_name(0, "resid_post")])
+        res = trace.result()
+    assert res.n_forwards >= 2 and res.provenance.user_hooks == []
+    assert not [x for x in w if issubclass(x.category, UserHooksWarning)]
+    name = ad.hook_name(0, "attn_out")
+    with probe(tiny, metrics="resid_norm") as trace:
+        tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(name, lambda act, hook: None)])
+    with pytest.warns(UserHooksWarning):
+        assert name in trace.result().provenance.user_hooks
