@@ -26,7 +26,11 @@ QUANTITIES: dict[str, tuple[str, ...]] = {
     "participation_ratio": tuple(f"participation_ratio_{w}" for w in SITES3),
 }
 TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
-SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")  # per-sequence statistics: not binned by position
+SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")
+#: what ``probe(model)`` measures: every metric but the per-sequence spectra (``effective_rank``: one Gram matrix and
+#: eigenproblem per sequence and site; ``participation_ratio``: one Gram matrix), which cost more than the forward's
+#: share the probe is allowed (docs/probe.md, "Cost"); ``metrics="all"`` adds them
+DEFAULT_METRICS: tuple[str, ...] = (*TOKEN_METRICS, "diversity")  # per-sequence statistics: not binned by position
 SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _F64 = torch.float64

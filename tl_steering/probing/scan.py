@@ -202,7 +202,7 @@ def scan(
 
 def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
     """The metrics every remaining shard measures on resume: those of the shards written so far (the first one, on
-    every rank) when ``metrics`` is None ("all": the probe has gained metrics since, e.g. ``participation_ratio``)
+    every rank) when ``metrics`` is None (the default, whose list may have changed since the scan started)
     or a subset of theirs (a shard of this scan upgraded on load, e.g. ``effective_rank`` split from
     ``diversity``); otherwise as asked. Shards of one scan then always merge, and the scan gives what it gave
     when it started."""

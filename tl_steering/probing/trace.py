@@ -17,7 +17,7 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
 from .kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
-from .result import ALL_QUANTITIES, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
+from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
 
@@ -59,6 +59,8 @@ class ProbeTrace:
         self.ad = adapt(model)
         self.model = self.ad.model
         if metrics is None:
+            metrics = list(DEFAULT_METRICS)
+        elif metrics == "all":
             metrics = list(METRICS)
         elif isinstance(metrics, str):
             metrics = [metrics]
@@ -66,7 +68,7 @@ class ProbeTrace:
         bad = [m for m in metrics if m not in METRICS]
         if bad or not metrics:
             raise InputError(f"unknown probe metric(s) {bad or metrics!r}; choose from {METRICS} "
-                             "(or metrics=None for all)")
+                             "(metrics=None: the default, DEFAULT_METRICS; 'all': every metric)")
         self.metrics = [m for m in METRICS if m in metrics]
         self.layers = self.ad.layers(layers)
         self.exclude_positions = validation.as_positions(exclude_positions, "exclude_positions")
@@ -454,9 +456,10 @@ def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequen
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge).
         metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
-            ``"diversity"``, ``"effective_rank"``, ``"participation_ratio"`` (None: all). See the module docstring
-            for the definitions; ``"effective_rank"`` (each sequence's spectrum) costs the most, and grows with
-            sequence length.
+            ``"diversity"``, ``"effective_rank"``, ``"participation_ratio"``; None: the default
+            (:data:`~tl_steering.probing.result.DEFAULT_METRICS`, every metric but the per-sequence spectra
+            ``effective_rank`` and ``participation_ratio``, which cost more than a forward's share); ``"all"``: every
+            metric. See the module docstring for the definitions and docs/probe.md for the cost of each.
         layers: layers to probe (None: all).
         exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
             Negative indices count from the end of each forward's sequence.

@@ -145,7 +145,7 @@ def assert_matches(res: ProbeResult, ref: dict, tol: float = TOL, bins: bool = F
 
 def test_probe_equals_cache_route(tiny, tiny_tokens):
     """Several forwards inside one probe give the numbers of a full run_with_cache over all batches."""
-    with probe(tiny) as trace:
+    with probe(tiny, metrics="all") as trace:
         tiny(tiny_tokens[:1])
         tiny.run_with_hooks(tiny_tokens[1:])
     assert_no_hooks(tiny)
@@ -518,7 +518,7 @@ def test_single_threaded_caps_numpy_blas_and_restores():
 
 def _full_probe_then_no_eigvalsh(model, tokens, monkeypatch) -> ProbeResult:
     """The result of a probe with every metric; then ``torch.linalg.eigvalsh`` raises until the test ends."""
-    full = probe(model)
+    full = probe(model, metrics="all")
     with full:
         model(tokens)
 
