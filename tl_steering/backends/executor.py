@@ -11,8 +11,9 @@ from torch import Tensor
 
 from ..errors import ModelNotSupportedError
 from .executor_bridge import _parallelize_bridge
-from .executor_state import _inner_hook_points, _ParallelState, _raw  # noqa: F401  (_raw: tests)
-from .fused import FusedWeights, _build, _fused_step
+from .executor_state import _inner_hook_points, _ParallelState
+from .fused import FusedWeights, _build
+from .sublayers import unwrap as _raw  # noqa: F401  (tests)
 
 try:  # TL 3.x only
     from transformer_lens.components import TransformerBlock as _HookedBlock  # type: ignore[attr-defined]
@@ -82,7 +83,7 @@ if _HookedBlock is not None:
                     k = self.attn.apply_rotary(k, 0, None)
                 return fw.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
 
-            return self.hook_resid_post(_fused_step(st, x, core))
+            return self.hook_resid_post(st.step(x, core))
 
 else:  # pragma: no cover - TL 4.x
     HookedParallelBlock = None  # type: ignore[assignment, misc]

@@ -9,8 +9,10 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, ModelNotSupportedError
-from .executor_state import _inner_hook_points, _ParallelState, _raw
-from .fused import FusedWeights, _build, _fused_step, _on_side
+from .detect import first_output
+from .executor_state import _inner_hook_points, _ParallelState
+from .fused import FusedWeights, _build
+from .sublayers import unwrap as _raw
 
 try:
     from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
@@ -200,21 +202,17 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     elif family == "gemma":  # each branch keeps its own post-norm: post_attn(attn(ln1 x)) + post_ffn(mlp(ln2 x))
         ln1, attn, ln2 = self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm
         post1, post2 = self.post_attention_layernorm, self.post_feedforward_layernorm
-        mlp = lambda h: post2(_first(self.mlp(h)))  # noqa: E731
-        a_call = lambda h: post1(_first(attn(hidden_states=h, **kwargs)))  # noqa: E731
+        mlp = lambda h: post2(first_output(self.mlp(h)))  # noqa: E731
+        a_call = lambda h: post1(first_output(attn(hidden_states=h, **kwargs)))  # noqa: E731
     else:
         ln1, attn, ln2, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
         a_call = lambda h: attn(hidden_states=h, **kwargs)  # noqa: E731
-    a = _first(a_call(ln1(x)))
-    ctx, join = _on_side(st.use_streams, x, st._streams)
+    a = first_output(a_call(ln1(x)))
+    ctx, join = st.on_side(x)
     with ctx:
-        m = st.correct(_first(mlp(ln2(x))), a)  # the fitted correction (if any) of the FFN write
+        m = st.correct(first_output(mlp(ln2(x))), a)  # the fitted correction (if any) of the FFN write
     join(m)
     return x + a + m
-
-
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, tuple) else out
 
 
 def _positional_names(layer: Any) -> list[str]:
@@ -247,7 +245,7 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
             k, v = cache.update(k, v, layer._tl_parallel_layer_idx)
         return fw.attend(q, k, v, mask)
 
-    return _fused_step(st, x, core)
+    return st.step(x, core)
 
 
 def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool,

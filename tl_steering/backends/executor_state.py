@@ -2,28 +2,17 @@
 both block kinds share (:mod:`.executor` for HookedTransformer blocks, :mod:`.executor_bridge` for the bridge's
 Hugging Face decoder layers; docs/parallel.md)."""
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from .fused import FusedWeights, _Streams, corrected_ffn_write
-
-
-def _raw(m: Any) -> Any:
-    """Unwrap bridge components down to the Hugging Face module they wrap."""
-    seen = 0
-    while isinstance(m, torch.nn.Module) and "_original_component" in m._modules and seen < 8:
-        m = m._modules["_original_component"]
-        seen += 1
-    return m
-
-
-# ----------------------------------------------------------------------------------------------------------
-# shared state of a parallelized block
+from .. import validation
+from .fused import FusedWeights, corrected_ffn_write
 
 
 class _ParallelState(torch.nn.Module):
@@ -35,8 +24,7 @@ class _ParallelState(torch.nn.Module):
         object.__setattr__(self, "_inner", inner)  # not submodules: they belong to the block already
         self.use_streams = bool(streams)
         self.force_unfused = False
-        self.lean_sequential = False  # benchmark control: same kernels, SEQUENTIAL block (not parallel!)
-        self._streams = _Streams()
+        self._side: dict[Any, Any] = {}  # a side CUDA stream per device index
         # fitted correction of the FFN write, g Phi(x) + b (+ a W) (tl_steering.parallel.refit); folded into the
         # fused weights, applied by correct() on the unfused paths
         self.ffn_gate = 1.0
@@ -78,14 +66,47 @@ class _ParallelState(torch.nn.Module):
     def inner_hooked(self) -> bool:
         return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self._inner)
 
+    def on_side(self, x: Tensor) -> tuple[Any, Callable[..., None]]:
+        """``(context, join)``: the enclosed work runs on a side CUDA stream that first waits for the current one
+        (``use_streams`` and ``x`` on CUDA; else no-ops); ``join(*tensors)`` makes the current stream wait for it."""
+        if not (self.use_streams and x.is_cuda):
+            return contextlib.nullcontext(), (lambda *ts: None)
+        cur = torch.cuda.current_stream(x.device)
+        if x.device.index not in self._side:
+            self._side[x.device.index] = torch.cuda.Stream(device=x.device)
+        side = self._side[x.device.index]
+        side.wait_stream(cur)
+
+        def join(*tensors: Tensor) -> None:
+            cur.wait_stream(side)
+            for t in tensors:
+                if isinstance(t, Tensor) and t.is_cuda:
+                    t.record_stream(cur)
+
+        return torch.cuda.stream(side), join
+
+    def step(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
+        stream, :meth:`on_side`) beside the MLP hidden layer, one joint output GEMM. An input of 0 positions
+        (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
+        if x.shape[-2] == 0:
+            validation.check_length(0, None, "the input of a parallelized block")
+        fw = self.fused
+        q, k, v, gate, up = fw.project(x)
+        ctx, join = self.on_side(x)
+        with ctx:
+            z = core(q, k, v)
+        h = fw.mlp_hidden(gate, up)
+        join(z)
+        return fw.output(x, z, h)
+
     def __deepcopy__(self, memo: dict) -> "_ParallelState":
-        new = _ParallelState.__new__(_ParallelState)
+        new = type(self).__new__(type(self))
         memo[id(self)] = new
         torch.nn.Module.__init__(new)
         new.fused = copy.deepcopy(self.fused, memo)
         object.__setattr__(new, "_inner", [copy.deepcopy(hp, memo) for hp in self._inner])
-        new.use_streams, new.force_unfused, new._streams = self.use_streams, self.force_unfused, _Streams()
-        new.lean_sequential = self.lean_sequential
+        new.use_streams, new.force_unfused, new._side = self.use_streams, self.force_unfused, {}
         new.ffn_gate = self.ffn_gate
         new.ffn_bias = None if self.ffn_bias is None else self.ffn_bias.clone()
         new.attn_linear = None if self.attn_linear is None else self.attn_linear.clone()

@@ -3,7 +3,6 @@ core, the joint output GEMM, CUDA side streams. No TransformerLens or Hugging Fa
 (:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md.
 """
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +10,6 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
-
-from .. import validation
 
 
 def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
@@ -60,8 +57,7 @@ class FusedWeights(torch.nn.Module):
         self.register_buffer("b_post", None if b_post is None else b_post.contiguous(), persistent=False)
         nq, nkv = n_heads * d_head, n_kv_heads * d_head
         self.splits = [nq, nkv, nkv] + ([d_mlp] if gated else []) + [d_mlp]
-        self.n_attn_cols = nq + 2 * nkv
-        self._lean: dict[str, Any] | None = None  # contiguous per-branch weights (benchmark control only)
+        self.branch_biases: tuple[Tensor | None, Tensor | None] = (None, None)  # b_O, b_out (before folding)
         self.qk_eps = self.post_eps = 0.0
         self.softcap: float | None = None
         self.window: int | None = None
@@ -96,10 +92,6 @@ class FusedWeights(torch.nn.Module):
     def sandwich(self) -> bool:
         return self.post_attn_g is not None or self.post_ffn_g is not None
 
-    # -- lean SEQUENTIAL control (the same kernels, sequential order): benchmarks only -------------------------
-    def set_branch_biases(self, b_o: Tensor | None, b_down: Tensor | None) -> None:
-        self._branch_biases = (b_o, b_down)
-
     def fold_ffn_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
         """Make the FFN branch write g Phi(x) + b (+ a W, a the attention branch's write) (float64 fold, cast
         back): pre-norm blocks scale the W_out rows by g, fold g b_out + b into the output bias and W into the
@@ -122,7 +114,7 @@ class FusedWeights(torch.nn.Module):
         if lin64 is not None:
             w[:nq] = w[:nq] + w[:nq] @ lin64
         self.w_out = w.to(dt).contiguous()
-        b_o, b_down = getattr(self, "_branch_biases", (None, None))
+        b_o, b_down = self.branch_biases
         b = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
         if b_o is not None:
             b_o64 = b_o.double().to(w.device)
@@ -132,49 +124,6 @@ class FusedWeights(torch.nn.Module):
         if bias64 is not None:
             b = b + bias64
         self.b_out = b.to(dt)
-        self._lean = None
-
-    def _lean_weights(self) -> dict[str, Any]:
-        if self._lean is None or self._lean["w_a"].device != self.w_in.device:
-            n, nq = self.n_attn_cols, self.n_heads * self.d_head
-            b_o, b_down = getattr(self, "_branch_biases", (None, None))
-            cv = lambda t: None if t is None else t.to(self.w_in.device, self.w_in.dtype)  # noqa: E731
-            self._lean = dict(
-                w_a=self.w_in[:, :n].contiguous(), b_a=None if self.b_in is None else self.b_in[:n].contiguous(),
-                w_m=self.w_in[:, n:].contiguous(), b_m=None if self.b_in is None else self.b_in[n:].contiguous(),
-                w_o=self.w_out[:nq].contiguous(), w_d=self.w_out[nq:].contiguous(), b_o=cv(b_o), b_d=cv(b_down))
-        return self._lean
-
-    def lean_sequential(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-        """x + A(x) then + Phi(x + A(x)) with the folded weights (norm affines folded per branch)."""
-        w = self._lean_weights()
-        b, s, d = x.shape
-        lin = lambda t, wt, bias: torch.addmm(bias, t, wt) if bias is not None else t @ wt  # noqa: E731
-        ya = lin(self.normalize(x).reshape(b * s, d), w["w_a"], w["b_a"])
-        nq, nkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
-        q, k, v = ya.split([nq, nkv, nkv], dim=-1)
-        q, k = self.qk_norm(q.view(b, s, self.n_heads, self.d_head), k.view(b, s, self.n_kv_heads, self.d_head))
-        z = core(q, k, v.view(b, s, self.n_kv_heads, self.d_head))
-        if self.sandwich:
-            a = z.reshape(b * s, -1) @ w["w_o"]
-            a = a if w["b_o"] is None else a + w["b_o"]
-            x1 = x.reshape(b * s, d) + (a if self.post_attn_g is None else self._rms(a, self.post_attn_g,
-                                                                                      self.post_eps))
-        else:
-            x1 = torch.addmm(x.reshape(b * s, d), z.reshape(b * s, -1), w["w_o"])
-            if w["b_o"] is not None:
-                x1 = x1 + w["b_o"]
-        ym = lin(self.normalize(x1.view(b, s, d)).reshape(b * s, d), w["w_m"], w["b_m"])
-        parts = ym.split([self.d_mlp] * (2 if self.gated else 1), dim=-1)
-        h = self.mlp_hidden(parts[0] if self.gated else None, parts[-1])
-        if self.sandwich:
-            m = h @ w["w_d"]
-            m = m if w["b_d"] is None else m + w["b_d"]
-            return (x1 + (m if self.post_ffn_g is None else self._rms(m, self.post_ffn_g, self.post_eps))).view(b, s, d)
-        out = torch.addmm(x1, h, w["w_d"])
-        if w["b_d"] is not None:
-            out = out + w["b_d"]
-        return out.view(b, s, d)
 
     def normalize(self, x: Tensor) -> Tensor:
         if self.norm == "ln":
@@ -294,69 +243,10 @@ def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv
     b_out = None
     if bo is not None or b_down is not None:
         b_out = (0 if bo is None else bo.double()) + (0 if b_down is None else b_down.double())
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
     fw = FusedWeights(norm=norm, eps=eps, w_in=cast(w_in), b_in=cast(b_in), w_out=cast(w_out),
                         b_out=cast(b_out), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
                         d_mlp=w_down.shape[0], gated=w_gate is not None, act=act, scale=scale,
                         b_post=cast(b_post))
-    fw.set_branch_biases(cast(None if bo is None else bo.detach()), cast(None if b_down is None else b_down.detach()))
+    fw.branch_biases = (cast(bo), cast(b_down))
     return fw
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CUDA streams
-
-
-class _Streams:
-    """A side CUDA stream per device; branches run concurrently, joined before the output GEMM."""
-
-    def __init__(self) -> None:
-        self._side: dict[Any, Any] = {}
-
-    def side(self, device: torch.device) -> Any:
-        key = device.index
-        if key not in self._side:
-            self._side[key] = torch.cuda.Stream(device=device)
-        return self._side[key]
-
-    def __deepcopy__(self, memo: dict) -> "_Streams":
-        return _Streams()
-
-
-def _on_side(enabled: bool, x: Tensor, streams: _Streams) -> Any:
-    """Context running the enclosed work on a side stream (CUDA + enabled) that first waits for the current
-    one; returns (context, join) where join() makes the current stream wait for the side stream."""
-    if not (enabled and x.is_cuda and torch.cuda.is_available()):
-        return contextlib.nullcontext(), (lambda *ts: None)
-    cur = torch.cuda.current_stream(x.device)
-    side = streams.side(x.device)
-    side.wait_stream(cur)
-
-    def join(*tensors: Tensor) -> None:
-        cur.wait_stream(side)
-        for t in tensors:
-            if isinstance(t, Tensor) and t.is_cuda:
-                t.record_stream(cur)
-
-    return torch.cuda.stream(side), join
-
-
-
-def _fused_step(st: Any, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-    """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
-    CUDA stream when ``st.use_streams``) beside the MLP hidden layer, one joint output GEMM. With
-    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control). An input of 0
-    positions (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
-    if x.shape[-2] == 0:
-        validation.check_length(0, None, "the input of a parallelized block")
-    fw = st.fused
-    if st.lean_sequential:
-        return fw.lean_sequential(x, core)
-    q, k, v, gate, up = fw.project(x)
-    ctx, join = _on_side(st.use_streams, x, st._streams)
-    with ctx:
-        z = core(q, k, v)
-    h = fw.mlp_hidden(gate, up)
-    join(z)
-    return fw.output(x, z, h)
-
