@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from .. import validation
@@ -22,7 +22,7 @@ from ..errors import (
     ParallelBlockError,
 )
 
-from .detect import _SITE_HOOK, SITES, Backend, backend_of
+from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
 from . import lifecycle as _lifecycle
 from . import ownership as _ownership
 from .lifecycle import hook_guard, hooks_silenced
@@ -91,9 +91,7 @@ class ModelAdapter:
 
     @property
     def device(self) -> torch.device:
-        for p in self.model.parameters():
-            return p.device
-        return torch.device("cpu")
+        return parameter_device(self.model)
 
     # -- structure ---------------------------------------------------------------------------------------
     @staticmethod
@@ -271,10 +269,6 @@ class ModelAdapter:
         in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
         return hook_guard(self.model, call)
 
-    def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
-        """Check a token batch and move nothing silently: wrong device is an error, not a copy (:mod:`.checks`)."""
-        return _checks.validate_tokens(self, tokens, min_len)
-
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
         """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
@@ -313,19 +307,10 @@ class ModelAdapter:
         return logits, store
 
     # -- checks (:mod:`.checks`) -------------------------------------------------------------------------
-    def identity_tolerance(self) -> float:
-        """Relative tolerance for residual identities: dtype-aware."""
-        return _checks.identity_tolerance(self.dtype)
-
-    def check_residual_identity(self, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
-                                rtol: float | None = None) -> dict[int, float]:
-        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer: the worst
-        relative error per layer; :class:`ResidualIdentityError` when one exceeds ``rtol``."""
-        return _checks.check_residual_identity(self, cache, layers, rtol)
-
-    def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
-        """The hook names :meth:`check_residual_identity` reads."""
-        return _checks.identity_names(self, layers)
+    validate_tokens = _checks.validate_tokens
+    identity_tolerance = _checks.identity_tolerance
+    check_residual_identity = _checks.check_residual_identity
+    identity_names = _checks.identity_names
 
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,

@@ -46,20 +46,18 @@ def validate_tokens(ad: Any, tokens: Any, min_len: int = 2) -> Int[Tensor, "batc
     return tokens.long()
 
 
-def identity_tolerance(dtype: torch.dtype) -> float:
+def identity_tolerance(ad: Any) -> float:
     """Relative tolerance for residual identities: dtype-aware."""
     return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(
-        dtype, 1e-5)
+        ad.dtype, 1e-5)
 
 
 def check_residual_identity(ad: Any, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
                             rtol: float | None = None) -> dict[int, float]:
-    """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer.
-
-    Returns the worst relative error per layer (error / max |residual|). Raises
-    :class:`ResidualIdentityError` naming the layer and the error when one exceeds ``rtol``.
-    """
-    rtol = identity_tolerance(ad.dtype) if rtol is None else rtol
+    """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer of ``cache``: the worst
+    relative error per layer (error / max |residual|); :class:`ResidualIdentityError` naming the layer when one
+    exceeds ``rtol``."""
+    rtol = identity_tolerance(ad) if rtol is None else rtol
     out: dict[int, float] = {}
     for layer in ad.layers(layers):
         g = lambda s: cache[ad.hook_name(layer, s)].to(torch.float64)  # noqa: E731

@@ -77,6 +77,13 @@ def backend_of(model: Any) -> Backend:
     )
 
 
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (the first parameter's device; cpu for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
 def first_output(out: Any) -> Tensor:
     """Bridge components may return tuples: keep the hidden states."""
     while isinstance(out, (tuple, list)):

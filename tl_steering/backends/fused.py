@@ -1,7 +1,6 @@
 """The fused parallel block as pure tensor math: folded weights, the shared input projection, the attention
-core, the joint output GEMM, CUDA side streams. No TransformerLens or Hugging Face here: the executor
-(:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md.
-"""
+core, the joint output GEMM. No TransformerLens or Hugging Face here: the executor (:mod:`.executor`) extracts the
+weights from a block and calls these. See docs/parallel.md."""
 
 from collections.abc import Callable
 from typing import Any
@@ -75,10 +74,10 @@ class FusedWeights(torch.nn.Module):
         self.window = int(window) if window else None
 
     @staticmethod
-    def _rms(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    def _rms(x: Tensor, g: Tensor | None, eps: float) -> Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        g = g.to(xf.dtype)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * g).to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y if g is None else y * g.to(xf.dtype)).to(x.dtype)
 
     def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head RMS norm of q [.., h, dh] and k [.., kv, dh] (QK-norm blocks; identity otherwise)."""
@@ -128,8 +127,7 @@ class FusedWeights(torch.nn.Module):
     def normalize(self, x: Tensor) -> Tensor:
         if self.norm == "ln":
             return F.layer_norm(x, x.shape[-1:], None, None, self.eps)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self._rms(x, None, self.eps)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
         """x [b, s, d] -> q [b,s,h,dh], k, v [b,s,kv,dh], gate [b,s,m] or None, up [b,s,m] (one GEMM)."""

@@ -22,12 +22,19 @@ _FLAG_DICTS = {
 _SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
 _OWNED_ATTR = "_tl_steering_owned"
 _INTERVENTION_ATTR = "_tl_steering_intervention"
-_MAX_RESTORE_TRIES = 20
 
 
 def hook_points(model: torch.nn.Module) -> list[HookPoint]:
     """Every TransformerLens HookPoint inside ``model`` (a whole model or one block)."""
     return [m for m in model.modules() if isinstance(m, HookPoint)]
+
+
+def drop_hook(module: torch.nn.Module, attr: str, key: Any) -> None:
+    """Remove entry ``key`` from ``module``'s torch hook dict ``attr`` and from its flag dicts."""
+    for a in (attr, *_FLAG_DICTS[attr]):
+        d = getattr(module, a, None)
+        if d is not None:
+            d.pop(key, None)
 
 
 def _wrapper(fn: Callable, attr: str, value: Any) -> Callable:
@@ -110,13 +117,10 @@ def intervention_of(f: Any) -> str | None:
 
 
 def shielded(restore: Callable[[], None]) -> None:
-    """Run an idempotent ``restore`` to completion even if interrupts land inside it; re-raise the first one.
-
-    A KeyboardInterrupt (or an exception raised by a signal handler) inside ``restore`` would otherwise leave
-    half-restored state behind; ``restore`` is retried until it completes, and the interrupt is raised after.
-    """
+    """Run an idempotent ``restore`` to completion even if interrupts land inside it (it is retried until it
+    completes, up to 20 times); then re-raise the first interrupt."""
     pending: BaseException | None = None
-    for _ in range(_MAX_RESTORE_TRIES):
+    for _ in range(20):
         try:
             restore()
             break
@@ -127,5 +131,5 @@ def shielded(restore: Callable[[], None]) -> None:
         raise pending
 
 
-__all__ = ["hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned", "owned",
+__all__ = ["drop_hook", "hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned", "owned",
            "shielded", "wraps_any"]

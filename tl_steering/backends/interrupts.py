@@ -1,6 +1,7 @@
 """Signal safety for a model's hook state: every registered scope is restored before a signal's exception (Ctrl-C
 above all) propagates. See docs/hooks.md, "Interrupts"."""
 
+import contextlib
 import signal
 import threading
 from typing import Any, Protocol
@@ -10,7 +11,7 @@ try:  # the C function under signal.getsignal: no enum conversion, same handler 
 except ImportError:  # pragma: no cover - every CPython has it
     _getsignal = signal.getsignal
 
-_MAX_TRIES = 20
+from .hookbase import shielded
 
 
 class Restorer(Protocol):
@@ -49,17 +50,6 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _restore_quietly(r: Restorer) -> None:
-    """Run ``r.restore()`` to completion; an exception inside it (a nested handler call, which restored everything
-    itself) is dropped: the handler raises the first one."""
-    for _ in range(_MAX_TRIES):
-        try:
-            r.restore()
-            return
-        except BaseException:  # noqa: BLE001 - the handler re-raises its own exception
-            continue
-
-
 def _on_signal(signum: int, frame: Any) -> None:
     prev = _previous.get(signum)
     try:
@@ -70,7 +60,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     except BaseException:
         reg = _registry()
         for r in reversed(list(reg)):
-            _restore_quietly(r)
+            with contextlib.suppress(BaseException):  # a nested handler call restored everything itself
+                shielded(r.restore)
             r.interrupted = True
         reg.clear()
         _uninstall()
@@ -107,24 +98,17 @@ def _uninstall() -> None:
     if not _main_thread():
         return
     _installed[0] = False
-    pending: BaseException | None = None
-    for _ in range(_MAX_TRIES):
-        try:
-            for sig, prev in list(_previous.items()):
-                if signal.getsignal(sig) is _on_signal:
-                    signal.signal(sig, prev)
-                for section in _sections:  # a deferred section holding this signal puts prev back, not ours
-                    if section._saved.get(sig) is _on_signal:
-                        section._saved[sig] = prev
-                _previous.pop(sig, None)
-            break
-        except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
-            if _unsupported(e):  # pragma: no cover - installed only where it could be set
-                break
-            if pending is None:
-                pending = e
-    if pending is not None:
-        raise pending
+
+    def put_back() -> None:
+        for sig, prev in list(_previous.items()):
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, prev)
+            for section in _sections:  # a deferred section holding this signal puts prev back, not ours
+                if section._saved.get(sig) is _on_signal:
+                    section._saved[sig] = prev
+            _previous.pop(sig, None)
+
+    shielded(put_back)
 
 
 def register(r: Restorer) -> None:
@@ -187,22 +171,21 @@ class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_si
 
     def __exit__(self, *exc: Any) -> None:
         saved = self._saved  # the same dict _uninstall may update while the handlers are put back
-        raised: BaseException | None = None
-        for _ in range(_MAX_TRIES):  # a handler put back may run (and raise) before the others are: finish first
-            try:
-                for sig in list(saved):
-                    if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
-                        signal.signal(sig, saved[sig])
-                break
-            except BaseException as e:  # noqa: BLE001 - re-raised once every handler is back
-                if raised is None:
-                    raised = e
-        self._saved = {}
-        if self in _sections:
-            _sections.remove(self)
-        if raised is not None:  # that signal's handler already ran: it is the interrupt the caller gets
+
+        def put_back() -> None:  # a handler put back may run (and raise) before the others are: shielded finishes
+            for sig in list(saved):
+                if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
+                    signal.signal(sig, saved[sig])
+
+        try:
+            shielded(put_back)
+        except BaseException:  # that signal's handler already ran: it is the interrupt the caller gets
             self._pending = []
-            raise raised
+            raise
+        finally:
+            self._saved = {}
+            if self in _sections:
+                _sections.remove(self)
         pending, self._pending = self._pending, []
         for signum, frame in pending:  # delivered now, outside the section; the first raising one propagates
             handler = saved.get(signum)

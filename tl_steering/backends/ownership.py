@@ -72,12 +72,6 @@ def holder(model: Any) -> _Claim | None:
     return c
 
 
-def held_here(model: Any) -> bool:
-    """Whether this thread holds ``model`` now (inside one of its tl_steering calls)."""
-    c = _claims.get(_key(model))
-    return c is not None and c.thread is threading.current_thread()
-
-
 def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
     return ModelBusyError(
         f"{call}: this {type(model).__name__} is in use by {cur.describe()}. tl_steering runs one call per model at "
@@ -186,7 +180,7 @@ def exclusive(fn: F) -> F:
 def named_hook_points(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
     """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
     ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
-    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
+    :func:`hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access)."""
     named = getattr(model, "hook_dict", None)
     if not isinstance(named, dict) or not named:
         return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
@@ -224,17 +218,12 @@ def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, .
     return tuple(sorted(users)), tuple(sorted(found))
 
 
-def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
-    """The user hook points of :func:`hooks_among`."""
-    return hooks_among(points)[0]
-
-
 def user_hook_points(model: Any) -> tuple[str, ...]:
     """Names of the hook points that carry hooks not tagged as tl_steering's and not made by its hook factories
     (the user's own: a ``hooks()`` context, ``add_hook``, permanent hooks), sorted; on a bridge every name of such a
     point. Hooks that TransformerLens or transformers wire on other modules (a bridge's capture hooks) are not on
     hook points and are not counted."""
-    return user_hooks_among(named_hook_points(model))
+    return hooks_among(named_hook_points(model))[0]
 
 
 def active_interventions(model: Any) -> tuple[str, ...]:
@@ -251,5 +240,5 @@ def active_user_hooks(model: Any) -> tuple[str, ...]:
     return user_hook_points(_key(model))
 
 
-__all__ = ["active_interventions", "active_user_hooks", "claim", "hooks_among", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
-           "user_hooks_among"]
+__all__ = ["active_interventions", "active_user_hooks", "claim", "exclusive", "holder", "hooks_among",
+           "named_hook_points", "user_hook_points"]

@@ -11,14 +11,7 @@ import torch
 from .. import validation
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 from .decoding import route_cache_keyword
-from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
-
-
-def parameter_device(model: torch.nn.Module) -> torch.device:
-    """Where the model's weights are (the first parameter's device; cpu for a model without parameters)."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, parameter_device, tl_version
 
 
 def move_to_device(model: Any, device: torch.device) -> Any:
@@ -36,6 +29,19 @@ def move_to_device(model: Any, device: torch.device) -> Any:
         except Exception:  # noqa: BLE001 - a frozen config: the parameters are what counts
             pass
     return model
+
+
+def check_options(backend: str, processing: str) -> None:
+    """Refuse an unknown ``backend`` or ``processing``, and ``backend="hooked"`` on a TransformerLens without
+    HookedTransformer, before any weight is read."""
+    if backend not in ("bridge", "hooked"):
+        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    if processing not in ("raw", "tl"):
+        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    if backend == "hooked" and _HookedTransformer is None:
+        raise ModelNotSupportedError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
+            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*').")
 
 
 def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing,
@@ -56,10 +62,7 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
             ``"google/gemma-3-270m"``; TL 3.9 reads Gemma 3 configs by name and refuses them from a local
             directory). The weights still come from ``hf_model``; nothing is downloaded.
     """
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
-    if backend not in ("bridge", "hooked"):
-        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    check_options(backend, processing)
     # a model dispatched by accelerate (from_pretrained(device_map=...), dispatch_model): layers on several devices,
     # or offloaded to CPU / disk and loaded by accelerate's hooks at forward time; it cannot be moved as a whole
     dispatched = bool(getattr(hf_model, "hf_device_map", None))
@@ -101,11 +104,6 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         if dispatched:  # accelerate placed (and maybe offloaded) the layers: keep that placement
             return model
         return move_to_device(model, dev)
-    if _HookedTransformer is None:
-        raise ModelNotSupportedError(
-            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
-            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*')."
-        )
     import transformer_lens.loading_from_pretrained as lp
 
     fold = processing == "tl"
@@ -129,4 +127,4 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
     return move_to_device(model, dev)
 
 
-__all__ = ["move_to_device", "parameter_device", "wrap_hf"]
+__all__ = ["check_options", "move_to_device", "wrap_hf"]
