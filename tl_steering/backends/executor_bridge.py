@@ -173,20 +173,11 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     """Forward of a parallelized Hugging Face decoder layer (bound to the layer instance)."""
     st: _ParallelState = self._tl_parallel
     family: str = self._tl_parallel_family
-    if family == "gpt2":  # GPT2Block(hidden_states, cache, attention_mask, encoder_hidden_states, ...)
-        names = ("cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "use_cache")
-        for n, a in zip(names, args):
-            kwargs[n] = a
-        if kwargs.get("encoder_hidden_states") is not None:
+    kwargs.update(zip(self._tl_parallel_args, args))  # the decoder layer's own positional parameters
+    if family == "gpt2":
+        if kwargs.pop("encoder_hidden_states", None) is not None:
             raise ModelNotSupportedError("parallelized GPT-2 blocks do not support cross-attention")
-        kwargs.pop("encoder_hidden_states", None)
         kwargs.pop("encoder_attention_mask", None)
-    elif args and family == "gemma":  # Gemma3DecoderLayer(hidden_states, position_embeddings, attention_mask, ...)
-        for n, a in zip(_positional_names(self), args):
-            kwargs[n] = a
-    elif args:  # LlamaDecoderLayer(hidden_states, attention_mask, position_ids, cache, use_cache, pos_emb)
-        for n, a in zip(("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings"), args):
-            kwargs[n] = a
     if "past_key_values" in kwargs and kwargs.get("cache") is None:
         kwargs["cache"] = kwargs.pop("past_key_values")
     kwargs.pop("past_key_values", None)
@@ -197,8 +188,7 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     # unfused parallel: attn(ln1(x)) + mlp(ln2(x)) through the (bridge) sublayers, every inner hook fires
     if family == "gpt2":
         ln1, attn, ln2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
-        attn_kwargs = {k: kwargs[k] for k in kwargs}
-        a_call = lambda h: attn(h, **attn_kwargs)  # noqa: E731
+        a_call = lambda h: attn(h, **kwargs)  # noqa: E731
     elif family == "gemma":  # each branch keeps its own post-norm: post_attn(attn(ln1 x)) + post_ffn(mlp(ln2 x))
         ln1, attn, ln2 = self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm
         post1, post2 = self.post_attention_layernorm, self.post_feedforward_layernorm
@@ -215,10 +205,10 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     return x + a + m
 
 
-def _positional_names(layer: Any) -> list[str]:
+def _positional_names(layer: Any) -> tuple[str, ...]:
     """Names of the decoder layer's positional parameters after ``hidden_states`` (from its class forward)."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: dict) -> Tensor:
@@ -269,6 +259,7 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
         if layer_i in corrections:
             layer._tl_parallel.set_correction(*corrections[layer_i])
         layer._tl_parallel_family = family
+        layer._tl_parallel_args = _positional_names(layer)
         layer._tl_parallel_layer_idx = layer_idx if layer_idx >= 0 else layer_i
         layer.forward = types.MethodType(_hf_parallel_forward, layer)
         # the adapter (and readers of the block type) see a parallel block: no hook_resid_mid
