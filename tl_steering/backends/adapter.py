@@ -30,10 +30,6 @@ from ..metrics import next_token_loss
 from .processing import WeightProcessing, weight_processing
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the adapter
-
-
 @dataclasses.dataclass
 class ModelInfo:
     """Provenance tags that tl_steering's loaders attach to a model (``model._tl_steering_info``)."""

@@ -16,10 +16,7 @@ from .. import validation
 from ..errors import InputError
 from .detect import backend_of
 
-try:
-    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge as _AttnBridge
-except ImportError:  # pragma: no cover
-    _AttnBridge = None
+from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge as _AttnBridge
 
 
 def kv_cache(model: Any, batch: int = 1) -> Any:
@@ -46,7 +43,7 @@ def cache_routing(model: Any) -> Iterator[Any]:
     """Inside the block, every attention bridge of ``model`` also receives the Hugging Face cache its decoder layer
     passes as ``cache=`` under ``past_key_values=`` (the name TransformerLens reads). Nested entries are free; a
     HookedTransformer needs nothing. The pre-hooks are removed on exit, also on error."""
-    if backend_of(model) != "bridge" or _AttnBridge is None or getattr(model, "_tl_steering_routing", 0):
+    if backend_of(model) != "bridge" or getattr(model, "_tl_steering_routing", 0):
         yield model
         return
     handles = [m.register_forward_pre_hook(_route, with_kwargs=True) for m in model.modules()
@@ -94,8 +91,6 @@ def route_cache_keyword(model: Any) -> Any:
         return model
     if "generate" not in model.__dict__ and callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = types.MethodType(generate, model)
-    if _AttnBridge is None:
-        return model
     for m in model.modules():
         if isinstance(m, _AttnBridge) and "_update_kv_cache" not in m.__dict__:
             m._update_kv_cache = types.MethodType(_update_kv_cache, m)
@@ -105,7 +100,7 @@ def route_cache_keyword(model: Any) -> Any:
 def cache_keyword_routed(model: Any) -> bool:
     """Whether every attention bridge of ``model`` reads ``cache=`` (:func:`route_cache_keyword`); True for a
     HookedTransformer."""
-    if backend_of(model) != "bridge" or _AttnBridge is None:
+    if backend_of(model) != "bridge":
         return True
     return all("_update_kv_cache" in m.__dict__ for m in model.modules() if isinstance(m, _AttnBridge))
 

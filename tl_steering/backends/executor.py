@@ -21,10 +21,6 @@ except ImportError:  # TL 4.x: no HookedTransformer
     _HookedBlock = None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# HookedTransformer (TL 3.9)
-
-
 class _ParallelCfg:
     """A view of the model's config with ``parallel_attn_mlp=True`` (live: flags toggled on the model, such
     as ``use_hook_mlp_in``, are seen)."""

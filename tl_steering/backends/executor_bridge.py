@@ -14,14 +14,7 @@ from .executor_state import _inner_hook_points, _ParallelState
 from .fused import FusedWeights, _build
 from .sublayers import unwrap as _raw
 
-try:
-    from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
-except ImportError:  # pragma: no cover
-    _PBB = None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# TransformerBridge (TL 3.9 and 4.x): replace the forward of the Hugging Face decoder layer inside the block
+from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
 
 
 _GEMMA_MODULES = {"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -263,7 +256,7 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
         layer._tl_parallel_layer_idx = layer_idx if layer_idx >= 0 else layer_i
         layer.forward = types.MethodType(_hf_parallel_forward, layer)
         # the adapter (and readers of the block type) see a parallel block: no hook_resid_mid
-        if _PBB is not None and type(blk).__name__ == "BlockBridge":
+        if type(blk).__name__ == "BlockBridge":
             blk.__class__ = _PBB
             aliases = dict(blk.hook_aliases)
             aliases.pop("hook_resid_mid", None)

