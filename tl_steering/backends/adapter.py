@@ -1,6 +1,5 @@
 """The one place that knows TransformerLens's model classes: :class:`ModelAdapter`, through which the rest of
-tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart").
-"""
+tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart")."""
 
 import contextlib
 import dataclasses
@@ -12,22 +11,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import validation
+from ..errors import HookNotFoundError, InputError, ModelNotSupportedError, ParallelBlockError
+from ..metrics import next_token_loss
 from . import checks as _checks
-from .checks import check_finite, split_hook_name
-from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
-from ..errors import (
-    HookNotFoundError,
-    InputError,
-    ModelNotSupportedError,
-    ParallelBlockError,
-)
-
-from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
 from . import lifecycle as _lifecycle
 from . import ownership as _ownership
+from .checks import check_finite, split_hook_name
+from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
 from .lifecycle import hook_guard, hooks_silenced
-from ..metrics import next_token_loss
 from .processing import WeightProcessing, weight_processing
+from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 
 
 @dataclasses.dataclass

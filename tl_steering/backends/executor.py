@@ -9,7 +9,6 @@ from typing import Any
 
 from torch import Tensor
 
-from ..errors import ModelNotSupportedError
 from .executor_bridge import _parallelize_bridge
 from .executor_state import _inner_hook_points, _ParallelState
 from .fused import FusedWeights, _build
@@ -171,12 +170,8 @@ def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, 
     blocks that could not be fused. ``corrections``: ``{layer: (g, b, W)}``, the FFN write of that parallel
     block becomes g Phi(x) + b + a W (``b`` a ``[d_model]`` tensor or None, ``W`` ``[d_model, d_model]`` or None, a
     the block's attention write)."""
-    corrections = corrections or {}
-    if backend == "hooked":
-        if HookedParallelBlock is None:  # pragma: no cover
-            raise ModelNotSupportedError("HookedTransformer blocks need TransformerLens 3.x")
-        return _parallelize_hooked(model, layers, fuse, streams, corrections)
-    return _parallelize_bridge(model, layers, fuse, streams, corrections)
+    parallelize = _parallelize_hooked if backend == "hooked" else _parallelize_bridge
+    return parallelize(model, layers, fuse, streams, corrections or {})
 
 
 def parallel_states(model: Any) -> list[_ParallelState]:

@@ -13,6 +13,7 @@ from transformer_lens.hook_points import HookPoint
 
 from .. import validation
 from .fused import FusedWeights, corrected_ffn_write
+from .hookbase import hook_points
 
 
 class _ParallelState(torch.nn.Module):
@@ -41,8 +42,6 @@ class _ParallelState(torch.nn.Module):
         arithmetic, cast back)."""
         if not self.corrected:
             return m
-        if self.attn_linear is not None and a is None:
-            raise RuntimeError("parallel block: the attention write was not captured for the linear correction")
         return corrected_ffn_write(m, self.ffn_gate, self.ffn_bias, self.attn_linear, a)
 
     def set_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
@@ -116,9 +115,4 @@ class _ParallelState(torch.nn.Module):
 
 def _inner_hook_points(block: torch.nn.Module, boundary: Sequence[HookPoint]) -> list[HookPoint]:
     ids = {id(h) for h in boundary}
-    out, seen = [], set()
-    for m in block.modules():
-        if isinstance(m, HookPoint) and id(m) not in ids and id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-    return out
+    return [hp for hp in hook_points(block) if id(hp) not in ids]

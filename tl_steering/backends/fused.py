@@ -30,6 +30,14 @@ def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
     return out.to(m.dtype if dtype is None else dtype)
 
 
+def causal_mask(sq: int, sk: int, device: torch.device, window: int | None = None) -> Tensor:
+    """``[sq, sk]`` boolean mask (True = attend) of the last ``sq`` of ``sk`` positions: causal, and within the
+    ``window`` latest positions when a sliding window is given."""
+    i = torch.arange(sk, device=device)
+    diff = i[-sq:, None] - i[None, :]
+    return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+
+
 class FusedWeights(torch.nn.Module):
     """Folded weights of one parallel block (non-persistent buffers) and the fused math on them.
 
@@ -150,9 +158,7 @@ class FusedWeights(torch.nn.Module):
         """Causal attention, q [b,h,sq,dh], k/v [b,kv,sk,dh] -> z [b, sq, h*dh]."""
         sq, sk = q.shape[-2], k.shape[-2]
         if mask is None and self.window is not None and sk > self.window:
-            i = torch.arange(sk, device=q.device)
-            diff = i[-sq:, None] - i[None, :]
-            mask = (diff >= 0) & (diff < self.window)
+            mask = causal_mask(sq, sk, q.device, self.window)
         if self.softcap is not None:
             return self._attend_softcap(q, k, v, mask)
         kwargs: dict[str, Any] = {"scale": self.scale}
@@ -165,8 +171,7 @@ class FusedWeights(torch.nn.Module):
         elif sq == sk:
             z = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         else:  # queries are the last sq of sk positions
-            causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, **kwargs)
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(sq, sk, q.device), **kwargs)
         return z.transpose(1, 2).reshape(q.shape[0], sq, -1)
 
     def _attend_softcap(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -178,7 +183,7 @@ class FusedWeights(torch.nn.Module):
         sc = (q @ k.transpose(-1, -2)) * self.scale
         sc = torch.tanh(sc / self.softcap) * self.softcap
         if mask is None:
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            mask = causal_mask(sq, sk, q.device)
         if mask.dtype == torch.bool:
             sc = sc.masked_fill(~mask[..., :sk], torch.finfo(sc.dtype).min)
         else:

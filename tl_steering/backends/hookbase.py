@@ -12,13 +12,13 @@ from transformer_lens.hook_points import HookPoint
 
 # torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
 # dicts are keyed like their main dict and only hold flags
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _FLAG_DICTS = {
     "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
     "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
     "_backward_hooks": (),
     "_backward_pre_hooks": (),
 }
+_HOOK_DICTS = tuple(_FLAG_DICTS)
 _SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
 _OWNED_ATTR = "_tl_steering_owned"
 _INTERVENTION_ATTR = "_tl_steering_intervention"
@@ -74,18 +74,21 @@ def mark_owned(fn: Callable) -> Callable:
     return _tag(fn, _OWNED_ATTR, True)
 
 
-def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
-    """Whether ``pred`` holds for torch hook ``f`` or for a function its closure holds (TransformerLens's
-    ``HookPoint.add_hook`` registers a ``full_hook`` that closes over the function it was given)."""
-    if pred(f):
-        return True
+def _wrapped(f: Any) -> list[Any]:
+    """Torch hook ``f`` and the functions its closure holds (TransformerLens's ``HookPoint.add_hook`` registers a
+    ``full_hook`` that closes over the function it was given)."""
+    out = [f]
     for cell in getattr(f, "__closure__", None) or ():
         try:
-            if pred(cell.cell_contents):
-                return True
+            out.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    return False
+    return out
+
+
+def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds for torch hook ``f`` or for a function its closure holds."""
+    return any(pred(g) for g in _wrapped(f))
 
 
 def is_ours(f: Any) -> bool:
@@ -104,16 +107,8 @@ def mark_intervention(fn: Callable, desc: str) -> Callable:
 def intervention_of(f: Any) -> str | None:
     """The description of a factory-made hook (:func:`mark_intervention`), also through TransformerLens's
     ``add_hook`` wrapper; None for any other hook."""
-    found: list[str] = []
-
-    def tagged(g: Any) -> bool:
-        desc = getattr(g, _INTERVENTION_ATTR, None)
-        if isinstance(desc, str):
-            found.append(desc)
-            return True
-        return False
-
-    return found[0] if wraps_any(f, tagged) else None
+    descs = [getattr(g, _INTERVENTION_ATTR, None) for g in _wrapped(f)]
+    return next((d for d in descs if isinstance(d, str)), None)
 
 
 def shielded(restore: Callable[[], None]) -> None:

@@ -23,17 +23,8 @@ class Restorer(Protocol):
     def restore(self) -> None: ...
 
 
-def _catchable() -> tuple[int, ...]:
-    try:
-        sigs = set(signal.valid_signals())
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - every supported Python has it
-        sigs = {signal.SIGINT}
-    for name in ("SIGKILL", "SIGSTOP"):
-        sigs.discard(getattr(signal, name, None))
-    return tuple(sorted(int(s) for s in sigs))
-
-
-_SIGNALS = _catchable()
+_SIGNALS = tuple(sorted(int(s) for s in signal.valid_signals()
+                       - {getattr(signal, n, None) for n in ("SIGKILL", "SIGSTOP")}))
 _local = threading.local()
 _previous: dict[int, Any] = {}  # signal number -> the Python handler ours replaced (main thread only)
 _installed = [False]

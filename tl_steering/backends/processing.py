@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .detect import backend_of
+
 STEPS = ("compatibility_mode", "fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 WEIGHT_STEPS = STEPS[1:]
 _CHUNK = 1 << 22  # elements per chunk of a float64 reduction (32 MiB): Gemma's unembedding is 168M numbers
@@ -33,9 +35,6 @@ class WeightProcessing:
     def changes_residual(self) -> bool:
         """Whether the residual stream differs from the raw model's (centred writes)."""
         return "center_writing_weights" in self.steps
-
-    def describe(self) -> str:
-        return self.label if not self.steps else f"{self.label} ({', '.join(self.steps)})"
 
 
 def _readable(t: Any) -> bool:
@@ -77,8 +76,6 @@ def _centred(ws: list[Any]) -> bool | None:
 
 
 def _detect(model: Any) -> WeightProcessing:
-    from .detect import backend_of
-
     backend = backend_of(model)
     steps: list[str] = []
     if backend == "bridge":

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .detect import first_output
+from .fused import causal_mask
 
 try:  # TL 3.x: OLMo 2 post-norm blocks on HookedTransformer
     from transformer_lens.components.transformer_block import (  # type: ignore[attr-defined]
@@ -96,13 +97,6 @@ def ffn_apply(blk: torch.nn.Module, norms: SublayerNorms, x3: Tensor) -> Tensor:
     return _apply(norms.post_ffn, _apply(blk.mlp, _apply(norms.pre_ffn, x3)))
 
 
-def _rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
-    try:
-        return "layer_type" in inspect.signature(unwrap(rotary).forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
 def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict[str, Any]:
     """What the decoder layer passes the bridge's attention for a full causal sequence ``x`` [batch, pos, d]:
     rotary ``position_embeddings`` for positions 0..pos-1 (the layer's own type on Gemma 3) and, on
@@ -114,15 +108,13 @@ def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict
     if rotary is not None:
         pos = torch.arange(n_pos, device=x.device).unsqueeze(0).expand(batch, -1)
         layer_type = getattr(hf_attn, "layer_type", None)
-        if layer_type is not None and _rotary_takes_layer_type(rotary):
+        if layer_type is not None and "layer_type" in inspect.signature(unwrap(rotary).forward).parameters:
             kwargs["position_embeddings"] = rotary(x, pos, layer_type)
         else:
             kwargs["position_embeddings"] = rotary(x, pos)
     window = getattr(hf_attn, "sliding_window", None)
     if window and n_pos > int(window):
-        i = torch.arange(n_pos, device=x.device)
-        diff = i[:, None] - i[None, :]
-        allowed = (diff >= 0) & (diff < int(window))
+        allowed = causal_mask(n_pos, n_pos, x.device, int(window))
         kwargs["attention_mask"] = allowed[None, None].expand(batch, 1, n_pos, n_pos)
     return kwargs
 

@@ -1,6 +1,7 @@
 """Wrapping a Hugging Face causal LM into a TransformerLens model, on the device asked for or refused
 (docs/loading.md)."""
 
+import contextlib
 import tempfile
 import warnings
 from pathlib import Path
@@ -23,11 +24,9 @@ def move_to_device(model: Any, device: torch.device) -> Any:
         raise ModelLoadError(f"asked for device {device} but parameters stayed on {wrong} after .to({device!s})")
     actual = parameter_device(model)
     cfg = getattr(model, "cfg", None)
-    if cfg is not None and hasattr(cfg, "device"):
-        try:
+    if hasattr(cfg, "device"):
+        with contextlib.suppress(Exception):  # a frozen config: the parameters are what counts
             cfg.device = actual if not isinstance(cfg.device, str) else str(actual)
-        except Exception:  # noqa: BLE001 - a frozen config: the parameters are what counts
-            pass
     return model
 
 
