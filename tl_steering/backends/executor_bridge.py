@@ -77,24 +77,15 @@ def _gemma_fused(layer: Any) -> tuple[FusedWeights | None, str, int]:
     (wq, bq), (wk, bk), (wv, bv), (wo, bo), (wg, bg), (wu, bu), (wd, bd) = w
     if bo is not None or bd is not None:
         return None, "output biases under a post-norm", -1
-    d = wq.shape[0]
-    gains = {}
-    for name in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
-                 "post_feedforward_layernorm"):
-        gains[name] = _rms_gain(getattr(layer, name), d)
-        if gains[name][0] is None:
-            return None, f"{name} is not an RMSNorm of the form x / rms(x) * g", -1
-    eps = {e for _, e in gains.values()}
-    if len(gains) != 4 or gains["input_layernorm"][1] != gains["pre_feedforward_layernorm"][1]:
-        return None, f"pre-norm eps differ ({sorted(eps)})", -1
-    dh = int(attn.head_dim)
-    qk: dict[str, Any] = {}
-    for name in ("q_norm", "k_norm"):
-        if name in attn._modules:
-            g, e = _rms_gain(attn._modules[name], dh)
-            if g is None:
-                return None, f"{name} is not a per-head RMSNorm", -1
-            qk[name] = (g, e)
+    d, dh = wq.shape[0], int(attn.head_dim)
+    gains = {n: _rms_gain(getattr(layer, n), d) for n in ("input_layernorm", "pre_feedforward_layernorm",
+                                                            "post_attention_layernorm", "post_feedforward_layernorm")}
+    qk = {n: _rms_gain(attn._modules[n], dh) for n in ("q_norm", "k_norm") if n in attn._modules}
+    bad = [n for n, (g, _) in {**gains, **qk}.items() if g is None]
+    if bad:
+        return None, f"{bad[0]} is not an RMSNorm of the form x / rms(x) * g", -1
+    if gains["input_layernorm"][1] != gains["pre_feedforward_layernorm"][1]:
+        return None, "pre-norm eps differ", -1
     if len({e for _, e in qk.values()}) > 1:
         return None, "q_norm/k_norm eps differ", -1
     post_eps = {gains["post_attention_layernorm"][1], gains["post_feedforward_layernorm"][1]}

@@ -224,24 +224,16 @@ def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None) ->
     return w2, b2
 
 
-def _cat_bias(biases: list[Tensor | None], widths: list[int], like: Tensor) -> Tensor | None:
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([torch.zeros(n, dtype=torch.float64, device=like.device) if b is None else b.double()
-                      for b, n in zip(biases, widths)])
-
-
 def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv, wo, bo, w_gate, b_gate, w_up,
            b_up, w_down, b_down, n_heads, n_kv, d_head, act, scale, dtype, b_post=None) -> FusedWeights:
     """Fold norms (g, bias) into the input projections; all w as [in, out]."""
-    cols, biases = [], []
-    for (g, bias), w, b in [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
-            ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]:
-        w2, b2 = _fold(g, bias, w, b)
-        cols.append(w2)
-        biases.append(b2)
+    specs = [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
+        ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]
+    cols, biases = zip(*(_fold(g, bias, w, b) for (g, bias), w, b in specs))
     w_in = torch.cat(cols, dim=1)
-    b_in = _cat_bias(biases, [c.shape[1] for c in cols], w_in)
+    b_in = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(c.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
+         for b, c in zip(biases, cols)])
     w_out = torch.cat([wo.double(), w_down.double()], dim=0)
     b_out = None
     if bo is not None or b_down is not None:

@@ -58,10 +58,7 @@ class _Token:
 
 def _key(model: Any) -> Any:
     """The object claims are keyed by: the TransformerLens model behind an adapter."""
-    inner = getattr(model, "model", None)
-    if type(model).__name__ == "ModelAdapter" and inner is not None:
-        return inner
-    return model
+    return model.model if type(model).__name__ == "ModelAdapter" else model
 
 
 def holder(model: Any) -> _Claim | None:
@@ -117,9 +114,6 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
                 cur = _claims.get(model)
                 if cur is not None and cur.thread is not me and cur.thread.is_alive():
                     raise _busy(model, self.call, cur)
-                if cur is not None and cur.thread is me:  # pragma: no cover - taken between the two checks
-                    _interrupts.unregister(token)
-                    return self
                 token.claim = _Claim(self.call, hooks)  # before the store: a restore finds what to release
                 _claims[model] = token.claim
         except BaseException:

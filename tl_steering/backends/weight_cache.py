@@ -177,12 +177,5 @@ def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build
     return path, write_entry(path, key, build), False
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an entry (after :func:`read_entry`/:func:`cached_entry` verified it)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path / WEIGHTS_FILE))
-
-
-__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256", "load_tensors",
+__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256",
            "read_entry", "write_entry"]
