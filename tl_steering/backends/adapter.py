@@ -117,8 +117,8 @@ class ModelAdapter:
         """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them).
 
         ``site="ffn_input"`` resolves to the FFN-input site of that block. ``hook_dict``: a snapshot of
-        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access, ~2 ms; a
-        caller naming many points, like the probe, takes it once).
+        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access; a caller
+        naming many points, like the probe, takes it once).
         """
         layer = self.check_layer(layer)
         if site == "ffn_input":
@@ -278,13 +278,7 @@ class ModelAdapter:
         Raises :class:`NonFiniteError` naming the layer and site when a collected activation has NaN/Inf.
         """
         store: dict[str, Tensor] = {}
-
-        def saver(name: str) -> Callable:
-            def fn(act: Tensor, hook: Any) -> None:
-                store[name] = act.detach()
-            return fn
-
-        hooks = list(fwd_hooks) + [(n, saver(n)) for n in names]
+        hooks = list(fwd_hooks) + [(n, lambda act, hook, n=n: store.__setitem__(n, act.detach())) for n in names]
         logits = self.run_with_hooks(tokens, hooks, return_type="logits")
         missing = [n for n in names if n not in store]
         if missing:

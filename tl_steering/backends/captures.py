@@ -12,7 +12,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import validation
-from .hookbase import drop_hook, mark_owned, owned, wraps_any
+from .hookbase import drop_hook, mark_owned, wraps_any
 
 
 def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
@@ -31,7 +31,7 @@ def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) ->
             if i in hooks:
                 hooks.move_to_end(i)
 
-    return [hp.register_forward_pre_hook(owned(last))]
+    return [hp.register_forward_pre_hook(mark_owned(last))]
 
 
 def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
@@ -82,7 +82,7 @@ def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None])
         if isinstance(x, Tensor):
             store(x)
 
-    tagged = owned(grab)
+    tagged = mark_owned(grab)
     return module.register_forward_pre_hook(tagged, with_kwargs=True)
 
 
@@ -107,7 +107,7 @@ def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) ->
         for k in [k for k, f in hooks.items() if f is tagged]:
             hooks.move_to_end(k)
 
-    tagged, tagged_last = owned(grab), owned(last)
+    tagged, tagged_last = mark_owned(grab), mark_owned(last)
     fwd = hp.register_forward_hook(tagged)
     return [fwd, hp.register_forward_pre_hook(tagged_last)]
 
@@ -137,7 +137,7 @@ def refuse_meta_inputs(model: torch.nn.Module) -> Any:
     def check(mod: Any, args: tuple, kwargs: dict) -> None:
         validation.check_not_meta(args[0] if args else kwargs.get("input", kwargs.get("tokens")))
 
-    return model.register_forward_pre_hook(owned(check), with_kwargs=True)
+    return model.register_forward_pre_hook(mark_owned(check), with_kwargs=True)
 
 
 __all__ = ["add_hook_last", "capture_input_once", "capture_output_once", "capture_site", "orphan_safe",

@@ -116,9 +116,6 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
     if type(mlp).__name__ not in ("MLP", "GatedMLP") or cfg.is_layer_norm_activation():
         return None, f"MLP {type(mlp).__name__} / act_fn {cfg.act_fn}"
 
-    def norm_params(ln: Any) -> tuple:
-        return getattr(ln, "w", None), getattr(ln, "b", None)
-
     d, dh, nh = cfg.d_model, cfg.d_head, cfg.n_heads
     gqa = hasattr(attn, "_W_K")
     WK, bK = (attn._W_K, attn._b_K) if gqa else (attn.W_K, attn.b_K)
@@ -127,7 +124,8 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
     flat = lambda w: w.detach().permute(1, 0, 2).reshape(d, -1)  # [h, d, dh] -> [d, h*dh]  # noqa: E731
     gated = type(mlp).__name__ == "GatedMLP"
     fw = _build(
-        norm, float(blk.ln1.eps), norm_params(blk.ln1), norm_params(blk.ln2),
+        norm, float(blk.ln1.eps), (getattr(blk.ln1, "w", None), getattr(blk.ln1, "b", None)),
+        (getattr(blk.ln2, "w", None), getattr(blk.ln2, "b", None)),
         flat(attn.W_Q), attn.b_Q.detach().reshape(-1), flat(WK), bK.detach().reshape(-1), flat(WV),
         bV.detach().reshape(-1), attn.W_O.detach().reshape(nh * dh, d), attn.b_O.detach(),
         mlp.W_gate.detach() if gated else None, None, mlp.W_in.detach(), None if gated else mlp.b_in.detach(),

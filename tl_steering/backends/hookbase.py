@@ -58,19 +58,15 @@ def _tag(fn: Callable, attr: str, value: Any) -> Callable:
         return _wrapper(fn, attr, value)
 
 
-def owned(fn: Callable) -> Callable:
-    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
-    return _wrapper(fn, _OWNED_ATTR, True)
-
-
 def is_owned(fn: Any) -> bool:
     return bool(getattr(fn, _OWNED_ATTR, False))
 
 
 def mark_owned(fn: Callable) -> Callable:
     """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
-    takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
-    (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
+    takes no attribute: a guard removes it from any module it finds it on. A hook given to TransformerLens's
+    ``add_hook`` is recognised through TL's wrapper (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does
+    not count it as the user's."""
     return _tag(fn, _OWNED_ATTR, True)
 
 
@@ -99,7 +95,7 @@ def is_ours(f: Any) -> bool:
 def mark_intervention(fn: Callable, desc: str) -> Callable:
     """Tag a hook made by one of tl_steering's hook factories (``ffn_component(...)``, ...) with what it does.
 
-    Such a hook is the user's to place (not removed by a guard, unlike an :func:`owned` one), and a result measured
+    Such a hook is the user's to place (not removed by a guard, unlike a :func:`mark_owned` one), and a result measured
     under it records ``desc`` in its provenance (``interventions``) instead of warning about a foreign hook."""
     return _tag(fn, _INTERVENTION_ATTR, desc)
 
@@ -126,5 +122,5 @@ def shielded(restore: Callable[[], None]) -> None:
         raise pending
 
 
-__all__ = ["drop_hook", "hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned", "owned",
+__all__ = ["drop_hook", "hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned",
            "shielded", "wraps_any"]

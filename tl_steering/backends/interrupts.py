@@ -6,10 +6,7 @@ import signal
 import threading
 from typing import Any, Protocol
 
-try:  # the C function under signal.getsignal: no enum conversion, same handler objects
-    from _signal import getsignal as _getsignal
-except ImportError:  # pragma: no cover - every CPython has it
-    _getsignal = signal.getsignal
+from _signal import getsignal as _getsignal  # the C function under signal.getsignal: no enum conversion
 
 from .hookbase import shielded
 

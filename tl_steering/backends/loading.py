@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import validation
 from .adapter import ModelInfo
 from .wrapping import check_options, move_to_device, wrap_hf
 from .decoding import route_cache_keyword
@@ -208,15 +209,13 @@ def load_model(
     check_options(backend, processing)
     dtype = dtype or torch.float32
     # the device is honoured or refused BEFORE any weights are read (no GPU, "tpu", "bogus": errors)
-    from .. import validation
-
     device = str(validation.as_device(device))
     key = name.lower()
     if key in OFFLINE_MODELS:
         hf, tok, tok_dir, revision = _offline_hf(key, dtype)
         model = wrap_hf(hf, tok, backend, processing, device, label=key, hf_config_dir=tok_dir,
                         tl_name=_TL_NAMES.get(key))
-        prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (loss 1.98 vs 2.14 with)
+        prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (docs/loading.md)
     else:
         model, revision = _load_hub(name, backend, processing, device, dtype)
         prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
@@ -284,15 +283,8 @@ TinyArch = Literal["gpt2", "llama", "neox", "gemma3", "gemma2"]
 def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
                   n_heads: int = 4, d_mlp: int | None = None, n_ctx: int = 128) -> tuple[Any, Any]:
     """A random-init Hugging Face model of a real architecture, plus the byte tokenizer."""
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, PreTrainedTokenizerFast)
 
     vocab = 257
     d_mlp = d_mlp or 4 * d_model  # TL 3.9's GPT-2 config conversion assumes 4 * d_model

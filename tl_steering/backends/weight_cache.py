@@ -22,12 +22,9 @@ Build = Callable[[Path], tuple[dict[str, torch.Tensor], dict[str, str]]]
 
 def cache_root() -> Path:
     """``$TL_STEERING_CACHE``, else ``$XDG_CACHE_HOME/tl_steering``, else ``~/.cache/tl_steering``."""
-    override = os.environ.get("TL_STEERING_CACHE")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tl_steering"
+    if os.environ.get("TL_STEERING_CACHE"):
+        return Path(os.environ["TL_STEERING_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tl_steering"
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -38,19 +35,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _extra_tag(extra: dict[str, str] | None) -> str:
-    if not extra:
-        return ""
-    return "-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
-
-
 def entry_dir(name: str, source_sha256: str, dtype: torch.dtype, root: Path | None = None,
               extra: dict[str, str] | None = None) -> Path:
     """Where the entry for this key lives (it need not exist); ``root`` defaults to :func:`cache_root`;
     ``extra`` (more key fields, e.g. the writer's library version) adds a short hash to the name."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     dt = str(dtype).removeprefix("torch.")
-    leaf = f"{safe}-{source_sha256[:16]}-{dt}{_extra_tag(extra)}-v{CACHE_FORMAT}"
+    tag = "-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8] if extra else ""
+    leaf = f"{safe}-{source_sha256[:16]}-{dt}{tag}-v{CACHE_FORMAT}"
     return (root or cache_root()) / "dequantized" / leaf
 
 

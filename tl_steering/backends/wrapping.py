@@ -112,14 +112,9 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
-    model.load_and_process_state_dict(
-        state_dict,
-        fold_ln=fold,
-        center_writing_weights=fold and cfg.normalization_type in ("LN", "LNPre"),
-        center_unembed=fold,
-        fold_value_biases=fold,
-        refactor_factored_attn_matrices=False,
-    )
+    model.load_and_process_state_dict(state_dict, fold_ln=fold, center_writing_weights=fold and cfg.normalization_type
+                                      in ("LN", "LNPre"), center_unembed=fold, fold_value_biases=fold,
+                                      refactor_factored_attn_matrices=False)
     model.eval()
     return move_to_device(model, dev)
 
