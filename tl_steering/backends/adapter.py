@@ -7,20 +7,39 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import validation
-from ..errors import HookNotFoundError, InputError, ModelNotSupportedError, ParallelBlockError
+from ..errors import (DeviceMismatchError, HookNotFoundError, InputError, ModelNotSupportedError, NonFiniteError,
+                      ParallelBlockError, ResidualIdentityError)
 from ..metrics import next_token_loss
-from . import checks as _checks
 from . import lifecycle as _lifecycle
 from . import ownership as _ownership
-from .checks import check_finite, split_hook_name
 from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
 from .lifecycle import hook_guard, hooks_silenced
 from .processing import WeightProcessing, weight_processing
 from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
+
+
+def check_finite(x: Tensor, layer: int | None, site: str) -> None:
+    """Raise :class:`NonFiniteError` naming the layer and site when ``x`` has NaN or Inf."""
+    if not torch.isfinite(x).all():
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        where = f"layer {layer}, {site}" if layer is not None else site
+        raise NonFiniteError(
+            f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
+            "and any hooks of yours on that point; in float16 try float32 or bfloat16."
+        )
+
+
+def split_hook_name(name: str) -> tuple[int | None, str]:
+    """``blocks.3.hook_x`` -> ``(3, 'hook_x')``; a name outside the blocks -> ``(None, name)``."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
+        return int(parts[1]), ".".join(parts[2:])
+    return None, name
 
 
 @dataclasses.dataclass
@@ -289,11 +308,77 @@ class ModelAdapter:
                 check_finite(store[n], layer, site)
         return logits, store
 
-    # -- checks (:mod:`.checks`) -------------------------------------------------------------------------
-    validate_tokens = _checks.validate_tokens
-    identity_tolerance = _checks.identity_tolerance
-    check_residual_identity = _checks.check_residual_identity
-    identity_names = _checks.identity_names
+    # -- checks ------------------------------------------------------------------------------------------
+    def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
+        """Check a token batch and move nothing silently: wrong device is an error, not a copy."""
+        if not isinstance(tokens, Tensor):
+            raise InputError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}; "
+                             "use model.to_tokens(text) or tl_steering.text_tokens(model)")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise InputError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2:
+            raise InputError(f"tokens must have shape [batch, pos], got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise InputError("empty batch: tokens has 0 sequences")
+        if tokens.shape[1] < min_len:
+            raise InputError(f"sequences of length {tokens.shape[1]} are too short: at least {min_len} positions are "
+                             "needed (position 0 is excluded from statistics and a next-token loss needs two)")
+        validation.check_length(int(tokens.shape[1]), self.n_ctx)
+        validation.check_not_meta(tokens)
+        if tokens.device != self.device:
+            raise DeviceMismatchError(f"tokens are on {tokens.device} but the model is on {self.device}; "
+                                      f"move them with tokens.to('{self.device}')")
+        vocab = int(self.cfg.d_vocab)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise InputError(f"token ids must lie in [0, {vocab}); got range [{lo}, {hi}]")
+        return tokens.long()
+
+    def identity_tolerance(self) -> float:
+        """Relative tolerance for residual identities: dtype-aware."""
+        return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(
+            self.dtype, 1e-5)
+
+    def check_residual_identity(self, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
+                                rtol: float | None = None) -> dict[int, float]:
+        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer of ``cache``: the
+        worst relative error per layer (error / max |residual|); :class:`ResidualIdentityError` naming the layer
+        when one exceeds ``rtol``."""
+        rtol = self.identity_tolerance() if rtol is None else rtol
+        out: dict[int, float] = {}
+        for layer in self.layers(layers):
+            g = lambda s: cache[self.hook_name(layer, s)].to(torch.float64)  # noqa: E731
+            pre, attn, mlp, post = g("resid_pre"), g("attn_out"), g("mlp_out"), g("resid_post")
+            scale = max(float(post.abs().max()), float(pre.abs().max()), 1e-30)
+            if self.is_parallel(layer):
+                errs = {"resid_pre + attn_out + mlp_out = resid_post": float((pre + attn + mlp - post).abs().max())}
+            else:
+                mid = g("resid_mid")
+                errs = {"resid_pre + attn_out = resid_mid": float((pre + attn - mid).abs().max()),
+                        "resid_mid + mlp_out = resid_post": float((mid + mlp - post).abs().max())}
+            worst = max(errs.values()) / scale
+            out[layer] = worst
+            if not worst <= rtol:
+                which = max(errs, key=errs.get)
+                raise ResidualIdentityError(
+                    f"layer {layer}: {which} fails (relative error {worst:.3g} > {rtol:.1g}). The model's "
+                    "hook_attn_out / hook_mlp_out do not decompose the residual stream (a known class of "
+                    "TransformerBridge bugs, or a hook of yours rewrote an activation); tl_steering's "
+                    "decompositions would be wrong on it."
+                )
+        return out
+
+    def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
+        """The hook names :meth:`check_residual_identity` reads."""
+        names = []
+        for layer in self.layers(layers):
+            sites = ["resid_pre", "attn_out", "mlp_out", "resid_post"]
+            if not self.is_parallel(layer):
+                sites.append("resid_mid")
+            names += [self.hook_name(layer, s) for s in sites]
+        return names
 
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
@@ -315,4 +400,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "split_hook_name"]

@@ -82,7 +82,7 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
     :class:`ModelBusyError` when another live thread holds it. ``record_hooks``: record the user's hook points at
     entry of an outermost claim (False for the pure sublayer calls, which add no hooks and run in tight loops);
     ``refresh``: record them again when nested in this thread's claim (a public call inside a probe: the user may
-    have added hooks since; not for the per-forward guards, whose scan would cost a hook-dict rebuild per forward on a bridge)."""
+    have added hooks since; not for the per-forward guards, whose scan rebuilds a bridge's hook dict every forward)."""
 
     __slots__ = ("model", "call", "record_hooks", "refresh", "_token", "_nested")
 
