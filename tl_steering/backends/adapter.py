@@ -185,13 +185,9 @@ class ModelAdapter:
                     "(forward-only measurements -- probe, scan, deficit, diversity, ablation, losses -- do run on it)")
 
     def ffn(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]``
-        (positionwise): MLP(LN2(x)) on pre-norm blocks, with the post-FFN norm on sandwich-norm blocks (Gemma),
-        so that Phi(resid_mid) == hook_mlp_out on every supported block (see docs/gemma.md).
-
-        Runs in the model dtype (cast the input yourself for float64 Jacobians on a float64 copy). No hook
-        fires inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians.
-        """
+        """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]`` (positionwise;
+        Phi(resid_mid) == hook_mlp_out on every supported block: docs/gemma.md), in the model dtype. No hook fires
+        inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians."""
         blk = self.model.blocks[self.check_layer(layer)]
         norms = sublayer_norms(blk)
         model = self.model
@@ -206,13 +202,8 @@ class ModelAdapter:
         return phi
 
     def attention(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """A_l(X) = post_attn(attn(LN1(X))) as a function of the full residual ``[batch, pos, d_model]``
-        (attn(LN1(X)) on pre-norm blocks; the post-attention norm on sandwich-norm blocks).
-
-        Causal over positions; rotary position embeddings are computed for positions 0..pos-1 (bridges need
-        them passed explicitly, per layer type on Gemma 3; HookedTransformer computes them itself), and
-        sliding-window layers get their window. No hook fires inside it.
-        """
+        """A_l(X) = post_attn(attn(pre_attn(X))) as a function of the full residual ``[batch, pos, d_model]``: causal,
+        rotary embeddings for positions 0..pos-1 and the layer's sliding window (docs/gemma.md). No hook fires."""
         layer = self.check_layer(layer)
         blk = self.model.blocks[layer]
         model = self.model
@@ -234,16 +225,11 @@ class ModelAdapter:
     def run_blocks(self, x: Float[Tensor, "batch pos d_model"], start: int, parallel: Sequence[int] = (),
                    write: Callable[[int, Tensor, Tensor, Tensor], Tensor] | None = None
                    ) -> Float[Tensor, "batch pos vocab"]:
-        """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]`` (positions
-        0..pos-1): blocks ``start..L-1`` through the adapter's sublayers (:meth:`attention`, :meth:`ffn`), then
-        the final norm and the unembedding (and a final logit soft-cap where the config has one). No hook fires.
-
-        A sequential block computes y = x + A(x), y + Phi(y); a block in ``parallel`` (or parallel already)
-        x + A(x) + Phi(x), the surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer,
-        sequential_write, parallel_write, attn_write)`` replaces a chosen sequential block's FFN write as in
-        :func:`tl_steering.hooks.parallel_hooks`. Used to share the clean prefix of many plans (layers before
-        ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
-        """
+        """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]``: blocks
+        ``start..L-1`` through the adapter's sublayers, the final norm, the unembedding (docs/defect.md, "Prefix
+        sharing"). No hook fires. A block in ``parallel`` (or parallel already) computes x + A(x) + Phi(x), the
+        surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer, sequential_write, parallel_write,
+        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks`."""
         start = self.check_layer(start, "start")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
@@ -285,7 +271,8 @@ class ModelAdapter:
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 
-    def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()) -> Float[Tensor, "batch pos_minus_1"]:
+    def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()
+                       ) -> Float[Tensor, "batch pos_minus_1"]:
         """Next-token cross-entropy per predicted position (float64), with optional hooks."""
         logits = self.run_with_hooks(tokens, fwd_hooks, return_type="logits")
         return next_token_loss(logits, tokens)

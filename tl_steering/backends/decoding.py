@@ -82,11 +82,8 @@ def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def route_cache_keyword(model: Any) -> Any:
     """Make every attention bridge of ``model`` (a model the caller owns) read the Hugging Face cache that
-    transformers 5.x passes as ``cache=``, in place, and return the model. Idempotent; a no-op on a
-    HookedTransformer or when TransformerLens reads ``cache=`` itself. Not a hook: an instance attribute, kept by
-    ``copy.deepcopy`` (bound to the copy) and invisible to ``hook_dict``, ``reset_hooks`` and the state dict.
-    The bridge's ``generate`` is bound the same way to :func:`generate`, which silences transformers'
-    ``past_key_values`` FutureWarning for that call alone."""
+    transformers 5.x passes as ``cache=``, in place (an instance attribute, not a hook), bind its ``generate`` to
+    :func:`generate`, and return the model. Idempotent; a no-op on a HookedTransformer (docs/generate.md)."""
     if backend_of(model) != "bridge":
         return model
     if "generate" not in model.__dict__ and callable(getattr(type(model), "generate", None)):

@@ -39,15 +39,9 @@ def causal_mask(sq: int, sk: int, device: torch.device, window: int | None = Non
 
 
 class FusedWeights(torch.nn.Module):
-    """Folded weights of one parallel block (non-persistent buffers) and the fused math on them.
-
-    ``w_in``: ``[d_model, n_q + 2 n_kv + (d_mlp if gated) + d_mlp]`` (columns q | k | v | gate | up),
-    ``w_out``: ``[n_heads d_head + d_mlp, d_model]`` (rows W_O ; W_out).
-
-    Sandwich-norm blocks (Gemma 2/3; :meth:`set_sandwich`): per-head RMS norms on q and k after the projection
-    (QK-norm), an RMS norm on EACH branch's output before the sum (so the output is two GEMMs, one per branch,
-    instead of one), attention-logit softcapping and a sliding window where the layer has them.
-    """
+    """Folded weights of one parallel block (non-persistent buffers) and the fused math on them (docs/parallel.md):
+    ``w_in`` ``[d_model, n_q + 2 n_kv + (d_mlp if gated) + d_mlp]`` (columns q | k | v | gate | up), ``w_out``
+    ``[n_heads d_head + d_mlp, d_model]`` (rows W_O ; W_out); sandwich-norm blocks: :meth:`set_sandwich`."""
 
     def __init__(self, *, norm: str, eps: float, w_in: Tensor, b_in: Tensor | None, w_out: Tensor,
                  b_out: Tensor | None, n_heads: int, n_kv_heads: int, d_head: int, d_mlp: int, gated: bool,

@@ -114,11 +114,9 @@ def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_entry(path: Path, key: dict[str, str], build: Build) -> dict[str, str]:
-    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``.
-
-    ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``; the tensors
-    go to ``model.safetensors``. If another process completed the same entry first, that one is kept (after
-    verification). Returns the metadata."""
+    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``
+    (docs/loading.md); ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``. Returns the
+    metadata (another process's, when it completed the same entry first)."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
