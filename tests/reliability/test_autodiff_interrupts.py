@@ -1,4 +1,4 @@
-"""A Ctrl-C inside a ``torch.func`` transform of ``parallel_defect`` (issue 36, item 6): it reaches the caller as
+"""A Ctrl-C inside a ``torch.func`` transform of ``parallel_defect``: it reaches the caller as
 KeyboardInterrupt, the model is clean, and the NEXT call works and gives the clean result (docs/hooks.md,
 "Interrupts": "Autodiff transforms").
 
@@ -34,11 +34,11 @@ import torch
 import tl_steering as ts
 from tl_steering.backends import interrupts, ownership, weights_fingerprint
 from tl_steering.backends.autodiff import autodiff_state
-from tl_steering.backends.lifecycle import hook_state, owned_hooks
 
 from tests.reliability import _inject
+from tests.reliability._calls import hook_state, owned_hooks
 
-SEED = 36  # issue 36
+SEED = 36
 N_ENDS = 2  # the first and last N_ENDS autodiff events of the call
 N_DRAWN = 14  # events drawn over the call, one per equal stratum
 N_TIMERS = 16  # timer interrupts (random delays within one clean call's duration)

@@ -273,31 +273,8 @@ def drop_identity_conversions(records: Sequence[dict]) -> None:
             state.pop(k, None)
 
 
-def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
-    """A comparable description of every hook on ``model`` (per module name: hook functions of each torch hook
-    dict and of TL's handle lists). Tests compare it before/after a call."""
-    out: dict[str, tuple] = {}
-    for name, m in model.named_modules(remove_duplicate=True):
-        parts = []
-        for attr in _HOOK_DICTS:
-            d = getattr(m, attr, None)
-            parts.append(tuple(id(f) for f in (d or {}).values()))
-        if isinstance(m, HookPoint):
-            parts += [tuple(id(h) for h in m.fwd_hooks), tuple(id(h) for h in m.bwd_hooks)]
-        if any(parts):
-            out[name] = tuple(parts)
-    return out
-
-
-def owned_hooks(model: torch.nn.Module) -> list[str]:
-    """Names of the modules that carry a hook tagged as tl_steering's (should be empty outside a call)."""
-    return [name for name, m in model.named_modules()
-            if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
-
-
 # hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
 from .captures import add_hook_last, capture_site, orphan_safe, refuse_meta_inputs  # noqa: E402
 
 __all__ = ["add_hook_last", "capture_site", "conversion_records", "drop_identity_conversions", "hook_guard",
-           "hook_points", "hook_state", "hooks_silenced", "orphan_safe", "owned_hooks", "refuse_meta_inputs",
-           "run_with_hooks", "shielded"]
+           "hook_points", "hooks_silenced", "orphan_safe", "refuse_meta_inputs", "run_with_hooks", "shielded"]
