@@ -5,6 +5,7 @@ exercise every code path) and ``public_calls("tiny")`` (the interrupt stress tes
 times: the fewest bootstrap draws, random controls, starts, iterations and steps that still run the same code).
 """
 
+import signal
 from collections.abc import Callable
 
 import torch
@@ -12,7 +13,7 @@ from transformer_lens.hook_points import HookPoint
 
 import tl_steering as ts
 from tl_steering import hooks as H
-from tl_steering.backends import adapt
+from tl_steering.backends import adapt, interrupts
 from tl_steering.backends.hookbase import _HOOK_DICTS, is_owned
 
 
@@ -36,6 +37,11 @@ def owned_hooks(model: torch.nn.Module) -> list[str]:
     """Names of the modules that carry a hook tagged as tl_steering's (should be empty outside a call)."""
     return [name for name, m in model.named_modules()
             if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
+
+
+def handler_installed() -> bool:
+    """Whether tl_steering's signal handler is installed for any signal (False outside every tl_steering call)."""
+    return any(signal.getsignal(s) is interrupts._on_signal for s in interrupts._SIGNALS)
 
 
 # the settings that differ between sizes

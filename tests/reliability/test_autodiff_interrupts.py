@@ -36,7 +36,7 @@ from tl_steering.backends import interrupts, ownership, weights_fingerprint
 from tl_steering.backends.autodiff import autodiff_state
 
 from tests.reliability import _inject
-from tests.reliability._calls import hook_state, owned_hooks
+from tests.reliability._calls import handler_installed, hook_state, owned_hooks
 
 SEED = 36
 N_ENDS = 2  # the first and last N_ENDS autodiff events of the call
@@ -73,7 +73,7 @@ class _Setup:
         m = self.m
         assert autodiff_state() == self.autodiff, f"{where}: torch's autodiff state {autodiff_state()}"
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
-        assert not interrupts.handler_installed(), f"{where}: our signal handler is still installed"
+        assert not handler_installed(), f"{where}: our signal handler is still installed"
         assert ownership.holder(m) is None, f"{where}: the model is still claimed"
         assert owned_hooks(m) == [], f"{where}: a hook of ours stayed attached: {owned_hooks(m)}"
         assert hook_state(m) == self.baseline, f"{where}: the hook state differs from the clean baseline"

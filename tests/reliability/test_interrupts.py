@@ -42,7 +42,7 @@ from tl_steering.backends import adapt, interrupts, ownership, weights_fingerpri
 from tl_steering.backends.lifecycle import capture_site
 
 from tests.reliability import _inject
-from tests.reliability._calls import hook_state, owned_hooks, public_calls
+from tests.reliability._calls import handler_installed, hook_state, owned_hooks, public_calls
 
 SEED = 16
 N_ENDS = 3  # the first and the last N_ENDS events of every call
@@ -95,7 +95,7 @@ class _Model:
         m = self.m
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
         assert ownership.holder(m) is None, f"{where}: the model is still claimed by {ownership.holder(m).call}"
-        assert not interrupts.handler_installed(), f"{where}: our signal handler is still installed"
+        assert not handler_installed(), f"{where}: our signal handler is still installed"
         assert signal.getsignal(signal.SIGINT) is self.sigint, f"{where}: the SIGINT handler was not put back"
         assert torch.is_grad_enabled(), f"{where}: autograd was left switched off for the process"
         assert torch._C._len_torch_function_stack() == 0, f"{where}: a torch function mode was left pushed"

@@ -265,9 +265,8 @@ class ModelAdapter:
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
-        """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
-        ``hooks()`` context runs inside an ExitStack, so its cleanup sees the exception). ``grad=True`` keeps
-        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.parallel.attribution)."""
+        """Forward with hooks, every hook removed afterwards, also on error or interrupt (docs/hooks.md);
+        ``grad=True`` keeps autograd on (gradients w.r.t. hooked activations)."""
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 

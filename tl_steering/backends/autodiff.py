@@ -40,13 +40,9 @@ def autodiff_state() -> AutodiffState:
 
 
 def _exit_forward_levels(above: int) -> bool:
-    """Exit every forward-AD level above ``above`` in torch's C++ registry and its Python mirror; whether one was
-    left (idempotent).
-
-    The mirror can disagree with C++ (an interrupt between ``_enter_dual_level`` and ``_current_level = ...`` leaves
-    a C++ level the mirror does not show, and the enclosing exits of ``jvp`` then restore everything else), so the
-    C++ levels are exited by index, newest first, whatever the mirror says; torch refuses to exit a level that does
-    not exist (RuntimeError): nothing to exit."""
+    """Exit every forward-AD level above ``above`` in torch's C++ registry (by index, newest first: an interrupt
+    between ``_enter_dual_level`` and ``_current_level = ...`` leaves a level the Python mirror does not show) and in
+    the mirror; whether one was left (idempotent). Torch refuses to exit a level that does not exist."""
     left = int(_fwad._current_level) != above
     top = max(int(_fwad._current_level), above + 1)  # torch allows one level (no nesting): index 0 at most
     for level in range(top, above, -1):

@@ -1,9 +1,6 @@
-"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`).
-
-The ``HookedParallelBlock`` subclass (TL 3.9) and the entry points; the replacement forward of a Hugging Face
-decoder layer inside a ``TransformerBridge`` block is in :mod:`.executor_bridge`, the per-block state in
-:mod:`.executor_state`, the math in :mod:`.fused`. See docs/parallel.md.
-"""
+"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`):
+the ``HookedParallelBlock`` subclass (TL 3.9) and the entry points; the bridge side is :mod:`.executor_bridge`, the
+per-block state :mod:`.executor_state`, the math :mod:`.fused`. See docs/parallel.md."""
 
 from typing import Any
 

@@ -133,7 +133,7 @@ def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, in
     eps2 = getattr(ln2, "variance_epsilon", getattr(ln2, "eps", None))
     if "RMSNorm" not in type(ln1).__name__ or "RMSNorm" not in type(ln2).__name__ or eps1 is None:
         return None, f"norms {type(ln1).__name__}/{type(ln2).__name__} are not plain RMSNorm", -1
-    if type(ln1).__name__ != "LlamaRMSNorm" and "Gemma" in type(ln1).__name__:
+    if "Gemma" in type(ln1).__name__:
         return None, "Gemma RMSNorm (1 + w) is not handled", -1
     if eps1 != eps2:
         return None, f"input_layernorm eps={eps1} != post_attention_layernorm eps={eps2}", -1

@@ -104,18 +104,9 @@ def _private_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Float64Block:
-    """A private float64 copy of block ``layer`` with pure ``ffn`` / ``attention`` callables.
-
-    ``ffn(z) = post_ffn(MLP(pre_ffn(z)))`` positionwise on ``[..., d]`` (the post-FFN norm only where the block
-    has one, e.g. Gemma), ``attention(X) = post_attn(attn(pre_attn(X)))`` on ``[batch, pos, d]`` (causal; rotary
-    and sliding window as the adapter's :meth:`ModelAdapter.attention`). Both take and return float64 and are
-    differentiable by ``torch.func`` (jacfwd / jacrev / vmap).
-
-    Attributes:
-        layer: the block index.
-        norms: the copy's :class:`SublayerNorms` (``norms.post_ffn`` is None on pre-norm blocks).
-        backend: "hooked" or "bridge".
-    """
+    """A private float64 copy of block ``layer`` (``self.blk``, its sublayer ``norms``) with the pure callables of
+    the adapter's :meth:`ModelAdapter.ffn` / :meth:`ModelAdapter.attention`, in float64 and differentiable by
+    ``torch.func``."""
 
     def __init__(self, ad: ModelAdapter, layer: int) -> None:
         self.ad = ad

@@ -124,15 +124,10 @@ _sections: list["deferred_signals"] = []
 
 class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_signals(): ...``
     """Hold every signal that has a Python handler while the block runs; deliver each held one on exit, by calling
-    the handler that was installed on entry (so a Ctrl-C raises KeyboardInterrupt right after the block).
-
-    For short sections that must not be interrupted half-way, where no Python-level cleanup can be made safe:
-    torch's ``TorchFunctionMode`` dispatch pops the active mode around every torch call and pushes it back, and a
-    KeyboardInterrupt between the two leaves the mode stack broken (``float64_compute`` in
-    :mod:`~tl_steering.backends.field64`). Main thread only (elsewhere a no-op: signals are delivered there only).
-    Nested sections hold for the outermost one. A signal arriving while the handlers are swapped on entry or exit
-    runs its handler at once, outside the protected section.
-    """
+    the handler that was installed on entry (a Ctrl-C raises KeyboardInterrupt right after the block). For short
+    sections where no Python-level cleanup can be made safe (torch's mode stack in ``field64.float64_compute``,
+    ``torch.func`` in ``autodiff``). Main thread only; nested sections hold for the outermost one; a signal arriving
+    while the handlers are swapped on entry or exit runs its handler at once."""
 
     def __init__(self) -> None:
         self._saved: dict[int, Any] = {}
@@ -187,9 +182,4 @@ def registered() -> int:
     return len(_registry())
 
 
-def handler_installed() -> bool:
-    """Whether tl_steering's handler is installed for any signal (False outside every tl_steering call)."""
-    return any(signal.getsignal(s) is _on_signal for s in _SIGNALS)
-
-
-__all__ = ["Restorer", "deferred_signals", "handler_installed", "register", "registered", "unregister"]
+__all__ = ["Restorer", "deferred_signals", "register", "registered", "unregister"]
