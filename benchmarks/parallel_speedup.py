@@ -39,7 +39,7 @@ import tl_steering as ts  # noqa: E402
 from tl_steering.backends import (adapt, cache_routing, decode_step, freeze_kv_cache, hooked_available,  # noqa: E402
                                   hooks_silenced, kv_cache, next_token_loss)
 from tl_steering.backends.executor import parallel_states  # noqa: E402
-from tl_steering.backends.executor_state import _ParallelState  # noqa: E402
+from tl_steering.backends.fused import _ParallelState  # noqa: E402
 from tl_steering.parallel.apply import parallelize  # noqa: E402
 
 

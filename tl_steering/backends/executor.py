@@ -1,14 +1,13 @@
 """Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`):
 the ``HookedParallelBlock`` subclass (TL 3.9) and the entry points; the bridge side is :mod:`.executor_bridge`, the
-per-block state :mod:`.executor_state`, the math :mod:`.fused`. See docs/parallel.md."""
+math and the per-block state :mod:`.fused`. See docs/parallel.md."""
 
 from typing import Any
 
 from torch import Tensor
 
-from .executor_bridge import _parallelize_bridge
-from .executor_state import _inner_hook_points, _ParallelState
-from .fused import FusedWeights, _build
+from .executor_bridge import _inner_hook_points, _parallelize_bridge
+from .fused import FusedWeights, _build, _ParallelState
 from .sublayers import unwrap as _raw  # noqa: F401  (tests)
 
 try:  # TL 3.x only

@@ -7,14 +7,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
 
 from ..errors import InputError, ModelNotSupportedError
 from .detect import first_output
-from .executor_state import _inner_hook_points, _ParallelState
-from .fused import FusedWeights, _build
+from .fused import FusedWeights, _build, _ParallelState
+from .hookbase import hook_points
 from .sublayers import unwrap as _raw
-
-from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
 
 
 _GEMMA_MODULES = {"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -151,6 +150,12 @@ def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, in
                 bv, wo, bo, wg, bg, wu, bu, wd, bd, nh, nkv, dh, mlp.act_fn, float(attn.scaling),
                 _raw(attn.q_proj).weight.dtype)
     return fw, "", int(attn.layer_idx)
+
+
+def _inner_hook_points(block: torch.nn.Module, boundary: list[Any]) -> list[Any]:
+    """The block's hook points inside its boundary ones (those a forward on the fused path would skip)."""
+    ids = {id(h) for h in boundary}
+    return [hp for hp in hook_points(block) if id(hp) not in ids]
 
 
 def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:

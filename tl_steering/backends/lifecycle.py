@@ -54,7 +54,7 @@ class _Snapshot:
                                         for f in _FLAG_DICTS[attr]})
                     for attr, d in zip(_HOOK_DICTS, ds) if d}
         self.context_level = getattr(model, "context_level", None)
-        self.mlp_in = _get_use_hook_mlp_in(model)
+        self.mlp_in = getattr(getattr(model, "cfg", None), "use_hook_mlp_in", None)
         # torch's global autograd mode: an interrupt that lands inside a ``torch.no_grad()`` entry or exit (ours or
         # TransformerLens's) would otherwise leave gradients off for the whole process
         self.grad_enabled = torch.is_grad_enabled()
@@ -105,7 +105,7 @@ class _Snapshot:
                     m.bwd_hooks = list(bwd)
         if self.context_level is not None and getattr(self.model, "context_level", None) != self.context_level:
             self.model.context_level = self.context_level
-        if self.mlp_in is not None and _get_use_hook_mlp_in(self.model) != self.mlp_in:
+        if self.mlp_in is not None and self.model.cfg.use_hook_mlp_in != self.mlp_in:
             self.model.set_use_hook_mlp_in(self.mlp_in)
 
 
@@ -203,11 +203,6 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
             _interrupts.unregister(self)
             self._saved = []
         return None
-
-
-def _get_use_hook_mlp_in(model: Any) -> bool | None:
-    cfg = getattr(model, "cfg", None)
-    return getattr(cfg, "use_hook_mlp_in", None)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -138,31 +138,17 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
         return None
 
 
-def _model_argument(fn: Callable) -> Callable[[tuple, dict], Any]:
-    """How to find the model among a call's arguments: the parameter named ``model``, else the first one."""
-    params = list(inspect.signature(fn).parameters)
-    name = "model" if "model" in params else (params[0] if params else None)
-    index = params.index(name) if name is not None else None
-
-    def find(args: tuple, kwargs: dict) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        if index is not None and index < len(args):
-            return args[index]
-        return None
-
-    return find
-
-
 def exclusive(fn: F) -> F:
     """Decorate a public entry point that takes a model: the call holds the model for its thread (see
     :class:`claim`); another thread's call into the same model meanwhile raises :class:`ModelBusyError`."""
-    find = _model_argument(fn)
+    params = list(inspect.signature(fn).parameters)  # the model: the parameter named ``model``, else the first one
+    arg = "model" if "model" in params else (params[0] if params else None)
+    index = params.index(arg) if arg is not None else None
     name = f"tl_steering.{fn.__name__}"
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        model = find(args, kwargs)
+        model = kwargs.get(arg, args[index] if index is not None and index < len(args) else None)
         if model is None or not hasattr(_key(model), "modules"):  # not a model: the call's own checks say so
             return fn(*args, **kwargs)
         with claim(model, name, refresh=True):
