@@ -11,7 +11,7 @@ cache: TL's on HookedTransformer, Hugging Face's DynamicCache on the bridge, thr
 1x128 and 8x128, THREE models are timed round-robin after warm-up:
 
 * ``TL``: the user's model (TransformerLens, every block sequential, hook points on the path);
-* ``seq``: the executor's SEQUENTIAL control (``_lean_sequential_copy``): the chosen blocks stay sequential
+* ``seq``: the executor's SEQUENTIAL control (``lean_sequential_copy``): the chosen blocks stay sequential
   but run on the executor's lean kernels (folded norms, SDPA, addmm): same kernels, no TL hook overhead;
 * ``par``: the executor's parallel model (``parallelize``).
 
@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tl_steering as ts  # noqa: E402
 from tl_steering.backends import (adapt, cache_routing, decode_step, freeze_kv_cache, hooked_available,  # noqa: E402
                                   hooks_silenced, kv_cache, next_token_loss)
-from tl_steering.parallel.apply import _lean_sequential_copy, parallelize  # noqa: E402
+from tl_steering.backends.executor import parallel_states  # noqa: E402
+from tl_steering.backends.fused import _ParallelState  # noqa: E402
+from tl_steering.parallel.apply import parallelize  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -78,6 +80,66 @@ def median_time(fn, device: str, repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(timer(fn, device) for _ in range(repeats))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the executor's SEQUENTIAL control
+
+
+def _lean_weights(fw) -> dict:
+    """Contiguous per-branch slices of a block's folded weights (norm affines folded per branch)."""
+    n, nq = fw.n_heads * fw.d_head + 2 * fw.n_kv_heads * fw.d_head, fw.n_heads * fw.d_head
+    b_o, b_down = fw.branch_biases
+    cv = lambda t: None if t is None else t.to(fw.w_in.device, fw.w_in.dtype)  # noqa: E731
+    return dict(w_a=fw.w_in[:, :n].contiguous(), b_a=None if fw.b_in is None else fw.b_in[:n].contiguous(),
+                w_m=fw.w_in[:, n:].contiguous(), b_m=None if fw.b_in is None else fw.b_in[n:].contiguous(),
+                w_o=fw.w_out[:nq].contiguous(), w_d=fw.w_out[nq:].contiguous(), b_o=cv(b_o), b_d=cv(b_down))
+
+
+class _LeanSequential(_ParallelState):
+    """A block state whose step runs x + A(x), then + Phi(x + A(x)), on the fused block's kernels: sequential."""
+
+    def step(self, x, core):
+        fw = self.fused
+        w = self.__dict__.get("_lean_w")
+        if w is None or w["w_a"].device != fw.w_in.device:
+            w = self.__dict__["_lean_w"] = _lean_weights(fw)
+        b, s, d = x.shape
+        lin = lambda t, wt, bias: torch.addmm(bias, t, wt) if bias is not None else t @ wt  # noqa: E731
+        ya = lin(fw.normalize(x).reshape(b * s, d), w["w_a"], w["b_a"])
+        nq, nkv = fw.n_heads * fw.d_head, fw.n_kv_heads * fw.d_head
+        q, k, v = ya.split([nq, nkv, nkv], dim=-1)
+        q, k = fw.qk_norm(q.view(b, s, fw.n_heads, fw.d_head), k.view(b, s, fw.n_kv_heads, fw.d_head))
+        z = core(q, k, v.view(b, s, fw.n_kv_heads, fw.d_head))
+        if fw.sandwich:
+            a = z.reshape(b * s, -1) @ w["w_o"]
+            a = a if w["b_o"] is None else a + w["b_o"]
+            x1 = x.reshape(b * s, d) + (a if fw.post_attn_g is None else fw._rms(a, fw.post_attn_g, fw.post_eps))
+        else:
+            x1 = torch.addmm(x.reshape(b * s, d), z.reshape(b * s, -1), w["w_o"])
+            if w["b_o"] is not None:
+                x1 = x1 + w["b_o"]
+        ym = lin(fw.normalize(x1.view(b, s, d)).reshape(b * s, d), w["w_m"], w["b_m"])
+        parts = ym.split([fw.d_mlp] * (2 if fw.gated else 1), dim=-1)
+        h = fw.mlp_hidden(parts[0] if fw.gated else None, parts[-1])
+        if fw.sandwich:
+            m = h @ w["w_d"]
+            m = m if w["b_d"] is None else m + w["b_d"]
+            return (x1 + (m if fw.post_ffn_g is None else fw._rms(m, fw.post_ffn_g, fw.post_eps))).view(b, s, d)
+        out = torch.addmm(x1, h, w["w_d"])
+        if w["b_d"] is not None:
+            out = out + w["b_d"]
+        return out.view(b, s, d)
+
+
+def lean_sequential_copy(model, layers):
+    """Benchmark CONTROL, not a parallel model: a copy whose chosen blocks stay SEQUENTIAL but run on the same
+    lean kernels as the fused parallel blocks (folded norms, SDPA, addmm). Comparing it with the original
+    isolates the implementation gain; comparing the parallel model with it isolates the parallel structure's."""
+    new = parallelize(model, layers, verify=False)
+    for st in parallel_states(new):
+        st.__class__ = _LeanSequential
+    return new
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         g, bias, lin = fitted.get(k, ({}, {}, {}))
         pars[("fused", k)] = parallelize(model, plans[k], gates=g or None, biases=bias or None,
                                          linears=lin or None)
-        seqs[k] = _lean_sequential_copy(model, plans[k])
+        seqs[k] = lean_sequential_copy(model, plans[k])
     if fitted:
         print(f"# {args.refit} corrections fitted on the calibration windows for k = {sorted(fitted)}")
     controls = [c for c in args.controls.split(",") if c]

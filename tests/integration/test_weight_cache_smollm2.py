@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tl_steering.backends import loading, weight_cache
 
@@ -26,7 +27,7 @@ def test_smollm2_comes_from_a_verified_entry_keyed_by_the_gguf(smollm2):
     assert revision == smollm2._tl_steering_info.revision
     assert not [p for p in entry.parent.iterdir() if ".tmp-" in p.name], "no temporary build directory left"
 
-    stored = weight_cache.load_tensors(entry)
+    stored = load_file(Path(entry) / weight_cache.WEIGHTS_FILE)
     state = hf.state_dict()
     assert set(stored) <= set(state) and len(stored) >= 270
     for k, v in stored.items():

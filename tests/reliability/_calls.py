@@ -5,13 +5,44 @@ exercise every code path) and ``public_calls("tiny")`` (the interrupt stress tes
 times: the fewest bootstrap draws, random controls, starts, iterations and steps that still run the same code).
 """
 
+import signal
 from collections.abc import Callable
 
 import torch
+from transformer_lens.hook_points import HookPoint
 
 import tl_steering as ts
 from tl_steering import hooks as H
-from tl_steering.backends import adapt
+from tl_steering.backends import adapt, interrupts
+from tl_steering.backends.hookbase import _HOOK_DICTS, is_owned
+
+
+def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
+    """A comparable description of every hook on ``model`` (per module name: hook functions of each torch hook
+    dict and of TL's handle lists). Tests compare it before/after a call."""
+    out: dict[str, tuple] = {}
+    for name, m in model.named_modules(remove_duplicate=True):
+        parts = []
+        for attr in _HOOK_DICTS:
+            d = getattr(m, attr, None)
+            parts.append(tuple(id(f) for f in (d or {}).values()))
+        if isinstance(m, HookPoint):
+            parts += [tuple(id(h) for h in m.fwd_hooks), tuple(id(h) for h in m.bwd_hooks)]
+        if any(parts):
+            out[name] = tuple(parts)
+    return out
+
+
+def owned_hooks(model: torch.nn.Module) -> list[str]:
+    """Names of the modules that carry a hook tagged as tl_steering's (should be empty outside a call)."""
+    return [name for name, m in model.named_modules()
+            if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
+
+
+def handler_installed() -> bool:
+    """Whether tl_steering's signal handler is installed for any signal (False outside every tl_steering call)."""
+    return any(signal.getsignal(s) is interrupts._on_signal for s in interrupts._SIGNALS)
+
 
 # the settings that differ between sizes
 _SIZES = {

@@ -1,4 +1,4 @@
-"""A Ctrl-C inside a ``torch.func`` transform of ``parallel_defect`` (issue 36, item 6): it reaches the caller as
+"""A Ctrl-C inside a ``torch.func`` transform of ``parallel_defect``: it reaches the caller as
 KeyboardInterrupt, the model is clean, and the NEXT call works and gives the clean result (docs/hooks.md,
 "Interrupts": "Autodiff transforms").
 
@@ -34,11 +34,11 @@ import torch
 import tl_steering as ts
 from tl_steering.backends import interrupts, ownership, weights_fingerprint
 from tl_steering.backends.autodiff import autodiff_state
-from tl_steering.backends.lifecycle import hook_state, owned_hooks
 
 from tests.reliability import _inject
+from tests.reliability._calls import handler_installed, hook_state, owned_hooks
 
-SEED = 36  # issue 36
+SEED = 36
 N_ENDS = 2  # the first and last N_ENDS autodiff events of the call
 N_DRAWN = 14  # events drawn over the call, one per equal stratum
 N_TIMERS = 16  # timer interrupts (random delays within one clean call's duration)
@@ -73,7 +73,7 @@ class _Setup:
         m = self.m
         assert autodiff_state() == self.autodiff, f"{where}: torch's autodiff state {autodiff_state()}"
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
-        assert not interrupts.handler_installed(), f"{where}: our signal handler is still installed"
+        assert not handler_installed(), f"{where}: our signal handler is still installed"
         assert ownership.holder(m) is None, f"{where}: the model is still claimed"
         assert owned_hooks(m) == [], f"{where}: a hook of ours stayed attached: {owned_hooks(m)}"
         assert hook_state(m) == self.baseline, f"{where}: the hook state differs from the clean baseline"

@@ -9,9 +9,8 @@ import pytest
 
 import tl_steering as ts
 from tl_steering.backends import weights_fingerprint
-from tl_steering.backends.lifecycle import hook_state, owned_hooks
 
-from ._calls import FORWARD_CALLS, PUBLIC_CALLS, tokens_for
+from ._calls import FORWARD_CALLS, PUBLIC_CALLS, hook_state, owned_hooks, tokens_for
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,12 @@ import torch
 import tl_steering as ts
 from tl_steering import hooks as H
 from tl_steering.backends import adapt, interrupts, ownership, weights_fingerprint
-from tl_steering.backends.lifecycle import capture_site, hook_state, owned_hooks
+from tl_steering.backends.lifecycle import capture_site
 
 from tests.reliability import _inject
-from tests.reliability._calls import public_calls
+from tests.reliability._calls import handler_installed, hook_state, owned_hooks, public_calls
 
-SEED = 16  # issue 16
+SEED = 16
 N_ENDS = 3  # the first and the last N_ENDS events of every call
 N_UNIFORM = 4  # events drawn over the whole call (one per equal stratum)
 N_BOUNDARY = 3  # events drawn among the boundary events (one per equal stratum of them)
@@ -95,7 +95,7 @@ class _Model:
         m = self.m
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
         assert ownership.holder(m) is None, f"{where}: the model is still claimed by {ownership.holder(m).call}"
-        assert not interrupts.handler_installed(), f"{where}: our signal handler is still installed"
+        assert not handler_installed(), f"{where}: our signal handler is still installed"
         assert signal.getsignal(signal.SIGINT) is self.sigint, f"{where}: the SIGINT handler was not put back"
         assert torch.is_grad_enabled(), f"{where}: autograd was left switched off for the process"
         assert torch._C._len_torch_function_stack() == 0, f"{where}: a torch function mode was left pushed"
@@ -187,7 +187,7 @@ def test_sigint_at_random_points_leaves_model_clean(model, name):
             # TransformerLens's hooks() context is not ours: an interrupt in its add / remove bookkeeping may
             # leave TL's (non-permanent) hook handles behind, which the user clears with reset_hooks(). Every
             # hook of ours must go: the one-shot captures a factory hook arms fire on the next forward and
-            # remove themselves, and a plain forward must run (issue 16: it raised "did not fire" before)
+            # remove themselves, and a plain forward must run (not raise "did not fire")
             model.m.reset_hooks()
             model.m(model.tokens)
         model.check_clean(where)

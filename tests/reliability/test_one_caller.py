@@ -14,10 +14,9 @@ import torch
 
 import tl_steering as ts
 from tl_steering.backends import adapt, hooked_available, ownership
-from tl_steering.backends.lifecycle import hook_state, owned_hooks
 from tl_steering.errors import ModelBusyError, UserHooksWarning
 
-from ._calls import public_calls, tokens_for
+from ._calls import hook_state, owned_hooks, public_calls, tokens_for
 
 BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]
 USER_POINT = "blocks.0.hook_resid_pre"

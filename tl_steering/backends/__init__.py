@@ -2,8 +2,7 @@
 or touches torch's private hook state (its modules: docs/architecture.md). The rest of the package talks to a model
 only through the names re-exported here."""
 
-from .adapter import ModelAdapter, ModelInfo, adapt
-from .checks import check_finite
+from .adapter import ModelAdapter, ModelInfo, adapt, check_finite
 from .detect import Backend, Processing, backend_of, first_output, hooked_available, tl_version, weights_fingerprint
 from .lifecycle import hook_guard, hook_points, hooks_silenced
 from .wrapping import wrap_hf

@@ -1,6 +1,5 @@
 """The one place that knows TransformerLens's model classes: :class:`ModelAdapter`, through which the rest of
-tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart").
-"""
+tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart")."""
 
 import contextlib
 import dataclasses
@@ -12,26 +11,36 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .. import validation
-from . import checks as _checks
-from .checks import check_finite, split_hook_name
-from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
-from ..errors import (
-    HookNotFoundError,
-    InputError,
-    ModelNotSupportedError,
-    ParallelBlockError,
-)
-
-from .detect import _SITE_HOOK, SITES, Backend, backend_of
+from ..errors import (DeviceMismatchError, HookNotFoundError, InputError, ModelNotSupportedError, NonFiniteError,
+                      ParallelBlockError, ResidualIdentityError)
+from ..metrics import next_token_loss
 from . import lifecycle as _lifecycle
 from . import ownership as _ownership
+from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
+from .hookbase import mark_owned
 from .lifecycle import hook_guard, hooks_silenced
-from ..metrics import next_token_loss
 from .processing import WeightProcessing, weight_processing
+from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the adapter
+def check_finite(x: Tensor, layer: int | None, site: str) -> None:
+    """Raise :class:`NonFiniteError` naming the layer and site when ``x`` has NaN or Inf."""
+    if not torch.isfinite(x).all():
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        where = f"layer {layer}, {site}" if layer is not None else site
+        raise NonFiniteError(
+            f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
+            "and any hooks of yours on that point; in float16 try float32 or bfloat16."
+        )
+
+
+def split_hook_name(name: str) -> tuple[int | None, str]:
+    """``blocks.3.hook_x`` -> ``(3, 'hook_x')``; a name outside the blocks -> ``(None, name)``."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
+        return int(parts[1]), ".".join(parts[2:])
+    return None, name
 
 
 @dataclasses.dataclass
@@ -95,9 +104,7 @@ class ModelAdapter:
 
     @property
     def device(self) -> torch.device:
-        for p in self.model.parameters():
-            return p.device
-        return torch.device("cpu")
+        return parameter_device(self.model)
 
     # -- structure ---------------------------------------------------------------------------------------
     @staticmethod
@@ -134,8 +141,8 @@ class ModelAdapter:
         """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them).
 
         ``site="ffn_input"`` resolves to the FFN-input site of that block. ``hook_dict``: a snapshot of
-        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access, ~2 ms; a
-        caller naming many points, like the probe, takes it once).
+        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access; a caller
+        naming many points, like the probe, takes it once).
         """
         layer = self.check_layer(layer)
         if site == "ffn_input":
@@ -183,13 +190,9 @@ class ModelAdapter:
                     "(forward-only measurements -- probe, scan, deficit, diversity, ablation, losses -- do run on it)")
 
     def ffn(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]``
-        (positionwise): MLP(LN2(x)) on pre-norm blocks, with the post-FFN norm on sandwich-norm blocks (Gemma),
-        so that Phi(resid_mid) == hook_mlp_out on every supported block (see docs/gemma.md).
-
-        Runs in the model dtype (cast the input yourself for float64 Jacobians on a float64 copy). No hook
-        fires inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians.
-        """
+        """Phi_l(x) = post_ffn(MLP(pre_ffn(x))) as a pure function of a residual ``[..., d_model]`` (positionwise;
+        Phi(resid_mid) == hook_mlp_out on every supported block: docs/gemma.md), in the model dtype. No hook fires
+        inside it, so a user's steering hooks cannot contaminate JVPs or Jacobians."""
         blk = self.model.blocks[self.check_layer(layer)]
         norms = sublayer_norms(blk)
         model = self.model
@@ -204,13 +207,8 @@ class ModelAdapter:
         return phi
 
     def attention(self, layer: int) -> Callable[[Tensor], Tensor]:
-        """A_l(X) = post_attn(attn(LN1(X))) as a function of the full residual ``[batch, pos, d_model]``
-        (attn(LN1(X)) on pre-norm blocks; the post-attention norm on sandwich-norm blocks).
-
-        Causal over positions; rotary position embeddings are computed for positions 0..pos-1 (bridges need
-        them passed explicitly, per layer type on Gemma 3; HookedTransformer computes them itself), and
-        sliding-window layers get their window. No hook fires inside it.
-        """
+        """A_l(X) = post_attn(attn(pre_attn(X))) as a function of the full residual ``[batch, pos, d_model]``: causal,
+        rotary embeddings for positions 0..pos-1 and the layer's sliding window (docs/gemma.md). No hook fires."""
         layer = self.check_layer(layer)
         blk = self.model.blocks[layer]
         model = self.model
@@ -232,16 +230,11 @@ class ModelAdapter:
     def run_blocks(self, x: Float[Tensor, "batch pos d_model"], start: int, parallel: Sequence[int] = (),
                    write: Callable[[int, Tensor, Tensor, Tensor], Tensor] | None = None
                    ) -> Float[Tensor, "batch pos vocab"]:
-        """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]`` (positions
-        0..pos-1): blocks ``start..L-1`` through the adapter's sublayers (:meth:`attention`, :meth:`ffn`), then
-        the final norm and the unembedding (and a final logit soft-cap where the config has one). No hook fires.
-
-        A sequential block computes y = x + A(x), y + Phi(y); a block in ``parallel`` (or parallel already)
-        x + A(x) + Phi(x), the surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer,
-        sequential_write, parallel_write, attn_write)`` replaces a chosen sequential block's FFN write as in
-        :func:`tl_steering.hooks.parallel_hooks`. Used to share the clean prefix of many plans (layers before
-        ``start`` run once); callers check it against the hooked forward (:meth:`run_with_hooks`) once per model.
-        """
+        """The logits from ``x``, the residual entering block ``start`` ``[batch, pos, d_model]``: blocks
+        ``start..L-1`` through the adapter's sublayers, the final norm, the unembedding (docs/defect.md, "Prefix
+        sharing"). No hook fires. A block in ``parallel`` (or parallel already) computes x + A(x) + Phi(x), the
+        surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer, sequential_write, parallel_write,
+        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks`."""
         start = self.check_layer(start, "start")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
@@ -275,19 +268,15 @@ class ModelAdapter:
         in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
         return hook_guard(self.model, call)
 
-    def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
-        """Check a token batch and move nothing silently: wrong device is an error, not a copy (:mod:`.checks`)."""
-        return _checks.validate_tokens(self, tokens, min_len)
-
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
-        """Forward with hooks; every hook is removed afterwards, also on error or interrupt (TL's own
-        ``hooks()`` context runs inside an ExitStack, so its cleanup sees the exception). ``grad=True`` keeps
-        autograd on (gradients w.r.t. hooked activations, e.g. tl_steering.parallel.attribution)."""
+        """Forward with hooks, every hook removed afterwards, also on error or interrupt (docs/hooks.md);
+        ``grad=True`` keeps autograd on (gradients w.r.t. hooked activations)."""
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 
-    def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()) -> Float[Tensor, "batch pos_minus_1"]:
+    def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()
+                       ) -> Float[Tensor, "batch pos_minus_1"]:
         """Next-token cross-entropy per predicted position (float64), with optional hooks."""
         logits = self.run_with_hooks(tokens, fwd_hooks, return_type="logits")
         return next_token_loss(logits, tokens)
@@ -303,7 +292,7 @@ class ModelAdapter:
         def saver(name: str) -> Callable:
             def fn(act: Tensor, hook: Any) -> None:
                 store[name] = act.detach()
-            return _lifecycle.mark_owned(fn)  # ours: a probe around this call does not count it as the user's
+            return mark_owned(fn)  # ours: a probe around this call does not count it as the user's
 
         hooks = list(fwd_hooks) + [(n, saver(n)) for n in names]
         logits = self.run_with_hooks(tokens, hooks, return_type="logits")
@@ -316,20 +305,77 @@ class ModelAdapter:
                 check_finite(store[n], layer, site)
         return logits, store
 
-    # -- checks (:mod:`.checks`) -------------------------------------------------------------------------
+    # -- checks ------------------------------------------------------------------------------------------
+    def validate_tokens(self, tokens: Any, min_len: int = 2) -> Int[Tensor, "batch pos"]:
+        """Check a token batch and move nothing silently: wrong device is an error, not a copy."""
+        if not isinstance(tokens, Tensor):
+            raise InputError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}; "
+                             "use model.to_tokens(text) or tl_steering.text_tokens(model)")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise InputError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2:
+            raise InputError(f"tokens must have shape [batch, pos], got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0:
+            raise InputError("empty batch: tokens has 0 sequences")
+        if tokens.shape[1] < min_len:
+            raise InputError(f"sequences of length {tokens.shape[1]} are too short: at least {min_len} positions are "
+                             "needed (position 0 is excluded from statistics and a next-token loss needs two)")
+        validation.check_length(int(tokens.shape[1]), self.n_ctx)
+        validation.check_not_meta(tokens)
+        if tokens.device != self.device:
+            raise DeviceMismatchError(f"tokens are on {tokens.device} but the model is on {self.device}; "
+                                      f"move them with tokens.to('{self.device}')")
+        vocab = int(self.cfg.d_vocab)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise InputError(f"token ids must lie in [0, {vocab}); got range [{lo}, {hi}]")
+        return tokens.long()
+
     def identity_tolerance(self) -> float:
         """Relative tolerance for residual identities: dtype-aware."""
-        return _checks.identity_tolerance(self.dtype)
+        return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(
+            self.dtype, 1e-5)
 
     def check_residual_identity(self, cache: dict[str, Tensor], layers: Sequence[int] | None = None,
                                 rtol: float | None = None) -> dict[int, float]:
-        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer: the worst
-        relative error per layer; :class:`ResidualIdentityError` when one exceeds ``rtol``."""
-        return _checks.check_residual_identity(self, cache, layers, rtol)
+        """Check resid_pre + attn_out (+ mlp_out) against resid_mid / resid_post for each layer of ``cache``: the
+        worst relative error per layer (error / max |residual|); :class:`ResidualIdentityError` naming the layer
+        when one exceeds ``rtol``."""
+        rtol = self.identity_tolerance() if rtol is None else rtol
+        out: dict[int, float] = {}
+        for layer in self.layers(layers):
+            g = lambda s: cache[self.hook_name(layer, s)].to(torch.float64)  # noqa: E731
+            pre, attn, mlp, post = g("resid_pre"), g("attn_out"), g("mlp_out"), g("resid_post")
+            scale = max(float(post.abs().max()), float(pre.abs().max()), 1e-30)
+            if self.is_parallel(layer):
+                errs = {"resid_pre + attn_out + mlp_out = resid_post": float((pre + attn + mlp - post).abs().max())}
+            else:
+                mid = g("resid_mid")
+                errs = {"resid_pre + attn_out = resid_mid": float((pre + attn - mid).abs().max()),
+                        "resid_mid + mlp_out = resid_post": float((mid + mlp - post).abs().max())}
+            worst = max(errs.values()) / scale
+            out[layer] = worst
+            if not worst <= rtol:
+                which = max(errs, key=errs.get)
+                raise ResidualIdentityError(
+                    f"layer {layer}: {which} fails (relative error {worst:.3g} > {rtol:.1g}). The model's "
+                    "hook_attn_out / hook_mlp_out do not decompose the residual stream (a known class of "
+                    "TransformerBridge bugs, or a hook of yours rewrote an activation); tl_steering's "
+                    "decompositions would be wrong on it."
+                )
+        return out
 
     def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
         """The hook names :meth:`check_residual_identity` reads."""
-        return _checks.identity_names(self, layers)
+        names = []
+        for layer in self.layers(layers):
+            sites = ["resid_pre", "attn_out", "mlp_out", "resid_post"]
+            if not self.is_parallel(layer):
+                sites.append("resid_mid")
+            names += [self.hook_name(layer, s) for s in sites]
+        return names
 
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
@@ -352,4 +398,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "split_hook_name"]

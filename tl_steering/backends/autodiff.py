@@ -1,29 +1,7 @@
 """Interrupt-safe ``torch.func`` transforms: every package call of ``jvp``, ``linearize``, ``vmap``, ``jacrev`` and
-``jacfwd`` goes through here (docs/hooks.md, "Interrupts": "Autodiff transforms").
-
-A transform keeps process state that torch enters and leaves with Python code: functorch's dynamic layer stack
-(thread-local, C++), the forward-AD level (C++) with its Python mirror ``torch.autograd.forward_ad._current_level``,
-``torch._functorch.eager_transforms.JVP_NESTING``, the forward-gradient and gradient modes. A KeyboardInterrupt that
-lands between two of those steps (inside a ``contextlib`` exit, between the C++ call and the Python counter) leaves
-a level entered: every later ``torch.func.jvp`` in the process then fails ("Nested forward mode AD is not supported
-at the moment", "Entering a new forward AD level but the current level is not valid", an INTERNAL ASSERT on the
-dynamic layer stack).
-
-:class:`autodiff_section` protects a transform twice:
-
-* it holds every signal with a Python handler for the duration of the transform
-  (:class:`~tl_steering.backends.interrupts.deferred_signals`) and delivers it right after: a Ctrl-C raises
-  KeyboardInterrupt (a SIGALRM timer its handler's exception) once the transform has returned, whatever the moment
-  it arrived. The price: a Ctrl-C waits for the running transform (one JVP of a sublayer, one vmapped Jacobian);
-* when an exception leaves the section anyway (the transformed function's own error; an asynchronous exception
-  that no signal handler raised), it compares torch's autodiff state with the state on entry and unwinds what was
-  left behind, with torch's own calls (``pop_dynamic_layer_stack_and_undo_to_depth``, the one ``torch.compile``
-  uses after an error; ``_exit_dual_level``). The unwinding touches torch's process-wide forward-AD bookkeeping, so
-  it runs on the main thread only, where signals are delivered.
-
-Nothing is patched: the functions here call ``torch.func``'s inside a section. ``vmap(jacrev(f))`` composes as in
-``torch.func`` and runs as one section.
-"""
+``jacfwd`` goes through here, inside an :class:`autodiff_section` (why and how: docs/hooks.md, "Interrupts",
+autodiff transforms). Nothing is patched: the functions call ``torch.func``'s inside a section; ``vmap(jacrev(f))``
+composes as in ``torch.func`` and runs as one section."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,7 +17,7 @@ _functorch = torch._C._functorch
 
 
 class AutodiffState(NamedTuple):
-    """torch's autodiff state that a transform enters and must leave (see the module docstring)."""
+    """torch's autodiff state that a transform enters and must leave."""
 
     depth: int  # functorch's dynamic layer stack (this thread)
     jvp_nesting: int  # torch._functorch.eager_transforms.JVP_NESTING
@@ -62,13 +40,9 @@ def autodiff_state() -> AutodiffState:
 
 
 def _exit_forward_levels(above: int) -> bool:
-    """Exit every forward-AD level above ``above`` in torch's C++ registry and its Python mirror; whether one was
-    left (idempotent).
-
-    The mirror can disagree with C++ (an interrupt between ``_enter_dual_level`` and ``_current_level = ...`` leaves
-    a C++ level the mirror does not show, and the enclosing exits of ``jvp`` then restore everything else), so the
-    C++ levels are exited by index, newest first, whatever the mirror says; torch refuses to exit a level that does
-    not exist (RuntimeError): nothing to exit."""
+    """Exit every forward-AD level above ``above`` in torch's C++ registry (by index, newest first: an interrupt
+    between ``_enter_dual_level`` and ``_current_level = ...`` leaves a level the Python mirror does not show) and in
+    the mirror; whether one was left (idempotent). Torch refuses to exit a level that does not exist."""
     left = int(_fwad._current_level) != above
     top = max(int(_fwad._current_level), above + 1)  # torch allows one level (no nesting): index 0 at most
     for level in range(top, above, -1):
@@ -96,9 +70,9 @@ def restore_autodiff_state(to: AutodiffState) -> bool:
 
 
 class autodiff_section:  # noqa: N801 - used like a function: ``with autodiff_section(): ...``
-    """Run a ``torch.func`` transform so that no interrupt can leave torch's autodiff state half-entered (see the
-    module docstring): signals are held inside and delivered on exit; an exception leaving the block unwinds what
-    the transform left entered. Nested sections hold for the outermost one."""
+    """Run a ``torch.func`` transform so that no interrupt can leave torch's autodiff state half-entered: signals are
+    held inside and delivered on exit; an exception leaving the block unwinds what the transform left entered (with
+    torch's own calls, main thread only). Nested sections hold for the outermost one."""
 
     def __init__(self) -> None:
         self._hold = deferred_signals()
@@ -118,7 +92,6 @@ class autodiff_section:  # noqa: N801 - used like a function: ``with autodiff_se
         finally:
             self._hold.__exit__(exc_type, exc, tb)  # delivers a held signal: its exception propagates from here
         return None
-
 
     def _unwind(self, entry: AutodiffState) -> None:
         self.unwound = restore_autodiff_state(entry) or self.unwound
@@ -142,19 +115,18 @@ def _raw(func: Callable) -> Callable:
     return func.raw if isinstance(func, Transformed) else func
 
 
-def vmap(func: Callable, *args: Any, **kwargs: Any) -> Transformed:
-    """``torch.func.vmap(func, ...)``, called inside an :class:`autodiff_section`."""
-    return Transformed(torch.func.vmap(_raw(func), *args, **kwargs))
+def _transform(torch_fn: Callable) -> Callable[..., Transformed]:
+    def transform(func: Callable, *args: Any, **kwargs: Any) -> Transformed:
+        return Transformed(torch_fn(_raw(func), *args, **kwargs))
+
+    transform.__name__ = torch_fn.__name__
+    transform.__doc__ = f"``torch.func.{torch_fn.__name__}(func, ...)``, called inside an :class:`autodiff_section`."
+    return transform
 
 
-def jacrev(func: Callable, *args: Any, **kwargs: Any) -> Transformed:
-    """``torch.func.jacrev(func, ...)``, called inside an :class:`autodiff_section`."""
-    return Transformed(torch.func.jacrev(_raw(func), *args, **kwargs))
-
-
-def jacfwd(func: Callable, *args: Any, **kwargs: Any) -> Transformed:
-    """``torch.func.jacfwd(func, ...)``, called inside an :class:`autodiff_section`."""
-    return Transformed(torch.func.jacfwd(_raw(func), *args, **kwargs))
+vmap = _transform(torch.func.vmap)
+jacrev = _transform(torch.func.jacrev)
+jacfwd = _transform(torch.func.jacfwd)
 
 
 def jvp(func: Callable, primals: Any, tangents: Any, **kwargs: Any) -> Any:

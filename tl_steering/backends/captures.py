@@ -1,8 +1,9 @@
 """Hooks of ours on a model's modules (docs/hooks.md, "Interrupts"): hooks kept last on their point, one-shot
 captures of the value a sublayer really receives, the orphan-safe wrapper of the factories' hooks, the meta-device
-check of the probe. Split from :mod:`.lifecycle`, which re-exports every name and whose guards remove them all."""
+check of the probe. Split from :mod:`.lifecycle`, which re-exports the names callers use and whose guards remove
+them all."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +12,8 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from .. import validation
-from .hookbase import _FLAG_DICTS, mark_owned, owned, shielded, wraps_any
+from .hookbase import drop_hook, mark_owned, wraps_any
+
 
 def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) -> list[Any]:
     """Add ``fn`` at hook point ``name`` (TransformerLens API) so that it always runs after every other hook
@@ -24,18 +26,12 @@ def add_hook_last(model: Any, name: str, fn: Callable, hook_dict: Any = None) ->
     hook_ids = [h.hook.id for h in hp.fwd_hooks if id(h) not in before and hasattr(h, "hook")]
 
     def last(module: Any, args: Any, hook_ids: list = hook_ids) -> None:
-        hooks = module._forward_hooks
-        if hasattr(hooks, "move_to_end"):
-            for i in hook_ids:
-                if i in hooks:
-                    hooks.move_to_end(i)
+        hooks = module._forward_hooks  # an OrderedDict
+        for i in hook_ids:
+            if i in hooks:
+                hooks.move_to_end(i)
 
-    return [hp.register_forward_pre_hook(owned(last))]
-
-
-def _wraps(f: Any, fn: Callable) -> bool:
-    """Whether torch hook ``f`` is ``fn`` or TransformerLens's wrapper of it."""
-    return wraps_any(f, lambda g: g is fn)
+    return [hp.register_forward_pre_hook(mark_owned(last))]
 
 
 def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
@@ -43,28 +39,18 @@ def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
     ``hp.fwd_hooks``; True when there was one."""
     d = hp._forward_hooks
     listed = {getattr(getattr(h, "hook", None), "id", None) for h in hp.fwd_hooks}
-    orphans = [k for k, f in list(d.items()) if k not in listed and _wraps(f, fn)]
+    orphans = [k for k, f in list(d.items()) if k not in listed and wraps_any(f, lambda g: g is fn)]
     for k in orphans:
-        d.pop(k, None)
-        for attr in _FLAG_DICTS["_forward_hooks"]:
-            fd = getattr(hp, attr, None)
-            if fd is not None:
-                fd.pop(k, None)
+        drop_hook(hp, "_forward_hooks", k)
     return bool(orphans)
 
 
 def orphan_safe(fn: Callable) -> Callable:
-    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of removes
-    itself at its first firing and leaves the activation unchanged (docs/hooks.md, "Interrupts").
-
-    ``HookPoint.add_hook`` registers the torch hook, then appends its handle to ``hp.fwd_hooks``; a Ctrl-C
-    between the two, inside TransformerLens's own ``run_with_hooks`` / ``hooks()`` (no guard of ours runs
-    there), leaves a torch hook that ``reset_hooks()`` cannot see and that would run the factory on every later
-    forward (``parallel_blocks`` would then raise "did not fire" on every plain forward). When the wrapped
-    function fires and finds such unlisted copies of itself on its hook point, it removes them and returns
-    ``None`` for this firing: torch runs the hooks of a forward from a snapshot of the dict, so every listed copy
-    still runs in this forward, and the first copy to fire is the oldest (an orphan is registered before any
-    copy added since). Cost: one scan of the point's few hooks per firing."""
+    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of (a Ctrl-C
+    inside ``HookPoint.add_hook``: docs/hooks.md, "Interrupts") removes itself at its first firing and leaves the
+    activation unchanged. Torch runs a forward's hooks from a snapshot of the dict, so every listed copy still runs
+    in this forward, and the first copy to fire is the oldest (an orphan is registered before any copy added
+    since). Cost: one scan of the point's few hooks per firing."""
 
     def hook_fn(act: Any, hook: Any) -> Any:
         hp = getattr(hook, "_target", hook)  # TransformerLens's _AliasedHookPoint delegates to the point
@@ -80,23 +66,15 @@ def orphan_safe(fn: Callable) -> Callable:
 
 def _detach(module: torch.nn.Module, attr: str, fn: Callable) -> None:
     """Remove every entry of ``fn`` from ``module``'s torch hook dict ``attr`` (and its flag dicts)."""
-    d = getattr(module, attr, None) or {}
-    for k in [k for k, f in list(d.items()) if f is fn]:
-        d.pop(k, None)
-        for f in _FLAG_DICTS[attr]:
-            fd = getattr(module, f, None)
-            if fd is not None:
-                fd.pop(k, None)
+    for k in [k for k, f in list((getattr(module, attr, None) or {}).items()) if f is fn]:
+        drop_hook(module, attr, k)
 
 
 def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None]) -> Any:
-    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store``
-    and removes itself. Used by hook factories to read the value a sublayer really receives (after every
-    user hook upstream). Tagged as ours: a guard removes it if the forward never reaches ``module``.
-
-    It removes itself by identity, not through the handle returned by the registration: a Ctrl-C right after the
-    registration (inside TransformerLens's own ``run_with_hooks``, where no guard of ours runs) must not leave a
-    capture that can never remove itself (docs/hooks.md, "Interrupts")."""
+    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store`` (the value
+    a sublayer really receives, after every user hook upstream) and removes itself, by identity: a Ctrl-C right
+    after the registration, where no guard of ours runs, leaves no capture that cannot remove itself. Tagged as
+    ours: a guard removes it if the forward never reaches ``module``."""
 
     def grab(mod: Any, args: tuple, kwargs: dict) -> None:
         _detach(mod, "_forward_pre_hooks", tagged)
@@ -104,7 +82,7 @@ def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None])
         if isinstance(x, Tensor):
             store(x)
 
-    tagged = owned(grab)
+    tagged = mark_owned(grab)
     return module.register_forward_pre_hook(tagged, with_kwargs=True)
 
 
@@ -126,11 +104,10 @@ def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) ->
         if not any(f is tagged for f in hooks.values()):  # its capture is gone (an interrupt inside grab)
             _detach(mod, "_forward_pre_hooks", tagged_last)
             return
-        if hasattr(hooks, "move_to_end"):
-            for k in [k for k, f in hooks.items() if f is tagged]:
-                hooks.move_to_end(k)
+        for k in [k for k, f in hooks.items() if f is tagged]:
+            hooks.move_to_end(k)
 
-    tagged, tagged_last = owned(grab), owned(last)
+    tagged, tagged_last = mark_owned(grab), mark_owned(last)
     fwd = hp.register_forward_hook(tagged)
     return [fwd, hp.register_forward_pre_hook(tagged_last)]
 
@@ -160,12 +137,8 @@ def refuse_meta_inputs(model: torch.nn.Module) -> Any:
     def check(mod: Any, args: tuple, kwargs: dict) -> None:
         validation.check_not_meta(args[0] if args else kwargs.get("input", kwargs.get("tokens")))
 
-    return model.register_forward_pre_hook(owned(check), with_kwargs=True)
-
-
-def remove_handles(handles: Sequence[Any]) -> None:
-    shielded(lambda: [h.remove() for h in handles])
+    return model.register_forward_pre_hook(mark_owned(check), with_kwargs=True)
 
 
 __all__ = ["add_hook_last", "capture_input_once", "capture_output_once", "capture_site", "orphan_safe",
-           "refuse_meta_inputs", "remove_handles"]
+           "refuse_meta_inputs"]

@@ -16,10 +16,7 @@ from .. import validation
 from ..errors import InputError
 from .detect import backend_of
 
-try:
-    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge as _AttnBridge
-except ImportError:  # pragma: no cover
-    _AttnBridge = None
+from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge as _AttnBridge
 
 
 def kv_cache(model: Any, batch: int = 1) -> Any:
@@ -46,7 +43,7 @@ def cache_routing(model: Any) -> Iterator[Any]:
     """Inside the block, every attention bridge of ``model`` also receives the Hugging Face cache its decoder layer
     passes as ``cache=`` under ``past_key_values=`` (the name TransformerLens reads). Nested entries are free; a
     HookedTransformer needs nothing. The pre-hooks are removed on exit, also on error."""
-    if backend_of(model) != "bridge" or _AttnBridge is None or getattr(model, "_tl_steering_routing", 0):
+    if backend_of(model) != "bridge" or getattr(model, "_tl_steering_routing", 0):
         yield model
         return
     handles = [m.register_forward_pre_hook(_route, with_kwargs=True) for m in model.modules()
@@ -85,17 +82,12 @@ def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def route_cache_keyword(model: Any) -> Any:
     """Make every attention bridge of ``model`` (a model the caller owns) read the Hugging Face cache that
-    transformers 5.x passes as ``cache=``, in place, and return the model. Idempotent; a no-op on a
-    HookedTransformer or when TransformerLens reads ``cache=`` itself. Not a hook: an instance attribute, kept by
-    ``copy.deepcopy`` (bound to the copy) and invisible to ``hook_dict``, ``reset_hooks`` and the state dict.
-    The bridge's ``generate`` is bound the same way to :func:`generate`, which silences transformers'
-    ``past_key_values`` FutureWarning for that call alone."""
+    transformers 5.x passes as ``cache=``, in place (an instance attribute, not a hook), bind its ``generate`` to
+    :func:`generate`, and return the model. Idempotent; a no-op on a HookedTransformer (docs/generate.md)."""
     if backend_of(model) != "bridge":
         return model
     if "generate" not in model.__dict__ and callable(getattr(type(model), "generate", None)):
         model.__dict__["generate"] = types.MethodType(generate, model)
-    if _AttnBridge is None:
-        return model
     for m in model.modules():
         if isinstance(m, _AttnBridge) and "_update_kv_cache" not in m.__dict__:
             m._update_kv_cache = types.MethodType(_update_kv_cache, m)
@@ -105,7 +97,7 @@ def route_cache_keyword(model: Any) -> Any:
 def cache_keyword_routed(model: Any) -> bool:
     """Whether every attention bridge of ``model`` reads ``cache=`` (:func:`route_cache_keyword`); True for a
     HookedTransformer."""
-    if backend_of(model) != "bridge" or _AttnBridge is None:
+    if backend_of(model) != "bridge":
         return True
     return all("_update_kv_cache" in m.__dict__ for m in model.modules() if isinstance(m, _AttnBridge))
 

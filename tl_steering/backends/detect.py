@@ -4,36 +4,27 @@ and the bit-exact weight fingerprint used to prove a call left the weights alone
 """
 
 import importlib.metadata
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from ..errors import ModelNotSupportedError
+from transformer_lens.model_bridge import TransformerBridge as _TransformerBridge
 
-# ----------------------------------------------------------------------------------------------------------
-# TransformerLens feature detection (guarded imports: TL 4.x removed HookedTransformer and raises ImportError)
+from ..errors import ModelNotSupportedError
 
 try:  # TL 3.x
     from transformer_lens import HookedTransformer as _HookedTransformer  # type: ignore[attr-defined]
 except ImportError:  # TL 4.x
     _HookedTransformer = None
 
-try:
-    from transformer_lens.model_bridge import TransformerBridge as _TransformerBridge
-except ImportError:  # pragma: no cover - TL < 3
-    _TransformerBridge = None
-
-
 
 def tl_version() -> str:
     """Installed TransformerLens version (from the package metadata)."""
-    for dist in ("transformer-lens", "transformer_lens"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+    try:
+        return importlib.metadata.version("transformer-lens")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def hooked_available() -> bool:
@@ -43,17 +34,6 @@ def hooked_available() -> bool:
 
 Backend = Literal["hooked", "bridge"]
 Processing = Literal["raw", "tl"]
-Site = Literal[
-    "resid_pre",
-    "attn_out",
-    "resid_mid",
-    "mlp_in",
-    "mlp_out",
-    "resid_post",
-    "ln2_normalized",
-    "ffn_input",
-]
-SITES: tuple[str, ...] = get_args(Site)
 _SITE_HOOK = {
     "resid_pre": "hook_resid_pre",
     "attn_out": "hook_attn_out",
@@ -63,11 +43,12 @@ _SITE_HOOK = {
     "resid_post": "hook_resid_post",
     "ln2_normalized": "ln2.hook_normalized",
 }
+SITES: tuple[str, ...] = (*_SITE_HOOK, "ffn_input")
 
 
 def backend_of(model: Any) -> Backend:
     """``"hooked"`` or ``"bridge"``; raises :class:`ModelNotSupportedError` for anything else."""
-    if _TransformerBridge is not None and isinstance(model, _TransformerBridge):
+    if isinstance(model, _TransformerBridge):
         return "bridge"
     if _HookedTransformer is not None and isinstance(model, _HookedTransformer):
         return "hooked"
@@ -75,6 +56,13 @@ def backend_of(model: Any) -> Backend:
         f"expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}. "
         "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...)."
     )
+
+
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (the first parameter's device; cpu for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def first_output(out: Any) -> Tensor:

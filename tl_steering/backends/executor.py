@@ -1,27 +1,19 @@
-"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`).
-
-The ``HookedParallelBlock`` subclass (TL 3.9) and the entry points; the replacement forward of a Hugging Face
-decoder layer inside a ``TransformerBridge`` block is in :mod:`.executor_bridge`, the per-block state in
-:mod:`.executor_state`, the math in :mod:`.fused`. See docs/parallel.md.
-"""
+"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`):
+the ``HookedParallelBlock`` subclass (TL 3.9) and the entry points; the bridge side is :mod:`.executor_bridge`, the
+math and the per-block state :mod:`.fused`. See docs/parallel.md."""
 
 from typing import Any
 
 from torch import Tensor
 
-from ..errors import ModelNotSupportedError
-from .executor_bridge import _parallelize_bridge
-from .executor_state import _inner_hook_points, _ParallelState, _raw  # noqa: F401  (_raw: tests)
-from .fused import FusedWeights, _build, _fused_step
+from .executor_bridge import _inner_hook_points, _parallelize_bridge
+from .fused import FusedWeights, _build, _ParallelState
+from .sublayers import unwrap as _raw  # noqa: F401  (tests)
 
 try:  # TL 3.x only
     from transformer_lens.components import TransformerBlock as _HookedBlock  # type: ignore[attr-defined]
 except ImportError:  # TL 4.x: no HookedTransformer
     _HookedBlock = None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# HookedTransformer (TL 3.9)
 
 
 class _ParallelCfg:
@@ -82,7 +74,7 @@ if _HookedBlock is not None:
                     k = self.attn.apply_rotary(k, 0, None)
                 return fw.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)
 
-            return self.hook_resid_post(_fused_step(st, x, core))
+            return self.hook_resid_post(st.step(x, core))
 
 else:  # pragma: no cover - TL 4.x
     HookedParallelBlock = None  # type: ignore[assignment, misc]
@@ -120,9 +112,6 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
     if type(mlp).__name__ not in ("MLP", "GatedMLP") or cfg.is_layer_norm_activation():
         return None, f"MLP {type(mlp).__name__} / act_fn {cfg.act_fn}"
 
-    def norm_params(ln: Any) -> tuple:
-        return getattr(ln, "w", None), getattr(ln, "b", None)
-
     d, dh, nh = cfg.d_model, cfg.d_head, cfg.n_heads
     gqa = hasattr(attn, "_W_K")
     WK, bK = (attn._W_K, attn._b_K) if gqa else (attn.W_K, attn.b_K)
@@ -131,7 +120,8 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
     flat = lambda w: w.detach().permute(1, 0, 2).reshape(d, -1)  # [h, d, dh] -> [d, h*dh]  # noqa: E731
     gated = type(mlp).__name__ == "GatedMLP"
     fw = _build(
-        norm, float(blk.ln1.eps), norm_params(blk.ln1), norm_params(blk.ln2),
+        norm, float(blk.ln1.eps), (getattr(blk.ln1, "w", None), getattr(blk.ln1, "b", None)),
+        (getattr(blk.ln2, "w", None), getattr(blk.ln2, "b", None)),
         flat(attn.W_Q), attn.b_Q.detach().reshape(-1), flat(WK), bK.detach().reshape(-1), flat(WV),
         bV.detach().reshape(-1), attn.W_O.detach().reshape(nh * dh, d), attn.b_O.detach(),
         mlp.W_gate.detach() if gated else None, None, mlp.W_in.detach(), None if gated else mlp.b_in.detach(),
@@ -174,12 +164,8 @@ def parallelize_blocks(model: Any, backend: str, layers: list[int], fuse: bool, 
     blocks that could not be fused. ``corrections``: ``{layer: (g, b, W)}``, the FFN write of that parallel
     block becomes g Phi(x) + b + a W (``b`` a ``[d_model]`` tensor or None, ``W`` ``[d_model, d_model]`` or None, a
     the block's attention write)."""
-    corrections = corrections or {}
-    if backend == "hooked":
-        if HookedParallelBlock is None:  # pragma: no cover
-            raise ModelNotSupportedError("HookedTransformer blocks need TransformerLens 3.x")
-        return _parallelize_hooked(model, layers, fuse, streams, corrections)
-    return _parallelize_bridge(model, layers, fuse, streams, corrections)
+    parallelize = _parallelize_hooked if backend == "hooked" else _parallelize_bridge
+    return parallelize(model, layers, fuse, streams, corrections or {})
 
 
 def parallel_states(model: Any) -> list[_ParallelState]:

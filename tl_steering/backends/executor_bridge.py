@@ -7,19 +7,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
 
 from ..errors import InputError, ModelNotSupportedError
-from .executor_state import _inner_hook_points, _ParallelState, _raw
-from .fused import FusedWeights, _build, _fused_step, _on_side
-
-try:
-    from transformer_lens.model_bridge.generalized_components.block import ParallelBlockBridge as _PBB
-except ImportError:  # pragma: no cover
-    _PBB = None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# TransformerBridge (TL 3.9 and 4.x): replace the forward of the Hugging Face decoder layer inside the block
+from .detect import first_output
+from .fused import FusedWeights, _build, _ParallelState
+from .hookbase import hook_points
+from .sublayers import unwrap as _raw
 
 
 _GEMMA_MODULES = {"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -82,24 +76,15 @@ def _gemma_fused(layer: Any) -> tuple[FusedWeights | None, str, int]:
     (wq, bq), (wk, bk), (wv, bv), (wo, bo), (wg, bg), (wu, bu), (wd, bd) = w
     if bo is not None or bd is not None:
         return None, "output biases under a post-norm", -1
-    d = wq.shape[0]
-    gains = {}
-    for name in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
-                 "post_feedforward_layernorm"):
-        gains[name] = _rms_gain(getattr(layer, name), d)
-        if gains[name][0] is None:
-            return None, f"{name} is not an RMSNorm of the form x / rms(x) * g", -1
-    eps = {e for _, e in gains.values()}
-    if len(gains) != 4 or gains["input_layernorm"][1] != gains["pre_feedforward_layernorm"][1]:
-        return None, f"pre-norm eps differ ({sorted(eps)})", -1
-    dh = int(attn.head_dim)
-    qk: dict[str, Any] = {}
-    for name in ("q_norm", "k_norm"):
-        if name in attn._modules:
-            g, e = _rms_gain(attn._modules[name], dh)
-            if g is None:
-                return None, f"{name} is not a per-head RMSNorm", -1
-            qk[name] = (g, e)
+    d, dh = wq.shape[0], int(attn.head_dim)
+    gains = {n: _rms_gain(getattr(layer, n), d) for n in ("input_layernorm", "pre_feedforward_layernorm",
+                                                            "post_attention_layernorm", "post_feedforward_layernorm")}
+    qk = {n: _rms_gain(attn._modules[n], dh) for n in ("q_norm", "k_norm") if n in attn._modules}
+    bad = [n for n, (g, _) in {**gains, **qk}.items() if g is None]
+    if bad:
+        return None, f"{bad[0]} is not an RMSNorm of the form x / rms(x) * g", -1
+    if gains["input_layernorm"][1] != gains["pre_feedforward_layernorm"][1]:
+        return None, "pre-norm eps differ", -1
     if len({e for _, e in qk.values()}) > 1:
         return None, "q_norm/k_norm eps differ", -1
     post_eps = {gains["post_attention_layernorm"][1], gains["post_feedforward_layernorm"][1]}
@@ -147,7 +132,7 @@ def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, in
     eps2 = getattr(ln2, "variance_epsilon", getattr(ln2, "eps", None))
     if "RMSNorm" not in type(ln1).__name__ or "RMSNorm" not in type(ln2).__name__ or eps1 is None:
         return None, f"norms {type(ln1).__name__}/{type(ln2).__name__} are not plain RMSNorm", -1
-    if type(ln1).__name__ != "LlamaRMSNorm" and "Gemma" in type(ln1).__name__:
+    if "Gemma" in type(ln1).__name__:
         return None, "Gemma RMSNorm (1 + w) is not handled", -1
     if eps1 != eps2:
         return None, f"input_layernorm eps={eps1} != post_attention_layernorm eps={eps2}", -1
@@ -167,24 +152,21 @@ def _bridge_fused(layer: Any, family: str) -> tuple[FusedWeights | None, str, in
     return fw, "", int(attn.layer_idx)
 
 
+def _inner_hook_points(block: torch.nn.Module, boundary: list[Any]) -> list[Any]:
+    """The block's hook points inside its boundary ones (those a forward on the fused path would skip)."""
+    ids = {id(h) for h in boundary}
+    return [hp for hp in hook_points(block) if id(hp) not in ids]
+
+
 def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     """Forward of a parallelized Hugging Face decoder layer (bound to the layer instance)."""
     st: _ParallelState = self._tl_parallel
     family: str = self._tl_parallel_family
-    if family == "gpt2":  # GPT2Block(hidden_states, cache, attention_mask, encoder_hidden_states, ...)
-        names = ("cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "use_cache")
-        for n, a in zip(names, args):
-            kwargs[n] = a
-        if kwargs.get("encoder_hidden_states") is not None:
+    kwargs.update(zip(self._tl_parallel_args, args))  # the decoder layer's own positional parameters
+    if family == "gpt2":
+        if kwargs.pop("encoder_hidden_states", None) is not None:
             raise ModelNotSupportedError("parallelized GPT-2 blocks do not support cross-attention")
-        kwargs.pop("encoder_hidden_states", None)
         kwargs.pop("encoder_attention_mask", None)
-    elif args and family == "gemma":  # Gemma3DecoderLayer(hidden_states, position_embeddings, attention_mask, ...)
-        for n, a in zip(_positional_names(self), args):
-            kwargs[n] = a
-    elif args:  # LlamaDecoderLayer(hidden_states, attention_mask, position_ids, cache, use_cache, pos_emb)
-        for n, a in zip(("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings"), args):
-            kwargs[n] = a
     if "past_key_values" in kwargs and kwargs.get("cache") is None:
         kwargs["cache"] = kwargs.pop("past_key_values")
     kwargs.pop("past_key_values", None)
@@ -195,32 +177,27 @@ def _hf_parallel_forward(self: Any, hidden_states: Tensor, *args: Any, **kwargs:
     # unfused parallel: attn(ln1(x)) + mlp(ln2(x)) through the (bridge) sublayers, every inner hook fires
     if family == "gpt2":
         ln1, attn, ln2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
-        attn_kwargs = {k: kwargs[k] for k in kwargs}
-        a_call = lambda h: attn(h, **attn_kwargs)  # noqa: E731
+        a_call = lambda h: attn(h, **kwargs)  # noqa: E731
     elif family == "gemma":  # each branch keeps its own post-norm: post_attn(attn(ln1 x)) + post_ffn(mlp(ln2 x))
         ln1, attn, ln2 = self.input_layernorm, self.self_attn, self.pre_feedforward_layernorm
         post1, post2 = self.post_attention_layernorm, self.post_feedforward_layernorm
-        mlp = lambda h: post2(_first(self.mlp(h)))  # noqa: E731
-        a_call = lambda h: post1(_first(attn(hidden_states=h, **kwargs)))  # noqa: E731
+        mlp = lambda h: post2(first_output(self.mlp(h)))  # noqa: E731
+        a_call = lambda h: post1(first_output(attn(hidden_states=h, **kwargs)))  # noqa: E731
     else:
         ln1, attn, ln2, mlp = self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
         a_call = lambda h: attn(hidden_states=h, **kwargs)  # noqa: E731
-    a = _first(a_call(ln1(x)))
-    ctx, join = _on_side(st.use_streams, x, st._streams)
+    a = first_output(a_call(ln1(x)))
+    ctx, join = st.on_side(x)
     with ctx:
-        m = st.correct(_first(mlp(ln2(x))), a)  # the fitted correction (if any) of the FFN write
+        m = st.correct(first_output(mlp(ln2(x))), a)  # the fitted correction (if any) of the FFN write
     join(m)
     return x + a + m
 
 
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _positional_names(layer: Any) -> list[str]:
+def _positional_names(layer: Any) -> tuple[str, ...]:
     """Names of the decoder layer's positional parameters after ``hidden_states`` (from its class forward)."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: dict) -> Tensor:
@@ -247,7 +224,7 @@ def _hf_fused(layer: Any, st: _ParallelState, family: str, x: Tensor, kwargs: di
             k, v = cache.update(k, v, layer._tl_parallel_layer_idx)
         return fw.attend(q, k, v, mask)
 
-    return _fused_step(st, x, core)
+    return st.step(x, core)
 
 
 def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool,
@@ -271,10 +248,11 @@ def _parallelize_bridge(model: Any, layers: list[int], fuse: bool, streams: bool
         if layer_i in corrections:
             layer._tl_parallel.set_correction(*corrections[layer_i])
         layer._tl_parallel_family = family
+        layer._tl_parallel_args = _positional_names(layer)
         layer._tl_parallel_layer_idx = layer_idx if layer_idx >= 0 else layer_i
         layer.forward = types.MethodType(_hf_parallel_forward, layer)
         # the adapter (and readers of the block type) see a parallel block: no hook_resid_mid
-        if _PBB is not None and type(blk).__name__ == "BlockBridge":
+        if type(blk).__name__ == "BlockBridge":
             blk.__class__ = _PBB
             aliases = dict(blk.hook_aliases)
             aliases.pop("hook_resid_mid", None)

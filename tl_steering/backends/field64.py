@@ -1,25 +1,10 @@
-"""An exact float64 copy of one block's sublayers, for the critical-point fields (see docs/critical_points.md).
+"""An exact float64 copy of one block's sublayers for the critical-point fields (:class:`Float64Block`), run inside
+:class:`float64_compute`, which keeps float64 tensors float64 where model code asks for float32 (Hugging Face norms'
+upcasts, attention's float32 softmax, HookedTransformer's casts to ``cfg.dtype``). The user's model is never
+touched and nothing is patched process-wide. See docs/critical_points.md, "Exact float64 copy"."""
 
-The critical-point finder needs the field Phi(z) = post_ffn(MLP(pre_ffn(z))) (and, for the frozen-context fields,
-the attention sublayer) in float64 all the way through: a relative residual of 1e-10 is out of reach if any step
-rounds to float32. Two kinds of step do that in the models we support, whatever the input dtype:
 
-* Hugging Face norms upcast to float32 (``hidden_states.to(torch.float32)`` in ``LlamaRMSNorm``, ``x.float()`` in
-  ``Gemma3RMSNorm``) and HookedTransformer norms cast to ``cfg.dtype``;
-* attention asks for a float32 softmax (``softmax(scores, dim=-1, dtype=torch.float32)``).
-
-:class:`Float64Block` deep-copies the block (with its hooks detached; the copy's hook points are emptied, so no
-hook of the user ever fires in it), casts the copy to float64 and runs it inside :func:`float64_compute`: a
-:class:`torch.overrides.TorchFunctionMode`, active only on the calling thread and only inside the ``with`` block,
-that keeps float64 tensors float64 where the code asks for a lower floating precision (``Tensor.to/float/half/
-bfloat16/type`` and the ``dtype=`` of ``softmax``/``log_softmax``). Nothing is patched process-wide and the user's
-model is never touched.
-
-The sublayer structure comes from :func:`.sublayers.sublayer_norms`, the same description the adapter's
-``ffn``/``attention`` use, so a sandwich-norm block (Gemma 2/3: a post-FFN norm) is covered by the same code.
-"""
-
-from .copying import deepcopy_module
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +14,10 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
 from .adapter import ModelAdapter
-from .lifecycle import hook_points, hooks_silenced
+from .copying import deepcopy_module
+from .lifecycle import _SILENCED, hook_points, hooks_silenced
 from .interrupts import deferred_signals
-from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
+from .sublayers import attention_apply, ffn_apply, sublayer_norms
 
 _LOW = (torch.float32, torch.float16, torch.bfloat16)
 _CAST_METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
@@ -45,7 +31,7 @@ def _is64(x: Any) -> bool:
 
 
 class _KeepFloat64(TorchFunctionMode):
-    """Keeps float64 tensors float64 where code requests float32/16 (see the module docstring)."""
+    """Keeps float64 tensors float64 where code requests float32/16 (:class:`float64_compute`)."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -106,44 +92,28 @@ def _private_copy(module: torch.nn.Module) -> torch.nn.Module:
     with hooks_silenced(module):
         cp = deepcopy_module(module)
     for hp in hook_points(cp):  # the copy is private: empty its hook dicts (cheaper than silencing per call)
-        hp._forward_hooks.clear()
-        hp._forward_pre_hooks.clear()
-        hp._backward_hooks.clear()
+        for attr in _SILENCED:
+            getattr(hp, attr).clear()
     cp.to(torch.float64)
     cp.requires_grad_(False)
     cfg = getattr(cp, "cfg", None)
-    if cfg is not None and hasattr(cfg, "dtype"):
-        try:
+    if hasattr(cfg, "dtype"):
+        with contextlib.suppress(AttributeError, TypeError):  # a frozen config
             cfg.dtype = torch.float64  # HookedTransformer norms cast their output to cfg.dtype (copy's own cfg)
-        except (AttributeError, TypeError):  # pragma: no cover - a frozen config
-            pass
     return cp
 
 
 class Float64Block:
-    """A private float64 copy of block ``layer`` with pure ``ffn`` / ``attention`` callables.
+    """A private float64 copy of block ``layer`` (``self.blk``, its sublayer ``norms``) with the pure callables of
+    the adapter's :meth:`ModelAdapter.ffn` / :meth:`ModelAdapter.attention`, in float64 and differentiable by
+    ``torch.func``."""
 
-    ``ffn(z) = post_ffn(MLP(pre_ffn(z)))`` positionwise on ``[..., d]`` (the post-FFN norm only where the block
-    has one, e.g. Gemma), ``attention(X) = post_attn(attn(pre_attn(X)))`` on ``[batch, pos, d]`` (causal; rotary
-    and sliding window as the adapter's :meth:`ModelAdapter.attention`). Both take and return float64 and are
-    differentiable by ``torch.func`` (jacfwd / jacrev / vmap).
-
-    Attributes:
-        layer: the block index.
-        norms: the copy's :class:`SublayerNorms` (``norms.post_ffn`` is None on pre-norm blocks).
-        backend: "hooked" or "bridge".
-    """
-
-    def __init__(self, ad: ModelAdapter, layer: int, post_ffn_norm: torch.nn.Module | None | str = "auto") -> None:
+    def __init__(self, ad: ModelAdapter, layer: int) -> None:
         self.ad = ad
         self.layer = ad.check_layer(layer)
         self.backend = ad.backend
         self.blk = _private_copy(ad.model.blocks[self.layer])
-        norms = sublayer_norms(self.blk)
-        if post_ffn_norm != "auto":  # an explicit post-norm (a module, or None for none), e.g. for experiments
-            post = None if post_ffn_norm is None else _private_copy(post_ffn_norm)
-            norms = SublayerNorms(norms.pre_attn, norms.post_attn, norms.pre_ffn, post)
-        self.norms = norms
+        self.norms = sublayer_norms(self.blk)
         self.d_model = ad.d_model
         self._traced: Any = None  # None: not built yet; False: tracing failed its check (use ffn)
 
@@ -166,10 +136,8 @@ class Float64Block:
 
         On first use the float64 computation is recorded once with ``torch.jit.trace`` (the same aten ops, in
         float64) and checked against :meth:`ffn` on batches of two other sizes (relative difference <= 1e-12);
-        when the recording fails or differs, every call uses :meth:`ffn`. The first-order phases of the
-        critical-point finder call this thousands of times on small batches, where the TransformerLens module
-        calls cost as much as the arithmetic (measured 1.4x faster on the TL 4.3 bridge, 3x on HookedTransformer).
-        Not differentiable by torch.func: use :meth:`ffn` for Jacobians.
+        when the recording fails or differs, every call uses :meth:`ffn` (docs/critical_points.md). Not
+        differentiable by torch.func: use :meth:`ffn` for Jacobians.
         """
         if x.shape[-1] != self.d_model:
             raise InputError(f"ffn expects [..., {self.d_model}], got shape {tuple(x.shape)}")
@@ -210,17 +178,9 @@ class Float64Block:
             raise InputError(f"attention expects [batch, pos, {self.d_model}], got shape {tuple(x.shape)}")
         model = self.ad.model
         rotary = getattr(model, "rotary_emb", None)
-        silence = hooks_silenced(rotary) if isinstance(rotary, torch.nn.Module) else _null()
+        silence = hooks_silenced(rotary) if isinstance(rotary, torch.nn.Module) else contextlib.nullcontext()
         with silence, float64_compute():
             return attention_apply(model, self.blk, self.norms, self.backend, x.to(torch.float64))
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 __all__ = ["Float64Block", "float64_compute"]

@@ -1,9 +1,9 @@
-"""The fused parallel block as pure tensor math: folded weights, the shared input projection, the attention
-core, the joint output GEMM, CUDA side streams. No TransformerLens or Hugging Face here: the executor
-(:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md.
-"""
+"""The fused parallel block as tensor math (folded weights, the shared input projection, the attention core, the
+joint output GEMM) and the per-block state of the executor (:class:`_ParallelState`). No TransformerLens or Hugging
+Face here: the executor (:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md."""
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -34,16 +34,18 @@ def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
     return out.to(m.dtype if dtype is None else dtype)
 
 
+def causal_mask(sq: int, sk: int, device: torch.device, window: int | None = None) -> Tensor:
+    """``[sq, sk]`` boolean mask (True = attend) of the last ``sq`` of ``sk`` positions: causal, and within the
+    ``window`` latest positions when a sliding window is given."""
+    i = torch.arange(sk, device=device)
+    diff = i[-sq:, None] - i[None, :]
+    return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+
+
 class FusedWeights(torch.nn.Module):
-    """Folded weights of one parallel block (non-persistent buffers) and the fused math on them.
-
-    ``w_in``: ``[d_model, n_q + 2 n_kv + (d_mlp if gated) + d_mlp]`` (columns q | k | v | gate | up),
-    ``w_out``: ``[n_heads d_head + d_mlp, d_model]`` (rows W_O ; W_out).
-
-    Sandwich-norm blocks (Gemma 2/3; :meth:`set_sandwich`): per-head RMS norms on q and k after the projection
-    (QK-norm), an RMS norm on EACH branch's output before the sum (so the output is two GEMMs, one per branch,
-    instead of one), attention-logit softcapping and a sliding window where the layer has them.
-    """
+    """Folded weights of one parallel block (non-persistent buffers) and the fused math on them (docs/parallel.md):
+    ``w_in`` ``[d_model, n_q + 2 n_kv + (d_mlp if gated) + d_mlp]`` (columns q | k | v | gate | up), ``w_out``
+    ``[n_heads d_head + d_mlp, d_model]`` (rows W_O ; W_out); sandwich-norm blocks: :meth:`set_sandwich`."""
 
     def __init__(self, *, norm: str, eps: float, w_in: Tensor, b_in: Tensor | None, w_out: Tensor,
                  b_out: Tensor | None, n_heads: int, n_kv_heads: int, d_head: int, d_mlp: int, gated: bool,
@@ -60,8 +62,7 @@ class FusedWeights(torch.nn.Module):
         self.register_buffer("b_post", None if b_post is None else b_post.contiguous(), persistent=False)
         nq, nkv = n_heads * d_head, n_kv_heads * d_head
         self.splits = [nq, nkv, nkv] + ([d_mlp] if gated else []) + [d_mlp]
-        self.n_attn_cols = nq + 2 * nkv
-        self._lean: dict[str, Any] | None = None  # contiguous per-branch weights (benchmark control only)
+        self.branch_biases: tuple[Tensor | None, Tensor | None] = (None, None)  # b_O, b_out (before folding)
         self.qk_eps = self.post_eps = 0.0
         self.softcap: float | None = None
         self.window: int | None = None
@@ -79,10 +80,10 @@ class FusedWeights(torch.nn.Module):
         self.window = int(window) if window else None
 
     @staticmethod
-    def _rms(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    def _rms(x: Tensor, g: Tensor | None, eps: float) -> Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        g = g.to(xf.dtype)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * g).to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y if g is None else y * g.to(xf.dtype)).to(x.dtype)
 
     def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head RMS norm of q [.., h, dh] and k [.., kv, dh] (QK-norm blocks; identity otherwise)."""
@@ -95,10 +96,6 @@ class FusedWeights(torch.nn.Module):
     @property
     def sandwich(self) -> bool:
         return self.post_attn_g is not None or self.post_ffn_g is not None
-
-    # -- lean SEQUENTIAL control (the same kernels, sequential order): benchmarks only -------------------------
-    def set_branch_biases(self, b_o: Tensor | None, b_down: Tensor | None) -> None:
-        self._branch_biases = (b_o, b_down)
 
     def fold_ffn_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
         """Make the FFN branch write g Phi(x) + b (+ a W, a the attention branch's write) (float64 fold, cast
@@ -122,7 +119,7 @@ class FusedWeights(torch.nn.Module):
         if lin64 is not None:
             w[:nq] = w[:nq] + w[:nq] @ lin64
         self.w_out = w.to(dt).contiguous()
-        b_o, b_down = getattr(self, "_branch_biases", (None, None))
+        b_o, b_down = self.branch_biases
         b = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
         if b_o is not None:
             b_o64 = b_o.double().to(w.device)
@@ -132,55 +129,11 @@ class FusedWeights(torch.nn.Module):
         if bias64 is not None:
             b = b + bias64
         self.b_out = b.to(dt)
-        self._lean = None
-
-    def _lean_weights(self) -> dict[str, Any]:
-        if self._lean is None or self._lean["w_a"].device != self.w_in.device:
-            n, nq = self.n_attn_cols, self.n_heads * self.d_head
-            b_o, b_down = getattr(self, "_branch_biases", (None, None))
-            cv = lambda t: None if t is None else t.to(self.w_in.device, self.w_in.dtype)  # noqa: E731
-            self._lean = dict(
-                w_a=self.w_in[:, :n].contiguous(), b_a=None if self.b_in is None else self.b_in[:n].contiguous(),
-                w_m=self.w_in[:, n:].contiguous(), b_m=None if self.b_in is None else self.b_in[n:].contiguous(),
-                w_o=self.w_out[:nq].contiguous(), w_d=self.w_out[nq:].contiguous(), b_o=cv(b_o), b_d=cv(b_down))
-        return self._lean
-
-    def lean_sequential(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-        """x + A(x) then + Phi(x + A(x)) with the folded weights (norm affines folded per branch)."""
-        w = self._lean_weights()
-        b, s, d = x.shape
-        lin = lambda t, wt, bias: torch.addmm(bias, t, wt) if bias is not None else t @ wt  # noqa: E731
-        ya = lin(self.normalize(x).reshape(b * s, d), w["w_a"], w["b_a"])
-        nq, nkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
-        q, k, v = ya.split([nq, nkv, nkv], dim=-1)
-        q, k = self.qk_norm(q.view(b, s, self.n_heads, self.d_head), k.view(b, s, self.n_kv_heads, self.d_head))
-        z = core(q, k, v.view(b, s, self.n_kv_heads, self.d_head))
-        if self.sandwich:
-            a = z.reshape(b * s, -1) @ w["w_o"]
-            a = a if w["b_o"] is None else a + w["b_o"]
-            x1 = x.reshape(b * s, d) + (a if self.post_attn_g is None else self._rms(a, self.post_attn_g,
-                                                                                      self.post_eps))
-        else:
-            x1 = torch.addmm(x.reshape(b * s, d), z.reshape(b * s, -1), w["w_o"])
-            if w["b_o"] is not None:
-                x1 = x1 + w["b_o"]
-        ym = lin(self.normalize(x1.view(b, s, d)).reshape(b * s, d), w["w_m"], w["b_m"])
-        parts = ym.split([self.d_mlp] * (2 if self.gated else 1), dim=-1)
-        h = self.mlp_hidden(parts[0] if self.gated else None, parts[-1])
-        if self.sandwich:
-            m = h @ w["w_d"]
-            m = m if w["b_d"] is None else m + w["b_d"]
-            return (x1 + (m if self.post_ffn_g is None else self._rms(m, self.post_ffn_g, self.post_eps))).view(b, s, d)
-        out = torch.addmm(x1, h, w["w_d"])
-        if w["b_d"] is not None:
-            out = out + w["b_d"]
-        return out.view(b, s, d)
 
     def normalize(self, x: Tensor) -> Tensor:
         if self.norm == "ln":
             return F.layer_norm(x, x.shape[-1:], None, None, self.eps)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self._rms(x, None, self.eps)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
         """x [b, s, d] -> q [b,s,h,dh], k, v [b,s,kv,dh], gate [b,s,m] or None, up [b,s,m] (one GEMM)."""
@@ -203,9 +156,7 @@ class FusedWeights(torch.nn.Module):
         """Causal attention, q [b,h,sq,dh], k/v [b,kv,sk,dh] -> z [b, sq, h*dh]."""
         sq, sk = q.shape[-2], k.shape[-2]
         if mask is None and self.window is not None and sk > self.window:
-            i = torch.arange(sk, device=q.device)
-            diff = i[-sq:, None] - i[None, :]
-            mask = (diff >= 0) & (diff < self.window)
+            mask = causal_mask(sq, sk, q.device, self.window)
         if self.softcap is not None:
             return self._attend_softcap(q, k, v, mask)
         kwargs: dict[str, Any] = {"scale": self.scale}
@@ -218,8 +169,7 @@ class FusedWeights(torch.nn.Module):
         elif sq == sk:
             z = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         else:  # queries are the last sq of sk positions
-            causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, **kwargs)
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(sq, sk, q.device), **kwargs)
         return z.transpose(1, 2).reshape(q.shape[0], sq, -1)
 
     def _attend_softcap(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -231,7 +181,7 @@ class FusedWeights(torch.nn.Module):
         sc = (q @ k.transpose(-1, -2)) * self.scale
         sc = torch.tanh(sc / self.softcap) * self.softcap
         if mask is None:
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            mask = causal_mask(sq, sk, q.device)
         if mask.dtype == torch.bool:
             sc = sc.masked_fill(~mask[..., :sk], torch.finfo(sc.dtype).min)
         else:
@@ -272,91 +222,122 @@ def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None) ->
     return w2, b2
 
 
-def _cat_bias(biases: list[Tensor | None], widths: list[int], like: Tensor) -> Tensor | None:
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([torch.zeros(n, dtype=torch.float64, device=like.device) if b is None else b.double()
-                      for b, n in zip(biases, widths)])
-
-
 def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv, wo, bo, w_gate, b_gate, w_up,
            b_up, w_down, b_down, n_heads, n_kv, d_head, act, scale, dtype, b_post=None) -> FusedWeights:
     """Fold norms (g, bias) into the input projections; all w as [in, out]."""
-    cols, biases = [], []
-    for (g, bias), w, b in [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
-            ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]:
-        w2, b2 = _fold(g, bias, w, b)
-        cols.append(w2)
-        biases.append(b2)
+    specs = [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
+        ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]
+    cols, biases = zip(*(_fold(g, bias, w, b) for (g, bias), w, b in specs))
     w_in = torch.cat(cols, dim=1)
-    b_in = _cat_bias(biases, [c.shape[1] for c in cols], w_in)
+    b_in = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(c.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
+         for b, c in zip(biases, cols)])
     w_out = torch.cat([wo.double(), w_down.double()], dim=0)
     b_out = None
     if bo is not None or b_down is not None:
         b_out = (0 if bo is None else bo.double()) + (0 if b_down is None else b_down.double())
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
     fw = FusedWeights(norm=norm, eps=eps, w_in=cast(w_in), b_in=cast(b_in), w_out=cast(w_out),
                         b_out=cast(b_out), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
                         d_mlp=w_down.shape[0], gated=w_gate is not None, act=act, scale=scale,
                         b_post=cast(b_post))
-    fw.set_branch_biases(cast(None if bo is None else bo.detach()), cast(None if b_down is None else b_down.detach()))
+    fw.branch_biases = (cast(bo), cast(b_down))
     return fw
 
 
-# ----------------------------------------------------------------------------------------------------------
-# CUDA streams
+class _ParallelState(torch.nn.Module):
+    """Per-block state of a parallelized block (HookedTransformer blocks: :mod:`.executor`; the bridge's Hugging Face
+    decoder layers: :mod:`.executor_bridge`): the fused weights (or None), the inner hook points, options."""
 
+    def __init__(self, fused: FusedWeights | None, inner: list[Any], streams: bool):
+        super().__init__()
+        self.fused = fused
+        object.__setattr__(self, "_inner", inner)  # not submodules: they belong to the block already
+        self.use_streams = bool(streams)
+        self.force_unfused = False
+        self._side: dict[Any, Any] = {}  # a side CUDA stream per device index
+        # fitted correction of the FFN write, g Phi(x) + b (+ a W) (tl_steering.parallel.refit); folded into the
+        # fused weights, applied by correct() on the unfused paths
+        self.ffn_gate = 1.0
+        self.register_buffer("ffn_bias", None, persistent=False)
+        self.register_buffer("attn_linear", None, persistent=False)
+        self._last_attn: Tensor | None = None  # the attention write of the running forward (hooked unfused path)
 
-class _Streams:
-    """A side CUDA stream per device; branches run concurrently, joined before the output GEMM."""
+    @property
+    def corrected(self) -> bool:
+        return self.ffn_gate != 1.0 or self.ffn_bias is not None or self.attn_linear is not None
 
-    def __init__(self) -> None:
-        self._side: dict[Any, Any] = {}
+    def correct(self, m: Tensor, a: Tensor | None = None) -> Tensor:
+        """The corrected FFN write g m + b (+ a W, ``a`` the block's attention write) (unfused paths; float64
+        arithmetic, cast back)."""
+        if not self.corrected:
+            return m
+        return corrected_ffn_write(m, self.ffn_gate, self.ffn_bias, self.attn_linear, a)
 
-    def side(self, device: torch.device) -> Any:
-        key = device.index
-        if key not in self._side:
-            self._side[key] = torch.cuda.Stream(device=device)
-        return self._side[key]
+    def set_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
+        """Set g, b (and W) and fold them into the fused weights (if any): zero run-time cost on the fused path."""
+        self.ffn_gate = float(gate)
+        self.ffn_bias = None if bias is None else bias.detach().to(torch.float64).clone()
+        self.attn_linear = None if linear is None else linear.detach().to(torch.float64).clone()
+        if self.fused is not None and self.corrected:
+            self.fused.fold_ffn_correction(self.ffn_gate, self.ffn_bias, self.attn_linear)
 
-    def __deepcopy__(self, memo: dict) -> "_Streams":
-        return _Streams()
+    def _hooked_attn(self, module: Any, args: Any, out: Tensor) -> None:
+        """Torch forward hook on a HookedTransformer block's attention write (unfused path): keep it for
+        :meth:`_hooked_correction` of the same forward."""
+        self._last_attn = out
 
+    def _hooked_correction(self, module: Any, args: Any, out: Tensor) -> Tensor:
+        """Torch forward hook on a HookedTransformer block's FFN module (unfused path: before hook_mlp_out)."""
+        a, self._last_attn = self._last_attn, None
+        return self.correct(out, a)
 
-def _on_side(enabled: bool, x: Tensor, streams: _Streams) -> Any:
-    """Context running the enclosed work on a side stream (CUDA + enabled) that first waits for the current
-    one; returns (context, join) where join() makes the current stream wait for the side stream."""
-    if not (enabled and x.is_cuda and torch.cuda.is_available()):
-        return contextlib.nullcontext(), (lambda *ts: None)
-    cur = torch.cuda.current_stream(x.device)
-    side = streams.side(x.device)
-    side.wait_stream(cur)
+    def inner_hooked(self) -> bool:
+        return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks for hp in self._inner)
 
-    def join(*tensors: Tensor) -> None:
-        cur.wait_stream(side)
-        for t in tensors:
-            if isinstance(t, Tensor) and t.is_cuda:
-                t.record_stream(cur)
+    def on_side(self, x: Tensor) -> tuple[Any, Callable[..., None]]:
+        """``(context, join)``: the enclosed work runs on a side CUDA stream that first waits for the current one
+        (``use_streams`` and ``x`` on CUDA; else no-ops); ``join(*tensors)`` makes the current stream wait for it."""
+        if not (self.use_streams and x.is_cuda):
+            return contextlib.nullcontext(), (lambda *ts: None)
+        cur = torch.cuda.current_stream(x.device)
+        if x.device.index not in self._side:
+            self._side[x.device.index] = torch.cuda.Stream(device=x.device)
+        side = self._side[x.device.index]
+        side.wait_stream(cur)
 
-    return torch.cuda.stream(side), join
+        def join(*tensors: Tensor) -> None:
+            cur.wait_stream(side)
+            for t in tensors:
+                if isinstance(t, Tensor) and t.is_cuda:
+                    t.record_stream(cur)
 
+        return torch.cuda.stream(side), join
 
+    def step(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
+        stream, :meth:`on_side`) beside the MLP hidden layer, one joint output GEMM. An input of 0 positions
+        (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
+        if x.shape[-2] == 0:
+            validation.check_length(0, None, "the input of a parallelized block")
+        fw = self.fused
+        q, k, v, gate, up = fw.project(x)
+        ctx, join = self.on_side(x)
+        with ctx:
+            z = core(q, k, v)
+        h = fw.mlp_hidden(gate, up)
+        join(z)
+        return fw.output(x, z, h)
 
-def _fused_step(st: Any, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-    """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
-    CUDA stream when ``st.use_streams``) beside the MLP hidden layer, one joint output GEMM. With
-    ``st.lean_sequential`` the same kernels run as a sequential block (the benchmark's control). An input of 0
-    positions (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
-    if x.shape[-2] == 0:
-        validation.check_length(0, None, "the input of a parallelized block")
-    fw = st.fused
-    if st.lean_sequential:
-        return fw.lean_sequential(x, core)
-    q, k, v, gate, up = fw.project(x)
-    ctx, join = _on_side(st.use_streams, x, st._streams)
-    with ctx:
-        z = core(q, k, v)
-    h = fw.mlp_hidden(gate, up)
-    join(z)
-    return fw.output(x, z, h)
-
+    def __deepcopy__(self, memo: dict) -> "_ParallelState":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        torch.nn.Module.__init__(new)
+        new.fused = copy.deepcopy(self.fused, memo)
+        object.__setattr__(new, "_inner", [copy.deepcopy(hp, memo) for hp in self._inner])
+        new.use_streams, new.force_unfused, new._side = self.use_streams, self.force_unfused, {}
+        new.ffn_gate = self.ffn_gate
+        new.ffn_bias = None if self.ffn_bias is None else self.ffn_bias.clone()
+        new.attn_linear = None if self.attn_linear is None else self.attn_linear.clone()
+        new._last_attn = None
+        return new

@@ -12,17 +12,16 @@ from transformer_lens.hook_points import HookPoint
 
 # torch's per-module hook dicts (attribute names of torch.nn.Module); the *_with_kwargs / *_always_called
 # dicts are keyed like their main dict and only hold flags
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _FLAG_DICTS = {
     "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
     "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
     "_backward_hooks": (),
     "_backward_pre_hooks": (),
 }
+_HOOK_DICTS = tuple(_FLAG_DICTS)
 _SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
 _OWNED_ATTR = "_tl_steering_owned"
 _INTERVENTION_ATTR = "_tl_steering_intervention"
-_MAX_RESTORE_TRIES = 20
 
 
 def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -49,6 +48,14 @@ def hook_points(model: torch.nn.Module) -> list[HookPoint]:
     return [m for m in modules_of(model) if isinstance(m, HookPoint)]
 
 
+def drop_hook(module: torch.nn.Module, attr: str, key: Any) -> None:
+    """Remove entry ``key`` from ``module``'s torch hook dict ``attr`` and from its flag dicts."""
+    for a in (attr, *_FLAG_DICTS[attr]):
+        d = getattr(module, a, None)
+        if d is not None:
+            d.pop(key, None)
+
+
 def _wrapper(fn: Callable, attr: str, value: Any) -> Callable:
     """A new function calling ``fn``, with ``attr`` set to ``value`` (for a callable that takes no attribute)."""
 
@@ -70,34 +77,33 @@ def _tag(fn: Callable, attr: str, value: Any) -> Callable:
         return _wrapper(fn, attr, value)
 
 
-def owned(fn: Callable) -> Callable:
-    """Tag a torch hook function as tl_steering's: a guard removes it from any module it finds it on."""
-    return _wrapper(fn, _OWNED_ATTR, True)
-
-
 def is_owned(fn: Any) -> bool:
     return bool(getattr(fn, _OWNED_ATTR, False))
 
 
 def mark_owned(fn: Callable) -> Callable:
     """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
-    takes no attribute. A hook given to TransformerLens's ``add_hook`` is recognised through TL's wrapper
-    (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does not count it as the user's."""
+    takes no attribute: a guard removes it from any module it finds it on. A hook given to TransformerLens's
+    ``add_hook`` is recognised through TL's wrapper (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does
+    not count it as the user's."""
     return _tag(fn, _OWNED_ATTR, True)
 
 
-def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
-    """Whether ``pred`` holds for torch hook ``f`` or for a function its closure holds (TransformerLens's
-    ``HookPoint.add_hook`` registers a ``full_hook`` that closes over the function it was given)."""
-    if pred(f):
-        return True
+def _wrapped(f: Any) -> list[Any]:
+    """Torch hook ``f`` and the functions its closure holds (TransformerLens's ``HookPoint.add_hook`` registers a
+    ``full_hook`` that closes over the function it was given)."""
+    out = [f]
     for cell in getattr(f, "__closure__", None) or ():
         try:
-            if pred(cell.cell_contents):
-                return True
+            out.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    return False
+    return out
+
+
+def wraps_any(f: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds for torch hook ``f`` or for a function its closure holds."""
+    return any(pred(g) for g in _wrapped(f))
 
 
 def is_ours(f: Any) -> bool:
@@ -108,7 +114,7 @@ def is_ours(f: Any) -> bool:
 def mark_intervention(fn: Callable, desc: str) -> Callable:
     """Tag a hook made by one of tl_steering's hook factories (``ffn_component(...)``, ...) with what it does.
 
-    Such a hook is the user's to place (not removed by a guard, unlike an :func:`owned` one), and a result measured
+    Such a hook is the user's to place (not removed by a guard, unlike a :func:`mark_owned` one), and a result measured
     under it records ``desc`` in its provenance (``interventions``) instead of warning about a foreign hook."""
     return _tag(fn, _INTERVENTION_ATTR, desc)
 
@@ -116,26 +122,15 @@ def mark_intervention(fn: Callable, desc: str) -> Callable:
 def intervention_of(f: Any) -> str | None:
     """The description of a factory-made hook (:func:`mark_intervention`), also through TransformerLens's
     ``add_hook`` wrapper; None for any other hook."""
-    found: list[str] = []
-
-    def tagged(g: Any) -> bool:
-        desc = getattr(g, _INTERVENTION_ATTR, None)
-        if isinstance(desc, str):
-            found.append(desc)
-            return True
-        return False
-
-    return found[0] if wraps_any(f, tagged) else None
+    descs = [getattr(g, _INTERVENTION_ATTR, None) for g in _wrapped(f)]
+    return next((d for d in descs if isinstance(d, str)), None)
 
 
 def shielded(restore: Callable[[], None]) -> None:
-    """Run an idempotent ``restore`` to completion even if interrupts land inside it; re-raise the first one.
-
-    A KeyboardInterrupt (or an exception raised by a signal handler) inside ``restore`` would otherwise leave
-    half-restored state behind; ``restore`` is retried until it completes, and the interrupt is raised after.
-    """
+    """Run an idempotent ``restore`` to completion even if interrupts land inside it (it is retried until it
+    completes, up to 20 times); then re-raise the first interrupt."""
     pending: BaseException | None = None
-    for _ in range(_MAX_RESTORE_TRIES):
+    for _ in range(20):
         try:
             restore()
             break
@@ -146,5 +141,6 @@ def shielded(restore: Callable[[], None]) -> None:
         raise pending
 
 
-__all__ = ["hook_points", "modules_of", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned", "owned",
+__all__ = ["drop_hook", "hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned",
+           "modules_of",
            "shielded", "wraps_any"]

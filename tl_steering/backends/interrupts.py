@@ -1,16 +1,14 @@
 """Signal safety for a model's hook state: every registered scope is restored before a signal's exception (Ctrl-C
 above all) propagates. See docs/hooks.md, "Interrupts"."""
 
+import contextlib
 import signal
 import threading
 from typing import Any, Protocol
 
-try:  # the C function under signal.getsignal: no enum conversion, same handler objects
-    from _signal import getsignal as _getsignal
-except ImportError:  # pragma: no cover - every CPython has it
-    _getsignal = signal.getsignal
+from _signal import getsignal as _getsignal  # the C function under signal.getsignal: no enum conversion
 
-_MAX_TRIES = 20
+from .hookbase import shielded
 
 
 class Restorer(Protocol):
@@ -22,17 +20,8 @@ class Restorer(Protocol):
     def restore(self) -> None: ...
 
 
-def _catchable() -> tuple[int, ...]:
-    try:
-        sigs = set(signal.valid_signals())
-    except (AttributeError, ValueError, OSError):  # pragma: no cover - every supported Python has it
-        sigs = {signal.SIGINT}
-    for name in ("SIGKILL", "SIGSTOP"):
-        sigs.discard(getattr(signal, name, None))
-    return tuple(sorted(int(s) for s in sigs))
-
-
-_SIGNALS = _catchable()
+_SIGNALS = tuple(sorted(int(s) for s in signal.valid_signals()
+                       - {getattr(signal, n, None) for n in ("SIGKILL", "SIGSTOP")}))
 _local = threading.local()
 _previous: dict[int, Any] = {}  # signal number -> the Python handler ours replaced (main thread only)
 _installed = [False]
@@ -49,17 +38,6 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _restore_quietly(r: Restorer) -> None:
-    """Run ``r.restore()`` to completion; an exception inside it (a nested handler call, which restored everything
-    itself) is dropped: the handler raises the first one."""
-    for _ in range(_MAX_TRIES):
-        try:
-            r.restore()
-            return
-        except BaseException:  # noqa: BLE001 - the handler re-raises its own exception
-            continue
-
-
 def _on_signal(signum: int, frame: Any) -> None:
     prev = _previous.get(signum)
     try:
@@ -70,7 +48,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     except BaseException:
         reg = _registry()
         for r in reversed(list(reg)):
-            _restore_quietly(r)
+            with contextlib.suppress(BaseException):  # a nested handler call restored everything itself
+                shielded(r.restore)
             r.interrupted = True
         reg.clear()
         _uninstall()
@@ -107,24 +86,17 @@ def _uninstall() -> None:
     if not _main_thread():
         return
     _installed[0] = False
-    pending: BaseException | None = None
-    for _ in range(_MAX_TRIES):
-        try:
-            for sig, prev in list(_previous.items()):
-                if signal.getsignal(sig) is _on_signal:
-                    signal.signal(sig, prev)
-                for section in _sections:  # a deferred section holding this signal puts prev back, not ours
-                    if section._saved.get(sig) is _on_signal:
-                        section._saved[sig] = prev
-                _previous.pop(sig, None)
-            break
-        except BaseException as e:  # noqa: BLE001 - deferred, re-raised below
-            if _unsupported(e):  # pragma: no cover - installed only where it could be set
-                break
-            if pending is None:
-                pending = e
-    if pending is not None:
-        raise pending
+
+    def put_back() -> None:
+        for sig, prev in list(_previous.items()):
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, prev)
+            for section in _sections:  # a deferred section holding this signal puts prev back, not ours
+                if section._saved.get(sig) is _on_signal:
+                    section._saved[sig] = prev
+            _previous.pop(sig, None)
+
+    shielded(put_back)
 
 
 def register(r: Restorer) -> None:
@@ -152,15 +124,10 @@ _sections: list["deferred_signals"] = []
 
 class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_signals(): ...``
     """Hold every signal that has a Python handler while the block runs; deliver each held one on exit, by calling
-    the handler that was installed on entry (so a Ctrl-C raises KeyboardInterrupt right after the block).
-
-    For short sections that must not be interrupted half-way, where no Python-level cleanup can be made safe:
-    torch's ``TorchFunctionMode`` dispatch pops the active mode around every torch call and pushes it back, and a
-    KeyboardInterrupt between the two leaves the mode stack broken (``float64_compute`` in
-    :mod:`~tl_steering.backends.field64`). Main thread only (elsewhere a no-op: signals are delivered there only).
-    Nested sections hold for the outermost one. A signal arriving while the handlers are swapped on entry or exit
-    runs its handler at once, outside the protected section.
-    """
+    the handler that was installed on entry (a Ctrl-C raises KeyboardInterrupt right after the block). For short
+    sections where no Python-level cleanup can be made safe (torch's mode stack in ``field64.float64_compute``,
+    ``torch.func`` in ``autodiff``). Main thread only; nested sections hold for the outermost one; a signal arriving
+    while the handlers are swapped on entry or exit runs its handler at once."""
 
     def __init__(self) -> None:
         self._saved: dict[int, Any] = {}
@@ -187,22 +154,21 @@ class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_si
 
     def __exit__(self, *exc: Any) -> None:
         saved = self._saved  # the same dict _uninstall may update while the handlers are put back
-        raised: BaseException | None = None
-        for _ in range(_MAX_TRIES):  # a handler put back may run (and raise) before the others are: finish first
-            try:
-                for sig in list(saved):
-                    if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
-                        signal.signal(sig, saved[sig])
-                break
-            except BaseException as e:  # noqa: BLE001 - re-raised once every handler is back
-                if raised is None:
-                    raised = e
-        self._saved = {}
-        if self in _sections:
-            _sections.remove(self)
-        if raised is not None:  # that signal's handler already ran: it is the interrupt the caller gets
+
+        def put_back() -> None:  # a handler put back may run (and raise) before the others are: shielded finishes
+            for sig in list(saved):
+                if _getsignal(sig) == self._hold:  # a handler the block installed stays (it restores its own)
+                    signal.signal(sig, saved[sig])
+
+        try:
+            shielded(put_back)
+        except BaseException:  # that signal's handler already ran: it is the interrupt the caller gets
             self._pending = []
-            raise raised
+            raise
+        finally:
+            self._saved = {}
+            if self in _sections:
+                _sections.remove(self)
         pending, self._pending = self._pending, []
         for signum, frame in pending:  # delivered now, outside the section; the first raising one propagates
             handler = saved.get(signum)
@@ -216,9 +182,4 @@ def registered() -> int:
     return len(_registry())
 
 
-def handler_installed() -> bool:
-    """Whether tl_steering's handler is installed for any signal (False outside every tl_steering call)."""
-    return any(signal.getsignal(s) is _on_signal for s in _SIGNALS)
-
-
-__all__ = ["Restorer", "deferred_signals", "handler_installed", "register", "registered", "unregister"]
+__all__ = ["Restorer", "deferred_signals", "register", "registered", "unregister"]

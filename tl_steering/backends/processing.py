@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .hookbase import modules_of
+from .detect import backend_of
 
 STEPS = ("compatibility_mode", "fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 WEIGHT_STEPS = STEPS[1:]
@@ -35,9 +36,6 @@ class WeightProcessing:
     def changes_residual(self) -> bool:
         """Whether the residual stream differs from the raw model's (centred writes)."""
         return "center_writing_weights" in self.steps
-
-    def describe(self) -> str:
-        return self.label if not self.steps else f"{self.label} ({', '.join(self.steps)})"
 
 
 def _readable(t: Any) -> bool:
@@ -79,8 +77,6 @@ def _centred(ws: list[Any]) -> bool | None:
 
 
 def _detect(model: Any) -> WeightProcessing:
-    from .detect import backend_of
-
     backend = backend_of(model)
     steps: list[str] = []
     if backend == "bridge":

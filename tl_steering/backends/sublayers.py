@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .detect import first_output
+from .fused import causal_mask
+
 try:  # TL 3.x: OLMo 2 post-norm blocks on HookedTransformer
     from transformer_lens.components.transformer_block import (  # type: ignore[attr-defined]
         POST_NORM_ARCHITECTURES as _POST_NORM_ARCHS,
@@ -53,7 +56,8 @@ def sublayer_norms(blk: torch.nn.Module) -> SublayerNorms:
     return SublayerNorms(ln1, post1, ln2, post2)
 
 
-def _unwrap(m: Any) -> Any:
+def unwrap(m: Any) -> Any:
+    """The Hugging Face module a bridge component wraps (``m`` itself for any other module)."""
     for _ in range(8):
         inner = m._modules.get("_original_component") if isinstance(m, torch.nn.Module) else None
         if inner is None:
@@ -73,47 +77,24 @@ def _bridge_post_norm_only(blk: torch.nn.Module) -> SublayerNorms | None:
     if not {"post_attention_layernorm", "post_feedforward_layernorm"} <= names or \
             names & {"input_layernorm", "pre_feedforward_layernorm"}:
         return None
-    want = {id(_unwrap(layer._modules[n])): n for n in ("post_attention_layernorm", "post_feedforward_layernorm")}
+    want = {id(unwrap(layer._modules[n])): n for n in ("post_attention_layernorm", "post_feedforward_layernorm")}
     found: dict[str, torch.nn.Module] = {}
     for child in ("ln1", "ln1_post", "ln2", "ln2_post"):
         m = _child(blk, child)
-        if m is not None and id(_unwrap(m)) in want:
-            found[want[id(_unwrap(m))]] = m
+        if m is not None and id(unwrap(m)) in want:
+            found[want[id(unwrap(m))]] = m
     if len(found) != 2:
         return None
     return SublayerNorms(None, found["post_attention_layernorm"], None, found["post_feedforward_layernorm"])
 
 
 def _apply(norm: torch.nn.Module | None, x: Tensor) -> Tensor:
-    if norm is None:
-        return x
-    out = norm(x)
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
+    return x if norm is None else first_output(norm(x))
 
 
 def ffn_apply(blk: torch.nn.Module, norms: SublayerNorms, x3: Tensor) -> Tensor:
     """Phi(x) = post_ffn(MLP(pre_ffn(x))) on ``[batch, pos, d]`` (no hook handling here)."""
     return _apply(norms.post_ffn, _apply(blk.mlp, _apply(norms.pre_ffn, x3)))
-
-
-def _rotary_takes_layer_type(rotary: torch.nn.Module) -> bool:
-    try:
-        return "layer_type" in inspect.signature(_unwrap(rotary).forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
-def hf_attention_module(blk: torch.nn.Module) -> Any:
-    """The Hugging Face attention module inside a bridge block (for its ``layer_type`` / ``sliding_window``)."""
-    m = blk.attn
-    for _ in range(8):
-        inner = m._modules.get("_original_component")
-        if inner is None:
-            break
-        m = inner
-    return m
 
 
 def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict[str, Any]:
@@ -122,20 +103,18 @@ def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict
     sliding-window layers longer than their window, a 4-D boolean causal sliding mask (True = attend)."""
     kwargs: dict[str, Any] = {}
     batch, n_pos = x.shape[0], x.shape[1]
-    hf_attn = hf_attention_module(blk)
+    hf_attn = unwrap(blk.attn)
     rotary = getattr(model, "rotary_emb", None)
     if rotary is not None:
         pos = torch.arange(n_pos, device=x.device).unsqueeze(0).expand(batch, -1)
         layer_type = getattr(hf_attn, "layer_type", None)
-        if layer_type is not None and _rotary_takes_layer_type(rotary):
+        if layer_type is not None and "layer_type" in inspect.signature(unwrap(rotary).forward).parameters:
             kwargs["position_embeddings"] = rotary(x, pos, layer_type)
         else:
             kwargs["position_embeddings"] = rotary(x, pos)
     window = getattr(hf_attn, "sliding_window", None)
     if window and n_pos > int(window):
-        i = torch.arange(n_pos, device=x.device)
-        diff = i[:, None] - i[None, :]
-        allowed = (diff >= 0) & (diff < int(window))
+        allowed = causal_mask(n_pos, n_pos, x.device, int(window))
         kwargs["attention_mask"] = allowed[None, None].expand(batch, 1, n_pos, n_pos)
     return kwargs
 
@@ -147,10 +126,8 @@ def attention_apply(model: Any, blk: torch.nn.Module, norms: SublayerNorms, back
         out = blk.attn(h, h, h)
     else:
         out = blk.attn(hidden_states=h, **bridge_attention_kwargs(model, blk, x))
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return _apply(norms.post_attn, out)
+    return _apply(norms.post_attn, first_output(out))
 
 
-__all__ = ["SublayerNorms", "attention_apply", "bridge_attention_kwargs", "ffn_apply", "hf_attention_module",
+__all__ = ["SublayerNorms", "attention_apply", "bridge_attention_kwargs", "ffn_apply", "unwrap",
            "sublayer_norms"]

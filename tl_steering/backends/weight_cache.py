@@ -22,12 +22,9 @@ Build = Callable[[Path], tuple[dict[str, torch.Tensor], dict[str, str]]]
 
 def cache_root() -> Path:
     """``$TL_STEERING_CACHE``, else ``$XDG_CACHE_HOME/tl_steering``, else ``~/.cache/tl_steering``."""
-    override = os.environ.get("TL_STEERING_CACHE")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tl_steering"
+    if os.environ.get("TL_STEERING_CACHE"):
+        return Path(os.environ["TL_STEERING_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tl_steering"
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -38,19 +35,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _extra_tag(extra: dict[str, str] | None) -> str:
-    if not extra:
-        return ""
-    return "-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8]
-
-
 def entry_dir(name: str, source_sha256: str, dtype: torch.dtype, root: Path | None = None,
               extra: dict[str, str] | None = None) -> Path:
     """Where the entry for this key lives (it need not exist); ``root`` defaults to :func:`cache_root`;
     ``extra`` (more key fields, e.g. the writer's library version) adds a short hash to the name."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     dt = str(dtype).removeprefix("torch.")
-    leaf = f"{safe}-{source_sha256[:16]}-{dt}{_extra_tag(extra)}-v{CACHE_FORMAT}"
+    tag = "-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:8] if extra else ""
+    leaf = f"{safe}-{source_sha256[:16]}-{dt}{tag}-v{CACHE_FORMAT}"
     return (root or cache_root()) / "dequantized" / leaf
 
 
@@ -122,11 +114,9 @@ def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_entry(path: Path, key: dict[str, str], build: Build) -> dict[str, str]:
-    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``.
-
-    ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``; the tensors
-    go to ``model.safetensors``. If another process completed the same entry first, that one is kept (after
-    verification). Returns the metadata."""
+    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``
+    (docs/loading.md); ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``. Returns the
+    metadata (another process's, when it completed the same entry first)."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,12 +167,5 @@ def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build
     return path, write_entry(path, key, build), False
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an entry (after :func:`read_entry`/:func:`cached_entry` verified it)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path / WEIGHTS_FILE))
-
-
-__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256", "load_tensors",
+__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256",
            "read_entry", "write_entry"]

@@ -1,6 +1,7 @@
 """Wrapping a Hugging Face causal LM into a TransformerLens model, on the device asked for or refused
 (docs/loading.md)."""
 
+import contextlib
 import tempfile
 import warnings
 from pathlib import Path
@@ -11,14 +12,7 @@ import torch
 from .. import validation
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 from .decoding import route_cache_keyword
-from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, tl_version
-
-
-def parameter_device(model: torch.nn.Module) -> torch.device:
-    """Where the model's weights are (the first parameter's device; cpu for a model without parameters)."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, parameter_device, tl_version
 
 
 def move_to_device(model: Any, device: torch.device) -> Any:
@@ -30,12 +24,23 @@ def move_to_device(model: Any, device: torch.device) -> Any:
         raise ModelLoadError(f"asked for device {device} but parameters stayed on {wrong} after .to({device!s})")
     actual = parameter_device(model)
     cfg = getattr(model, "cfg", None)
-    if cfg is not None and hasattr(cfg, "device"):
-        try:
+    if hasattr(cfg, "device"):
+        with contextlib.suppress(Exception):  # a frozen config: the parameters are what counts
             cfg.device = actual if not isinstance(cfg.device, str) else str(actual)
-        except Exception:  # noqa: BLE001 - a frozen config: the parameters are what counts
-            pass
     return model
+
+
+def check_options(backend: str, processing: str) -> None:
+    """Refuse an unknown ``backend`` or ``processing``, and ``backend="hooked"`` on a TransformerLens without
+    HookedTransformer, before any weight is read."""
+    if backend not in ("bridge", "hooked"):
+        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    if processing not in ("raw", "tl"):
+        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    if backend == "hooked" and _HookedTransformer is None:
+        raise ModelNotSupportedError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
+            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*').")
 
 
 def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing,
@@ -56,10 +61,7 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
             ``"google/gemma-3-270m"``; TL 3.9 reads Gemma 3 configs by name and refuses them from a local
             directory). The weights still come from ``hf_model``; nothing is downloaded.
     """
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
-    if backend not in ("bridge", "hooked"):
-        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
+    check_options(backend, processing)
     # a model dispatched by accelerate (from_pretrained(device_map=...), dispatch_model): layers on several devices,
     # or offloaded to CPU / disk and loaded by accelerate's hooks at forward time; it cannot be moved as a whole
     dispatched = bool(getattr(hf_model, "hf_device_map", None))
@@ -83,8 +85,6 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         # TL reloads the tokenizer by name_or_path: it must point at a local directory
         tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
     if backend == "bridge":
-        if _TransformerBridge is None:  # pragma: no cover
-            raise ModelNotSupportedError("this TransformerLens has no TransformerBridge; install transformer-lens>=3.9")
         # boot_transformers(hf_model=...) records the device without moving the weights: move_to_device does
         try:
             model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
@@ -101,11 +101,6 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
         if dispatched:  # accelerate placed (and maybe offloaded) the layers: keep that placement
             return model
         return move_to_device(model, dev)
-    if _HookedTransformer is None:
-        raise ModelNotSupportedError(
-            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
-            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*')."
-        )
     import transformer_lens.loading_from_pretrained as lp
 
     fold = processing == "tl"
@@ -117,16 +112,11 @@ def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Process
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
-    model.load_and_process_state_dict(
-        state_dict,
-        fold_ln=fold,
-        center_writing_weights=fold and cfg.normalization_type in ("LN", "LNPre"),
-        center_unembed=fold,
-        fold_value_biases=fold,
-        refactor_factored_attn_matrices=False,
-    )
+    model.load_and_process_state_dict(state_dict, fold_ln=fold, center_writing_weights=fold and cfg.normalization_type
+                                      in ("LN", "LNPre"), center_unembed=fold, fold_value_biases=fold,
+                                      refactor_factored_attn_matrices=False)
     model.eval()
     return move_to_device(model, dev)
 
 
-__all__ = ["move_to_device", "parameter_device", "wrap_hf"]
+__all__ = ["check_options", "move_to_device", "wrap_hf"]

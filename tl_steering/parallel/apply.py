@@ -97,16 +97,6 @@ def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, bi
             for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
 
 
-def _lean_sequential_copy(model: Any, layers: Sequence[int]) -> Any:
-    """Benchmark CONTROL, not a parallel model: a copy whose chosen blocks stay SEQUENTIAL but run on the same
-    lean kernels as the fused parallel blocks (folded norms, SDPA, addmm). Comparing it with the original
-    isolates the implementation gain; comparing the parallel model with it isolates the parallel structure's."""
-    new = parallelize(model, layers, verify=False)
-    for st in _states(new):
-        st.lean_sequential = True
-    return new
-
-
 def parallel_layers(model: Any) -> list[int]:
     """The blocks :func:`parallelize` turned parallel in ``model`` (empty for any other model)."""
     info = getattr(model, "_tl_steering_parallel", None)

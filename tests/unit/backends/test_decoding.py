@@ -1,12 +1,24 @@
 """KV-cache decode (tl_steering.backends.decoding) on both model classes and the executor's models: a cached greedy
 decode gives the logits of the full forward on the growing sequence (docs/parallel.md, "Masks and KV cache")."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from tl_steering.backends import adapt
 from tl_steering.backends.decoding import cache_routing, decode_step, freeze_kv_cache, kv_cache, kv_cache_length
-from tl_steering.parallel.apply import _lean_sequential_copy, parallelize
+from tl_steering.parallel.apply import parallelize
+
+
+def _lean_sequential_copy(model, layers):
+    """The benchmark's sequential control (benchmarks/parallel_speedup.py), loaded from the script."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "parallel_speedup.py"
+    spec = importlib.util.spec_from_file_location("_parallel_speedup", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.lean_sequential_copy(model, layers)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,7 +32,7 @@ def copies():
 
 
 def _model(tiny, kind, copies):
-    """The plain model, the executor's parallel copy (blocks 0, 1 fused) or its lean SEQUENTIAL copy."""
+    """The plain model, the executor's parallel copy (blocks 0, 1 fused) or the benchmark's lean SEQUENTIAL copy."""
     if kind == "plain":
         return tiny
     if adapt(tiny).any_parallel:

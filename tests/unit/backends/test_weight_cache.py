@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tl_steering.backends import weight_cache as wc
 
@@ -66,10 +67,10 @@ def test_hit_is_bit_identical_to_the_cold_build_and_skips_it(source):
     build = Builder()
     entry, meta, hit = wc.cached_entry("tiny", source, torch.float32, build)
     assert (hit, build.calls, meta) == (False, 1, {"revision": "tiny-v0"})
-    cold = wc.load_tensors(entry)
+    cold = load_file(entry / wc.WEIGHTS_FILE)
     entry2, meta2, hit2 = wc.cached_entry("tiny", source, torch.float32, build)
     assert (entry2, meta2, hit2, build.calls) == (entry, meta, True, 1)
-    warm = wc.load_tensors(entry2)
+    warm = load_file(entry2 / wc.WEIGHTS_FILE)
     expect = _tensors()
     expect.pop("head.weight")  # stored once; the model re-ties it on load
     assert sorted(warm) == sorted(expect) == sorted(cold)
@@ -108,7 +109,7 @@ def test_a_damaged_entry_is_deleted_and_rebuilt_never_used(source, damage):
     assert not entry.exists(), "a bad entry is deleted on read"
     entry2, _, hit = wc.cached_entry("tiny", source, torch.float32, build)
     assert (entry2, hit, build.calls) == (entry, False, 2)
-    _same(wc.load_tensors(entry2), {k: v for k, v in _tensors().items() if k != "head.weight"})
+    _same(load_file(entry2 / wc.WEIGHTS_FILE), {k: v for k, v in _tensors().items() if k != "head.weight"})
     assert json.loads((entry / "config.json").read_text()) == {"d": 5}
 
 
@@ -188,7 +189,7 @@ def test_an_entry_completed_by_another_process_meanwhile_is_kept(source):
 
     entry, meta, hit = wc.cached_entry("tiny", source, torch.float32, racing)
     assert (meta, hit, first.calls) == ({"revision": "tiny-v0"}, False, 1)
-    assert "x" not in wc.load_tensors(entry)
+    assert "x" not in load_file(entry / wc.WEIGHTS_FILE)
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]
 
 
