@@ -157,7 +157,6 @@ class DeficitResult(Result):
         return fig
 
 
-@exclusive
 def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int], batch_size: int,
              world: World | None) -> tuple[dict[str, Tensor], Tensor]:
     """Per-window sums and means of this rank's batches, gathered in window order (docs/deficit.md).
@@ -228,6 +227,7 @@ def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int]
     return gather_rows(per_seq, mine, world), edges
 
 
+@exclusive
 def angular_deficit(
     model: Any,
     tokens: Tensor,
