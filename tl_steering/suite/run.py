@@ -455,7 +455,11 @@ def run_suite(
         fn, total = STAGE_FUNCTIONS[name]
         with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
                 prog.stage(name, total=total(settings)) as tick:
-            fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+            try:
+                fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+            except BaseException as e:  # the ranks that wait for this stage raise it too
+                ex.publish(name, res, error=e)
+                raise
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
         ex.publish(name, res)
         if checkpoint is not None and w.rank == 0:

@@ -145,11 +145,13 @@ class Exchange:
     def runs_here(self, name: str) -> bool:
         return self.w.rank in self.plan[name]
 
-    def publish(self, name: str, res: Any) -> None:
-        """Send the fields and timing of stage ``name`` (run on this rank alone) to the other ranks."""
+    def publish(self, name: str, res: Any, error: BaseException | None = None) -> None:
+        """Send the fields and timing of stage ``name`` (run on this rank alone) to the other ranks, or the
+        ``error`` it raised (raised again on every rank that receives it, so none waits forever)."""
         if not self.w.active or len(self.plan[name]) > 1:
             return  # one process, or every rank ran it
-        payload = ({f: getattr(res, f) for f in STAGE_FIELDS[name]}, res.timings[name])
+        payload = _picklable(error) if error is not None else (
+            {f: getattr(res, f) for f in STAGE_FIELDS[name]}, res.timings[name])
         tag = 100 + STAGES.index(name)
         self.sends += [send_object(payload, r, tag, self.w) for r in range(self.w.size) if r != self.w.rank]
 
@@ -157,7 +159,10 @@ class Exchange:
         """Fill ``res`` with stage ``name``'s fields from the rank that ran it (once; nothing if it ran here)."""
         if name in self.got or name not in self.plan or self.runs_here(name):
             return
-        fields, timing = recv_object(self.plan[name][0], 100 + STAGES.index(name), self.w)
+        got = recv_object(self.plan[name][0], 100 + STAGES.index(name), self.w)
+        if isinstance(got, BaseException):
+            raise got
+        fields, timing = got
         for f, v in fields.items():
             setattr(res, f, v)
         res.timings[name] = timing
@@ -173,6 +178,17 @@ class Exchange:
         for wait in self.sends:
             wait()
         self.sends = []
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """``error`` itself when it pickles, else a RuntimeError with its type and message."""
+    import pickle
+
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _View:

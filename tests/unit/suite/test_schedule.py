@@ -93,3 +93,22 @@ def test_a_stage_reads_another_ranks_result_when_it_needs_it(monkeypatch):
     assert res.plan_choice == "C" and view.plan_choice == "C" and ex.calls == ["defect"]
     with pytest.raises(AttributeError):
         view.no_such_field
+
+
+def test_a_stage_that_fails_on_one_rank_fails_on_the_others(monkeypatch):
+    """Rank 1's defect raises: rank 0, reading the defect plan, raises the same error instead of waiting."""
+    from tl_steering.errors import InputError
+
+    mailbox = {}
+    monkeypatch.setattr("tl_steering.suite.schedule.p2p_group", lambda w: None)
+    monkeypatch.setattr("tl_steering.suite.schedule.send_object",
+                        lambda obj, dst, tag, w: mailbox.setdefault((w.rank, dst, tag), obj) and (lambda: None))
+    monkeypatch.setattr("tl_steering.suite.schedule.recv_object",
+                        lambda src, tag, w: mailbox.pop((src, w.rank, tag)))
+    plan = {"defect": (1,), "plan_choice": (0,)}
+    one = Exchange(World(rank=1, size=2, backend="gloo"), plan)
+    one.publish("defect", SuiteResult(), error=InputError("no sequential layer"))
+    zero = Exchange(World(rank=0, size=2, backend="gloo"), plan)
+    with pytest.raises(InputError, match="no sequential layer"):
+        zero.view(SuiteResult()).plan
+    assert not mailbox
