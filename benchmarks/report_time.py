@@ -1,7 +1,7 @@
 """The report's time, stage by stage, with its forward counts, and the probe's overhead, in one run (issue 17).
 
     python benchmarks/report_time.py [--model smollm2-135m] [--quick] [--before OLD/results.json] [--probe]
-                                     [--out DIR] [--json out.json]
+                                     [--out DIR] [--json out.json] [--nprocs 1,2 --rounds 2]
 
 1. Runs ``tl-steering report`` (this checkout's CLI, in a subprocess, so the model load and the page rendering are
    counted as a user sees them) and prints the whole command's wall time, the suite's total, and per stage the wall
@@ -10,6 +10,10 @@
    shown as "-").
 2. ``--probe``: runs ``benchmarks/probe_overhead.py --repeats 5 --model MODEL`` (a subprocess of its own) and
    prints its probe / plain-forward ratios.
+
+3. ``--nprocs 1,2``: the same command on each number of processes in turn (``torchrun --standalone
+   --nproc_per_node=N`` for N > 1, one torch thread per process), ``--rounds`` times interleaved, and each N's
+   median whole-command time over N = 1's; with the stage -> ranks placement of the last N-process run.
 
 Measure on idle cores: every figure is a wall time.
 """
@@ -54,7 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe", action="store_true", help="also run benchmarks/probe_overhead.py --repeats 5")
     ap.add_argument("--out", default=None, help="report directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--nprocs", default=None, help="e.g. 1,2: interleaved runs on 1 and 2 processes, their ratio")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.nprocs:
+        return _scaling(args, [int(n) for n in args.nprocs.split(",")])
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlsteering-report-time-"))
     cmd = [sys.executable, "-m", "tl_steering", "report", "--model", args.model, "--text", args.text,
            "--out", str(out), "--no-progress"] + (["--quick"] if args.quick else [])
@@ -84,6 +92,41 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\n# probe_overhead.py --repeats 5 --model {args.model}")
         print(q.stdout[-2500:] if q.returncode == 0 else f"failed:\n{q.stderr[-2000:]}")
         result["probe_stdout"] = q.stdout
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _scaling(args: argparse.Namespace, nprocs: list[int]) -> dict:
+    """Whole-command wall time of the report on each number of processes, interleaved ``args.rounds`` times."""
+    import statistics
+
+    from tl_steering.suite import SuiteResult
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    walls: dict[int, list[float]] = {n: [] for n in nprocs}
+    placement: dict = {}
+    for _ in range(args.rounds):
+        for n in nprocs:
+            out = Path(tempfile.mkdtemp(prefix=f"tlsteering-report-{n}p-"))
+            head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+                                       if n > 1 else [])
+            cmd = head + ["-m", "tl_steering", "report", "--model", args.model, "--text", args.text, "--out",
+                          str(out), "--no-progress"] + (["--quick"] if args.quick else [])
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+            walls[n].append(time.perf_counter() - t0)
+            if p.returncode != 0:
+                raise SystemExit(f"report on {n} processes failed ({p.returncode}):\n{p.stderr[-3000:]}")
+            if n > 1:
+                placement = SuiteResult.load(out / "results.json").distributed.stage_ranks
+    base = statistics.median(walls[nprocs[0]])
+    print("| processes | runs (s) | median s | ratio to " + f"{nprocs[0]} |\n|---|---|---|---|")
+    for n in nprocs:
+        med = statistics.median(walls[n])
+        print(f"| {n} | {', '.join(f'{w:.0f}' for w in walls[n])} | {med:.1f} | {med / base:.2f} |")
+    print(f"stage -> ranks ({nprocs[-1]} processes): {placement}")
+    result = {"walls": walls, "placement": placement}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -14,7 +14,8 @@ from ..errors import InputError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "rank_device", "split_map", "world"]
+__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "p2p_group",
+           "rank_device", "recv_object", "send_object", "split_map", "world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,52 @@ def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
     if status == "error":
         raise value
     return value
+
+
+def p2p_group(w: World) -> Any:
+    """The group :func:`send_object` / :func:`recv_object` use: the default group under gloo, else one gloo group
+    made once per process (NCCL moves CUDA tensors only). Its first call is collective (``new_group``): every rank
+    calls it at the same point before the first send."""
+    global _GLOO
+    if w.backend == "gloo":
+        return None
+    if _GLOO is None:
+        _GLOO = torch.distributed.new_group(backend="gloo")
+    return _GLOO
+
+
+_GLOO: Any = None
+
+
+def send_object(obj: Any, dst: int, tag: int, w: World) -> Callable[[], None]:
+    """Start sending ``obj`` (pickled) to rank ``dst`` under ``tag`` without waiting; returns the call that
+    waits until it is sent. :func:`recv_object` with the same ``tag`` on ``dst`` receives it, in any order
+    relative to other tags (:func:`p2p_group`)."""
+    import pickle
+
+    group = p2p_group(w)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    works = [torch.distributed.isend(size, dst, group=group, tag=2 * tag),
+             torch.distributed.isend(data, dst, group=group, tag=2 * tag + 1)]
+
+    def wait(_buffers: tuple = (data, size)) -> None:  # the buffers live until the sends are done
+        for work in works:
+            work.wait()
+
+    return wait
+
+
+def recv_object(src: int, tag: int, w: World) -> Any:
+    """The object rank ``src`` sent under ``tag`` (:func:`send_object`); blocks until it has arrived."""
+    import pickle
+
+    group = p2p_group(w)
+    size = torch.zeros(1, dtype=torch.int64)
+    torch.distributed.recv(size, src, group=group, tag=2 * tag)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    torch.distributed.recv(data, src, group=group, tag=2 * tag + 1)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def check_agreement(settings: dict[str, Any], w: World | None = None) -> None:

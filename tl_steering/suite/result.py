@@ -286,16 +286,20 @@ class DistributedRun:
     Attributes:
         world_size: processes of the ``torch.distributed`` job (1: no process group).
         backend: its backend (``"gloo"``, ``"nccl"``; ``"none"`` for one process).
-        sharded_stages: stages whose windows (or per-layer / per-plan forwards) were split over the ranks.
+        sharded_stages: stages whose windows were split over every rank.
         rank0_stages: stages run on rank 0 alone, their result handed to the other ranks.
+        stage_ranks: the ranks that ran each stage (one rank: its result handed to the others;
+            :mod:`tl_steering.suite.schedule`); empty for one process.
     """
 
     kind: ClassVar[str] = "suite_distributed"
+    added_fields: ClassVar[tuple[str, ...]] = ("stage_ranks",)
 
     world_size: int = 1
     backend: str = "none"
     sharded_stages: list[str] = dataclasses.field(default_factory=list)
     rank0_stages: list[str] = dataclasses.field(default_factory=list)
+    stage_ranks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @register

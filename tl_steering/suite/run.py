@@ -2,8 +2,8 @@
 
 ``run_suite(model, tokens, settings)`` runs the stages of :data:`~tl_steering.suite.settings.STAGES` in order,
 each a plain function of (model, tokens, settings, the result so far) that fills its own fields of the
-:class:`~tl_steering.suite.result.SuiteResult`. Stages are explicit and independent on purpose: a scheduler that
-plans shared forward passes, or shards windows across ranks, replaces one stage at a time.
+:class:`~tl_steering.suite.result.SuiteResult`. Under a process group :mod:`tl_steering.suite.schedule` decides
+which rank runs each stage (alone, or every rank with the windows split) and carries the results between them.
 """
 
 import dataclasses
@@ -22,6 +22,7 @@ from ..data.batching import mean_loss
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
 from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
+from .schedule import Exchange, assign_stages
 from .._util.timing import alternating_seconds, timed
 from .result import (
     Checks,
@@ -360,11 +361,6 @@ STAGE_FUNCTIONS: dict[
 }
 
 
-#: stages whose work is split over the ranks of a process group (windows, or one forward per plan each);
-#: the others run on rank 0 alone and their result is handed to the other ranks (docs/scale_out.md)
-SHARDED_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
-
-
 def _model_summary(ad: Any) -> ModelSummary:
     return ModelSummary(
         name=ad.info.name,
@@ -440,32 +436,38 @@ def run_suite(
     done: set[str] = set()
     if checkpoint is not None and Path(checkpoint).exists():
         res, done = resume(Path(checkpoint), key, res, ran)
+    todo = [name for name in ran if name not in done]
+    plan = broadcast_from_rank0(lambda: assign_stages(todo, settings, *tokens.shape, w.size), w)
     res.distributed = DistributedRun(
         world_size=w.size,
         backend=w.backend,
-        sharded_stages=[n for n in ran if n in SHARDED_STAGES] if w.active else [],
-        rank0_stages=[n for n in ran if n not in SHARDED_STAGES] if w.active else [],
+        sharded_stages=[n for n in todo if len(plan[n]) > 1],
+        rank0_stages=[n for n in todo if plan[n] == (0,)] if w.active else [],
+        stage_ranks={n: list(plan[n]) for n in todo} if w.active else {},
     )
-    for name in ran:
-        if name in done:
-            continue
+    ex = Exchange(w, plan)
+    alone = _Ctx(model, tokens, corpus, settings, seed, World()) if w.active else ctx  # a stage one rank runs
+    for name in todo:
+        if not ex.runs_here(name):
+            continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
         fn, total = STAGE_FUNCTIONS[name]
         with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
                 prog.stage(name, total=total(settings)) as tick:
-            if name in SHARDED_STAGES or not w.active:
-                fn(ctx, res, tick)
-            else:  # rank 0 runs the stage on all windows and hands the filled result to the others
-                res = broadcast_from_rank0(lambda: _run_stage(fn, ctx, res, tick), w)
+            try:
+                fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+            except BaseException as e:  # the ranks that wait for this stage raise it too
+                ex.publish(name, res, error=e)
+                raise
         res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
+        ex.publish(name, res)
         if checkpoint is not None and w.rank == 0:
             res.save(checkpoint)
+    ex.finish(res)
+    if checkpoint is not None and w.rank == 0 and w.active:
+        res.save(checkpoint)
+    res.timings = {name: res.timings[name] for name in ran if name in res.timings}  # in STAGES order
     res.total_wall_s = time.perf_counter() - t_start
     return res
 
 
-def _run_stage(fn: Callable[[_Ctx, SuiteResult, Tick], None], c: _Ctx, res: SuiteResult, tick: Tick) -> SuiteResult:
-    fn(c, res, tick)
-    return res
-
-
-__all__ = ["SHARDED_STAGES", "STAGE_FUNCTIONS", "run_suite"]
+__all__ = ["STAGE_FUNCTIONS", "run_suite"]

@@ -209,6 +209,22 @@ torch.distributed.destroy_process_group()
 """
 
 
+def _assert_stages_split(two, stages, former_rank0):
+    """Both ranks ran stages, as :func:`tl_steering.suite.schedule.assign_stages` placed them, and the stages that
+    once ran on rank 0 alone are no longer all there."""
+    from tl_steering.suite.schedule import assign_stages
+
+    ranks = two.distributed.stage_ranks
+    s = two.settings
+    want = assign_stages(list(stages), s, s.windows, s.length, 2)  # the settings' windows are the tokens' here
+    assert ranks == {n: list(r) for n, r in want.items()}
+    assert {r for rs in ranks.values() for r in rs} == {0, 1}, ranks
+    assert any(ranks[n] != [0] for n in former_rank0), ranks
+    assert two.distributed.rank0_stages == [n for n in stages if ranks[n] == [0]]
+    assert two.distributed.sharded_stages == [n for n in stages if ranks[n] == [0, 1]]
+    assert set(two.timings) == set(stages)  # every stage's timing reached rank 0, wherever it ran
+
+
 def _two_ranks_vs_one(tmp_path, inputs, model=None):
     """Run the suite on 2 gloo ranks (torchrun) and in this process; both results, the second from torchrun."""
     from tl_steering.suite import SuiteResult, run_suite
@@ -223,18 +239,27 @@ def _two_ranks_vs_one(tmp_path, inputs, model=None):
     return one, SuiteResult.load(tmp_path / "two.json")
 
 
+_ALL = ["checks", "deficit", "ablation", "diversity", "defect", "plan_choice", "parallel", "gates", "critical", "prefix"]
+
+
 @pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
-def test_suite_on_two_processes_equals_one_process(tmp_path):
-    """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2: rank 0 runs batches 0 and 2, rank 1
-    batch 1; plan_strategy="best": every planner, its measured plans split over the ranks) gives the same
-    numbers as one process: every field of every protocol (sharded or run on rank 0),
-    the bootstrap intervals, the plan. Cost: ~25 s on 2 loaded cores (mostly the two ranks' start-up)."""
-    stages = ["checks", "deficit", "ablation", "diversity", "defect", "parallel", "gates", "critical", "prefix"]
+@pytest.mark.parametrize("stages", [_ALL, [n for n in _ALL if n != "plan_choice"]], ids=["every-stage", "mixed"])
+def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
+    """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2; plan_strategy="best": every planner)
+    gives the same numbers as one process: every field of every protocol, the bootstrap intervals, the plan.
+    Every stage: the schedule puts plan_choice and parallel on rank 0, the other stages on rank 1 (plan_choice
+    waits for rank 1's defect at its end, parallel for checks, defect and plan_choice). Without plan_choice
+    ("mixed"): the window stages split their batches over both ranks (rank 0 runs batches 0 and 2, rank 1 batch
+    1), the other stages run on one rank each. Cost: ~80 s each on 2 loaded cores (mostly the ranks' start-up)."""
     one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best"])
     assert (one.distributed.world_size, one.distributed.backend) == (1, "none")
     assert (two.distributed.world_size, two.distributed.backend) == (2, "gloo") and two.provenance.world_size == 2
-    assert two.distributed.sharded_stages == ["checks", "deficit", "ablation", "diversity", "defect"]
-    assert two.distributed.rank0_stages == ["parallel", "gates", "critical", "prefix"]
+    _assert_stages_split(two, stages, ["parallel", "gates", "critical", "prefix"])
+    ranks = two.distributed.stage_ranks
+    if "plan_choice" in stages:  # a stage that reads another rank's stage (the late read of the defect plan)
+        assert len(ranks["plan_choice"]) == len(ranks["defect"]) == 1 and ranks["plan_choice"] != ranks["defect"]
+    else:  # window stages split over both ranks beside stages on one rank
+        assert two.distributed.sharded_stages and any(len(r) == 1 for r in ranks.values()), ranks
     assert two.planner is not None and list(two.planner.layers) == list(one.planner.layers)
     n = _same(one.to_dict(), two.to_dict())
     assert n > 500  # the comparison walked the protocols' tensors, not an empty dict
@@ -256,6 +281,7 @@ def test_suite_on_two_processes_equals_one_process_smollm2(smollm2, tmp_path):
     one, two = _two_ranks_vs_one(tmp_path, ["smollm2-135m", 4, 16, 2, stages, "C", False, backend, small],
                                  smollm2)
     assert two.distributed.world_size == 2 and two.distributed.rank0_stages == []
+    assert two.distributed.sharded_stages == stages  # one batch per rank: every stage splits its windows
     assert _same(one.to_dict(), two.to_dict()) > 500
     for k, v in one.summary().items():
         if isinstance(v, float) and "speedup" not in k and v == v:

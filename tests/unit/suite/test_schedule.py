@@ -1,0 +1,114 @@
+"""The schedule of a suite run on several ranks (tl_steering/suite/schedule.py): which rank runs which stage, the
+fields each stage hands on, and a stage reading another rank's result. The runs on two processes are in
+tests/unit/probing/test_scan.py (test_suite_on_two_processes_equals_one_process*)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from tl_steering.suite import STAGES, SuiteResult, default_settings
+from tl_steering.suite.schedule import READS, STAGE_FIELDS, WINDOW_STAGES, Exchange, _finish_times, assign_stages, \
+    stage_costs
+from tl_steering.data.sharding import World
+
+_META = {"provenance", "settings", "seed", "model", "environment", "started", "timings", "total_wall_s", "arguments",
+         "distributed"}
+
+
+def test_stage_fields_are_the_fields_the_stages_fill(suite):
+    """Every field a stage filled in a one-process run (every stage) is listed under exactly one stage, and every
+    listed name is a field: what a rank sends after a stage is all that stage wrote."""
+    fields = {f.name for f in dataclasses.fields(SuiteResult)}
+    listed = [f for names in STAGE_FIELDS.values() for f in names]
+    assert len(listed) == len(set(listed)) and set(listed) <= fields and set(STAGE_FIELDS) == set(STAGES)
+    filled = {f for f in fields - _META if getattr(suite, f) is not None}
+    assert filled <= set(listed) and fields - _META == set(listed)
+    assert filled == set(listed) - {"defect_gold", "planner"}  # those two only with their settings
+    for name, (first, last) in READS.items():  # a stage reads only stages before it: no rank waits in a circle
+        assert all(STAGES.index(d) < STAGES.index(name) for d in first + last), name
+
+
+def _ratio(s, n_windows, length, size):
+    """The schedule's predicted time on ``size`` ranks over the one-process time (the same cost model)."""
+    plan = assign_stages(list(STAGES), s, n_windows, length, size)
+    n_b = math.ceil(n_windows / s.batch_size)
+    cost = {}
+    for name, (win, plans, fixed) in stage_costs(s, n_windows, length).items():
+        cost[f"{name}@1"] = win + plans + fixed
+        cost[f"{name}@{size}"] = win * math.ceil(n_b / size) / n_b + plans / size + fixed
+    return plan, max(_finish_times(plan, cost, size).values()) / sum(cost[f"{n}@1"] for n in STAGES)
+
+
+def test_the_quick_report_splits_over_two_ranks():
+    """SmolLM2's quick report (30 layers, 4 x 64, one batch): plan_choice and the executor on one rank, every
+    other stage on the other (the chain plan_choice -> parallel is the longest); predicted 0.58 of one process."""
+    s = default_settings(30, quick=True)
+    plan, ratio = _ratio(s, 4, 64, 2)
+    assert plan["plan_choice"] == plan["parallel"] and {plan[n] for n in STAGES} == {(0,), (1,)}
+    assert all(plan[n] != plan["plan_choice"] for n in STAGES if n not in ("plan_choice", "parallel"))
+    assert 0.5 <= ratio <= 0.6
+    assert assign_stages(list(STAGES), s, 4, 64, 1) == {n: (0,) for n in STAGES}
+    assert assign_stages(list(STAGES), s, 4, 64, 2) == plan  # the same on every call (every rank)
+
+
+def test_window_stages_split_when_there_are_batches_for_every_rank():
+    """64 windows in batches of 8: the window stages run on all 4 ranks; one batch: never (a rank would idle).
+    The full report's gold standard splits its plans over the ranks whatever the batches."""
+    s = default_settings(30, quick=False)
+    plan, ratio = _ratio(s, 64, 128, 4)
+    assert all(plan[n] == (0, 1, 2, 3) for n in ("checks", "deficit", "ablation", "diversity")), plan
+    assert ratio < 0.55
+    plan, _ = _ratio(dataclasses.replace(s, defect_evaluate=False), 8, 128, 2)
+    assert all(len(plan[n]) == 1 for n in WINDOW_STAGES), plan
+    assert stage_costs(s, 8, 128)["defect"][1] > 0 and stage_costs(default_settings(30, True), 4, 64)["defect"][1] == 0
+
+
+class _Recorder(Exchange):
+    """An exchange whose other rank is a dict: what :meth:`receive` would get from it."""
+
+    def __init__(self, plan, remote):
+        super().__init__(World(rank=0, size=2, backend="gloo"), plan)
+        self.remote, self.calls = remote, []
+
+    def receive(self, name, res):
+        if name in self.got or name not in self.plan or self.runs_here(name):
+            return
+        self.calls.append(name)
+        for f, v in self.remote[name].items():
+            setattr(res, f, v)
+        self.got.add(name)
+
+
+def test_a_stage_reads_another_ranks_result_when_it_needs_it(monkeypatch):
+    """Reading a field that a stage on the other rank fills receives that stage (once); a field of a stage run
+    here, or of no stage, is read as it is; writes land on the result."""
+    monkeypatch.setattr("tl_steering.suite.schedule.p2p_group", lambda w: None)
+    res = SuiteResult()
+    ex = _Recorder({"checks": (1,), "defect": (1,), "plan_choice": (0,)}, {"defect": {"plan": "P", "defect": "D"}})
+    view = ex.view(res)
+    assert view.plan_choice is None and view.seed == res.seed and ex.calls == []
+    assert view.plan == "P" and view.defect == "D" and ex.calls == ["defect"]
+    view.plan_choice = "C"
+    assert res.plan_choice == "C" and view.plan_choice == "C" and ex.calls == ["defect"]
+    with pytest.raises(AttributeError):
+        view.no_such_field
+
+
+def test_a_stage_that_fails_on_one_rank_fails_on_the_others(monkeypatch):
+    """Rank 1's defect raises: rank 0, reading the defect plan, raises the same error instead of waiting."""
+    from tl_steering.errors import InputError
+
+    mailbox = {}
+    monkeypatch.setattr("tl_steering.suite.schedule.p2p_group", lambda w: None)
+    monkeypatch.setattr("tl_steering.suite.schedule.send_object",
+                        lambda obj, dst, tag, w: mailbox.setdefault((w.rank, dst, tag), obj) and (lambda: None))
+    monkeypatch.setattr("tl_steering.suite.schedule.recv_object",
+                        lambda src, tag, w: mailbox.pop((src, w.rank, tag)))
+    plan = {"defect": (1,), "plan_choice": (0,)}
+    one = Exchange(World(rank=1, size=2, backend="gloo"), plan)
+    one.publish("defect", SuiteResult(), error=InputError("no sequential layer"))
+    zero = Exchange(World(rank=0, size=2, backend="gloo"), plan)
+    with pytest.raises(InputError, match="no sequential layer"):
+        zero.view(SuiteResult()).plan
+    assert not mailbox
