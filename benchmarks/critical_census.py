@@ -25,7 +25,6 @@ def main() -> None:
     p.add_argument("--layers", nargs="*", type=int, default=None, help="default: every layer")
     p.add_argument("--n-starts", type=int, default=64)
     p.add_argument("--solves", type=int, default=256, help="landscape solves per layer")
-    p.add_argument("--dirs", type=int, default=2, help="landscape directions per side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
@@ -35,15 +34,13 @@ def main() -> None:
     for name in a.models:
         model = ts.load_model(name)
         layers = a.layers if a.layers else list(range(model.cfg.n_layers))
-        print(f"\n{name}: {len(layers)} layers, {a.n_starts} random starts, {a.solves} landscape solves, "
-              f"{a.dirs} directions per side")
+        print(f"\n{name}: {len(layers)} layers, {a.n_starts} random starts, {a.solves} landscape solves")
         print("layer | points | attractors found / Chao1 / high | repellers found / Chao1 / high | saddles found | "
               "saddle Morse indices | share of saddles >= | verdict | landscape rows / converged / exhausted | "
               "rebuilt residual | s")
         for layer in layers:
             t0 = time.perf_counter()
-            c = critical_census(model, layer, n_starts=a.n_starts, seed=a.seed, landscape_solves=a.solves,
-                                landscape_dirs=a.dirs)
+            c = critical_census(model, layer, n_starts=a.n_starts, seed=a.seed, landscape_solves=a.solves)
             secs = time.perf_counter() - t0
             r = c.equilibria
             worst = 0.0

@@ -132,6 +132,10 @@ class _FieldAdapter:
         self.mode: Literal["batched", "vmap", "loop"] = "loop"
         self._jac_mode: Literal["forward", "reverse"] | None = None
         self._jvp_mode: Literal["forward", "reverse"] | None = None
+        #: per point (its bytes): DF there and the eigen-decomposition of its tangent matrix, each computed once
+        self.point_cache: dict[bytes, dict[str, Any]] = {}
+        #: dense Jacobians of F evaluated so far
+        self.n_jacobians = 0
 
     # -- probing -------------------------------------------------------------------------------------------
     def _check(self, out: Any, shape: tuple[int, ...], what: str) -> Tensor:
@@ -215,6 +219,7 @@ class _FieldAdapter:
         """DF at each row of ``u`` by one vmapped reverse-mode call per ``chunk`` rows; None for the rows of a
         chunk the field cannot be vmapped on (the caller then uses :meth:`jacobian`)."""
         out: list[Tensor | None] = []
+        self.n_jacobians += u.shape[0]
         for lo in range(0, u.shape[0], chunk):
             part = u[lo:lo + chunk]
             try:
@@ -223,6 +228,16 @@ class _FieldAdapter:
             except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
                 out.extend([None] * part.shape[0])
         return out
+
+    def point_jacobians(self, points: Tensor) -> list[Tensor]:
+        """DF at each row of ``points``, computed once per point (cached in :attr:`point_cache`; rows missing from
+        the cache in one batch)."""
+        entries = [self.point_cache.setdefault(key(x), {}) for x in points]
+        missing = [i for i, e in enumerate(entries) if "jac" not in e]
+        if missing:
+            for i, jac in zip(missing, self.jacobians(points[missing])):
+                entries[i]["jac"] = jac if jac is not None else self.jacobian(points[i]).detach()
+        return [e["jac"] for e in entries]
 
     def jacobian(self, u: Tensor) -> Tensor:
         """DF(u), d × d (row i = output i)."""
@@ -252,6 +267,11 @@ class _FieldAdapter:
                     raise
                 self._jvp_mode = "reverse"
         return lambda v: torch.autograd.functional.jvp(self.one, u, v)[1].to(self.dtype)
+
+
+def key(x: Tensor) -> bytes:
+    """A point's exact identity (its float64 bytes), the key of :attr:`_FieldAdapter.point_cache`."""
+    return x.detach().to("cpu", torch.float64).numpy().tobytes()
 
 
 def _agree(a: Tensor, b: Tensor) -> bool:

@@ -149,6 +149,7 @@ def find_equilibria(
             iters, status, kinds = torch.cat([iters, il]), torch.cat([status, sl]), list(kinds) + kl
             info.update(linfo)
         info["phase_seconds"]["landscape"] = time.perf_counter() - clock
+    info["jacobians"] = fld.n_jacobians
     run = {"n_starts": int(n_starts), "given_starts": n_given, "seed": int(seed), "method": DEFAULT_FINDER,
            "eigensolver": eigensolver, "dtype": str(dtype), "device": str(device), **opts.as_dict()}
     return _result(fld, u.detach(), rel, iters, status, kinds, {**run, **info}, solver, opts, t0)
@@ -176,9 +177,9 @@ def _result(fld: _FieldAdapter, u: Tensor, rel: Tensor, iters: Tensor, status: T
     """Deduplicate the converged rows, classify each distinct point, and build the result (sorted by λ)."""
     reps, hits, row_rep = _dedup(u, status, opts.dedup_angle)
     clock = time.perf_counter()
-    jacs = fld.jacobians(u[reps]) if solver == "dense" and reps else [None] * len(reps)
-    classified = [_classify(fld, u[r], solver, opts.n_eigs, opts.label_tol, opts.rot_ratio, jac)
-                  for r, jac in zip(reps, jacs)]
+    if solver == "dense" and reps:
+        fld.point_jacobians(u[reps])  # the ones the landscape has not computed, in one batch
+    classified = [_classify(fld, u[r], solver, opts.n_eigs, opts.label_tol, opts.rot_ratio) for r in reps]
     spectra: list[_Spectrum] = [c[0] for c in classified]
     lams = [c[1] for c in classified]
     order = sorted(range(len(reps)), key=lambda k: -lams[k])  # stable: ties keep row order

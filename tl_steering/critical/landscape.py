@@ -46,6 +46,7 @@ from torch import Tensor
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .options import FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
+from .spectrum import point_eig
 
 #: Newton steps are capped at this many radians
 MAX_STEP = 0.5
@@ -84,9 +85,56 @@ def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     return torch.log(rp + DEFLATION_SHIFT).sum(-1), (coef[..., None] * diff).sum(-2)
 
 
+def _newton_steps(u: Tensor, f: Tensor, jacs: list[Tensor], known: Tensor) -> tuple[Tensor, Tensor]:
+    """The deflated Newton step of each row (ambient tangent vectors, capped at ``MAX_STEP``) from the Jacobians
+    ``jacs`` (DF at the row or near it) and F(u) = ``f``; and which rows got a finite step."""
+    steps, ok = torch.zeros_like(u), torch.ones(u.shape[0], dtype=torch.bool)
+    for k in range(u.shape[0]):
+        h, a, w = tangent_jacobian(u[k], f[k], jacs[k])
+        try:
+            s = -torch.linalg.solve(a, w)
+        except RuntimeError:
+            s = -torch.linalg.lstsq(a, w[:, None]).solution[:, 0]
+        if not bool(torch.isfinite(s).all()):
+            ok[k] = False
+            continue
+        denom = 1.0 - float(h.qt(_deflation(u[k], known)[1]) @ s)
+        if known.shape[0] and abs(denom) > 1e-12:
+            s = s / denom
+        norm = float(s.norm())
+        steps[k] = h.q(s * (MAX_STEP / norm) if norm > MAX_STEP else s)
+    return steps, ok
+
+
+def _line_search(fld: _FieldAdapter, u: Tensor, steps: Tensor, rel: Tensor, merit: Tensor, known: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backtracking on the deflated merit, all rows at once: a row takes its full step below
+    ``FULL_STEP_BELOW`` (when F is finite there), else the first of 12 halvings that lowers the merit. Returns
+    (u, F(u), rel, merit, accepted) after the search (unchanged rows where no step was accepted)."""
+    u, f, rel, merit = u.clone(), fld.many_no_grad(u), rel.clone(), merit.clone()
+    accepted = torch.zeros(u.shape[0], dtype=torch.bool)
+    full = (rel < FULL_STEP_BELOW).cpu()
+    todo = torch.arange(u.shape[0])
+    for _ in range(12):
+        cand = _normalize(u[todo] + steps[todo], EPS_NORM)
+        fc = fld.many_no_grad(cand)
+        rc = relative_residual(cand, fc)
+        mc = torch.log(rc.clamp_min(1e-300)) + _deflation(cand, known)[0]
+        ok = (torch.isfinite(rc) & (full[todo].to(rc.device) | (mc < merit[todo]))).cpu()
+        hit = todo[ok]
+        u[hit], f[hit], rel[hit], merit[hit] = cand[ok], fc[ok], rc[ok], mc[ok]
+        accepted[hit] = True
+        todo = todo[~ok & ~full[todo]]
+        if todo.numel() == 0:
+            break
+        steps[todo] = steps[todo] / 2
+    return u, f, rel, merit, accepted
+
+
 def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """Deflated Newton on the sphere from the rows of ``u0`` (module docstring), rows batched per iteration.
+    """Deflated Newton on the sphere from the rows of ``u0`` (module docstring), rows batched per iteration: one
+    vmapped Jacobian call, the steps, one batched backtracking search (:func:`_line_search`).
 
     Returns ``(u, rel, iterations, status, jacobians)``; status as :func:`tl_steering.critical.solver.lm_solve`
     (0 converged to ``tol``, 1 merit stalled over ``patience`` iterations, 2 no step decreased the merit,
@@ -94,8 +142,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
     """
     n = u0.shape[0]
     u = _normalize(u0.clone(), EPS_NORM)
-    with torch.no_grad():
-        rel = relative_residual(u, fld.many(u))
+    f = fld.many_no_grad(u)
+    rel = relative_residual(u, f)
     status = torch.full((n,), -1, dtype=torch.long)
     iters = torch.zeros(n, dtype=torch.long)
     status[(rel <= tol * 1e-3).cpu()] = 0
@@ -106,42 +154,15 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         idx = (status < 0).nonzero().flatten()
         if idx.numel() == 0:
             break
-        jacs = fld.jacobians(u[idx.to(u.device)])
+        jacs = [jac if jac is not None else fld.jacobian(x) for jac, x in zip(fld.jacobians(u[idx]), u[idx])]
         n_jac += idx.numel()
-        for k, i in enumerate(idx.tolist()):
-            ui = u[i]
-            jac = jacs[k] if jacs[k] is not None else fld.jacobian(ui)
-            with torch.no_grad():
-                f = fld.one(ui)
-            h, a, w = tangent_jacobian(ui, f, jac.detach())
-            try:
-                s = -torch.linalg.solve(a, w)
-            except RuntimeError:
-                s = -torch.linalg.lstsq(a, w[:, None]).solution[:, 0]
-            if not bool(torch.isfinite(s).all()):
-                status[i] = 2
-                continue
-            g = h.qt(_deflation(ui, known)[1])
-            denom = 1.0 - float(g @ s)
-            if known.shape[0] and abs(denom) > 1e-12:
-                s = s / denom
-            norm = float(s.norm())
-            if norm > MAX_STEP:
-                s = s * (MAX_STEP / norm)
-            full = float(rel[i]) < FULL_STEP_BELOW
-            ok = False
-            for _ in range(1 if full else 12):
-                cand = _normalize(ui + h.q(s), EPS_NORM)
-                with torch.no_grad():
-                    rc = relative_residual(cand, fld.one(cand))
-                mc = torch.log(rc.clamp_min(1e-300)) + _deflation(cand, known)[0]
-                if bool(torch.isfinite(rc)) and (full or float(mc) < float(merit[i])):
-                    u[i], rel[i], merit[i], ok = cand, rc, mc, True
-                    break
-                s = s / 2
-            iters[i] += 1
-            if not ok:
-                status[i] = 0 if float(rel[i]) <= tol else 2
+        steps, finite = _newton_steps(u[idx], f[idx], [j.detach() for j in jacs], known)
+        status[idx[~finite]] = 2
+        idx, steps = idx[finite], steps[finite]
+        u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(fld, u[idx], steps, rel[idx], merit[idx], known)
+        iters[idx] += 1
+        miss = idx[~acc]
+        status[miss] = torch.where((rel[miss] <= tol).cpu(), 0, 2)
         history.append(merit.clone())
         status[((status < 0) & (rel <= tol * 1e-3).cpu())] = 0
         if len(history) > patience:  # log merit: "not halved" = not decreased by log 2
@@ -152,19 +173,23 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
     return u, rel, iters, status, n_jac
 
 
-def eigen_directions(a: Tensor, h: _Householder, dirs: int) -> list[Tensor]:
-    """Ambient unit tangent vectors Q v for the real eigenvectors v of ``a`` whose eigenvalues are the ``dirs``
-    nearest zero below it and the ``dirs`` nearest zero above it."""
-    vals, vecs = np.linalg.eig(a.detach().cpu().numpy())
+def eigen_directions(fld: _FieldAdapter, x: Tensor, dirs: int) -> list[Tensor]:
+    """Ambient unit tangent vectors Q v at the point ``x`` for the real eigenvectors v of its tangent matrix
+    (:func:`tl_steering.critical.spectrum.point_eig`) whose eigenvalues are the ``dirs`` nearest zero below it and
+    the ``dirs`` nearest zero above it."""
+    with torch.no_grad():
+        lam = float(x @ fld.one(x))
+    vals_t, vecs_t = point_eig(fld, x, lam, vectors=True)
+    vals, vecs = vals_t.numpy(), vecs_t.numpy()
     scale = float(np.abs(vals).max()) if vals.size else 0.0
     real = np.abs(vals.imag) <= 1e-12 * max(scale, 1e-300)
     picks: list[int] = []
     for side in (vals.real < 0, vals.real >= 0):
         cand = np.nonzero(real & side)[0]
         picks += cand[np.argsort(np.abs(vals.real[cand]), kind="stable")][:dirs].tolist()
-    out = []
+    h, out = _Householder(x), []
     for j in picks:
-        v = torch.as_tensor(vecs[:, j].real.copy(), dtype=a.dtype, device=a.device)
+        v = torch.as_tensor(vecs[:, j].real.copy(), dtype=x.dtype, device=x.device)
         w = h.q(v / v.norm().clamp_min(_EPS))
         out.append(w / w.norm().clamp_min(_EPS))
     return out
@@ -182,83 +207,80 @@ def explained(x: Tensor, w: Tensor, known: Tensor, cos: float = EXPLAINED_COS) -
     return bool(((t[ok] @ w) / nrm[ok] >= cos).any())
 
 
+def _choose(pending: deque, deferred: deque, queue: list, expand, known: Tensor, room: int, cos: float,
+            counts: dict) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
+    """The next batch of at most ``room`` starts: unexplained pending starts first (expanding the queued points
+    when no start is pending; explained ones go to ``deferred``), else the deferred ones in order."""
+    chosen: list[tuple[Tensor, Tensor, Tensor]] = []
+    while len(chosen) < room:
+        if not pending and queue:
+            expand()
+        if not pending:
+            break
+        item = pending.popleft()
+        if explained(item[0], item[1], known, cos):
+            deferred.append(item)
+            counts["landscape_deferred"] += 1
+        else:
+            chosen.append(item)
+    if chosen:
+        return chosen, "landscape"
+    while deferred and len(chosen) < room:  # nothing unexplained left and no new point to expand
+        chosen.append(deferred.popleft())
+    counts["landscape_deferred_run"] += len(chosen)
+    return chosen, "landscape/deferred"
+
+
 def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, batch: int = 8,
                     explained_cos: float = EXPLAINED_COS) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
     """Breadth-first solution landscape from the distinct ``points`` (module docstring): for each point, starts at
-    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``opts.landscape_dirs`` per side),
-    deflated Newton with every known point deflated; new points are expanded (their Jacobians batched) as soon as the starts before them are
-    taken. A start that a known point explains (:func:`explained`, checked against the known set when its batch is
-    chosen) is deferred: deferred starts run, in the order deferred, only when no unexplained start is left and no
-    new point waits to be expanded, within the same ``opts.landscape_solves``. Returns rows (u, rel, iterations, status,
-    kinds: "landscape", or "landscape/deferred" for a deferred start) and counts."""
-    dim = points.shape[-1]
+    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``opts.landscape_dirs`` per side), deflated
+    Newton with every known point deflated; new points are expanded (their
+    Jacobians batched) as soon as the starts before them are taken. A start that a known point explains
+    (:func:`explained`, checked against the known set when its batch is chosen) is deferred: deferred starts run, in
+    the order deferred, only when no unexplained start is left and no new point waits to be expanded, within the
+    same ``opts.landscape_solves``. Returns rows (u, rel, iterations, status, kinds: "landscape", or
+    "landscape/deferred" for a deferred start) and counts."""
     known = points.detach().clone()
     queue = [known[i] for i in range(known.shape[0])]
     pending: deque[tuple[Tensor, Tensor, Tensor]] = deque()  # (origin, signed unit direction, start)
     deferred: deque[tuple[Tensor, Tensor, Tensor]] = deque()
-    us, rels, its, sts, kinds = [], [], [], [], []
-    solves = n_jac = n_deferred = n_deferred_run = 0
+    parts: list[tuple] = []
+    kinds: list[str] = []
+    counts = {"landscape_deferred": 0, "landscape_deferred_run": 0}
+    solves, jac_before = 0, fld.n_jacobians
 
     def expand() -> None:
-        nonlocal queue, n_jac
-        jacs = fld.jacobians(torch.stack(queue))
-        n_jac += len(queue)
-        for x, jac in zip(queue, jacs):
-            jac = jac if jac is not None else fld.jacobian(x)
-            with torch.no_grad():
-                f = fld.one(x)
-            h, a, _ = tangent_jacobian(x, f, jac.detach())
-            for w in eigen_directions(a, h, opts.landscape_dirs):
-                pending.extend([(x, w, _normalize(x + DELTA * w, EPS_NORM)), (x, -w, _normalize(x - DELTA * w, EPS_NORM))])
-        queue = []
+        fld.point_jacobians(torch.stack(queue))  # the new points' Jacobians in one batch
+        for x in queue:
+            for w in eigen_directions(fld, x, opts.landscape_dirs):
+                pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
+        queue.clear()
 
     while solves < opts.landscape_solves:
-        room = min(batch, opts.landscape_solves - solves)
-        chosen: list[Tensor] = []
-        while len(chosen) < room:
-            if not pending and queue:
-                expand()
-            if not pending:
-                break
-            x, w, start = pending.popleft()
-            if explained(x, w, known, explained_cos):
-                deferred.append((x, w, start))
-                n_deferred += 1
-            else:
-                chosen.append(start)
-        kind = "landscape"
-        if not chosen:  # nothing unexplained left and no new point to expand: the deferred starts
-            while deferred and len(chosen) < room:
-                chosen.append(deferred.popleft()[2])
-            n_deferred_run += len(chosen)
-            kind = "landscape/deferred"
+        chosen, kind = _choose(pending, deferred, queue, expand, known, min(batch, opts.landscape_solves - solves),
+                               explained_cos, counts)
         if not chosen:
             break
-        u0 = torch.stack(chosen)
-        u, rel, it, st, nj = newton_solve(fld, u0, known, opts.tol, opts.max_iter, patience=opts.patience)
-        n_jac += nj
-        solves += u0.shape[0]
-        us.append(u)
-        rels.append(rel)
-        its.append(it)
-        sts.append(st)
-        kinds += [kind] * u0.shape[0]
-        for x in u[st.to(u.device) == 0]:
+        part = newton_solve(fld, torch.stack([s for _, _, s in chosen]), known, opts.tol, opts.max_iter,
+                            patience=opts.patience)
+        solves += len(chosen)
+        parts.append(part[:4])
+        kinds += [kind] * len(chosen)
+        for x in part[0][part[3].to(part[0].device) == 0]:
             if _match_point(known, x, opts.dedup_angle) < 0:
                 known = _add_distinct(known, x[None], opts.dedup_angle)
                 queue.append(x)
-    counts = {"landscape_deferred": n_deferred, "landscape_deferred_run": n_deferred_run,
-              "landscape_exhausted": not (queue or pending or deferred)}
-    if not us:
-        empty = points.new_zeros(0, dim)
-        return empty, points.new_zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], {
-            "landscape_rows": 0, "landscape_converged": 0, "landscape_new_points": 0, "landscape_jacobians": n_jac,
-            **counts}
-    st = torch.cat(sts)
+    u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else None for k in range(4))
+    if u is None:
+        u, rel, it, st = points.new_zeros(0, points.shape[-1]), points.new_zeros(0), *(
+            torch.zeros(0, dtype=torch.long),) * 2
     info = {"landscape_rows": solves, "landscape_converged": int((st == 0).sum()),
-            "landscape_new_points": int(known.shape[0] - points.shape[0]), "landscape_jacobians": n_jac, **counts}
-    return torch.cat(us), torch.cat(rels), torch.cat(its), st, kinds, info
+            "landscape_new_points": int(known.shape[0] - points.shape[0]),
+            "landscape_jacobians": fld.n_jacobians - jac_before,
+            "landscape_exhausted": not (queue or pending or deferred), **counts}
+    return u, rel, it, st, kinds, info
 
 
-__all__ = ["DELTA", "EXPLAINED_COS", "MAX_STEP", "eigen_directions", "explained", "landscape_phase", "newton_solve",
-           "tangent_jacobian"]
+__all__ = ["DELTA", "EXPLAINED_COS", "MAX_STEP", "eigen_directions", "explained", "landscape_phase",
+           "newton_solve", "tangent_jacobian"]

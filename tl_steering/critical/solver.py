@@ -61,6 +61,7 @@ class _Merit:
         if self.fld.mode == "loop" and not self._jac_mode:
             modes = ["autograd"]
         err: Exception | None = None
+        self.fld.n_jacobians += u.shape[0]
         for mode in modes:
             try:
                 jac = self._jac(mode, u)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .fields import _FieldAdapter, _Householder, relative_residual
+from .fields import _FieldAdapter, _Householder, key, relative_residual
 
 #: In ``eigensolver="auto"`` the dense Jacobian is used up to this dimension, ARPACK above it.
 DENSE_MAX_DIM = 1024
@@ -74,10 +74,24 @@ def _label_spectrum(eigs: Tensor, label_tol: float, rot_ratio: float) -> _Spectr
     )
 
 
-def _tangent_matrix(fld: _FieldAdapter, u: Tensor, lam: float, jac: Tensor | None = None) -> Tensor:
-    """M = Qᵀ DF(u) Q - λ I (dense, (d-1) × (d-1)); ``jac``: DF(u) when already computed."""
-    h = _Householder(u)
-    m = h.conjugate(fld.jacobian(u) if jac is None else jac)[1:, 1:]
+def point_eig(fld: _FieldAdapter, u: Tensor, lam: float, vectors: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Eigenvalues (complex128) and, with ``vectors``, eigenvectors (columns) of the tangent matrix
+    M = Qᵀ DF(u) Q - λ I at a point u, Q the Householder basis of u: computed once per point and kept in the
+    adapter's point cache with DF(u) (the classification and the landscape phase read the same decomposition)."""
+    entry = fld.point_cache.setdefault(key(u), {})
+    if "vals" not in entry or (vectors and "vecs" not in entry):
+        jac = fld.point_jacobians(u[None])[0]
+        m = tangent_matrix(u, jac, lam).detach().cpu().to(torch.float64)
+        if vectors:
+            entry["vals"], entry["vecs"] = torch.linalg.eig(m)
+        else:
+            entry["vals"] = torch.linalg.eigvals(m)
+    return entry["vals"], entry.get("vecs")
+
+
+def tangent_matrix(u: Tensor, jac: Tensor, lam: float) -> Tensor:
+    """M = Qᵀ DF(u) Q - λ I (dense, (d-1) × (d-1)) for DF(u) = ``jac``."""
+    m = _Householder(u).conjugate(jac)[1:, 1:]
     return m - lam * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
 
 
@@ -141,14 +155,13 @@ def _resolve_eigensolver(eigensolver: str, dim: int, n_eigs: int) -> Literal["de
 
 
 def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int, label_tol: float,
-              rot_ratio: float, jac: Tensor | None = None) -> tuple[_Spectrum, float, float]:
+              rot_ratio: float) -> tuple[_Spectrum, float, float]:
     with torch.no_grad():
         f = fld.one(u)
     lam = float(u @ f)
     res = float(relative_residual(u, f))
     if solver == "dense":
-        m = _tangent_matrix(fld, u, lam, jac).detach()
-        eigs = torch.linalg.eigvals(m.cpu().to(torch.float64))
+        eigs = point_eig(fld, u, lam)[0]
     else:
         eigs = _arpack_extremes(_tangent_operator(fld, u, lam), n_eigs)
     return _label_spectrum(eigs, label_tol, rot_ratio), lam, res
