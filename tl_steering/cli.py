@@ -53,10 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ----------------------------------------------------------------------------------------------------------
-# argument checks: pure, before any model is loaded
-
-
 def check_report_args(args: argparse.Namespace) -> None:
     """Raise :class:`~tl_steering.errors.InputError` naming the first bad argument (no model, no file written)."""
     from .errors import InputError
@@ -129,10 +125,6 @@ def check_out_dir(out: str) -> None:
         parent = parent.parent if parent.parent != parent else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"--out {out!r}: cannot write into {str(parent)!r}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the job
 
 
 def run_report(

@@ -20,10 +20,6 @@ SINGULAR_REL: float = 1e-12
 _TINY = torch.finfo(torch.float64).tiny
 
 
-# ------------------------------------------------------------------------------------------------------------
-# validation
-
-
 def _checked(name: str, x: Tensor, min_ndim: int = 1) -> Tensor:
     """Cast ``x`` to float64 after checking it is a non-empty, finite tensor with >= ``min_ndim`` dims."""
     if not isinstance(x, Tensor):
@@ -84,10 +80,6 @@ def _norm(x: Tensor) -> Tensor:
 
 def _normalize(v: Tensor, eps: float) -> Tensor:
     return v / _norm(v).clamp_min(eps).unsqueeze(-1)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# vectors: tangent projector, cosines, angles
 
 
 def to64(x: Shaped[Tensor, "*dims"]) -> Float64[Tensor, "*dims"]:
@@ -226,10 +218,6 @@ def degenerate_mask(
     return mask & ((norms < rel * median) | (norms == 0))
 
 
-# ------------------------------------------------------------------------------------------------------------
-# diversity of a set of directions
-
-
 def _pairwise_cosine(unit: Tensor, valid: Tensor) -> Tensor:
     count = valid.sum(-1)
     total = unit.sum(-2)
@@ -357,10 +345,6 @@ def diversity_stats(
     }
 
 
-# ------------------------------------------------------------------------------------------------------------
-# prefix-running statistics: entry t is the statistic of the valid rows among u_1..u_t
-
-
 def prefix_mean_pairwise_cosine(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
@@ -425,27 +409,9 @@ def prefix_participation_ratio(
 
 
 __all__ = [
-    "EPS_NORM",
-    "DEGENERATE_REL",
-    "SINGULAR_REL",
-    "to64",
-    "norm",
-    "normalize",
-    "radial_part",
-    "tangential_part",
-    "safe_cosine",
-    "cosine_radial",
-    "tangent_alignment",
-    "tangential_speed",
-    "angle",
-    "degenerate_mask",
-    "mean_pairwise_cosine",
-    "mean_resultant_length",
-    "effective_rank",
-    "participation_ratio",
-    "diversity_stats",
-    "prefix_mean_pairwise_cosine",
-    "prefix_mean_resultant_length",
-    "prefix_effective_rank",
-    "prefix_participation_ratio",
+    "EPS_NORM", "DEGENERATE_REL", "SINGULAR_REL", "to64", "norm", "normalize", "radial_part",
+    "tangential_part", "safe_cosine", "cosine_radial", "tangent_alignment", "tangential_speed", "angle",
+    "degenerate_mask", "mean_pairwise_cosine", "mean_resultant_length", "effective_rank",
+    "participation_ratio", "diversity_stats", "prefix_mean_pairwise_cosine", "prefix_mean_resultant_length",
+    "prefix_effective_rank", "prefix_participation_ratio"
 ]

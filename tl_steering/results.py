@@ -143,10 +143,6 @@ def tensor_field(*shape: int, dtype: torch.dtype = torch.float64) -> Any:
     return dataclasses.field(default_factory=lambda: torch.full(shape, fill, dtype=dtype))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# encoding
-
-
 def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str = "") -> Any:
     """``value`` as a JSON tree. A tensor goes into ``tensors`` under its place ``at`` in the tree, which keeps a
     reference to it, or, without ``tensors``, inline as nested lists (``to_dict``)."""
@@ -320,10 +316,6 @@ def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# files
-
-
 def _write(path: Path, data: bytes) -> None:
     """Write to a temporary name beside ``path``, then rename: a killed write leaves no half file under ``path``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -394,10 +386,6 @@ def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
                 raise ResultFileError(f"{p.name}: not a readable safetensors file ({e})") from None
     raise ResultFileError(f"{found[0].name} is not the tensors file saved with {js.name} (SHA-256 differs): a "
                           "later or interrupted save wrote it; save the result again")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# base class
 
 
 @dataclasses.dataclass

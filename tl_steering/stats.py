@@ -14,9 +14,6 @@ from torch import Tensor
 from .errors import InputError
 from .validation import as_positions
 
-# ----------------------------------------------------------------------------------------------------------
-# positions
-
 
 def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
     """``exclude_positions`` as a sorted tuple of distinct ints (negative indices count from the end; None: none);
@@ -79,10 +76,6 @@ def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
 def bin_labels(edges: Sequence[int], n_pos: int) -> list[str]:
     """``"[lo,hi)"`` per bin, the last upper edge cut at ``n_pos``."""
     return [f"[{lo},{min(hi, n_pos)})" for lo, hi in zip(edges[:-1], edges[1:])]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# aggregation
 
 
 def masked_mean(values: Float[Tensor, "*b p"], mask: Bool[Tensor, "*b p"], dim: int = -1) -> Tensor:
@@ -269,16 +262,13 @@ def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
     return {**out, "estimate": s_obs + unseen, "ci_low": low, "ci_high": high}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the closed-form correction of a write: least squares from float64 moments (docs/parallel.md "Refit",
-# docs/gates.md)
-
 #: ridge of the ``"linear"`` correction in units of the mean eigenvalue of the attention writes' covariance, tr(C_aa) / d
 LINEAR_RIDGE = 1.0
 
 
 class Moments:
-    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
+    """Float64 least-squares moments of the closed-form correction of one layer's write (docs/parallel.md,
+    "Refit"; docs/gates.md): Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
     ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
 
     def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
@@ -322,8 +312,8 @@ class Moments:
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
 
     def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
-        """``(g, b, W)`` of ``refit="linear"`` (module docstring): g of the affine fit, W the ridge regression of
-        its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
+        """``(g, b, W)`` of ``refit="linear"`` (docs/parallel.md, "Refit"): g of the affine fit, W the ridge
+        regression of its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
         vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
         freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
         ``max_df`` (:func:`ridge_for_df`)."""
@@ -376,7 +366,7 @@ def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
                      ) -> tuple[float, Tensor]:
     """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
-    the identity (``"none"``), from the moments (see the module docstring). A degenerate design (no token,
+    the identity (``"none"``), from the moments. A degenerate design (no token,
     Phi(x) zero or constant) keeps g = 1 and fits b alone."""
     sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
     zero = torch.zeros_like(sp64)
@@ -391,10 +381,6 @@ def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Ten
     num = yp - float(sy64 @ sp64) / n
     g = num / den if den > 1e-12 * max(pp, 1e-300) else 1.0
     return g, (sy64 - g * sp64) / n
-
-
-# ----------------------------------------------------------------------------------------------------------
-# proportions
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -417,25 +403,8 @@ def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k"
 
 
 __all__ = [
-    "LINEAR_RIDGE",
-    "Moments",
-    "ridge_df",
-    "ridge_for_df",
-    "solve_correction",
-    "clopper_pearson",
-    "proportion_verdict",
-    "bin_labels",
-    "block_length",
-    "block_sums",
-    "chao1",
-    "bootstrap_ci",
-    "cluster_bootstrap_ci",
-    "check_exclude_positions",
-    "finite_mean",
-    "masked_mean",
-    "median_interval",
-    "position_bin_edges",
-    "position_bin_index",
-    "position_bins",
-    "position_mask",
+    "LINEAR_RIDGE", "Moments", "ridge_df", "ridge_for_df", "solve_correction", "clopper_pearson",
+    "proportion_verdict", "bin_labels", "block_length", "block_sums", "chao1", "bootstrap_ci",
+    "cluster_bootstrap_ci", "check_exclude_positions", "finite_mean", "masked_mean", "median_interval",
+    "position_bin_edges", "position_bin_index", "position_bins", "position_mask"
 ]

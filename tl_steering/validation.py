@@ -261,30 +261,7 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
                     "load or an in-place edit), not the input")
 
 
-def as_path_arg(value: Any, name: str) -> str:
-    """A non-empty path-like string."""
-    import os
-
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
-        raise ArgumentTypeError(f"{name} must be a non-empty path, got {value!r}")
-    return value
-
-
 __all__ = [
-    "as_bool",
-    "as_choice",
-    "as_choices",
-    "as_device",
-    "as_float",
-    "as_int",
-    "as_int_list",
-    "as_layer",
-    "as_layers",
-    "as_path_arg",
-    "as_positions",
-    "check_length",
-    "check_weights_finite",
-    "same_device",
+    "as_bool", "as_choice", "as_choices", "as_device", "as_float", "as_int", "as_int_list", "as_layer",
+    "as_layers", "as_positions", "check_length", "check_weights_finite", "same_device"
 ]

@@ -131,9 +131,6 @@ class GateResult(Result):
         return fig
 
 
-# ----------------------------------------------------------------------------------------------------------
-
-
 def _split(tokens: Tensor, held_out: float, held_out_tokens: Tensor | None, seed: int,
            ad: ModelAdapter) -> tuple[Tensor, Tensor]:
     if held_out_tokens is not None:

@@ -263,10 +263,6 @@ def prefix_sensitivity(
     )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# prefix-set statistics
-
-
 @register
 @dataclasses.dataclass(kw_only=True)
 class PrefixStatisticsResult(Result):

@@ -80,15 +80,6 @@ BACKEND_TOLERANCES: dict[str, dict[str, float]] = {
 }
 
 
-def pinned_settings(model_name: str = "smollm2-135m") -> dict[str, Any]:
-    """The pinned settings of one model of :data:`PINNED_MODELS`."""
-    if model_name not in PINNED_MODELS:
-        from ..errors import InputError
-
-        raise InputError(f"no pinned values for {model_name!r}; pinned models: {', '.join(PINNED_MODELS)}")
-    return dict(PINNED_MODELS[model_name][1])
-
-
 def compare(
     pinned: dict[str, Any], measured: dict[str, tuple[Any, str]], tolerances: dict[str, Any] | None = None
 ) -> list[str]:
@@ -142,13 +133,6 @@ def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 
 
 __all__ = [
-    "BACKEND_TOLERANCES",
-    "group_problems",
-    "GEMMA_PINNED_SETTINGS",
-    "PINNED_MODELS",
-    "PINNED_SETTINGS",
-    "TOLERANCES",
-    "as_pinned",
-    "compare",
-    "pinned_settings",
+    "BACKEND_TOLERANCES", "group_problems", "GEMMA_PINNED_SETTINGS", "PINNED_MODELS", "PINNED_SETTINGS",
+    "TOLERANCES", "as_pinned", "compare"
 ]
