@@ -38,11 +38,8 @@ def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.de
 
 
 def position_bin_edges(n_pos: int) -> list[int]:
-    """Edges ``[0, 1, 2, 4, ..., 2^k]`` of the log-spaced position bins, ``2^k >= n_pos`` the first such power.
-
-    Bin 0 is ``[0, 1)`` (position 0 alone), bin ``k >= 1`` is ``[2^(k-1), 2^k)``; the last bin is cut at the
-    sequence length when the edges are read against one.
-    """
+    """Edges ``[0, 1, 2, 4, ..., 2^k]`` of the log-spaced position bins, ``2^k >= n_pos`` the first such power
+    (docs/statistics.md, "Position bins")."""
     edges = [0, 1]
     while edges[-1] < n_pos:
         edges.append(edges[-1] * 2)
@@ -60,14 +57,9 @@ def position_bin_index(positions: Int[Tensor, "*shape"]) -> Int[Tensor, "*shape"
 
 
 def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
-    """The log-spaced bins of positions ``1..n_pos-1`` (position 0 in none): ``[1, 2), [2, 4), [4, 8), ...``.
-
-    The same bins as :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out.
-
-    Returns:
-        ``(edges, index)``: ``edges = [1, 2, 4, ..., 2^k]`` (bin ``j`` is ``[edges[j], edges[j+1])``, the last
-        cut at ``n_pos``; at least one bin) and ``index[p]`` the bin of position ``p`` (-1 for position 0).
-    """
+    """The bins of :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out: ``(edges,
+    index)`` with ``edges = [1, 2, 4, ..., 2^k]`` (at least one bin) and ``index[p]`` the bin of position ``p``
+    (-1 for position 0); docs/statistics.md, "Position bins"."""
     edges = position_bin_edges(max(n_pos, 2))[1:]
     index = position_bin_index(torch.arange(n_pos)) - 1
     return edges, index
@@ -99,18 +91,10 @@ def bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*out 2"]:
-    """Percentile bootstrap CI over sequences (rows resampled with replacement, seeded generator).
-
-    Args:
-        per_sequence: one row per sequence (any trailing shape).
-        statistic: maps a ``[seq, *rest]`` sample to the statistic (default: ``nanmean`` over sequences).
-        n_bootstrap: resamples; 0 gives NaN bounds (as does a single sequence).
-        seed: seed of the CPU generator (same seed, same interval).
-        level: coverage (0.95: the 2.5 % and 97.5 % quantiles).
-
-    Returns:
-        ``[*out, 2]`` (lower, upper) in float64.
-    """
+    """Percentile bootstrap CI ``[*out, 2]`` (float64) over sequences, the rows of ``per_sequence`` resampled with a
+    seeded CPU generator; ``statistic`` maps a ``[seq, *rest]`` sample to the statistic (default ``nanmean`` over
+    sequences); ``n_bootstrap=0`` or one sequence gives NaN bounds (docs/statistics.md, "Bootstrap confidence
+    intervals")."""
     stat = statistic or (lambda s: torch.nanmean(s, dim=0))
     x = per_sequence.detach().to("cpu", torch.float64)
     point = stat(x)
@@ -127,9 +111,8 @@ def bootstrap_ci(
 
 
 def block_length(n_tokens: int) -> int:
-    """Tokens per block of the block bootstrap over a series of ``n_tokens`` tokens: ``round(n^(1/3))``, at least
-    1 (the n^(1/3) rate of the block length for variance and interval estimates, Hall, Horowitz & Jing 1995): long
-    enough to keep most of the correlation of neighbouring tokens inside a block, short enough to leave many blocks."""
+    """Tokens per block of the block bootstrap over ``n_tokens`` tokens: ``round(n^(1/3))``, at least 1
+    (docs/statistics.md, "Bootstrap confidence intervals")."""
     return max(1, int(round(max(int(n_tokens), 1) ** (1.0 / 3.0))))
 
 
@@ -154,26 +137,10 @@ def cluster_bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*m 2"]:
-    """Percentile interval of ratio statistics ``sum(sums) / sum(counts)`` under a two-stage bootstrap.
-
-    Each resample draws the windows with replacement, then, inside every drawn window, its blocks with replacement
-    (blocks of consecutive tokens, :func:`block_sums`): the windows carry the text-to-text variation, the blocks the
-    token-to-token noise inside a window, so one window still gets an interval (of its tokens' noise only) and
-    many windows an interval dominated by how much the windows differ. Resampling at both stages errs on the wide
-    side (the within-window noise is counted again inside every drawn window). ``sums[..., j]`` of several
-    statistics (e.g. the loss differences of several plans) are resampled together, so their intervals come from the
-    same draws.
-
-    Args:
-        sums: ``[window, block, *m]`` block sums of each statistic's numerator.
-        counts: ``[window, block]`` tokens in each block (0 for padding).
-        n_bootstrap: resamples; 0 gives NaN bounds, as does a single block in all.
-        seed: seed of the CPU generator (same seed, same interval).
-        level: coverage (0.95: the 2.5 % and 97.5 % quantiles).
-
-    Returns:
-        ``[*m, 2]`` (lower, upper) in float64.
-    """
+    """Percentile interval ``[*m, 2]`` of ratio statistics ``sum(sums) / sum(counts)`` under a two-stage bootstrap:
+    the windows with replacement, then each drawn window's blocks (:func:`block_sums`) with replacement; every
+    column of ``sums`` ``[window, block, *m]`` from the same draws, ``counts`` ``[window, block]`` tokens per block.
+    ``n_bootstrap=0`` or a single block gives NaN bounds (docs/statistics.md, "Bootstrap confidence intervals")."""
     s = sums.detach().to("cpu", torch.float64)
     c = counts.detach().to("cpu", torch.float64)
     w, b = int(c.shape[0]), int(c.shape[1])
@@ -201,17 +168,9 @@ def cluster_bootstrap_ci(
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
-    """The median of ``values`` and its distribution-free order-statistic confidence interval.
-
-    The interval is ``[x_(j), x_(n+1-j)]`` of the sorted finite values with the largest ``j`` whose coverage
-    ``1 - 2 P(Binomial(n, 1/2) <= j - 1)`` is at least ``level``; with too few values for ``level`` it is the
-    whole range ``[min, max]`` (coverage ``1 - 2^(1-n)``). No assumption on the distribution (timings are
-    skewed), only independence of the values.
-
-    Returns:
-        ``(median, low, high, coverage)``; all NaN without a finite value; one value gives ``low = high`` and
-        coverage 0.
-    """
+    """``(median, low, high, coverage)`` of the finite ``values``: the median with its distribution-free
+    order-statistic interval (docs/statistics.md, "Timing"); all NaN without a finite value, one value gives
+    ``low = high`` and coverage 0."""
     x = sorted(float(v) for v in values if math.isfinite(float(v)))
     n = len(x)
     if n == 0:
