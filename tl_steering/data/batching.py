@@ -2,7 +2,7 @@
 (see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,20 +12,13 @@ from torch import Tensor
 from ..backends import ModelAdapter, adapt, check_finite
 from ..metrics import next_token_loss
 from ..stats import block_sums
+from ..hooks import HookList
 from .sharding import batch_slices
 
-HookList = list[tuple[str, Callable[..., Any]]]
 
-
-def iter_batches(
-    ad: ModelAdapter,
-    tokens: Int[Tensor, "batch pos"],
-    names: Sequence[str],
-    batch_size: int,
-    fwd_hooks: HookList = (),
-    first_names: Sequence[str] = (),
-    rows: Sequence[slice] | None = None,
-) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
+def iter_batches(ad: ModelAdapter, tokens: Int[Tensor, "batch pos"], names: Sequence[str], batch_size: int,
+                 fwd_hooks: HookList = (), first_names: Sequence[str] = (), rows: Sequence[slice] | None = None
+                 ) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
     """Forward ``tokens`` in batches of ``batch_size`` sequences with :meth:`ModelAdapter.run_with_cache`.
 
     Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
@@ -33,9 +26,7 @@ def iter_batches(
     Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
     these batches (a rank's share, :func:`tl_steering.data.sharding.my_batches`); default every batch.
     """
-    n = tokens.shape[0]
-    batches = batch_slices(n, batch_size) if rows is None else rows
-    for sl in batches:
+    for sl in batch_slices(tokens.shape[0], batch_size) if rows is None else rows:
         wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
         logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))
         yield sl, logits, cache
@@ -88,4 +79,4 @@ def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
     return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
-__all__ = ["HookList", "iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]
+__all__ = ["iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]

@@ -142,9 +142,8 @@ def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Ite
         raise InputError(f"unknown corpus kind {spec.kind!r}")
 
 
-def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int = 128,
-                   n_windows: int | None = None, batch_size: int = 8, start: int = 0,
-                   rank: int = 0, world_size: int = 1,
+def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int = 128, n_windows: int | None = None,
+                   batch_size: int = 8, start: int = 0, rank: int = 0, world_size: int = 1,
                    chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[int, TokenWindows]]:
     """Stream ``(first_window_index, TokenWindows)`` batches of consecutive windows of real text (docs/scale_out.md).
 
