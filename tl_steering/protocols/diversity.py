@@ -89,10 +89,8 @@ class _Run:
 def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Tensor, batch_size: int,
              hooks: list, run: _Run, world: World | None = None) -> None:
     last = ad.n_layers - 1
-    names = []
-    for lay in layer_list:
-        names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, "resid_post")]
-        names.append(ad.hook_name(lay, "attn_out" if ad.is_parallel(lay) else "resid_mid"))
+    names = [ad.hook_name(lay, site) for lay in layer_list
+             for site in ("resid_pre", "resid_post", "attn_out" if ad.is_parallel(lay) else "resid_mid")]
     names.append(ad.hook_name(last, "resid_post"))
     mine = my_batches(tokens.shape[0], batch_size, world)
     for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks,

@@ -149,9 +149,7 @@ def _base(model: Any, base_hooks: Any, plan: list[int]) -> HookList:
 
 def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[int], batch_size: int
                  ) -> dict[int, float]:
-    names = []
-    for layer in plan:
-        names += [ad.hook_name(layer, "resid_pre"), ad.hook_name(layer, "attn_out")]
+    names = [ad.hook_name(layer, site) for layer in plan for site in ("resid_pre", "attn_out")]
     moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
     for s in range(0, tokens.shape[0], batch_size):
         _, cache = ad.run_with_cache(tokens[s:s + batch_size], names, fwd_hooks=base)
