@@ -14,8 +14,8 @@ from .backends.fused import corrected_ffn_write
 from .backends.hookbase import mark_intervention
 from .backends.lifecycle import capture_site, orphan_safe
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
+from .data.batching import HookList
 
-HookList = list[tuple[str, Callable[..., Any]]]
 Keep = Literal["tangential", "radial", "zero", "random_tangent", "full"]
 KEEPS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent", "full")
 

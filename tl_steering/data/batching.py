@@ -2,7 +2,7 @@
 (see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,8 +12,9 @@ from torch import Tensor
 from ..backends import ModelAdapter, adapt, check_finite
 from ..metrics import next_token_loss
 from ..stats import block_sums
-from ..hooks import HookList
 from .sharding import batch_slices
+
+HookList = list[tuple[str, Callable[..., Any]]]
 
 
 def iter_batches(ad: ModelAdapter, tokens: Int[Tensor, "batch pos"], names: Sequence[str], batch_size: int,
@@ -79,4 +80,4 @@ def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
     return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
-__all__ = ["iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]
