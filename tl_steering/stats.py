@@ -272,8 +272,8 @@ class Moments:
 
     def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
         """``(g, b, W)`` of ``refit="linear"`` (docs/parallel.md, "Refit"): g of the affine fit, W the ridge
-        regression of its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
-        vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
+        regression of its residual on the centred attention write, b the intercept. W = 0 where the attention write
+        does not vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
         freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
         ``max_df`` (:func:`ridge_for_df`)."""
         if not self.linear:

@@ -223,7 +223,8 @@ def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tange
             metrics.update({(v, layer_list[0]): metrics[(v, None)] for v in variants})
         for v in variants:
             per = [metrics[(v, lay)] for lay in layer_list]
-            out.per_layer_delta_loss[v] = torch.tensor([float((m.loss - clean).mean()) for m in per], dtype=torch.float64)
+            out.per_layer_delta_loss[v] = torch.tensor([float((m.loss - clean).mean()) for m in per],
+                                                       dtype=torch.float64)
             out.per_layer_kl[v] = torch.tensor([float(m.kl.mean()) for m in per], dtype=torch.float64)
             out.per_layer_top1[v] = torch.tensor([float(m.agree.mean()) for m in per], dtype=torch.float64)
     return out

@@ -153,7 +153,8 @@ def _perturbed(ad: Any, tokens: Tensor, mode: str, j: int, l0: int, eps: float, 
 
 @exclusive
 def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, position: int | Sequence[int],
-                       eps: float = 1e-2, mode: Mode = "noise", seed: int = 0, corpus: str | None = None) -> PrefixSensitivityResult:
+                       eps: float = 1e-2, mode: Mode = "noise", seed: int = 0, corpus: str | None = None
+                       ) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
     Args:
