@@ -25,14 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tl-steering", description="Feed-forward steering diagnostics (arXiv:2608.02071)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("report", help="run every protocol and write an HTML report")
-    r.add_argument(
-        "--model", default="smollm2-135m",
-        help="smollm2-135m (offline), gemma-3-270m, a TL model name, or tiny-ARCH (a random test model)"
-    )
+    r.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (offline), gemma-3-270m, a TL model name, or tiny-ARCH (a random test model)")
     r.add_argument("--backend", default="bridge", choices=["bridge", "hooked"])
-    r.add_argument(
-        "--text", default="pydoc", help="'pydoc' (offline), a text file, or hf:NAME[:CONFIG]:SPLIT"
-    )
+    r.add_argument("--text", default="pydoc", help="'pydoc' (offline), a text file, or hf:NAME[:CONFIG]:SPLIT")
     r.add_argument("--windows", type=int, default=None, help="number of token windows (default 8, --quick 4)")
     r.add_argument("--length", type=int, default=None, help="tokens per window (default 128, --quick 64)")
     r.add_argument("--batch-size", type=int, default=None,
@@ -51,10 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("results", help="a results.json written by 'tl-steering report'")
     v.add_argument("--out", default=None, help="output directory (default: the results file's directory)")
     return p
-
-
-# ----------------------------------------------------------------------------------------------------------
-# argument checks: pure, before any model is loaded
 
 
 def check_report_args(args: argparse.Namespace) -> None:
@@ -90,9 +82,7 @@ def check_text_source(text: str) -> None:
     if text.startswith("hf:"):
         parts = text.split(":")[1:]
         if not 2 <= len(parts) <= 3 or not all(parts):
-            raise InputError(
-                f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)"
-            )
+            raise InputError(f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)")
         if importlib.util.find_spec("datasets") is None:
             raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
         return
@@ -131,25 +121,10 @@ def check_out_dir(out: str) -> None:
         raise InputError(f"--out {out!r}: cannot write into {str(parent)!r}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the job
-
-
-def run_report(
-    model: Any = "smollm2-135m",
-    backend: str = "bridge",
-    text: str = "pydoc",
-    windows: int | None = None,
-    length: int | None = None,
-    out: str | Path = "report",
-    device: str | None = None,
-    seed: int = 0,
-    quick: bool = False,
-    progress: bool = True,
-    settings: Any = None,
-    batch_size: int | None = None,
-    resume: bool = False,
-) -> Path:
+def run_report(model: Any = "smollm2-135m", backend: str = "bridge", text: str = "pydoc", windows: int | None = None,
+               length: int | None = None, out: str | Path = "report", device: str | None = None, seed: int = 0,
+               quick: bool = False, progress: bool = True, settings: Any = None, batch_size: int | None = None,
+               resume: bool = False) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
     Args:
@@ -204,17 +179,9 @@ def run_report(
     suite.timings = {"load": load, **suite.timings}
     suite.total_wall_s += load.wall_s
     suite.arguments = RunArguments(
-        model=model if isinstance(model, str) else ad.info.name,
-        backend=backend,
-        text=text,
-        windows=windows,
-        length=length,
-        out=str(out),
-        device=device,
-        seed=seed,
-        quick=quick,
-        command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None,
-    )
+        model=model if isinstance(model, str) else ad.info.name, backend=backend, text=text, windows=windows,
+        length=length, out=str(out), device=device, seed=seed, quick=quick,
+        command=" ".join(sys.argv) if sys.argv and "tl-steering" in Path(sys.argv[0]).name else None)
     if world().rank != 0:  # under torchrun: rank 0 alone writes (every rank holds the same result)
         return out_dir / "index.html"
     suite.save(out_dir / "results.json")
@@ -230,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return scan_main(argv[1:])
     args = build_parser().parse_args(argv)
-    from .errors import TLSteeringError
+    from .errors import InputError, TLSteeringError
 
     try:
         if args.command == "report":
@@ -243,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
             res = Path(args.results)
             if not res.is_file():
-                raise_input(f"no results file at {str(res)!r}")
+                raise InputError(f"no results file at {str(res)!r}")
             path = render_report(res, args.out if args.out is not None else res.parent)
     except TLSteeringError as e:
         msg = " ".join(str(e).split())
@@ -269,30 +236,14 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
     try:
         device = rank_device(args.device)
         rank = world().rank
-        path = run_report(
-            model=args.model,
-            backend=args.backend,
-            text=args.text,
-            windows=args.windows,
-            length=args.length,
-            out=args.out,
-            device=device,
-            seed=args.seed,
-            quick=args.quick,
-            progress=not args.no_progress and rank == 0,
-            batch_size=args.batch_size,
-            resume=args.resume,
-        )
+        path = run_report(model=args.model, backend=args.backend, text=args.text, windows=args.windows,
+                          length=args.length, out=args.out, device=device, seed=args.seed, quick=args.quick,
+                          progress=not args.no_progress and rank == 0, batch_size=args.batch_size,
+                          resume=args.resume)
     finally:
         if created:
             torch.distributed.destroy_process_group()
     return path, rank
-
-
-def raise_input(msg: str) -> NoReturn:
-    from .errors import InputError
-
-    raise InputError(msg)
 
 
 __all__ = ["build_parser", "check_report_args", "check_text_source", "main", "run_report"]

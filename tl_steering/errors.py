@@ -76,19 +76,7 @@ class UserHooksWarning(UserWarning):
 
 
 __all__ = [
-    "TLSteeringError",
-    "UserHooksWarning",
-    "ModelNotSupportedError",
-    "ModelLoadError",
-    "HookNotFoundError",
-    "ParallelBlockError",
-    "LayerIndexError",
-    "InputError",
-    "ArgumentTypeError",
-    "DeviceMismatchError",
-    "DeviceUnavailableError",
-    "ResultFileError",
-    "ModelBusyError",
-    "NonFiniteError",
-    "ResidualIdentityError",
+    "TLSteeringError", "UserHooksWarning", "ModelNotSupportedError", "ModelLoadError", "HookNotFoundError",
+    "ParallelBlockError", "LayerIndexError", "InputError", "ArgumentTypeError", "DeviceMismatchError",
+    "DeviceUnavailableError", "ResultFileError", "ModelBusyError", "NonFiniteError", "ResidualIdentityError"
 ]

@@ -20,10 +20,6 @@ SINGULAR_REL: float = 1e-12
 _TINY = torch.finfo(torch.float64).tiny
 
 
-# ------------------------------------------------------------------------------------------------------------
-# validation
-
-
 def _checked(name: str, x: Tensor, min_ndim: int = 1) -> Tensor:
     """Cast ``x`` to float64 after checking it is a non-empty, finite tensor with >= ``min_ndim`` dims."""
     if not isinstance(x, Tensor):
@@ -86,21 +82,13 @@ def _normalize(v: Tensor, eps: float) -> Tensor:
     return v / _norm(v).clamp_min(eps).unsqueeze(-1)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# vectors: tangent projector, cosines, angles
-
-
 def to64(x: Shaped[Tensor, "*dims"]) -> Float64[Tensor, "*dims"]:
     """Cast any tensor to float64, the precision of every geometric quantity (no checks)."""
     return x.to(torch.float64)
 
 
 def norm(x: Float[Tensor, "*batch d_model"]) -> Float64[Tensor, "*batch"]:
-    """Euclidean norm over ``d_model``: ``||x||_2``.
-
-    Returns:
-        Shape ``[*batch]`` (no keepdim).
-    """
+    """Euclidean norm over ``d_model``: ``||x||_2``, shape ``[*batch]``."""
     return _norm(_checked("x", x))
 
 
@@ -126,11 +114,8 @@ def radial_part(
 def tangential_part(
     v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch d_model"]:
-    """Tangent projection ``P_u v = v - <u, v> u`` with ``u = normalize(reference)``.
-
-    ``P_u v`` is orthogonal to ``u``, ``P_u`` is idempotent, ``P_u u = 0``, ``P_{cu} = P_u`` for ``c > 0`` and
-    ``||P_u v||^2 + <u, v>^2 = ||v||^2``. A zero ``reference`` gives ``u = 0`` and ``P_u v = v``.
-    """
+    """Tangent projection ``P_u v = v - <u, v> u`` with ``u = normalize(reference)`` (its identities:
+    docs/geometry.md); a zero ``reference`` gives ``P_u v = v``."""
     v64, ref64 = _checked_vectors(v=v, reference=reference)
     return _tangential_part(v64, ref64)
 
@@ -150,11 +135,8 @@ def safe_cosine(
 def cosine_radial(
     v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch"]:
-    """FFN radial coefficient ``c_rad = cos(reference, v) = <u, v> / ||v||`` (paper Eq. 19, second hand).
-
-    With ``reference = resid_mid`` (the FFN input) and ``v = mlp_out`` this is the paper's ``cos(y, phi)``;
-    the tangential share is ``sqrt(1 - c_rad^2)``.
-    """
+    """FFN radial coefficient ``c_rad = cos(reference, v) = <u, v> / ||v||`` (paper Eq. 19, second hand;
+    docs/geometry.md)."""
     v64, ref64 = _checked_vectors(v=v, reference=reference)
     return _safe_cosine(ref64, v64, EPS_NORM)
 
@@ -164,10 +146,8 @@ def tangent_alignment(
     b: Float[Tensor, "*#batch d_model"],
     reference: Float[Tensor, "*#batch d_model"],
 ) -> Float64[Tensor, "*#batch"]:
-    """Tangent-plane alignment ``cos(P_u a, P_u b)``, ``u = normalize(reference)`` (angular deficit).
-
-    Uses the safe cosine, so a (numerically) purely radial ``a`` or ``b`` gives ~0, not NaN.
-    """
+    """Tangent-plane alignment ``cos(P_u a, P_u b)``, ``u = normalize(reference)``, by the safe cosine (~0, not NaN,
+    for a purely radial ``a`` or ``b``)."""
     a64, b64, ref64 = _checked_vectors(a=a, b=b, reference=reference)
     return _safe_cosine(_tangential_part(a64, ref64), _tangential_part(b64, ref64), EPS_NORM)
 
@@ -175,10 +155,7 @@ def tangent_alignment(
 def tangential_speed(
     v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch"]:
-    """Angular speed ``||P_u v|| / max(||reference||, EPS_NORM)``.
-
-    Section 3: with ``v = Dx`` (or a branch write) and ``reference = x`` this is ``||P_u Dx|| / r``.
-    """
+    """Angular speed ``||P_u v|| / max(||reference||, EPS_NORM)`` of an update ``v`` at ``reference``."""
     v64, ref64 = _checked_vectors(v=v, reference=reference)
     return _norm(_tangential_part(v64, ref64)) / _norm(ref64).clamp_min(EPS_NORM)
 
@@ -186,13 +163,9 @@ def tangential_speed(
 def angle(
     a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"], eps: float = EPS_NORM
 ) -> Float64[Tensor, "*#batch"]:
-    """Angle in radians between the directions of ``a`` and ``b``: ``θ = 2 atan2(||â - b̂||, ||â + b̂||)``.
-
-    Equal to ``arccos(cos(a, b))`` but accurate to ~1e-16 rad at both ends, where ``arccos`` of a float64 cosine
-    is off by up to ~sqrt(ulp) ≈ 1e-8 rad (it put ``angle(x, -x)`` 3e-8 away from pi). Where either vector is
-    shorter than ``eps`` the direction is undefined and the safe-cosine form ``arccos(clamp(cos, -1, 1))`` is
-    kept (pi/2 for an exact zero vector).
-    """
+    """Angle in radians between the directions of ``a`` and ``b``, ``2 atan2(||â - b̂||, ||â + b̂||)``: accurate
+    at 0 and pi; where either vector is shorter than ``eps``, ``arccos(clamp(safe cosine))`` (docs/geometry.md,
+    "Angles")."""
     a64, b64 = _checked_vectors(a=a, b=b)
     na, nb = _norm(a64), _norm(b64)
     ua, ub = _normalize(a64, eps), _normalize(b64, eps)
@@ -206,14 +179,8 @@ def angle(
 def degenerate_mask(
     x: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, rel: float = DEGENERATE_REL
 ) -> Bool[Tensor, "*batch n"]:
-    """True where a row of ``x`` is degenerate: ``||x_j|| == 0`` or ``||x_j|| < rel * median_k ||x_k||``.
-
-    The median is taken per set (over the last leading dim ``n``, e.g. the positions of one sequence) and over
-    the rows ``mask`` keeps (``torch.nanmedian``: the lower median for an even count), so the result does not
-    depend on how sequences are batched. Rows outside ``mask`` are returned False (they are already out).
-    Degenerate vectors have no reliable direction: callers drop them from every statistic (docs/geometry.md,
-    "Degenerate tokens").
-    """
+    """True where a row of ``x`` is degenerate: ``||x_j|| == 0`` or ``||x_j|| < rel * median_k ||x_k||``, the median
+    per set over the rows ``mask`` keeps; rows outside ``mask`` are False (docs/geometry.md, "Degenerate tokens")."""
     norms = _norm(_checked("x", x, min_ndim=2))
     if mask is None:
         mask = torch.ones_like(norms, dtype=torch.bool)
@@ -224,10 +191,6 @@ def degenerate_mask(
     median = torch.nanmedian(torch.where(mask, norms, torch.full_like(norms, math.nan)), dim=-1, keepdim=True).values
     median = torch.where(torch.isnan(median), torch.zeros_like(median), median)
     return mask & ((norms < rel * median) | (norms == 0))
-
-
-# ------------------------------------------------------------------------------------------------------------
-# diversity of a set of directions
 
 
 def _pairwise_cosine(unit: Tensor, valid: Tensor) -> Tensor:
@@ -275,18 +238,9 @@ def _rank_collapse(unit: Tensor, valid: Tensor) -> Tensor:
 def mean_pairwise_cosine(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch"]:
-    """Mean pairwise cosine ``m(U) = (||sum_j u_j||^2 - n) / (n (n - 1))`` of the n valid unit rows, O(n d).
-
-    Equals the average of ``cos(u_i, u_j)`` over ordered pairs ``i != j``: 1 for a full cluster, ~0 for
-    isotropic directions, ``-1/(n-1)`` for a regular simplex (its minimum).
-
-    Args:
-        U: Directions as rows (normalized inside), e.g. the non-BOS residuals of one sequence.
-        mask: Valid rows; masked rows are excluded exactly. None means all rows are valid.
-
-    Returns:
-        Shape ``[*batch]``; NaN where fewer than 2 rows are valid.
-    """
+    """Mean pairwise cosine ``(||sum_j u_j||^2 - n) / (n (n - 1))`` of the valid unit rows of ``U`` (normalized
+    inside; ``mask``: valid rows, None for all), O(n d); ``[*batch]``, NaN where fewer than 2 rows are valid
+    (docs/geometry.md, "Statistics of a set of directions")."""
     return _pairwise_cosine(*_prepared_set(U, mask))
 
 
@@ -300,19 +254,9 @@ def mean_resultant_length(
 def effective_rank(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
 ) -> Float64[Tensor, "*batch"]:
-    """Effective rank (Roy-Vetterli) ``erank = exp(-sum_k p_k log p_k)`` with ``p_k = s_k / sum_j s_j``.
-
-    ``s`` are the singular values of the unit-row matrix U, after dropping ``s < 1e-12 s_max``. k orthonormal
-    rows give k; a full cluster gives 1.
-
-    Args:
-        U: Directions as rows (normalized inside).
-        mask: Valid rows; masked rows are excluded exactly.
-        center: Subtract the mean of the valid rows first (default: uncentered, docs/geometry.md).
-
-    Returns:
-        Shape ``[*batch]``; NaN where every singular value is 0 (no valid row, or centered identical rows).
-    """
+    """Effective rank (Roy-Vetterli) ``exp(-sum_k p_k log p_k)``, ``p_k = s_k / sum s`` over the singular values of
+    the unit rows after dropping ``s < 1e-12 s_max``; ``center``: subtract the mean valid row first. NaN where every
+    singular value is 0 (docs/geometry.md, "Statistics of a set of directions")."""
     unit, valid = _prepared_set(U, mask)
     if center:
         unit = _centered(unit, valid)
@@ -322,11 +266,8 @@ def effective_rank(
 def participation_ratio(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
 ) -> Float64[Tensor, "*batch"]:
-    """Participation ratio ``PR = (sum_k s_k^2)^2 / sum_k s_k^4`` of the unit-row matrix U.
-
-    Computed without an SVD as ``||U||_F^4 / ||U U^T||_F^2``. k orthonormal rows give k. ``mask`` and
-    ``center`` as in :func:`effective_rank`. Shape ``[*batch]``; NaN where U (after centering) is 0.
-    """
+    """Participation ratio ``(sum s^2)^2 / sum s^4 = ||U||_F^4 / ||U U^T||_F^2`` of the unit rows (no SVD); ``mask``
+    and ``center`` as in :func:`effective_rank`; NaN where U (after centering) is 0."""
     unit, valid = _prepared_set(U, mask)
     if center:
         unit = _centered(unit, valid)
@@ -336,15 +277,9 @@ def participation_ratio(
 def diversity_stats(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> dict[str, Float64[Tensor, "*batch"]]:
-    """Every set statistic at once (uncentered), with one validation and normalization.
-
-    Returns:
-        Dict of ``[*batch]`` tensors: ``pairwise_cosine`` (:func:`mean_pairwise_cosine`), ``resultant_length``
-        R (:func:`mean_resultant_length`), ``spherical_variance`` ``1 - R``, ``effective_rank``
-        (:func:`effective_rank`), ``participation_ratio`` (:func:`participation_ratio`) and ``rank_collapse``,
-        the rank-collapse residual ``||U - 1 u_bar^T||_F / ||U||_F`` of the unit rows (Dong et al., Frobenius
-        form; ``u_bar`` the mean valid row; equal to ``sqrt(1 - R^2)``). NaN where a statistic is undefined.
-    """
+    """Every set statistic at once (uncentered), with one validation and normalization: a dict of ``[*batch]``
+    tensors ``pairwise_cosine``, ``resultant_length``, ``spherical_variance`` (1 - R), ``effective_rank``,
+    ``participation_ratio`` and ``rank_collapse`` (docs/geometry.md, "Statistics of a set of directions")."""
     unit, valid = _prepared_set(U, mask)
     resultant = _resultant_length(unit, valid)
     return {
@@ -357,19 +292,11 @@ def diversity_stats(
     }
 
 
-# ------------------------------------------------------------------------------------------------------------
-# prefix-running statistics: entry t is the statistic of the valid rows among u_1..u_t
-
-
 def prefix_mean_pairwise_cosine(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t``, in one pass of cumulative sums, O(n d).
-
-    ``m_t = (||S_t||^2 - Q_t) / (n_t (n_t - 1))`` with ``S_t = sum_{j<=t} u_j``,
-    ``Q_t = sum_{j<=t} ||u_j||^2`` (= n_t for unit rows) and ``n_t`` the valid count. NaN where ``n_t < 2``
-    (always at t = 1). Memory: one extra ``[*batch, n, d_model]`` float64 tensor.
-    """
+    """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t`` by cumulative sums, O(n d); NaN while fewer than 2
+    rows are valid (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
     running = unit.cumsum(-2)
@@ -389,16 +316,9 @@ def prefix_mean_resultant_length(
 def prefix_effective_rank(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`effective_rank` (uncentered) of every prefix ``U_t = [u_1; ...; u_t]``.
-
-    One Householder QR ``U^T = Q R`` gives ``U_t^T = Q R[:, :t]``, so the singular values of ``U_t`` are
-    those of the leading ``min(t, d) x t`` block of R. This is backward stable, unlike the Gram route
-    (``sqrt(eigvalsh(G[:t, :t]))`` with ``G = U U^T``): squaring the condition number leaves spurious singular
-    values near 1e-8 s_max, which move the effective rank of a near-cluster by about 1e-6.
-
-    Cost: O(n^2 d) for the QR plus a Python loop of t x t SVDs, O(sum_t t^3) = O(n^4 / 4) flops in all
-    (seconds per sequence at n = 1024). Batched over ``*batch`` inside each step.
-    """
+    """:func:`effective_rank` (uncentered) of every prefix, from one Householder QR ``U^T = Q R`` (the singular values
+    of ``U_t`` are those of the leading ``min(t, d) x t`` block of R): backward stable, O(n^4 / 4) flops in all
+    (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, _ = _prepared_set(U, mask)
     n, d = unit.shape[-2], unit.shape[-1]
     triangular = torch.linalg.qr(unit.mT, mode="r").R
@@ -412,11 +332,8 @@ def prefix_effective_rank(
 def prefix_participation_ratio(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`participation_ratio` (uncentered) of every prefix, from the Gram matrix ``G = U U^T``, O(n^2 d).
-
-    ``PR_t = (tr G[:t, :t])^2 / ||G[:t, :t]||_F^2``. Both terms are read off cumulative sums (the Frobenius
-    term off a 2-D cumulative sum of ``G * G``): no loop, no eigendecomposition. NaN while no row is valid.
-    """
+    """:func:`participation_ratio` (uncentered) of every prefix, ``(tr G_t)^2 / ||G_t||_F^2`` off cumulative sums of
+    the Gram matrix ``G = U U^T``, O(n^2 d); NaN while no row is valid."""
     unit, _ = _prepared_set(U, mask)
     gram = unit @ unit.mT
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).cumsum(-1)
@@ -425,27 +342,9 @@ def prefix_participation_ratio(
 
 
 __all__ = [
-    "EPS_NORM",
-    "DEGENERATE_REL",
-    "SINGULAR_REL",
-    "to64",
-    "norm",
-    "normalize",
-    "radial_part",
-    "tangential_part",
-    "safe_cosine",
-    "cosine_radial",
-    "tangent_alignment",
-    "tangential_speed",
-    "angle",
-    "degenerate_mask",
-    "mean_pairwise_cosine",
-    "mean_resultant_length",
-    "effective_rank",
-    "participation_ratio",
-    "diversity_stats",
-    "prefix_mean_pairwise_cosine",
-    "prefix_mean_resultant_length",
-    "prefix_effective_rank",
-    "prefix_participation_ratio",
+    "EPS_NORM", "DEGENERATE_REL", "SINGULAR_REL", "to64", "norm", "normalize", "radial_part",
+    "tangential_part", "safe_cosine", "cosine_radial", "tangent_alignment", "tangential_speed", "angle",
+    "degenerate_mask", "mean_pairwise_cosine", "mean_resultant_length", "effective_rank",
+    "participation_ratio", "diversity_stats", "prefix_mean_pairwise_cosine", "prefix_mean_resultant_length",
+    "prefix_effective_rank", "prefix_participation_ratio"
 ]

@@ -14,8 +14,8 @@ from .backends.fused import corrected_ffn_write
 from .backends.hookbase import mark_intervention
 from .backends.lifecycle import capture_site, orphan_safe
 from .errors import ArgumentTypeError, HookNotFoundError, InputError
+from .data.batching import HookList
 
-HookList = list[tuple[str, Callable[..., Any]]]
 Keep = Literal["tangential", "radial", "zero", "random_tangent", "full"]
 KEEPS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent", "full")
 
@@ -53,26 +53,11 @@ def ffn_component(
     skip_positions: Sequence[int] = (),
     seed: int = 0,
 ) -> HookList:
-    """Replace each chosen layer's FFN write phi = hook_mlp_out by one of its parts.
-
-    With u = normalize(FFN input) read from the SAME (patched) forward, as the block really uses it: after
-    every hook on that point, whatever their order (a user's steering hook listed after these included):
-
-    * ``"tangential"``: phi_T = phi - <u, phi> u  (P_u phi; docs/protocols.md)
-    * ``"radial"``: phi_R = <u, phi> u
-    * ``"zero"``: 0 (remove the FFN)
-    * ``"random_tangent"``: a random tangent vector at u with the norm of phi_T (chance control)
-    * ``"full"``: phi unchanged (a control that exercises the same hooks)
-
-    Args:
-        model: a TransformerLens model.
-        keep: which part to keep.
-        layers: layers to ablate (default: all at once, the paper's scope).
-        reference: ``"ffn_input"`` (resid_mid for sequential blocks, resid_pre for parallel blocks; the
-            default, see docs/protocols.md) or ``"resid_pre"``.
-        skip_positions: positions left intact (e.g. ``(0,)`` keeps the attention sink's FFN write).
-        seed: seed of the random-tangent control. The noise of layer l is drawn from a generator seeded with
-            (seed, l) at every forward: the same hooks and inputs give the same forward every time.
+    """Replace each chosen layer's FFN write phi = hook_mlp_out by one of its parts (docs/hooks.md): ``keep`` is
+    ``"tangential"`` (P_u phi), ``"radial"`` (<u, phi> u), ``"zero"``, ``"random_tangent"`` (chance control, seeded
+    by (seed, layer) at every forward) or ``"full"`` (a control), u = normalize(FFN input) read from the same forward
+    after every hook on it; ``layers``: default all at once (the paper's scope); ``reference="resid_pre"`` splits
+    against the block input instead; ``skip_positions`` are left intact (``(0,)``: the attention sink).
     """
     ad = adapt(model)
     validation.as_choice(keep, "keep", KEEPS)
@@ -206,24 +191,11 @@ def parallel_blocks(
     biases: Mapping[int, Tensor] | None = None,
     linears: Mapping[int, Tensor] | None = None,
 ) -> HookList:
-    """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly.
-
-    Implementation: capture x = the resid_pre the block really uses in the same (possibly perturbed) forward,
-    after every hook on hook_resid_pre in any order (the input of the block's first norm), and replace
-    hook_mlp_out by Phi(x) = MLP(LN2(x)), computed by the adapter's pure FFN callable (no hooks fire
-    inside it). This needs no change of model state (``hook_mlp_in`` stays off) and behaves the same on
-    HookedTransformer and TransformerBridge. Hooks inside that layer's MLP (``mlp.hook_pre`` etc.) still see
-    the sequential computation; hook_mlp_out, resid_post and everything downstream see the parallel one.
-    Blocks that are parallel already (NeoX/Pythia) are left as they are; an empty ``layers`` (a plan with k = 0)
-    gives no hooks.
-
-    ``gates`` / ``biases`` (``{layer: g}``, ``{layer: b}`` with ``b`` a ``[d_model]`` tensor): the corrected
-    parallel write ``g_l Phi(x) + b_l`` (a layer missing from a dict: g = 1, b = 0), still parallel (no
-    dependence on the attention write), computed in float64 and cast to the activation dtype;
-    :func:`tl_steering.parallel.refit.fit_corrections` fits them in closed form (docs/parallel.md, "Refit").
-    ``linears`` (``{layer: W}``, ``[d_model, d_model]``): adds ``a W_l``, a linear map of the same block's
-    attention write ``a`` (``hook_attn_out``), which a parallel block computes beside Phi(x), so the block stays
-    parallel (``refit="linear"``; in the executor it folds into the attention output projection).
+    """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly (docs/hooks.md):
+    hook_mlp_out becomes Phi(x) of the resid_pre the block really uses; blocks parallel already are left alone, an
+    empty ``layers`` gives no hooks. ``gates`` / ``biases`` / ``linears`` (``{layer: g}``, ``{layer: b [d_model]}``,
+    ``{layer: W [d_model, d_model]}``) give the corrected write ``g_l Phi(x) + b_l + a W_l`` of docs/parallel.md
+    ("Refit"), fitted by :func:`tl_steering.parallel.refit.fit_corrections`.
     """
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)

@@ -1,9 +1,6 @@
-"""Result objects: typed dataclasses with provenance, ``to_dict()``, ``save()`` / ``load()`` and ``.plot()``
-returning plotly figures. Every protocol returns a subclass of :class:`Result`; a saved one is ``NAME.json`` (every
-field but the tensors) and ``NAME.safetensors`` (every tensor, bit for bit); never pickle (docs/protocols.md,
-"Saving and loading results"). ``to_dict()`` is the same tree with the tensors inline as nested lists tagged with
-dtype and shape (complex ones as ``[..., 2]`` real views), which ``from_dict`` reads back exactly.
-"""
+"""Result objects: typed dataclasses with provenance, ``to_dict()``, ``save()`` / ``load()`` (``NAME.json`` with
+``NAME.safetensors``, never pickle) and ``.plot()`` returning plotly figures (docs/protocols.md, "Saving and loading
+results")."""
 
 import contextlib
 import dataclasses
@@ -79,29 +76,8 @@ def register(cls: type) -> type:
 @register
 @dataclasses.dataclass
 class Provenance:
-    """Where a number came from: enough to reproduce it.
-
-    Attributes:
-        model: model name as loaded (e.g. ``"smollm2-135m"``) or the class/config label for a tiny model.
-        model_revision: pinned package version or weight hash of the checkpoint, when known.
-        tl_version: TransformerLens version string.
-        backend: ``"hooked"`` (HookedTransformer) or ``"bridge"`` (TransformerBridge).
-        processing: ``"raw"`` (Hugging Face geometry) or ``"tl"`` (processed by TransformerLens), read from the
-            model; ``processing_steps``: which steps (docs/loading.md, "Weight processing").
-        user_hooks: hook points that carried hooks not made by tl_steering during the call (docs/hooks.md).
-        interventions: the tl_steering hook factories whose hooks were on the model during the call (e.g.
-            ``"ffn_component(keep='tangential', layers=all)"``; docs/hooks.md).
-        corpus: text source label (e.g. ``"pydoc:8x128:seed0"``).
-        n_sequences: number of token windows.
-        n_tokens: number of tokens fed to the model.
-        seed: RNG seed used by the protocol, if any.
-        dtype: model parameter dtype.
-        device: model device.
-        world_size: number of processes whose tokens the numbers aggregate (torch.distributed; 1 alone).
-        package_version: tl_steering version.
-        created: UTC timestamp.
-        extra: protocol options (layers, exclude_positions, variants, ...).
-    """
+    """Where a number came from: enough to reproduce it (its fields: docs/protocols.md, "Conventions shared by
+    every protocol")."""
 
     kind: ClassVar[str] = "provenance"
     added_fields: ClassVar[tuple[str, ...]] = ("world_size", "processing_steps", "user_hooks", "interventions")
@@ -141,10 +117,6 @@ def tensor_field(*shape: int, dtype: torch.dtype = torch.float64) -> Any:
     when floating (not measured), else zero."""
     fill = math.nan if dtype.is_floating_point else 0
     return dataclasses.field(default_factory=lambda: torch.full(shape, fill, dtype=dtype))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# encoding
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str = "") -> Any:
@@ -320,10 +292,6 @@ def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# files
-
-
 def _write(path: Path, data: bytes) -> None:
     """Write to a temporary name beside ``path``, then rename: a killed write leaves no half file under ``path``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -394,10 +362,6 @@ def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
                 raise ResultFileError(f"{p.name}: not a readable safetensors file ({e})") from None
     raise ResultFileError(f"{found[0].name} is not the tensors file saved with {js.name} (SHA-256 differs): a "
                           "later or interrupted save wrote it; save the result again")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# base class
 
 
 @dataclasses.dataclass

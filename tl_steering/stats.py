@@ -14,9 +14,6 @@ from torch import Tensor
 from .errors import InputError
 from .validation import as_positions
 
-# ----------------------------------------------------------------------------------------------------------
-# positions
-
 
 def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
     """``exclude_positions`` as a sorted tuple of distinct ints (negative indices count from the end; None: none);
@@ -41,11 +38,8 @@ def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.de
 
 
 def position_bin_edges(n_pos: int) -> list[int]:
-    """Edges ``[0, 1, 2, 4, ..., 2^k]`` of the log-spaced position bins, ``2^k >= n_pos`` the first such power.
-
-    Bin 0 is ``[0, 1)`` (position 0 alone), bin ``k >= 1`` is ``[2^(k-1), 2^k)``; the last bin is cut at the
-    sequence length when the edges are read against one.
-    """
+    """Edges ``[0, 1, 2, 4, ..., 2^k]`` of the log-spaced position bins, ``2^k >= n_pos`` the first such power
+    (docs/statistics.md, "Position bins")."""
     edges = [0, 1]
     while edges[-1] < n_pos:
         edges.append(edges[-1] * 2)
@@ -63,14 +57,9 @@ def position_bin_index(positions: Int[Tensor, "*shape"]) -> Int[Tensor, "*shape"
 
 
 def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
-    """The log-spaced bins of positions ``1..n_pos-1`` (position 0 in none): ``[1, 2), [2, 4), [4, 8), ...``.
-
-    The same bins as :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out.
-
-    Returns:
-        ``(edges, index)``: ``edges = [1, 2, 4, ..., 2^k]`` (bin ``j`` is ``[edges[j], edges[j+1])``, the last
-        cut at ``n_pos``; at least one bin) and ``index[p]`` the bin of position ``p`` (-1 for position 0).
-    """
+    """The bins of :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out: ``(edges,
+    index)`` with ``edges = [1, 2, 4, ..., 2^k]`` (at least one bin) and ``index[p]`` the bin of position ``p``
+    (-1 for position 0); docs/statistics.md, "Position bins"."""
     edges = position_bin_edges(max(n_pos, 2))[1:]
     index = position_bin_index(torch.arange(n_pos)) - 1
     return edges, index
@@ -79,10 +68,6 @@ def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
 def bin_labels(edges: Sequence[int], n_pos: int) -> list[str]:
     """``"[lo,hi)"`` per bin, the last upper edge cut at ``n_pos``."""
     return [f"[{lo},{min(hi, n_pos)})" for lo, hi in zip(edges[:-1], edges[1:])]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# aggregation
 
 
 def masked_mean(values: Float[Tensor, "*b p"], mask: Bool[Tensor, "*b p"], dim: int = -1) -> Tensor:
@@ -106,18 +91,10 @@ def bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*out 2"]:
-    """Percentile bootstrap CI over sequences (rows resampled with replacement, seeded generator).
-
-    Args:
-        per_sequence: one row per sequence (any trailing shape).
-        statistic: maps a ``[seq, *rest]`` sample to the statistic (default: ``nanmean`` over sequences).
-        n_bootstrap: resamples; 0 gives NaN bounds (as does a single sequence).
-        seed: seed of the CPU generator (same seed, same interval).
-        level: coverage (0.95: the 2.5 % and 97.5 % quantiles).
-
-    Returns:
-        ``[*out, 2]`` (lower, upper) in float64.
-    """
+    """Percentile bootstrap CI ``[*out, 2]`` (float64) over sequences, the rows of ``per_sequence`` resampled with a
+    seeded CPU generator; ``statistic`` maps a ``[seq, *rest]`` sample to the statistic (default ``nanmean`` over
+    sequences); ``n_bootstrap=0`` or one sequence gives NaN bounds (docs/statistics.md, "Bootstrap confidence
+    intervals")."""
     stat = statistic or (lambda s: torch.nanmean(s, dim=0))
     x = per_sequence.detach().to("cpu", torch.float64)
     point = stat(x)
@@ -134,9 +111,8 @@ def bootstrap_ci(
 
 
 def block_length(n_tokens: int) -> int:
-    """Tokens per block of the block bootstrap over a series of ``n_tokens`` tokens: ``round(n^(1/3))``, at least
-    1 (the n^(1/3) rate of the block length for variance and interval estimates, Hall, Horowitz & Jing 1995): long
-    enough to keep most of the correlation of neighbouring tokens inside a block, short enough to leave many blocks."""
+    """Tokens per block of the block bootstrap over ``n_tokens`` tokens: ``round(n^(1/3))``, at least 1
+    (docs/statistics.md, "Bootstrap confidence intervals")."""
     return max(1, int(round(max(int(n_tokens), 1) ** (1.0 / 3.0))))
 
 
@@ -161,26 +137,10 @@ def cluster_bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*m 2"]:
-    """Percentile interval of ratio statistics ``sum(sums) / sum(counts)`` under a two-stage bootstrap.
-
-    Each resample draws the windows with replacement, then, inside every drawn window, its blocks with replacement
-    (blocks of consecutive tokens, :func:`block_sums`): the windows carry the text-to-text variation, the blocks the
-    token-to-token noise inside a window, so one window still gets an interval (of its tokens' noise only) and
-    many windows an interval dominated by how much the windows differ. Resampling at both stages errs on the wide
-    side (the within-window noise is counted again inside every drawn window). ``sums[..., j]`` of several
-    statistics (e.g. the loss differences of several plans) are resampled together, so their intervals come from the
-    same draws.
-
-    Args:
-        sums: ``[window, block, *m]`` block sums of each statistic's numerator.
-        counts: ``[window, block]`` tokens in each block (0 for padding).
-        n_bootstrap: resamples; 0 gives NaN bounds, as does a single block in all.
-        seed: seed of the CPU generator (same seed, same interval).
-        level: coverage (0.95: the 2.5 % and 97.5 % quantiles).
-
-    Returns:
-        ``[*m, 2]`` (lower, upper) in float64.
-    """
+    """Percentile interval ``[*m, 2]`` of ratio statistics ``sum(sums) / sum(counts)`` under a two-stage bootstrap:
+    the windows with replacement, then each drawn window's blocks (:func:`block_sums`) with replacement; every
+    column of ``sums`` ``[window, block, *m]`` from the same draws, ``counts`` ``[window, block]`` tokens per block.
+    ``n_bootstrap=0`` or a single block gives NaN bounds (docs/statistics.md, "Bootstrap confidence intervals")."""
     s = sums.detach().to("cpu", torch.float64)
     c = counts.detach().to("cpu", torch.float64)
     w, b = int(c.shape[0]), int(c.shape[1])
@@ -208,17 +168,9 @@ def cluster_bootstrap_ci(
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
-    """The median of ``values`` and its distribution-free order-statistic confidence interval.
-
-    The interval is ``[x_(j), x_(n+1-j)]`` of the sorted finite values with the largest ``j`` whose coverage
-    ``1 - 2 P(Binomial(n, 1/2) <= j - 1)`` is at least ``level``; with too few values for ``level`` it is the
-    whole range ``[min, max]`` (coverage ``1 - 2^(1-n)``). No assumption on the distribution (timings are
-    skewed), only independence of the values.
-
-    Returns:
-        ``(median, low, high, coverage)``; all NaN without a finite value; one value gives ``low = high`` and
-        coverage 0.
-    """
+    """``(median, low, high, coverage)`` of the finite ``values``: the median with its distribution-free
+    order-statistic interval (docs/statistics.md, "Timing"); all NaN without a finite value, one value gives
+    ``low = high`` and coverage 0."""
     x = sorted(float(v) for v in values if math.isfinite(float(v)))
     n = len(x)
     if n == 0:
@@ -269,16 +221,13 @@ def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
     return {**out, "estimate": s_obs + unseen, "ci_low": low, "ci_high": high}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the closed-form correction of a write: least squares from float64 moments (docs/parallel.md "Refit",
-# docs/gates.md)
-
 #: ridge of the ``"linear"`` correction in units of the mean eigenvalue of the attention writes' covariance, tr(C_aa) / d
 LINEAR_RIDGE = 1.0
 
 
 class Moments:
-    """Float64 least-squares moments of one layer: Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
+    """Float64 least-squares moments of the closed-form correction of one layer's write (docs/parallel.md,
+    "Refit"; docs/gates.md): Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
     ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
 
     def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
@@ -322,9 +271,9 @@ class Moments:
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
 
     def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
-        """``(g, b, W)`` of ``refit="linear"`` (module docstring): g of the affine fit, W the ridge regression of
-        its residual on the centred attention write, b the intercept. W = 0 where the attention write does not
-        vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
+        """``(g, b, W)`` of ``refit="linear"`` (docs/parallel.md, "Refit"): g of the affine fit, W the ridge
+        regression of its residual on the centred attention write, b the intercept. W = 0 where the attention write
+        does not vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
         freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
         ``max_df`` (:func:`ridge_for_df`)."""
         if not self.linear:
@@ -376,7 +325,7 @@ def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
                      ) -> tuple[float, Tensor]:
     """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
-    the identity (``"none"``), from the moments (see the module docstring). A degenerate design (no token,
+    the identity (``"none"``), from the moments. A degenerate design (no token,
     Phi(x) zero or constant) keeps g = 1 and fits b alone."""
     sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
     zero = torch.zeros_like(sp64)
@@ -391,10 +340,6 @@ def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Ten
     num = yp - float(sy64 @ sp64) / n
     g = num / den if den > 1e-12 * max(pp, 1e-300) else 1.0
     return g, (sy64 - g * sp64) / n
-
-
-# ----------------------------------------------------------------------------------------------------------
-# proportions
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -417,25 +362,8 @@ def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k"
 
 
 __all__ = [
-    "LINEAR_RIDGE",
-    "Moments",
-    "ridge_df",
-    "ridge_for_df",
-    "solve_correction",
-    "clopper_pearson",
-    "proportion_verdict",
-    "bin_labels",
-    "block_length",
-    "block_sums",
-    "chao1",
-    "bootstrap_ci",
-    "cluster_bootstrap_ci",
-    "check_exclude_positions",
-    "finite_mean",
-    "masked_mean",
-    "median_interval",
-    "position_bin_edges",
-    "position_bin_index",
-    "position_bins",
-    "position_mask",
+    "LINEAR_RIDGE", "Moments", "ridge_df", "ridge_for_df", "solve_correction", "clopper_pearson",
+    "proportion_verdict", "bin_labels", "block_length", "block_sums", "chao1", "bootstrap_ci",
+    "cluster_bootstrap_ci", "check_exclude_positions", "finite_mean", "masked_mean", "median_interval",
+    "position_bin_edges", "position_bin_index", "position_bins", "position_mask"
 ]

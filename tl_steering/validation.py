@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .errors import ArgumentTypeError, DeviceUnavailableError, InputError, LayerIndexError
+from .errors import (ArgumentTypeError, DeviceMismatchError, DeviceUnavailableError, InputError, LayerIndexError,
+                     NonFiniteError)
 
 
 def _is_int(v: Any) -> bool:
@@ -153,16 +154,13 @@ def as_positions(value: Any, name: str = "exclude_positions") -> tuple[int, ...]
     return tuple(sorted(set(as_int_list(value, name))))
 
 
-EMPTY_PROMPT_HINT = ("give at least one token: tokenize non-empty text, or start the prompt with the BOS token "
-                     "(model.to_tokens(text, prepend_bos=True))")
-
-
 def check_length(n_pos: int, n_ctx: int | None, what: str = "tokens") -> None:
     """Refuse sequences of 0 positions (an empty prompt) or longer than the model's context (a bare IndexError or
     reshape error deep in the model otherwise)."""
     if n_pos == 0:
-        raise InputError(f"{what} has sequences of 0 positions (an empty prompt): nothing to run; "
-                         f"{EMPTY_PROMPT_HINT}")
+        raise InputError(f"{what} has sequences of 0 positions (an empty prompt): nothing to run; give at least one "
+                         "token: tokenize non-empty text, or start the prompt with the BOS token "
+                         "(model.to_tokens(text, prepend_bos=True))")
     if n_ctx and n_pos > n_ctx:
         raise InputError(f"{what} has sequences of length {n_pos}, longer than the model's context n_ctx="
                          f"{n_ctx}; cut them to at most {n_ctx} positions (e.g. tokens[:, :{n_ctx}])")
@@ -174,8 +172,6 @@ _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 def check_not_meta(tokens: Any, what: str = "tokens") -> None:
     """Refuse a tensor on the ``meta`` device (shapes, no values: built under ``torch.device("meta")`` or
     accelerate's ``init_empty_weights``); a forward on it fails deep inside the model with a bare RuntimeError."""
-    from .errors import DeviceMismatchError
-
     if isinstance(tokens, torch.Tensor) and tokens.device.type == "meta":
         raise DeviceMismatchError(
             f"{what} are on the 'meta' device: a meta tensor has a shape but no values, so no model can run on it. "
@@ -210,12 +206,11 @@ def as_device(value: Any, name: str = "device") -> torch.device:
         if dev.index is not None and dev.index >= n:
             raise DeviceUnavailableError(f"{name}={str(value)!r}: this machine has {n} CUDA device(s) "
                                          f"(cuda:0..cuda:{n - 1})")
-    elif dev.type == "mps":
-        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-            raise DeviceUnavailableError(f"{name}={str(value)!r}: MPS is not available here; use device='cpu'")
-    elif dev.type == "xpu":
-        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-            raise DeviceUnavailableError(f"{name}={str(value)!r}: XPU is not available here; use device='cpu'")
+    elif dev.type in ("mps", "xpu"):
+        backend = getattr(torch.backends, "mps", None) if dev.type == "mps" else getattr(torch, "xpu", None)
+        if not (backend and backend.is_available()):
+            raise DeviceUnavailableError(f"{name}={str(value)!r}: {dev.type.upper()} is not available here; use "
+                                         "device='cpu'")
     return dev
 
 
@@ -241,8 +236,6 @@ def _site_of(param_name: str) -> str:
 def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = None, where: str = "") -> None:
     """Raise :class:`~tl_steering.errors.NonFiniteError` naming the layer, the site (attention, FFN, norm) and
     the parameter when a weight of the chosen blocks (all when ``layers`` is None) holds NaN or Inf."""
-    from .errors import NonFiniteError
-
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         return
@@ -261,30 +254,7 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
                     "load or an in-place edit), not the input")
 
 
-def as_path_arg(value: Any, name: str) -> str:
-    """A non-empty path-like string."""
-    import os
-
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
-        raise ArgumentTypeError(f"{name} must be a non-empty path, got {value!r}")
-    return value
-
-
 __all__ = [
-    "as_bool",
-    "as_choice",
-    "as_choices",
-    "as_device",
-    "as_float",
-    "as_int",
-    "as_int_list",
-    "as_layer",
-    "as_layers",
-    "as_path_arg",
-    "as_positions",
-    "check_length",
-    "check_weights_finite",
-    "same_device",
+    "as_bool", "as_choice", "as_choices", "as_device", "as_float", "as_int", "as_int_list", "as_layer",
+    "as_layers", "as_positions", "check_length", "check_weights_finite", "same_device"
 ]

@@ -20,15 +20,9 @@ def _blas() -> Any:
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
-    """Run torch on one intra-op thread, and numpy's BLAS on one thread, for the duration (restores both).
-
-    Batched LAPACK calls (``svdvals`` of ``[batch, n, d]``) through MKL with two OpenMP threads ran 5-100x slower
-    than with one on a shared 2-core machine (MKL's threads spin against each other and against other
-    processes); the matrices here are small, so one thread loses nothing. Numpy's BLAS (the probe's Gram
-    products, ``probing.kernels.gram_sets``) is capped through threadpoolctl, which finds the library whatever it
-    is (OpenBLAS, MKL, BLIS): a multi-threaded OpenBLAS serializes two threads that call it at once. Both
-    settings are process-wide: do not run other torch or numpy work in parallel threads inside this block.
-    """
+    """Run torch on one intra-op thread, and numpy's BLAS on one thread (through threadpoolctl, whatever the library),
+    for the duration, restoring both (why: docs/probe.md). Both settings are process-wide: do not run other torch or
+    numpy work in parallel threads inside this block."""
     before = torch.get_num_threads()
     blas = _blas()
     with contextlib.ExitStack() as stack:  # undone in reverse order, also on an exception

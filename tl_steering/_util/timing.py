@@ -23,9 +23,6 @@ class Stopwatch:
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"wall_s": self.wall_s, "cpu_s": self.cpu_s}
-
 
 @contextlib.contextmanager
 def timed() -> Iterator[Stopwatch]:
@@ -57,19 +54,9 @@ def _call_seconds(fn: Callable[[], Any], device: torch.device) -> float:
 
 def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2,
                    repeats: int = 5) -> float:
-    """Median wall time in seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls.
-
-    Runs under ``torch.no_grad()``. On CUDA each call is bracketed by CUDA events (the device time of the
-    queued work); elsewhere by ``time.perf_counter``.
-    """
-    device = torch.device(device)
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times = [_call_seconds(fn, device) for _ in range(max(1, repeats))]
-    return float(statistics.median(times))
+    """Median wall time in seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls: the one-function
+    case of :func:`alternating_seconds` (under ``torch.no_grad()``; CUDA events on CUDA, else ``time.perf_counter``)."""
+    return float(statistics.median(alternating_seconds([fn], device, warmup, repeats)[0]))
 
 
 def alternating_seconds(fns: Sequence[Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1,

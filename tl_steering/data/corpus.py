@@ -14,6 +14,7 @@ from torch import Tensor
 from ..backends import adapt
 from .windows import TokenWindows, pydoc_text
 from ..errors import InputError
+from ..validation import as_int
 
 DEFAULT_CHUNK_CHARS = 1 << 16
 
@@ -141,35 +142,23 @@ def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Ite
         raise InputError(f"unknown corpus kind {spec.kind!r}")
 
 
-def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int = 128,
-                   n_windows: int | None = None, batch_size: int = 8, start: int = 0,
-                   rank: int = 0, world_size: int = 1,
+def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int = 128, n_windows: int | None = None,
+                   batch_size: int = 8, start: int = 0, rank: int = 0, world_size: int = 1,
                    chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[int, TokenWindows]]:
-    """Stream ``(first_window_index, TokenWindows)`` batches of consecutive windows of real text.
+    """Stream ``(first_window_index, TokenWindows)`` batches of consecutive windows of real text (docs/scale_out.md).
 
-    Args:
-        model: a TransformerLens model (its tokenizer and BOS convention are used).
-        source: see :class:`CorpusSpec`.
-        length: tokens per window (BOS included where the model prepends it).
-        n_windows: how many windows of the stream to cover (all ranks together); ``None``: until the source ends.
-        batch_size: windows per yielded batch (one rank's batch).
-        start: skip the stream's first ``start`` windows (used by ``resume``).
-        rank, world_size: this process keeps window ``i`` only when ``i % world_size == rank``.
-        chunk_chars: characters read and tokenized at a time.
-
-    Yields:
-        ``(index of the batch's first window in the stream, TokenWindows)`` with the label
-        ``"<source>:w<first>-<last>/<length>"``; the tokens are on the model's device.
+    ``source``: see :class:`CorpusSpec`; ``length``: tokens per window (BOS included where the model prepends it);
+    ``n_windows``: how many windows of the stream to cover (all ranks together; ``None``: until the source ends);
+    ``batch_size``: windows per yielded batch; ``start``: skip the stream's first windows (``resume``); this
+    process keeps window ``i`` only when ``i % world_size == rank``; ``chunk_chars``: characters tokenized at a
+    time. Each batch is labelled ``"<source>:w<first>-<last>/<length>"``, its tokens on the model's device.
     """
     ad = adapt(model)
     spec = source if isinstance(source, CorpusSpec) else parse_source(source)
-    for name, v, lo in (("batch_size", batch_size, 1), ("start", start, 0), ("world_size", world_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
-    if n_windows is not None and (isinstance(n_windows, bool) or not isinstance(n_windows, int) or n_windows < 1):
-        raise InputError(f"n_windows must be a positive int or None, got {n_windows!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InputError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    batch_size, start = as_int(batch_size, "batch_size", minimum=1), as_int(start, "start", minimum=0)
+    world_size = as_int(world_size, "world_size", minimum=1)
+    n_windows = None if n_windows is None else as_int(n_windows, "n_windows", minimum=1)
+    rank = as_int(rank, "rank", minimum=0, maximum=world_size - 1)
     rows: list[list[int]] = []
     first = None
     for i, row in iter_window_rows(model, spec, length, chunk_chars):
@@ -191,9 +180,7 @@ def iter_window_rows(model: Any, source: str | CorpusSpec, length: int,
                      chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[int, list[int]]]:
     """``(i, token ids of window i)`` for every window of the stream, in order (see the module docstring)."""
     spec = source if isinstance(source, CorpusSpec) else parse_source(source)
-    for name, v, lo in (("length", length, 2), ("chunk_chars", chunk_chars, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
+    length, chunk_chars = as_int(length, "length", minimum=2), as_int(chunk_chars, "chunk_chars", minimum=1)
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         raise InputError("the model has no tokenizer; streaming a corpus needs one to tokenize the text")

@@ -2,7 +2,6 @@
 distributed report (docs/scale_out.md, "The sharded report")."""
 
 import dataclasses
-import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -10,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..validation import as_int
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -64,12 +64,7 @@ def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
 
 def batch_slices(n: int, batch_size: int) -> list[slice]:
     """Every row slice of ``n`` windows in batches of ``batch_size`` consecutive windows (the last one shorter)."""
-    try:
-        size = operator.index(batch_size)  # any integer (numpy and torch integers too), not a float or bool
-    except TypeError:
-        size = 0
-    if isinstance(batch_size, bool) or size < 1:
-        raise InputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    size = as_int(batch_size, "batch_size", minimum=1)  # any integer (numpy and torch integers too), not a float
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 

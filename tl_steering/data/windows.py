@@ -50,22 +50,11 @@ def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list
 
 def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
                 seed: int = 0) -> Int[Tensor, "batch pos"]:
-    """Deterministic windows of real text, tokenized for ``model``.
-
-    Windows are non-overlapping chunks of the token stream chosen by a seeded permutation. When the model's
-    convention is to prepend BOS (GPT-2, Gemma), each window is ``[BOS] + length - 1`` text tokens; SmolLM2
-    (trained without BOS) gets ``length`` text tokens.
-
-    Args:
-        model: a TransformerLens model (its tokenizer and BOS convention are used).
-        source: ``"pydoc"`` (default, offline), a path to a UTF-8 text file, or ``"hf:NAME[:CONFIG]:SPLIT"``.
-        n_windows: number of sequences.
-        length: tokens per sequence (BOS included).
-        seed: chooses which windows.
-
-    Returns:
-        ``[n_windows, length]`` long tensor on the model's device.
-    """
+    """``[n_windows, length]`` long tensor (on the model's device) of deterministic windows of real text, tokenized
+    for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline; a UTF-8 text file;
+    ``"hf:NAME[:CONFIG]:SPLIT"``) chosen by a permutation seeded with ``seed``. Where the model's convention is to
+    prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
+    ``length`` text tokens."""
     ad = adapt(model)
     if n_windows < 1 or length < 2:
         raise InputError(f"need n_windows >= 1 and length >= 2, got {n_windows} and {length}")

@@ -6,11 +6,6 @@ from .deficit import DeficitResult, angular_deficit
 from .diversity import DiversityResult, diversity
 
 __all__ = [
-    "AblationResult",
-    "DeficitResult",
-    "DiversityResult",
-    "VARIANTS",
-    "angular_deficit",
-    "diversity",
-    "ffn_ablation",
+    "AblationResult", "DeficitResult", "DiversityResult", "VARIANTS", "angular_deficit", "diversity",
+    "ffn_ablation"
 ]

@@ -10,7 +10,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..data.windows import model_tokens
-from ..errors import InputError
 from .. import validation
 from ..hooks import ffn_component
 from ..metrics import kl_divergence, next_token_loss, top1_agreement
@@ -47,24 +46,8 @@ class _Metrics:
 @register
 @dataclasses.dataclass(kw_only=True)
 class AblationResult(Result):
-    """FFN-component ablation metrics (see :func:`ffn_ablation`).
-
-    Attributes:
-        variants: the variants run (always includes ``"zero"``).
-        layers: the layers ablated together (the all-layer scope) and, with ``scope="per_layer"``, scanned.
-        scope: ``"all"`` or ``"per_layer"``.
-        ablate_position_0: whether position 0's FFN write was ablated too.
-        clean_loss: mean next-token cross-entropy of the clean model (nats).
-        delta_loss: per variant, mean CE increase with all ``layers`` ablated together (nats).
-        delta_loss_ci: per variant, bootstrap 95 % CI over sequences of ``delta_loss``.
-        ratio_to_zero: per variant, ``delta_loss[v] / delta_loss["zero"]``.
-        kl: per variant, mean next-token KL(clean || patched) (nats).
-        top1_agreement: per variant, fraction of predicted positions whose argmax matches the clean one.
-        per_layer_delta_loss / per_layer_kl / per_layer_top1: per variant, ``[layer]`` tensors of the single-layer
-            ablations (only with ``scope="per_layer"``; empty otherwise).
-        per_sequence_delta_loss: per variant, ``[seq]`` CE increase of each sequence (all-layer scope).
-        n_predicted: predicted tokens per sequence (pos - 1).
-    """
+    """FFN-component ablation metrics (see :func:`ffn_ablation`); every field is defined in docs/ablation.md
+    ("Metrics")."""
 
     variants: list[str] = dataclasses.field(default_factory=list)
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -177,19 +160,10 @@ def _collect(model: Any, ad: Any, tokens: Tensor, jobs: list[tuple[str, int | No
 
 
 @exclusive
-def ffn_ablation(
-    model: Any,
-    tokens: Tensor,
-    keep: Sequence[str] | str = ("tangential", "radial", "zero"),
-    scope: Literal["all", "per_layer"] = "all",
-    layers: Sequence[int] | int | None = None,
-    include_random_tangent: bool = True,
-    ablate_position_0: bool = True,
-    seed: int = 0,
-    corpus: str | None = None,
-    batch_size: int = 8,
-    n_bootstrap: int = 1000,
-    world: World | None = None,
+def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tangential", "radial", "zero"),
+                 scope: Literal["all", "per_layer"] = "all", layers: Sequence[int] | int | None = None,
+                 include_random_tangent: bool = True, ablate_position_0: bool = True, seed: int = 0,
+                 corpus: str | None = None, batch_size: int = 8, n_bootstrap: int = 1000, world: World | None = None
 ) -> AblationResult:
     """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (docs/ablation.md).
 
@@ -214,8 +188,7 @@ def ffn_ablation(
     seed = as_int(seed, "seed")
     batch_size = as_int(batch_size, "batch_size", minimum=1)
     n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
-    if scope not in ("all", "per_layer"):
-        raise InputError(f"scope must be 'all' or 'per_layer', got {scope!r}")
+    scope = validation.as_choice(scope, "scope", ("all", "per_layer"))
     variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS)))
     validation.check_weights_finite(model, layer_list, "ffn_ablation")  # NaN weights: name layer and site
     if "zero" not in variants:
@@ -236,30 +209,24 @@ def ffn_ablation(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="ffn_ablation", keep=variants, scope=scope,
                                  layers=layer_list, ablate_position_0=ablate_position_0, batch_size=batch_size,
                                  n_bootstrap=n_bootstrap),
-        variants=variants,
-        layers=layer_list,
-        scope=scope,
-        ablate_position_0=bool(ablate_position_0),
-        clean_loss=float(clean.mean()),
-        delta_loss=d_mean,
+        variants=variants, layers=layer_list, scope=scope, ablate_position_0=bool(ablate_position_0),
+        clean_loss=float(clean.mean()), delta_loss=d_mean,
         delta_loss_ci={v: [float(c) for c in bootstrap_ci(delta[v], n_bootstrap=n_bootstrap, seed=seed)]
                        for v in variants},
         ratio_to_zero={v: d_mean[v] / zero if zero != 0 else math.nan for v in variants},
         kl={v: float(metrics[(v, None)].kl.mean()) for v in variants},
         top1_agreement={v: float(metrics[(v, None)].agree.mean()) for v in variants},
-        per_sequence_delta_loss=delta,
-        n_predicted=n_pos - 1,
+        per_sequence_delta_loss=delta, n_predicted=n_pos - 1,
     )
     if scope == "per_layer":
         if len(layer_list) == 1:
             metrics.update({(v, layer_list[0]): metrics[(v, None)] for v in variants})
         for v in variants:
-            out.per_layer_delta_loss[v] = torch.tensor(
-                [float((metrics[(v, lay)].loss - clean).mean()) for lay in layer_list], dtype=torch.float64)
-            out.per_layer_kl[v] = torch.tensor([float(metrics[(v, lay)].kl.mean()) for lay in layer_list],
-                                               dtype=torch.float64)
-            out.per_layer_top1[v] = torch.tensor([float(metrics[(v, lay)].agree.mean()) for lay in layer_list],
-                                                 dtype=torch.float64)
+            per = [metrics[(v, lay)] for lay in layer_list]
+            out.per_layer_delta_loss[v] = torch.tensor([float((m.loss - clean).mean()) for m in per],
+                                                       dtype=torch.float64)
+            out.per_layer_kl[v] = torch.tensor([float(m.kl.mean()) for m in per], dtype=torch.float64)
+            out.per_layer_top1[v] = torch.tensor([float(m.agree.mean()) for m in per], dtype=torch.float64)
     return out
 
 

@@ -27,32 +27,8 @@ from ..backends.ownership import exclusive
 @register
 @dataclasses.dataclass(kw_only=True)
 class DeficitResult(Result):
-    """Angular deficit per layer with its secondary variants (see :func:`angular_deficit`).
-
-    Attributes:
-        layers: the layers measured.
-        parallel: per layer, whether the block is parallel (e_AF is then 0 by construction).
-        deficit: ``1 - mean cos(P_u a, P_u Dx)`` per layer (primary, [I]).
-        deficit_ci: bootstrap 95 % CI of ``deficit`` over sequences, ``[layer, 2]``.
-        deficit_median: ``1 - median`` over sequences of the per-sequence mean alignment.
-        per_sequence_alignment: per-sequence mean alignment ``[seq, layer]`` (NaN if a sequence has no valid
-            token at that layer).
-        mean: uniform mean of ``deficit`` over the layers; ``mean_ci`` its bootstrap 95 % CI.
-        mean_excluding_first: the same over the selected layers other than layer 0; ``mean_excluding_first_ci``.
-        untangented_deficit: ``1 - mean cos(a, Dx)`` (variant a).
-        angle_deficit: ``mean angle(P_u a, P_u Dx) / pi`` (variant b; = ``arccos(align_A) / pi``).
-        error_attention: ``mean e_A`` in radians (variant c), ``e_A = angle(x + a, x^{l+1})``.
-        error_parallel: ``mean e_AF`` in radians, ``e_AF = angle(x + a + Phi(x), x^{l+1})``.
-        ffn_contribution: ``(e_A - e_AF) / e_A`` per layer, from the layer means; ``ffn_contribution_mean``.
-        r2_attention: velocity-field R^2 of the attention-only velocity (variant d).
-        r2_parallel: the same with the velocity of ``a + Phi(x)``.
-        position_bin_edges: ``[1, 2, 4, ...]``; bin j is ``[edges[j], edges[j+1])``, cut at the sequence length.
-        deficit_by_position: ``1 - mean align_A`` over the valid tokens of each bin, ``[layer, bin]``.
-        position_bin_counts: valid tokens per bin, ``[layer, bin]``.
-        n_tokens_used: valid tokens per layer; ``n_masked``: degenerate tokens dropped per layer.
-        residual_identity_error: worst relative error of the residual identity per layer (first batch).
-        exclude_positions: positions left out of every statistic.
-    """
+    """Angular deficit per layer with its variants (a)-(d), by position bin, and its bootstrap CIs (see
+    :func:`angular_deficit`); every field is defined in docs/deficit.md ("Definitions" and its notes)."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
@@ -228,17 +204,9 @@ def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int]
 
 
 @exclusive
-def angular_deficit(
-    model: Any,
-    tokens: Tensor,
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    n_bootstrap: int = 1000,
-    seed: int = 0,
-    corpus: str | None = None,
-    batch_size: int = 8,
-    world: World | None = None,
-) -> DeficitResult:
+def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = None,
+                    exclude_positions: Sequence[int] = (0,), n_bootstrap: int = 1000, seed: int = 0,
+                    corpus: str | None = None, batch_size: int = 8, world: World | None = None) -> DeficitResult:
     """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
 
     Args:
@@ -285,32 +253,16 @@ def angular_deficit(
     return DeficitResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="angular_deficit", layers=layer_list,
                                  exclude_positions=list(excl), n_bootstrap=n_bootstrap, batch_size=batch_size),
-        layers=layer_list,
-        parallel=[ad.is_parallel(lay) for lay in layer_list],
-        deficit=deficit,
-        deficit_ci=ci[:n_lay],
-        deficit_median=1.0 - torch.nanmedian(per_seq["align"], dim=0).values,
-        per_sequence_alignment=per_seq["align"],
-        mean=float(point[n_lay]),
-        mean_ci=[float(v) for v in ci[n_lay]],
-        mean_excluding_first=float(point[n_lay + 1]),
-        mean_excluding_first_ci=[float(v) for v in ci[n_lay + 1]],
-        untangented_deficit=1.0 - means["untangented"],
-        angle_deficit=means["angle"],
-        error_attention=e_a,
-        error_parallel=e_af,
-        ffn_contribution=contribution,
-        ffn_contribution_mean=finite_mean(contribution),
-        r2_attention=1.0 - r2[0] / r2[2],
-        r2_parallel=1.0 - r2[1] / r2[2],
-        position_bin_edges=edges,
+        layers=layer_list, parallel=[ad.is_parallel(lay) for lay in layer_list], deficit=deficit,
+        deficit_ci=ci[:n_lay], deficit_median=1.0 - torch.nanmedian(per_seq["align"], dim=0).values,
+        per_sequence_alignment=per_seq["align"], mean=float(point[n_lay]), mean_ci=[float(v) for v in ci[n_lay]],
+        mean_excluding_first=float(point[n_lay + 1]), mean_excluding_first_ci=[float(v) for v in ci[n_lay + 1]],
+        untangented_deficit=1.0 - means["untangented"], angle_deficit=means["angle"], error_attention=e_a,
+        error_parallel=e_af, ffn_contribution=contribution, ffn_contribution_mean=finite_mean(contribution),
+        r2_attention=1.0 - r2[0] / r2[2], r2_parallel=1.0 - r2[1] / r2[2], position_bin_edges=edges,
         deficit_by_position=1.0 - bin_sum / bin_count.where(bin_count > 0, torch.tensor(math.nan, dtype=torch.float64)),
-        position_bin_counts=bin_count.round().to(torch.int64),
-        n_tokens_used=used,
-        n_masked=masked,
-        residual_identity_error=[identity[lay] for lay in layer_list],
-        exclude_positions=list(excl),
-        seq_len=n_pos,
+        position_bin_counts=bin_count.round().to(torch.int64), n_tokens_used=used, n_masked=masked,
+        residual_identity_error=[identity[lay] for lay in layer_list], exclude_positions=list(excl), seq_len=n_pos,
     )
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import geometry as geo
 from ..backends import ModelAdapter
 from ..data.windows import model_tokens
-from ..errors import InputError
+from ..errors import ArgumentTypeError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
 from ..probing.kernels import in_halves, splits
@@ -25,7 +25,7 @@ from .._util.claims import Claim, pct
 from ..reference import band_check, paper_statement
 from ..stats import check_exclude_positions, finite_mean, position_mask
 from ._common import activation64
-from ..validation import as_int
+from ..validation import as_choices, as_float, as_int
 from .ablation import VARIANTS
 from ..backends.ownership import exclusive
 
@@ -44,11 +44,6 @@ def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     with single_threaded():
         parts = in_halves(lambda a, b: geo.diversity_stats(x[a:b], mask=valid[a:b]), x.shape[0], split)
     return {k: torch.cat([p[k] for p in parts]).cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
-
-
-def _entropy(logits: Tensor) -> Tensor:
-    """Per-sequence mean next-token entropy (nats, float64) over the predicted positions 0..pos-2."""
-    return entropy(logits[:, :-1]).mean(-1).cpu()
 
 
 @dataclasses.dataclass
@@ -94,15 +89,13 @@ class _Run:
 def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Tensor, batch_size: int,
              hooks: list, run: _Run, world: World | None = None) -> None:
     last = ad.n_layers - 1
-    names = []
-    for lay in layer_list:
-        names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, "resid_post")]
-        names.append(ad.hook_name(lay, "attn_out" if ad.is_parallel(lay) else "resid_mid"))
+    names = [ad.hook_name(lay, site) for lay in layer_list
+             for site in ("resid_pre", "resid_post", "attn_out" if ad.is_parallel(lay) else "resid_mid")]
     names.append(ad.hook_name(last, "resid_post"))
     mine = my_batches(tokens.shape[0], batch_size, world)
     for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks,
                                             rows=mine):
-        run.entropy[rows] = _entropy(logits)
+        run.entropy[rows] = entropy(logits[:, :-1]).mean(-1).cpu()  # over the predicted positions
         run.loss[rows] = next_token_loss(logits, tokens[rows]).mean(-1).cpu()
         del logits
         base = pmask.expand(rows.stop - rows.start, -1)
@@ -135,25 +128,8 @@ def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Ten
 @register
 @dataclasses.dataclass(kw_only=True)
 class DiversityResult(Result):
-    """Direction diversity per layer and site, its attention/FFN effects, ablations and a gain sweep.
-
-    Attributes:
-        layers: layers measured; ``parallel``: per layer, whether the block is parallel (resid_mid NaN).
-        sites: ``["resid_pre", "resid_mid", "resid_post"]`` (the ``site`` axis).
-        pairwise_cosine, resultant_length, effective_rank, participation_ratio, rank_collapse: ``[layer, site]``,
-            the per-sequence statistic averaged over sequences (clean forward).
-        attention_effect / ffn_effect: per statistic, ``[layer]`` mean of ``D(mid) - D(pre)`` /
-            ``D(post) - D(mid)`` (``mid = x + a`` for parallel blocks).
-        under_ablation: per ablation, the pairwise-cosine table ``[layer, site]`` in the ablated forward.
-        under_ablation_stats: per ablation, every statistic's ``[layer, site]`` table.
-        ablation_effects: per ablation, ``{"attention"|"ffn": {stat: [layer]}}`` in the ablated forward.
-        final_diversity: statistics of the last layer's resid_post (ln_final input), clean.
-        final_diversity_under_ablation: the same per ablation.
-        entropy / loss: mean next-token entropy / cross-entropy (nats), keys ``"clean"`` and each ablation.
-        gain_sweep: ``gain``, ``final_pairwise_cosine``, ``final_effective_rank``, ``entropy``, ``loss``, each
-            ``[gain]``, with attention writes scaled by ``gain`` on every layer.
-        n_masked: degenerate tokens dropped (clean forward, over layers and sites).
-    """
+    """Direction diversity per layer and site, its attention/FFN effects, ablations and a gain sweep (see
+    :func:`diversity`); every field is defined in docs/diversity.md ("Definitions")."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     parallel: list[bool] = dataclasses.field(default_factory=list)
@@ -257,18 +233,10 @@ class DiversityResult(Result):
 
 
 @exclusive
-def diversity(
-    model: Any,
-    tokens: Tensor,
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    ablations: Sequence[str] = ("tangential", "radial"),
-    gains: Sequence[float] = (0.5, 1.0, 1.5, 2.0),
-    seed: int = 0,
-    corpus: str | None = None,
-    batch_size: int = 8,
-    world: World | None = None,
-) -> DiversityResult:
+def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = None,
+              exclude_positions: Sequence[int] = (0,), ablations: Sequence[str] = ("tangential", "radial"),
+              gains: Sequence[float] = (0.5, 1.0, 1.5, 2.0), seed: int = 0, corpus: str | None = None,
+              batch_size: int = 8, world: World | None = None) -> DiversityResult:
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
     ablations, and under an attention-gain sweep (docs/diversity.md).
 
@@ -289,18 +257,11 @@ def diversity(
     excl = check_exclude_positions(exclude_positions)
     seed = as_int(seed, "seed")
     batch_size = as_int(batch_size, "batch_size", minimum=1)
-    if isinstance(ablations, str):
-        ablations = (ablations,)
-    ablations = list(dict.fromkeys(ablations))
-    bad = [a for a in ablations if a not in VARIANTS]
-    if bad:
-        raise InputError(f"unknown ablation(s) {bad}; choose among {VARIANTS}")
-    try:
-        gain_list = [float(g) for g in gains]
-    except (TypeError, ValueError) as e:
-        raise InputError(f"gains must be a sequence of numbers, got {gains!r}") from e
-    if not all(math.isfinite(g) for g in gain_list):
-        raise InputError(f"every attention gain must be finite, got {gain_list}")
+    ablations = [] if isinstance(ablations, (list, tuple)) and not ablations else list(
+        dict.fromkeys(as_choices(ablations, "ablations", VARIANTS)))
+    if isinstance(gains, (str, bytes)) or not hasattr(gains, "__iter__"):
+        raise ArgumentTypeError(f"gains must be a sequence of numbers, got {gains!r}")
+    gain_list = [as_float(g, f"gains[{i}] (an attention gain)") for i, g in enumerate(gains)]
 
     n_seq, n_pos = tokens.shape
     pmask = position_mask(n_pos, excl, device=tokens.device)
@@ -337,12 +298,9 @@ def diversity(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="diversity", layers=layer_list,
                                  exclude_positions=list(excl), ablations=ablations, gains=gain_list,
                                  batch_size=batch_size),
-        layers=layer_list,
-        parallel=[ad.is_parallel(lay) for lay in layer_list],
-        sites=list(SITES),
+        layers=layer_list, parallel=[ad.is_parallel(lay) for lay in layer_list], sites=list(SITES),
         **{k: clean.table(k) for k in STATS},
-        attention_effect=clean_effects["attention"],
-        ffn_effect=clean_effects["ffn"],
+        attention_effect=clean_effects["attention"], ffn_effect=clean_effects["ffn"],
         under_ablation={a: r.table("pairwise_cosine") for a, r in runs.items()},
         under_ablation_stats={a: {k: r.table(k) for k in STATS} for a, r in runs.items()},
         ablation_effects={a: effects(r) for a, r in runs.items()},
@@ -352,8 +310,7 @@ def diversity(
         loss={"clean": float(clean.loss.mean()), **{a: float(r.loss.mean()) for a, r in runs.items()}},
         gain_sweep={"gain": torch.tensor(gain_list, dtype=torch.float64),
                     **{k: torch.tensor(v, dtype=torch.float64) for k, v in sweep.items()}},
-        exclude_positions=list(excl),
-        n_masked=clean.masked,
+        exclude_positions=list(excl), n_masked=clean.masked,
     )
 
 

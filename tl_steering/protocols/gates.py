@@ -28,22 +28,8 @@ Method = Literal["loss", "closed_form"]
 @register
 @dataclasses.dataclass(kw_only=True)
 class GateResult(Result):
-    """Calibrated FFN gates and the losses around them (see :func:`calibrate_gates`).
-
-    Attributes:
-        method: "loss" or "closed_form".
-        layers: layers whose gate was fitted (the others stay 1).
-        plan: the parallelized layers when known (closed form; or given), else [].
-        gates: ``[n_layers]`` float64.
-        loss_clean_calib / loss_clean_heldout: CE of the unmodified model.
-        loss_base_calib / loss_base_heldout: CE with ``base_hooks`` and every gate at 1.
-        loss_gated_calib / loss_gated_heldout: CE with ``base_hooks`` and the fitted gates.
-        history: ``[steps]`` calibration CE at each Adam step (loss method).
-        scan_grid: ``[grid]`` gate values of the 1-D scans; scan_losses ``[layer, grid]`` calibration CE with
-            one gate at the grid value and the others at 1; scan_best ``[layer]`` the best grid value;
-            scan_curvature ``[layer]`` d²CE/dg² of a quadratic fitted to the scan.
-        n_calib / n_heldout: sequences in each split.
-    """
+    """Calibrated FFN gates and the losses around them (see :func:`calibrate_gates`); every field is defined in
+    docs/gates.md ("Two fits", "Split and reported losses")."""
 
     method: str = "loss"
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -131,9 +117,6 @@ class GateResult(Result):
         return fig
 
 
-# ----------------------------------------------------------------------------------------------------------
-
-
 def _split(tokens: Tensor, held_out: float, held_out_tokens: Tensor | None, seed: int,
            ad: ModelAdapter) -> tuple[Tensor, Tensor]:
     if held_out_tokens is not None:
@@ -166,9 +149,7 @@ def _base(model: Any, base_hooks: Any, plan: list[int]) -> HookList:
 
 def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[int], batch_size: int
                  ) -> dict[int, float]:
-    names = []
-    for layer in plan:
-        names += [ad.hook_name(layer, "resid_pre"), ad.hook_name(layer, "attn_out")]
+    names = [ad.hook_name(layer, site) for layer in plan for site in ("resid_pre", "attn_out")]
     moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
     for s in range(0, tokens.shape[0], batch_size):
         _, cache = ad.run_with_cache(tokens[s:s + batch_size], names, fwd_hooks=base)
@@ -233,23 +214,12 @@ def _scan(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int],
 
 
 @exclusive
-def calibrate_gates(
-    model: Any,
-    tokens: Tensor,
-    method: Method = "loss",
-    base_hooks: HookList | Callable[[Any], HookList] | None = None,
-    layers: Sequence[int] | int | None = None,
-    held_out: float = 0.25,
-    held_out_tokens: Tensor | None = None,
-    steps: int = 200,
-    lr: float = 0.05,
-    scan: bool = False,
-    scan_grid: Sequence[float] | Tensor | None = None,
-    seed: int = 0,
-    corpus: str | None = None,
-    plan: Sequence[int] | None = None,
-    batch_size: int = 8,
-) -> GateResult:
+def calibrate_gates(model: Any, tokens: Tensor, method: Method = "loss",
+                    base_hooks: HookList | Callable[[Any], HookList] | None = None,
+                    layers: Sequence[int] | int | None = None, held_out: float = 0.25,
+                    held_out_tokens: Tensor | None = None, steps: int = 200, lr: float = 0.05, scan: bool = False,
+                    scan_grid: Sequence[float] | Tensor | None = None, seed: int = 0, corpus: str | None = None,
+                    plan: Sequence[int] | None = None, batch_size: int = 8) -> GateResult:
     """Fit one scalar FFN gate per layer on top of ``base_hooks`` (docs/gates.md).
 
     Args:
@@ -306,23 +276,11 @@ def calibrate_gates(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="calibrate_gates", method=method, layers=sel,
                                  plan=plan_l, steps=steps, lr=float(lr), held_out=held_out,
                                  n_base_hooks=len(base), scan=scan, batch_size=batch_size),
-        method=method,
-        layers=sel,
-        plan=plan_l,
-        gates=gates,
-        loss_clean_calib=loss_clean_c,
-        loss_clean_heldout=loss_clean_h,
-        loss_base_calib=loss_base_c,
-        loss_base_heldout=loss_base_h,
-        loss_gated_calib=loss_gated_c,
-        loss_gated_heldout=loss_gated_h,
-        history=history,
-        scan_grid=grid,
-        scan_losses=scan_losses,
-        scan_best=scan_best,
-        scan_curvature=scan_curv,
-        n_calib=int(calib.shape[0]),
-        n_heldout=int(held.shape[0]),
+        method=method, layers=sel, plan=plan_l, gates=gates,
+        loss_clean_calib=loss_clean_c, loss_clean_heldout=loss_clean_h, loss_base_calib=loss_base_c,
+        loss_base_heldout=loss_base_h, loss_gated_calib=loss_gated_c, loss_gated_heldout=loss_gated_h,
+        history=history, scan_grid=grid, scan_losses=scan_losses, scan_best=scan_best, scan_curvature=scan_curv,
+        n_calib=int(calib.shape[0]), n_heldout=int(held.shape[0]),
     )
 
 

@@ -19,7 +19,7 @@ from ..results import Result, register, tensor_field
 from .._util.claims import Claim, fmt
 from ..reference import paper_statement
 from ..stats import check_exclude_positions, position_mask
-from ..validation import as_choice, as_int
+from ..validation import as_choice, as_choices, as_int
 from ..backends.ownership import exclusive
 
 Mode = Literal["noise", "token"]
@@ -46,25 +46,8 @@ def _check_positions(position: Any, n_pos: int) -> list[int]:
 @register
 @dataclasses.dataclass(kw_only=True)
 class PrefixSensitivityResult(Result):
-    """Spread of a perturbation at position j to later positions (see :func:`prefix_sensitivity`).
-
-    Attributes:
-        mode: "noise" or "token".
-        eps: relative noise size (noise mode).
-        perturb_layer: l0 (0 in token mode: the embedding changes).
-        positions: the perturbed positions j (results are averaged over them, aligned by distance).
-        layers: layers l >= l0 whose ``resid_post`` is measured.
-        distance: 0..max(i - j).
-        angle: ``[layer, distance]`` mean δθ (radians) over sequences and perturbed positions.
-        kl: ``[distance]`` mean next-token KL(p_clean || p_pert) (nats).
-        count: ``[distance]`` number of (sequence, j) pairs averaged at each distance.
-        angle_final: ``[distance]`` the angle at the last measured layer (= ``angle[-1]``).
-        prefix_max_angle: max δθ over positions i < j, every layer and sequence (must be 0 or < 1e-6).
-        prefix_max_rel_change: max ||x_pert - x_clean|| / ||x_clean|| over the same entries.
-        prefix_max_kl: max KL over positions i < j.
-        prefix_bitwise_equal: whether every ``resid_post`` row and logit at i < j is bit-identical.
-        replaced_tokens: token mode: ``[[sequence, j, old, new], ...]``.
-    """
+    """Spread of a perturbation at position j to later positions (see :func:`prefix_sensitivity`); every field is
+    defined in docs/prefix.md ("Prefix sensitivity")."""
 
     mode: str = "noise"
     eps: float = 0.0
@@ -169,16 +152,9 @@ def _perturbed(ad: Any, tokens: Tensor, mode: str, j: int, l0: int, eps: float, 
 
 
 @exclusive
-def prefix_sensitivity(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layer: int,
-    position: int | Sequence[int],
-    eps: float = 1e-2,
-    mode: Mode = "noise",
-    seed: int = 0,
-    corpus: str | None = None,
-) -> PrefixSensitivityResult:
+def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, position: int | Sequence[int],
+                       eps: float = 1e-2, mode: Mode = "noise", seed: int = 0, corpus: str | None = None
+                       ) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
     Args:
@@ -245,43 +221,18 @@ def prefix_sensitivity(
     return PrefixSensitivityResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="prefix_sensitivity", mode=mode, layer=l0,
                                  positions=positions, eps=eps if mode == "noise" else None),
-        mode=mode,
-        eps=eps if mode == "noise" else 0.0,
-        perturb_layer=l0,
-        positions=positions,
-        layers=layers,
-        distance=torch.arange(max_d, dtype=torch.int64),
-        angle=angle,
-        kl=kl_mean,
-        count=count,
-        angle_final=angle[-1].clone(),
-        prefix_max_angle=pre_angle,
-        prefix_max_rel_change=pre_rel,
-        prefix_max_kl=pre_kl,
-        prefix_bitwise_equal=bitwise,
-        replaced_tokens=replaced,
+        mode=mode, eps=eps if mode == "noise" else 0.0, perturb_layer=l0, positions=positions, layers=layers,
+        distance=torch.arange(max_d, dtype=torch.int64), angle=angle, kl=kl_mean, count=count,
+        angle_final=angle[-1].clone(), prefix_max_angle=pre_angle, prefix_max_rel_change=pre_rel,
+        prefix_max_kl=pre_kl, prefix_bitwise_equal=bitwise, replaced_tokens=replaced,
     )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# prefix-set statistics
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
 class PrefixStatisticsResult(Result):
-    """Prefix-set diversity statistics as a function of the prefix end t, per layer (see
-    :func:`prefix_statistics`).
-
-    Attributes:
-        site: the hook site (e.g. "resid_post").
-        layers: layers measured.
-        stats: names of the statistics in ``values``.
-        positions: t = 0..pos-1; entry t covers the valid rows among positions 0..t.
-        n_valid: ``[pos]`` number of valid rows in the prefix ending at t.
-        values: ``{stat: [layer, pos]}`` mean over sequences (NaN where the prefix is too short).
-        exclude_positions: positions left out of every prefix (default (0,)).
-    """
+    """Prefix-set diversity statistics as a function of the prefix end t, per layer (see :func:`prefix_statistics`);
+    every field is defined in docs/prefix.md ("Prefix statistics")."""
 
     site: str = "resid_post"
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -328,15 +279,9 @@ class PrefixStatisticsResult(Result):
 
 
 @exclusive
-def prefix_statistics(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layers: Sequence[int] | int | None = None,
-    site: str = "resid_post",
-    stats: Sequence[str] = STATS,
-    exclude_positions: Sequence[int] = (0,),
-    corpus: str | None = None,
-) -> PrefixStatisticsResult:
+def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | int | None = None,
+                      site: str = "resid_post", stats: Sequence[str] = STATS, exclude_positions: Sequence[int] = (0,),
+                      corpus: str | None = None) -> PrefixStatisticsResult:
     """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
 
     Args:
@@ -350,19 +295,14 @@ def prefix_statistics(
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
-    stats = list(stats)
-    bad = [s for s in stats if s not in STATS]
-    if bad or not stats:
-        raise InputError(f"stats must be a non-empty subset of {STATS}, got {stats!r}")
+    stats = as_choices(stats, "stats", STATS)
     n_seq, n_pos = tokens.shape
     exclude_positions = check_exclude_positions(exclude_positions)
     mask = position_mask(n_pos, exclude_positions)
     names = [ad.hook_name(lay, site) for lay in sel]
     _, cache = ad.run_with_cache(tokens, names)
-    fns = {"pairwise_cosine": geo.prefix_mean_pairwise_cosine,
-           "resultant_length": geo.prefix_mean_resultant_length,
-           "effective_rank": geo.prefix_effective_rank,
-           "participation_ratio": geo.prefix_participation_ratio}
+    fns = {"pairwise_cosine": geo.prefix_mean_pairwise_cosine, "resultant_length": geo.prefix_mean_resultant_length,
+           "effective_rank": geo.prefix_effective_rank, "participation_ratio": geo.prefix_participation_ratio}
     values = {s: torch.full((len(sel), n_pos), math.nan, dtype=torch.float64) for s in stats}
     m = mask.to(tokens.device).expand(n_seq, n_pos)
     for k, (lay, nm) in enumerate(zip(sel, names)):
@@ -374,13 +314,8 @@ def prefix_statistics(
     return PrefixStatisticsResult(
         provenance=ad.provenance(tokens, corpus=corpus, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
                                  exclude_positions=list(exclude_positions)),
-        site=site,
-        layers=sel,
-        stats=stats,
-        positions=torch.arange(n_pos, dtype=torch.int64),
-        n_valid=mask.to(torch.int64).cumsum(0),
-        values=values,
-        exclude_positions=list(exclude_positions),
+        site=site, layers=sel, stats=stats, positions=torch.arange(n_pos, dtype=torch.int64),
+        n_valid=mask.to(torch.int64).cumsum(0), values=values, exclude_positions=list(exclude_positions),
     )
 
 

@@ -7,29 +7,16 @@ from typing import Any
 from . import PINNED_FILES
 
 PINNED_SETTINGS: dict[str, Any] = {
-    "text": "pydoc",
-    "windows": 4,
-    "length": 64,
-    "seed": 0,
-    "processing": "raw",
+    "text": "pydoc", "windows": 4, "length": 64, "seed": 0, "processing": "raw",
     "ablation_variants": ["tangential", "radial", "zero", "random_tangent"],
-    "diversity_ablations": ["tangential", "radial"],
-    "defect_k": 15,
-    "defect_gold_layers": [0, 1, 10, 20, 29],
-    "prefix_layer": 15,
-    "prefix_positions": [16],
-    "prefix_eps": 1e-2,
+    "diversity_ablations": ["tangential", "radial"], "defect_k": 15, "defect_gold_layers": [0, 1, 10, 20, 29],
+    "prefix_layer": 15, "prefix_positions": [16], "prefix_eps": 1e-2,
 }
 
 #: Gemma-3-270M (18 layers; forwards ~10x SmolLM2's, 262k vocabulary): 2 windows x 64 tokens, plan k = L/2 = 9,
 #: gold layers first / second / local / global / last, prefix perturbed at the middle layer
-GEMMA_PINNED_SETTINGS: dict[str, Any] = {
-    **PINNED_SETTINGS,
-    "windows": 2,
-    "defect_k": 9,
-    "defect_gold_layers": [0, 1, 5, 11, 17],
-    "prefix_layer": 9,
-}
+GEMMA_PINNED_SETTINGS: dict[str, Any] = {**PINNED_SETTINGS, "windows": 2, "defect_k": 9,
+                                         "defect_gold_layers": [0, 1, 5, 11, 17], "prefix_layer": 9}
 
 #: model name -> (file in tl_steering/reference/, settings)
 PINNED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -40,28 +27,13 @@ PINNED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # tolerance groups: |ours - pinned| <= abs + rel * |pinned|
 TOLERANCES: dict[str, dict[str, float]] = {
     "loss": {"abs": 2e-3, "rel": 0.0, "why": "mean CE in nats; fp32 logits over a 49k vocabulary"},
-    "delta_loss": {
-        "abs": 5e-3,
-        "rel": 2e-3,
-        "why": "difference of two mean CEs; radial/zero ablations amplify",
-    },
-    "geometry": {
-        "abs": 2e-4,
-        "rel": 0.0,
-        "why": "cosines/deficits in [0, 2] from float64 geometry on fp32 activations",
-    },
+    "delta_loss": {"abs": 5e-3, "rel": 2e-3, "why": "difference of two mean CEs; radial/zero ablations amplify"},
+    "geometry": {"abs": 2e-4, "rel": 0.0,
+                 "why": "cosines/deficits in [0, 2] from float64 geometry on fp32 activations"},
     "ratio": {"abs": 1e-4, "rel": 2e-3, "why": "relative RMS ratios (C_l) of a difference of FFN outputs"},
-    "diversity": {
-        "abs": 2e-4,
-        "rel": 1e-3,
-        "why": "mean pairwise cosine / effective rank of token directions",
-    },
+    "diversity": {"abs": 2e-4, "rel": 1e-3, "why": "mean pairwise cosine / effective rank of token directions"},
     "gate": {"abs": 1e-4, "rel": 1e-3, "why": "closed-form least-squares gates"},
-    "prefix": {
-        "abs": 1e-5,
-        "rel": 5e-2,
-        "why": "KL/angle of a 1e-2 perturbation: small numbers, loose relative",
-    },
+    "prefix": {"abs": 1e-5, "rel": 5e-2, "why": "KL/angle of a 1e-2 perturbation: small numbers, loose relative"},
     "exact": {"abs": 0.0, "rel": 0.0, "why": "structural: counts and layer lists"},
 }
 
@@ -78,15 +50,6 @@ BACKEND_TOLERANCES: dict[str, dict[str, float]] = {
     "prefix": {"abs": 1e-7, "rel": 1e-2, "why": "small numbers of a 1e-2 perturbation"},
     "exact": {"abs": 0.0, "rel": 0.0, "why": "structural"},
 }
-
-
-def pinned_settings(model_name: str = "smollm2-135m") -> dict[str, Any]:
-    """The pinned settings of one model of :data:`PINNED_MODELS`."""
-    if model_name not in PINNED_MODELS:
-        from ..errors import InputError
-
-        raise InputError(f"no pinned values for {model_name!r}; pinned models: {', '.join(PINNED_MODELS)}")
-    return dict(PINNED_MODELS[model_name][1])
 
 
 def compare(
@@ -142,13 +105,6 @@ def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 
 
 __all__ = [
-    "BACKEND_TOLERANCES",
-    "group_problems",
-    "GEMMA_PINNED_SETTINGS",
-    "PINNED_MODELS",
-    "PINNED_SETTINGS",
-    "TOLERANCES",
-    "as_pinned",
-    "compare",
-    "pinned_settings",
+    "BACKEND_TOLERANCES", "group_problems", "GEMMA_PINNED_SETTINGS", "PINNED_MODELS", "PINNED_SETTINGS",
+    "TOLERANCES", "as_pinned", "compare"
 ]

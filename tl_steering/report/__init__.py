@@ -9,11 +9,8 @@ from .page import SECTIONS, css, render_html
 
 
 def render_report(suite: SuiteResult | str | Path, out: str | Path) -> Path:
-    """Write ``out/index.html`` and ``out/figures/`` for ``suite`` (a SuiteResult or a saved one's path).
-
-    Returns:
-        The path of ``index.html``.
-    """
+    """Write ``out/index.html`` and ``out/figures/`` for ``suite`` (a SuiteResult or a saved one's path); returns the
+    path of ``index.html``."""
     if not isinstance(suite, SuiteResult):
         suite = SuiteResult.load(suite)
     out_dir = Path(out)

@@ -12,24 +12,13 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
     """Every figure of the page, titled by us (user-supplied names escaped); stages not run have none."""
     mn = html.escape(suite.model.name)
     figs: dict[str, Any] = {}
-    d, a, v, c, g, cr, p = (
-        suite.deficit,
-        suite.ablation,
-        suite.diversity,
-        suite.defect,
-        suite.gates,
-        suite.critical,
-        suite.prefix,
-    )
+    d, a, v, c, g, cr, p = (suite.deficit, suite.ablation, suite.diversity, suite.defect, suite.gates,
+                             suite.critical, suite.prefix)
     if d is not None:
         figs["deficit_layers"] = d.plot(title=f"Angular deficit per layer (mean {d.mean:.3f}; {mn})")
-        figs["deficit_positions"] = d.plot_positions(
-            title=f"Angular deficit by layer and position bin ({mn})"
-        )
+        figs["deficit_positions"] = d.plot_positions(title=f"Angular deficit by layer and position bin ({mn})")
     if a is not None:
-        figs["ablation"] = a.plot(
-            title=f"FFN component ablation, all layers (clean CE {a.clean_loss:.3f}; {mn})"
-        )
+        figs["ablation"] = a.plot(title=f"FFN component ablation, all layers (clean CE {a.clean_loss:.3f}; {mn})")
     if v is not None:
         figs["diversity"] = v.plot(title=f"Direction diversity ({mn})")
     if c is not None:
@@ -37,18 +26,15 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
     if g is not None:
         figs["gates"] = g.plot(title=f"FFN gates on the low-C plan ({g.method}; {mn})")
     if cr is not None:
-        figs["critical_counts"] = cr.plot(
-            title=f"Critical points of the FFN field (saddle fraction {cr.saddle_fraction():.2f}; {mn})"
-        )
+        figs["critical_counts"] = cr.plot(title=f"Critical points of the FFN field (saddle fraction "
+                                                f"{cr.saddle_fraction():.2f}; {mn})")
     if p is not None:
         figs["prefix"] = p.plot(title=f"Prefix sensitivity (noise at layer {p.perturb_layer}; {mn})")
     pc = suite.plan_choice
     if pc is not None and pc.plan is not None:
         pl = pc.plan
-        figs["plan_choice"] = pl.plot(
-            title=f"Loss increase vs parallel layers, every strategy with the {pl.refit} correction; chosen: "
-            f"{pl.strategy} at k={pl.k} ({mn})"
-        )
+        figs["plan_choice"] = pl.plot(title=f"Loss increase vs parallel layers, every strategy with the {pl.refit} "
+                                            f"correction; chosen: {pl.strategy} at k={pl.k} ({mn})")
     if c is not None and c.evaluated:
         figs["defect_curves"] = c.plot_curves(title=f"Loss increase vs layers made parallel ({mn})")
     for key in ("critical", "critical_fixed_point"):
@@ -57,15 +43,13 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
             continue
         label = f"{summ.results[0].method} finder" if summ.results else "finder"
         if key != "critical":
-            figs[f"{key}_counts"] = summ.plot(
-                title=f"Critical points of the FFN field, {label} (biased to stable points; {mn})"
-            )
+            figs[f"{key}_counts"] = summ.plot(title=f"Critical points of the FFN field, {label} (biased to stable "
+                                                    f"points; {mn})")
         best = max(range(len(summ.results)), key=lambda i: summ.results[i].n_points) if summ.results else None
         if best is not None and summ.results[best].n_points:
             r = summ.results[best]
-            figs[f"{key}_spectra"] = r.plot(
-                title=f"Tangent spectra at layer {summ.layers[best]}, {label} ({r.n_points} equilibria; {mn})"
-            )
+            figs[f"{key}_spectra"] = r.plot(title=f"Tangent spectra at layer {summ.layers[best]}, {label} "
+                                                  f"({r.n_points} equilibria; {mn})")
     return figs
 
 
@@ -77,11 +61,8 @@ def write_figures(figs: dict[str, Any], fig_dir: Path) -> dict[str, dict[str, st
     for name, fig in figs.items():
         (fig_dir / f"{name}.json").write_text(fig.to_json(), encoding="utf-8")
         # the first standalone page copies plotly.min.js next to itself; the others reference it
-        fig.write_html(
-            str(fig_dir / f"{name}.html"),
-            include_plotlyjs="directory" if first else "plotly.min.js",
-            full_html=True,
-        )
+        fig.write_html(str(fig_dir / f"{name}.html"), include_plotlyjs="directory" if first else "plotly.min.js",
+                       full_html=True)
         first = False
         out[name] = {"json": f"{fig_dir.name}/{name}.json", "html": f"{fig_dir.name}/{name}.html"}
     return out
@@ -90,14 +71,8 @@ def write_figures(figs: dict[str, Any], fig_dir: Path) -> dict[str, dict[str, st
 def figure_html(fig: Any, name: str) -> str:
     """A figure as a ``<div>`` of the page (plotly.js is inlined once in the page's head)."""
     height = fig.layout.height or 480
-    div = fig.to_html(
-        full_html=False,
-        include_plotlyjs=False,
-        div_id=f"fig-{name}",
-        default_width="100%",
-        default_height=f"{int(height)}px",
-        config={"displaylogo": False, "responsive": True},
-    )
+    div = fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{name}", default_width="100%",
+                      default_height=f"{int(height)}px", config={"displaylogo": False, "responsive": True})
     return f"<div class='fig' id='figure-{html.escape(name, quote=True)}'>{div}</div>"
 
 

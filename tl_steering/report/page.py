@@ -85,57 +85,37 @@ def _asdict(x: Any) -> dict[str, Any]:
 
 #: (result field, title, explanation, figure names): one page section each, in this order
 SECTIONS: list[tuple[str, str, str, list[str]]] = [
-    (
-        "deficit",
-        "Angular deficit (protocol 1)",
+    ("deficit", "Angular deficit (protocol 1)",
         "How well the attention-only update aligns with the real block update, on the tangent space at the block "
         "input: deficit<sub>l</sub> = 1 − mean cos(P<sub>u</sub>a, P<sub>u</sub>Δx) (position 0 excluded). A large "
         "deficit means the FFN drives much of the change of direction.",
-        ["deficit_layers", "deficit_positions"],
-    ),
-    (
-        "ablation",
-        "Radial / tangential FFN ablation (protocol 2)",
+        ["deficit_layers", "deficit_positions"]),
+    ("ablation", "Radial / tangential FFN ablation (protocol 2)",
         "Every FFN write keeps only its tangential part (P<sub>u</sub>φ) or its radial part (⟨u,φ⟩u), u = the FFN "
         "input direction, all layers at once; ΔCE against the clean model.",
-        ["ablation"],
-    ),
-    (
-        "diversity",
-        "Diversity under aggregation (protocol 3)",
+        ["ablation"]),
+    ("diversity", "Diversity under aggregation (protocol 3)",
         "Mean pairwise cosine of the token directions before attention, after attention and after the FFN "
         "(higher = more concentrated), clean and under the ablations, and the effect of scaling attention writes.",
-        ["diversity"],
-    ),
-    (
-        "defect",
-        "Sequential-to-parallel defect C<sub>l</sub> (protocol 4)",
+        ["diversity"]),
+    ("defect", "Sequential-to-parallel defect C<sub>l</sub> (protocol 4)",
         "C<sub>l</sub> = RMS of d = Φ(x+a) − Φ(x) relative to the block update; the gold standard is the CE increase "
         "with layer l alone made parallel. Curves: the k lowest-C, highest-C, contiguous and random layers made "
         "parallel.",
-        ["defect_scores", "defect_curves"],
-    ),
-    (
-        "plan_choice",
-        "The chosen plan: planner strategies compared",
+        ["defect_scores", "defect_curves"]),
+    ("plan_choice", "The chosen plan: planner strategies compared",
         "Cheap planner strategies (one-shot scores: the paper's C and C1, our first- and second-order loss "
         "attributions) each choose k layers on the first half of the windows (calibration), every plan with the "
         "closed-form correction g<sub>l</sub>Φ(x) + b<sub>l</sub> of its parallel FFN writes fitted there; the plan "
         "of lowest calibration ΔCE is chosen and reported on the second half (held out), beside the paper's "
         "lowest-C plan (uncorrected) on the same held-out windows. Curves: held-out (solid) and calibration (dotted) "
         "ΔCE vs k for every strategy; the chosen one is drawn thick.",
-        ["plan_choice"],
-    ),
-    (
-        "gates",
-        "FFN gates on the low-C plan",
+        ["plan_choice"]),
+    ("gates", "FFN gates on the low-C plan",
         "One scalar gate per FFN on top of the parallelized plan, fitted on a calibration split and evaluated on "
         "held-out windows.",
-        ["gates"],
-    ),
-    (
-        "critical",
-        "Critical points of the FFN field",
+        ["gates"]),
+    ("critical", "Critical points of the FFN field",
         "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
         "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. The report runs critical_points' one finder "
         "(the census, critical_census, which decides 'mostly saddles' where it can, is a benchmark: "
@@ -150,20 +130,11 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "with a rotational mode decides 'rotational modes'; 'mostly saddles' is decided by no sample here, and the "
         "Poincaré-Hopf parity of each layer's found set (index signs (-1)^(d-1-k) add up to the sphere's Euler "
         "characteristic) bounds from below how many equilibria were not found.",
-        [
-            "critical_counts",
-            "critical_spectra",
-            "critical_fixed_point_counts",
-            "critical_fixed_point_spectra",
-        ],
-    ),
-    (
-        "prefix",
-        "Prefix-indexed causal dynamics",
+        ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
+    ("prefix", "Prefix-indexed causal dynamics",
         "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "
         "unchanged, later ones change with distance.",
-        ["prefix"],
-    ),
+        ["prefix"]),
 ]
 
 
@@ -184,14 +155,9 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         f"<script type='text/javascript'>{get_plotlyjs()}</script>",
         "</head><body><main>",
         f"<h1>Feed-forward steering report: {_esc(name)}</h1>",
-        "<p class='muted'>tl_steering "
-        + _esc(suite.environment.tl_steering)
-        + " · arXiv:2608.02071 (Mudarisov, Burtsev, State) · "
-        + _esc(suite.provenance.corpus)
-        + " · "
-        + f"{_esc(suite.started)} · {suite.total_wall_s:.0f} s"
-        + (" · quick settings" if suite.settings.quick else "")
-        + "</p>",
+        f"<p class='muted'>tl_steering {_esc(suite.environment.tl_steering)} · arXiv:2608.02071 (Mudarisov, Burtsev, "
+        f"State) · {_esc(suite.provenance.corpus)} · {_esc(suite.started)} · {suite.total_wall_s:.0f} s"
+        + (" · quick settings" if suite.settings.quick else "") + "</p>",
         "<nav><a href='#summary'>Summary vs paper</a>"
         + "".join(f"<a href='#{key}'>{_esc(key)}</a>" for key, *_ in SECTIONS)
         + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
@@ -208,10 +174,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         summ = result.summary()
         if key == "critical" and suite.critical_fixed_point is not None:
             fp = suite.critical_fixed_point.summary()
-            summ = {
-                **{f"{result.results[0].method if result.results else 'finder'}: {k}": v for k, v in summ.items()},
-                **{f"fixed point: {k}": v for k, v in fp.items()},
-            }
+            summ = {**{f"{result.results[0].method if result.results else 'finder'}: {k}": v for k, v in summ.items()},
+                    **{f"fixed point: {k}": v for k, v in fp.items()}}
         for headline, (section, name) in NAN_IN_SECTIONS.items():  # a NaN number says why, in words
             why = reasons.get(headline)
             value = summ.get(name, math.nan)
@@ -222,12 +186,8 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
                     "plan dCE": suite.plan.delta_ce_lowest}
             if suite.speedup is not None:
                 sp = _asdict(suite.speedup)
-                summ.update(
-                    {
-                        f"speedup estimate: {k}": sp[k]
-                        for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")
-                    }
-                )
+                summ.update({f"speedup estimate: {k}": sp[k]
+                             for k in ("speedup", "speedup_with_other", "T_seq_s", "T_par_s", "label")})
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_numbers(summ))
@@ -238,12 +198,9 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         parts.extend(figure_html(figs[n], n) for n in names if n in figs)
         if key == "defect" and suite.executor is not None:
             parts.append(parallel_section(suite, claims.get("parallel")))
-    parts.append(provenance_section(suite))
-    parts.append(
-        "<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); "
-        "every number is in <code>results.json</code> (<code>SuiteResult.load</code>).</p>"
-    )
-    parts.append("</main></body></html>")
+    parts += [provenance_section(suite),
+              "<p class='muted'>Figures are also in <code>figures/</code> (plotly JSON and standalone HTML); every "
+              "number is in <code>results.json</code> (<code>SuiteResult.load</code>).</p>", "</main></body></html>"]
     return "\n".join(parts)
 
 
@@ -260,13 +217,11 @@ def summary_section(suite: SuiteResult) -> str:
         band = r.get("band")
         band_txt = "—" if band is None else f"{_esc(span(*band))}<br><span class='muted'>{_esc(r.get('tolerance', ''))}</span>"
         lowtrust = " class='lowtrust'" if not r["regress"] else ""
-        rows.append(
-            f"<tr{lowtrust}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
-            f"<td class='num'>{_esc(r['paper_value'])}</td><td class='num'>{band_txt}</td>"
-            f"<td><span class='tag'>[{_esc(r['certainty'])}]</span></td>"
-            f"<td class='num'>{_fmt(r['ours'])}</td><td>{_esc(r['ours_note'])}</td><td>{_esc(r['relation'])}</td>"
-            f"<td><span class='{cls}'>{_esc(v.why)}</span>{uses}</td></tr>"
-        )
+        rows.append(f"<tr{lowtrust}><td>{_esc(r['claim'])}</td><td>{_esc(r['paper_model'])}</td>"
+                    f"<td class='num'>{_esc(r['paper_value'])}</td><td class='num'>{band_txt}</td>"
+                    f"<td><span class='tag'>[{_esc(r['certainty'])}]</span></td><td class='num'>{_fmt(r['ours'])}"
+                    f"</td><td>{_esc(r['ours_note'])}</td><td>{_esc(r['relation'])}</td>"
+                    f"<td><span class='{cls}'>{_esc(v.why)}</span>{uses}</td></tr>")
     est = h.get("speedup_estimate")
     key = {
         "clean CE (nats)": h.get("clean_loss"),
@@ -392,18 +347,10 @@ def provenance_section(suite: SuiteResult) -> str:
             if math.isfinite(v.wall_s) else "—")
         for k, v in suite.timings.items()
     }
-    return (
-        "<h2 id='provenance'>Provenance</h2><h3>Model and data</h3>"
-        + _kv_table(_asdict(suite.model))
-        + _kv_table(_asdict(suite.provenance))
-        + "<h3>Arguments and settings</h3>"
-        + _kv_table(_asdict(suite.arguments))
-        + _kv_table(_asdict(suite.settings))
-        + "<h3>Environment</h3>"
-        + _kv_table(_asdict(suite.environment))
-        + "<h3>Stage timings</h3>"
-        + _kv_table(timings)
-    )
+    return ("<h2 id='provenance'>Provenance</h2><h3>Model and data</h3>" + _kv_table(_asdict(suite.model))
+            + _kv_table(_asdict(suite.provenance)) + "<h3>Arguments and settings</h3>"
+            + _kv_table(_asdict(suite.arguments)) + _kv_table(_asdict(suite.settings)) + "<h3>Environment</h3>"
+            + _kv_table(_asdict(suite.environment)) + "<h3>Stage timings</h3>" + _kv_table(timings))
 
 
 __all__ = ["SECTIONS", "css", "render_html", "summary_section"]
