@@ -74,23 +74,18 @@ def check_report_args(args: argparse.Namespace) -> None:
 
 
 def check_text_source(text: str) -> None:
-    """``pydoc``, an existing non-empty UTF-8 file, or ``hf:NAME[:CONFIG]:SPLIT`` with ``datasets`` installed."""
+    """A source :func:`~tl_steering.data.corpus.parse_source` reads (``hf:`` with ``datasets`` installed); a file
+    must be non-empty UTF-8."""
+    from .data.corpus import parse_source
     from .errors import InputError
 
-    if text == "pydoc":
+    spec = parse_source(text)
+    if spec.kind == "hf" and importlib.util.find_spec("datasets") is None:
+        raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
+    if spec.kind != "file":
         return
-    if text.startswith("hf:"):
-        parts = text.split(":")[1:]
-        if not 2 <= len(parts) <= 3 or not all(parts):
-            raise InputError(f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)")
-        if importlib.util.find_spec("datasets") is None:
-            raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
-        return
-    path = Path(text)
-    if not path.is_file():
-        raise InputError(f"--text {text!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
     try:
-        with path.open("rb") as f:
+        with open(text, "rb") as f:
             head = f.read(4096)
     except OSError as e:
         raise InputError(f"--text {text!r}: cannot read the file ({e.strerror})") from None

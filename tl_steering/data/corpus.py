@@ -11,7 +11,6 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from ..backends import adapt
 from .windows import TokenWindows, pydoc_text
 from ..errors import InputError
 from ..validation import as_int
@@ -79,6 +78,15 @@ def parse_source(source: str) -> CorpusSpec:
                      "'jsonl:PATH[:FIELD]' nor 'hf:NAME[:CONFIG]:SPLIT[:FIELD]'")
 
 
+def datasets_module() -> Any:
+    """The ``datasets`` package (an optional extra), or an InputError saying how to install it."""
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise InputError("an 'hf:' source needs the datasets extra: pip install 'tl-steering[datasets]'") from e
+    return datasets
+
+
 def _read_chunks(handle: Any, chunk_chars: int) -> Iterator[str]:
     """Line-aligned chunks of about ``chunk_chars`` characters from a text handle (one line may be longer)."""
     buf: list[str] = []
@@ -127,11 +135,7 @@ def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Ite
                     yield text[i:i + chunk_chars]
                 yield "\n\n"
     elif spec.kind == "hf":
-        try:
-            import datasets  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise InputError("an 'hf:' source needs the datasets extra: pip install 'tl-steering[datasets]'") from e
-        ds = datasets.load_dataset(spec.location, spec.config, split=spec.split, streaming=True)
+        ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split, streaming=True)
         for rec in ds:
             field = spec.field or ("text" if "text" in rec else next(iter(rec)))
             text = rec[field]
@@ -153,6 +157,8 @@ def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int =
     process keeps window ``i`` only when ``i % world_size == rank``; ``chunk_chars``: characters tokenized at a
     time. Each batch is labelled ``"<source>:w<first>-<last>/<length>"``, its tokens on the model's device.
     """
+    from ..backends import adapt
+
     ad = adapt(model)
     spec = source if isinstance(source, CorpusSpec) else parse_source(source)
     batch_size, start = as_int(batch_size, "batch_size", minimum=1), as_int(start, "start", minimum=0)
@@ -184,6 +190,8 @@ def iter_window_rows(model: Any, source: str | CorpusSpec, length: int,
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         raise InputError("the model has no tokenizer; streaming a corpus needs one to tokenize the text")
+    from ..backends import adapt
+
     bos = adapt(model).info.prepend_bos and tok.bos_token_id is not None
     body = length - 1 if bos else length
     pending: list[int] = []

@@ -10,7 +10,6 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from ..backends import adapt
 from ..errors import InputError
 
 
@@ -23,22 +22,15 @@ def pydoc_text() -> str:
 
 
 def _source_text(source: str) -> tuple[str, str]:
-    if source == "pydoc":
-        return pydoc_text(), "pydoc"
-    if source.startswith("hf:"):
-        try:
-            import datasets  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise InputError("source='hf:NAME[:CONFIG]:SPLIT' needs the datasets extra: pip install 'tl-steering[datasets]'") from e
-        parts = source[3:].split(":")
-        name, config, split = (parts + [None, None])[:3] if len(parts) >= 3 else (parts[0], None, parts[-1] if len(parts) > 1 else "test")
-        ds = datasets.load_dataset(name, config, split=split)
-        col = "text" if "text" in ds.column_names else ds.column_names[0]
-        return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), source
-    path = Path(source)
-    if not path.exists():
-        raise InputError(f"text source {source!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
-    return path.read_text(encoding="utf-8", errors="replace"), f"file:{path.name}"
+    """The whole text of ``source`` (read by :mod:`.corpus`; an ``hf:`` source: its first 2000 non-empty records)."""
+    from .corpus import datasets_module, parse_source, text_chunks
+
+    spec = parse_source(source)
+    if spec.kind != "hf":
+        return "".join(text_chunks(spec)), spec.label
+    ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
+    col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
+    return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), spec.label
 
 
 @functools.lru_cache(maxsize=8)
@@ -55,6 +47,8 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
     ``"hf:NAME[:CONFIG]:SPLIT"``) chosen by a permutation seeded with ``seed``. Where the model's convention is to
     prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
     ``length`` text tokens."""
+    from ..backends import adapt
+
     ad = adapt(model)
     if n_windows < 1 or length < 2:
         raise InputError(f"need n_windows >= 1 and length >= 2, got {n_windows} and {length}")
@@ -152,6 +146,8 @@ def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[An
     ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
     checks dtype, shape, range and length with errors that name the problem.
     """
+    from ..backends import adapt
+
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
     return ad, ad.validate_tokens(tokens), corpus
