@@ -74,9 +74,9 @@ def check_report_args(args: argparse.Namespace) -> None:
 
 
 def check_text_source(text: str) -> None:
-    """A source :func:`~tl_steering.data.corpus.parse_source` reads (``hf:`` with ``datasets`` installed); a file
+    """A source :func:`~tl_steering.data.windows.parse_source` reads (``hf:`` with ``datasets`` installed); a file
     must be non-empty UTF-8."""
-    from .data.corpus import parse_source
+    from .data.windows import parse_source
     from .errors import InputError
 
     spec = parse_source(text)
@@ -122,25 +122,7 @@ def run_report(model: Any = "smollm2-135m", backend: str = "bridge", text: str =
                resume: bool = False) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
-    Args:
-        model: ``smollm2-135m`` (offline default), ``gemma-3-270m``, any TransformerLens model name, or an
-            already loaded TransformerLens model (then ``backend`` and ``device`` are ignored).
-        backend: ``"bridge"`` (TransformerBridge) or ``"hooked"`` (HookedTransformer, TL 3.9).
-        text: ``"pydoc"`` (offline), a UTF-8 text file, or ``"hf:NAME[:CONFIG]:SPLIT"``.
-        windows, length: token windows and tokens per window (default 8 x 128; ``quick``: 4 x 64).
-        out: output directory (created only once the results exist).
-        device: e.g. ``"cuda"``; default CPU.
-        seed: seed of the windows, bootstraps, random controls and starts.
-        quick: small settings (about 2 minutes on 2 CPU cores).
-        progress: show a progress bar per stage on stderr.
-        settings: explicit :class:`~tl_steering.suite.SuiteSettings` (overrides ``windows``, ``length``, ``quick``).
-        batch_size: windows per forward (default: the settings'); the unit of work a rank takes under torchrun.
-        resume: continue a run that was killed: the stages finished before (kept in ``out/checkpoint.json``,
-            written after every stage and removed once ``results.json`` is written) are not run again. Without
-            it an old checkpoint is discarded and the run starts over.
-
-    Returns:
-        The path of ``index.html``.
+    Arguments: docs/suite.md, "Arguments of run_report".
     """
     import dataclasses
     import time

@@ -1,8 +1,11 @@
-"""Token windows of real English text with no network: Python's own ``pydoc_data`` (the language reference,
-about 100k tokens, on every install), a local text file, or a Hugging Face dataset (optional extra)."""
+"""Token windows of real English text, and the one reader of text sources (:func:`parse_source`,
+:func:`text_chunks`): Python's own ``pydoc_data`` (the language reference, about 100k tokens, on every install, no
+network), a local text file or directory, JSONL, or a Hugging Face dataset (optional extra)."""
 
 import dataclasses
 import functools
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,139 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 
+DEFAULT_CHUNK_CHARS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """What to read: ``kind`` is ``"pydoc"``, ``"file"``, ``"dir"``, ``"jsonl"`` or ``"hf"``.
+
+    Build one with :func:`parse_source` from a string: ``"pydoc"``, ``PATH`` (a text file or a directory of
+    ``*.txt`` / ``*.md`` files, read in sorted order), ``"jsonl:PATH[:FIELD]"`` (default field ``text``), or
+    ``"hf:NAME[:CONFIG]:SPLIT[:FIELD]"`` (needs the ``datasets`` extra and the hub).
+    """
+
+    kind: str
+    location: str
+    field: str | None = None
+    config: str | None = None
+    split: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Short provenance label of the source (file names, not absolute paths)."""
+        if self.kind == "pydoc":
+            return "pydoc"
+        if self.kind in ("file", "dir"):
+            return f"{self.kind}:{Path(self.location).name}"
+        if self.kind == "jsonl":
+            return f"jsonl:{Path(self.location).name}:{self.field}"
+        return ":".join(x for x in ("hf", self.location, self.config, self.split, self.field) if x)
+
+
+def parse_source(source: str) -> CorpusSpec:
+    """Turn a ``source`` string into a :class:`CorpusSpec` (errors name what is wrong and what to pass)."""
+    if not isinstance(source, str) or not source:
+        raise InputError(f"source must be a non-empty string ('pydoc', a path, 'jsonl:PATH[:FIELD]' or "
+                         f"'hf:NAME[:CONFIG]:SPLIT[:FIELD]'), got {source!r}")
+    if source == "pydoc":
+        return CorpusSpec("pydoc", "pydoc")
+    if source.startswith("jsonl:"):
+        rest = source[len("jsonl:"):]
+        path, _, field = (rest, "", "") if Path(rest).is_file() else rest.rpartition(":")
+        if not Path(path).is_file():
+            raise InputError(f"JSONL corpus {path!r} is not a file")
+        return CorpusSpec("jsonl", path, field=field or "text")
+    if source.startswith("hf:"):
+        parts = source[3:].split(":")
+        if len(parts) == 1 or not parts[0]:
+            raise InputError(f"Hugging Face source {source!r}: use 'hf:NAME[:CONFIG]:SPLIT[:FIELD]'")
+        name = parts[0]
+        config, split, field = None, parts[-1], None
+        if len(parts) == 3:
+            config, split = parts[1], parts[2]
+        elif len(parts) >= 4:
+            config, split, field = parts[1] or None, parts[2], parts[3]
+        return CorpusSpec("hf", name, field=field, config=config, split=split)
+    path = Path(source)
+    if path.is_dir():
+        return CorpusSpec("dir", str(path))
+    if path.is_file():
+        return CorpusSpec("file", str(path))
+    raise InputError(f"text source {source!r} is neither 'pydoc', an existing file or directory, "
+                     "'jsonl:PATH[:FIELD]' nor 'hf:NAME[:CONFIG]:SPLIT[:FIELD]'")
+
+
+def datasets_module() -> Any:
+    """The ``datasets`` package (an optional extra), or an InputError saying how to install it."""
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise InputError("an 'hf:' source needs the datasets extra: pip install 'tl-steering[datasets]'") from e
+    return datasets
+
+
+def _read_chunks(handle: Any, chunk_chars: int) -> Iterator[str]:
+    """Line-aligned chunks of about ``chunk_chars`` characters from a text handle (one line may be longer)."""
+    buf: list[str] = []
+    size = 0
+    for line in handle:
+        buf.append(line)
+        size += len(line)
+        if size >= chunk_chars:
+            yield "".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf)
+
+
+def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[str]:
+    """The source's text as a stream of line-aligned chunks; documents are separated by a blank line."""
+    if spec.kind == "pydoc":
+        text = pydoc_text()
+        for i in range(0, len(text), chunk_chars):
+            yield text[i:i + chunk_chars]
+    elif spec.kind == "file":
+        with open(spec.location, encoding="utf-8", errors="replace") as f:
+            yield from _read_chunks(f, chunk_chars)
+    elif spec.kind == "dir":
+        files = sorted(p for p in Path(spec.location).rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+        if not files:
+            raise InputError(f"directory {spec.location!r} holds no *.txt or *.md file")
+        for p in files:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                yield from _read_chunks(f, chunk_chars)
+            yield "\n\n"
+    elif spec.kind == "jsonl":
+        with open(spec.location, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{spec.location}:{lineno}: not a JSON line ({e.msg})") from e
+                if not isinstance(rec, dict) or spec.field not in rec:
+                    raise InputError(f"{spec.location}:{lineno}: no field {spec.field!r} "
+                                     "(choose it with 'jsonl:PATH:FIELD')")
+                text = str(rec[spec.field])
+                for i in range(0, len(text), chunk_chars):
+                    yield text[i:i + chunk_chars]
+                yield "\n\n"
+    elif spec.kind == "hf":
+        ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split, streaming=True)
+        for rec in ds:
+            field = spec.field or ("text" if "text" in rec else next(iter(rec)))
+            text = rec[field]
+            if text and str(text).strip():
+                yield str(text)
+                yield "\n\n"
+    else:  # pragma: no cover - CorpusSpec is built by parse_source
+        raise InputError(f"unknown corpus kind {spec.kind!r}")
+
+
 def _source_text(source: str) -> tuple[str, str]:
     """The whole text of ``source`` (read by :mod:`.corpus`; an ``hf:`` source: its first 2000 non-empty records)."""
-    from .corpus import datasets_module, parse_source, text_chunks
-
     spec = parse_source(source)
     if spec.kind != "hf":
         return "".join(text_chunks(spec)), spec.label
@@ -153,5 +285,5 @@ def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[An
     return ad, ad.validate_tokens(tokens), corpus
 
 
-__all__ = ["TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
-           "token_source"]
+__all__ = ["CorpusSpec", "TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
+           "token_source", "parse_source", "text_chunks"]

@@ -157,18 +157,7 @@ def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int,
                        ) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
-    Args:
-        model: a TransformerLens model (not changed; every hook is removed afterwards).
-        tokens: ``[batch, pos]``.
-        layer: l0, the layer whose ``resid_pre`` is perturbed (noise mode). In token mode the embedding changes,
-            ``layer`` is ignored and every layer is measured.
-        position: j, or a list of positions (one perturbed forward each; results averaged aligned by distance).
-        eps: noise mode: ``resid_pre[:, j] += eps · ||x_j|| · ξ`` with ξ a seeded random unit vector per sequence.
-        mode: ``"noise"`` or ``"token"`` (token j replaced by a seeded random vocabulary token != the original).
-        seed: seed of ξ and of the replacement tokens.
-
-    Returns:
-        :class:`PrefixSensitivityResult`.
+    Arguments: docs/prefix.md, "Arguments of prefix_sensitivity".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     mode = as_choice(mode, "mode", ("noise", "token"))
@@ -284,14 +273,7 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
                       corpus: str | None = None) -> PrefixStatisticsResult:
     """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
 
-    Args:
-        model: a TransformerLens model.
-        tokens: ``[batch, pos]``.
-        layers: None for all.
-        site: any adapter site ("resid_pre", "resid_mid", "resid_post", "ffn_input", ...).
-        stats: any of "pairwise_cosine", "resultant_length", "effective_rank" (O(pos^4) per sequence: the
-            slowest), "participation_ratio".
-        exclude_positions: positions masked out of every prefix (BOS / attention sink; default (0,)).
+    Arguments: docs/prefix.md, "Arguments of prefix_statistics".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
