@@ -33,11 +33,8 @@ def published_data() -> dict[str, Any]:
 
 def published_numbers(regress_only: bool = False) -> list[dict[str, Any]]:
     """Every published number as a dict (``id``, ``model``, ``metric``, ``value``, ``range``, ``band``,
-    ``protocol``, ``certainty``, ``regress``, ``notes``, ...).
-
-    Args:
-        regress_only: drop the rows that must not be regressed against (definitions, low-trust numbers).
-    """
+    ``protocol``, ``certainty``, ``regress``, ``notes``, ...); ``regress_only``: without the rows that must not be
+    regressed against (definitions, low-trust numbers)."""
     rows = published_data()["numbers"]
     return [r for r in rows if r["regress"]] if regress_only else rows
 
