@@ -19,28 +19,12 @@ from ..results import Result, register, tensor_field
 from .._util.claims import Claim, fmt
 from ..reference import paper_statement
 from ..stats import check_exclude_positions, position_mask
-from ..validation import as_choice, as_choices, as_int
+from ..validation import as_choice, as_choices, as_float, as_int, as_int_list
 from ..backends.ownership import exclusive
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
-
-
-def _check_positions(position: Any, n_pos: int) -> list[int]:
-    items = [position] if isinstance(position, int) and not isinstance(position, bool) else position
-    try:
-        items = list(items)
-    except TypeError as e:
-        raise InputError(f"position must be an int or a list of ints, got {position!r}") from e
-    out = []
-    for p in items:
-        if isinstance(p, bool) or not isinstance(p, int) or not -n_pos <= p < n_pos:
-            raise InputError(f"position {p!r} is not an int in [0, {n_pos}) for sequences of length {n_pos}")
-        out.append(p % n_pos)
-    if not out:
-        raise InputError("position is empty: pass at least one position to perturb")
-    return out
 
 
 @register
@@ -163,11 +147,11 @@ def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int,
     mode = as_choice(mode, "mode", ("noise", "token"))
     seed = as_int(seed, "seed")
     n_seq, n_pos = tokens.shape
-    positions = _check_positions(position, n_pos)
+    items = as_int_list([position] if isinstance(position, int) else position, "position", allow_empty=False)
+    positions = [as_int(p, "position", minimum=-n_pos, maximum=n_pos - 1) % n_pos for p in items]
     if mode == "noise":
         l0 = ad.check_layer(layer)
-        eps = float(eps)
-        if not math.isfinite(eps) or eps <= 0:
+        if (eps := as_float(eps, "eps")) <= 0:
             raise InputError(f"eps must be a positive finite float, got {eps!r}")
     else:
         l0 = 0
