@@ -17,14 +17,8 @@ from ..validation import as_int
 def stream_windows(model: Any, source: str | CorpusSpec = "pydoc", length: int = 128, n_windows: int | None = None,
                    batch_size: int = 8, start: int = 0, rank: int = 0, world_size: int = 1,
                    chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[tuple[int, TokenWindows]]:
-    """Stream ``(first_window_index, TokenWindows)`` batches of consecutive windows of real text (docs/scale_out.md).
-
-    ``source``: see :class:`CorpusSpec`; ``length``: tokens per window (BOS included where the model prepends it);
-    ``n_windows``: how many windows of the stream to cover (all ranks together; ``None``: until the source ends);
-    ``batch_size``: windows per yielded batch; ``start``: skip the stream's first windows (``resume``); this
-    process keeps window ``i`` only when ``i % world_size == rank``; ``chunk_chars``: characters tokenized at a
-    time. Each batch is labelled ``"<source>:w<first>-<last>/<length>"``, its tokens on the model's device.
-    """
+    """Stream ``(first_window_index, TokenWindows)`` batches of consecutive windows of real text, labelled
+    ``"<source>:w<first>-<last>/<length>"`` (arguments: docs/scale_out.md, "Streaming corpora")."""
     from ..backends import adapt
 
     ad = adapt(model)

@@ -29,12 +29,8 @@ DEFAULT_CHUNK_CHARS = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class CorpusSpec:
-    """What to read: ``kind`` is ``"pydoc"``, ``"file"``, ``"dir"``, ``"jsonl"`` or ``"hf"``.
-
-    Build one with :func:`parse_source` from a string: ``"pydoc"``, ``PATH`` (a text file or a directory of
-    ``*.txt`` / ``*.md`` files, read in sorted order), ``"jsonl:PATH[:FIELD]"`` (default field ``text``), or
-    ``"hf:NAME[:CONFIG]:SPLIT[:FIELD]"`` (needs the ``datasets`` extra and the hub).
-    """
+    """What to read: ``kind`` is ``"pydoc"``, ``"file"``, ``"dir"``, ``"jsonl"`` or ``"hf"``; built by
+    :func:`parse_source` from a source string (docs/scale_out.md, "Streaming corpora")."""
 
     kind: str
     location: str
@@ -175,8 +171,8 @@ def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list
 def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
                 seed: int = 0) -> Int[Tensor, "batch pos"]:
     """``[n_windows, length]`` long tensor (on the model's device) of deterministic windows of real text, tokenized
-    for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline; a UTF-8 text file;
-    ``"hf:NAME[:CONFIG]:SPLIT"``) chosen by a permutation seeded with ``seed``. Where the model's convention is to
+    for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline, or any source of
+    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. Where the model's convention is to
     prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
     ``length`` text tokens."""
     from ..backends import adapt
