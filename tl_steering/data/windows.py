@@ -209,13 +209,8 @@ def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, s
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-    """Token ids together with the label of the corpus they came from; provenance that survives slicing.
-
-    Every public call that takes ``tokens`` also takes a ``TokenWindows``: its ``corpus`` then goes into the
-    result's provenance (an explicit ``corpus=`` argument wins). Slicing, ``split`` and ``to`` keep the label
-    (a slice records which rows: ``"pydoc:8x128:seed0[0:2]"``). ``windows.tokens`` is the plain tensor to feed
-    a model.
-    """
+    """Token ids together with the label of the corpus they came from, provenance that survives slicing (every
+    public call takes one as ``tokens``; docs/protocols.md, "Conventions shared by every protocol")."""
 
     tokens: Int[Tensor, "batch pos"]
     corpus: str
