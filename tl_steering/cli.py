@@ -198,12 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
-    """``report`` in this process, or as one rank of a ``torchrun`` job (docs/scale_out.md, "The sharded report").
-
-    Under torchrun (``WORLD_SIZE`` > 1) the process group is created here (gloo on CPU, NCCL with a CUDA
-    ``--device``, each rank on ``cuda:LOCAL_RANK``), every rank runs the suite on its shard of the windows,
-    rank 0 alone writes; the group is destroyed before returning.
-    """
+    """``report`` in this process, or as one rank of a ``torchrun`` job (docs/scale_out.md, "The sharded report")."""
     import torch
 
     from .probing.scan import init_from_env
