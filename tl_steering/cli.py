@@ -74,23 +74,18 @@ def check_report_args(args: argparse.Namespace) -> None:
 
 
 def check_text_source(text: str) -> None:
-    """``pydoc``, an existing non-empty UTF-8 file, or ``hf:NAME[:CONFIG]:SPLIT`` with ``datasets`` installed."""
+    """A source :func:`~tl_steering.data.windows.parse_source` reads (``hf:`` with ``datasets`` installed); a file
+    must be non-empty UTF-8."""
+    from .data.windows import parse_source
     from .errors import InputError
 
-    if text == "pydoc":
+    spec = parse_source(text)
+    if spec.kind == "hf" and importlib.util.find_spec("datasets") is None:
+        raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
+    if spec.kind != "file":
         return
-    if text.startswith("hf:"):
-        parts = text.split(":")[1:]
-        if not 2 <= len(parts) <= 3 or not all(parts):
-            raise InputError(f"--text {text!r}: use hf:NAME[:CONFIG]:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:test)")
-        if importlib.util.find_spec("datasets") is None:
-            raise InputError(f"--text {text!r} needs the datasets extra: pip install datasets")
-        return
-    path = Path(text)
-    if not path.is_file():
-        raise InputError(f"--text {text!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
     try:
-        with path.open("rb") as f:
+        with open(text, "rb") as f:
             head = f.read(4096)
     except OSError as e:
         raise InputError(f"--text {text!r}: cannot read the file ({e.strerror})") from None
@@ -127,25 +122,7 @@ def run_report(model: Any = "smollm2-135m", backend: str = "bridge", text: str =
                resume: bool = False) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
-    Args:
-        model: ``smollm2-135m`` (offline default), ``gemma-3-270m``, any TransformerLens model name, or an
-            already loaded TransformerLens model (then ``backend`` and ``device`` are ignored).
-        backend: ``"bridge"`` (TransformerBridge) or ``"hooked"`` (HookedTransformer, TL 3.9).
-        text: ``"pydoc"`` (offline), a UTF-8 text file, or ``"hf:NAME[:CONFIG]:SPLIT"``.
-        windows, length: token windows and tokens per window (default 8 x 128; ``quick``: 4 x 64).
-        out: output directory (created only once the results exist).
-        device: e.g. ``"cuda"``; default CPU.
-        seed: seed of the windows, bootstraps, random controls and starts.
-        quick: small settings (about 2 minutes on 2 CPU cores).
-        progress: show a progress bar per stage on stderr.
-        settings: explicit :class:`~tl_steering.suite.SuiteSettings` (overrides ``windows``, ``length``, ``quick``).
-        batch_size: windows per forward (default: the settings'); the unit of work a rank takes under torchrun.
-        resume: continue a run that was killed: the stages finished before (kept in ``out/checkpoint.json``,
-            written after every stage and removed once ``results.json`` is written) are not run again. Without
-            it an old checkpoint is discarded and the run starts over.
-
-    Returns:
-        The path of ``index.html``.
+    Arguments: docs/suite.md, "Arguments of run_report".
     """
     import dataclasses
     import time
@@ -221,12 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
-    """``report`` in this process, or as one rank of a ``torchrun`` job (docs/scale_out.md, "The sharded report").
-
-    Under torchrun (``WORLD_SIZE`` > 1) the process group is created here (gloo on CPU, NCCL with a CUDA
-    ``--device``, each rank on ``cuda:LOCAL_RANK``), every rank runs the suite on its shard of the windows,
-    rank 0 alone writes; the group is destroyed before returning.
-    """
+    """``report`` in this process, or as one rank of a ``torchrun`` job (docs/scale_out.md, "The sharded report")."""
     import torch
 
     from .probing.scan import init_from_env

@@ -121,12 +121,8 @@ def ffn_component(
 
 
 def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) -> HookList:
-    """Scale each layer's FFN write: x^{l+1} = y + g_l Phi_l(y) (docs/gates.md).
-
-    Args:
-        gates: ``{layer: g}``, or one gate per layer (sequence or tensor of length n_layers). A tensor that
-            requires grad keeps its graph, so gates can be fitted by gradient descent.
-    """
+    """Scale each layer's FFN write, x^{l+1} = y + g_l Phi_l(y), by ``gates``: ``{layer: g}`` or one per layer (a
+    tensor that requires grad keeps its graph: gates fitted by gradient descent; docs/gates.md)."""
     ad = adapt(model)
     if isinstance(gates, Mapping):
         items = [(ad.check_layer(k, "gates key (layer)"), v) for k, v in gates.items()]

@@ -243,7 +243,10 @@ def _decode_record(value: dict, tensors: dict[str, torch.Tensor], where: str) ->
     missing = sorted(set(fields) - set(data) - set(added_fields_of(cls)))
     if missing:
         raise ResultFileError(f"{label}: missing field(s) {missing} for {kind!r}; the file is incomplete")
-    hints = _type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: check nothing rather than fail to load
+        hints = {}
     kwargs, late = {}, {}
     for name, raw in data.items():
         v = _decode(raw, tensors, f"{label}.{name}")
@@ -258,13 +261,6 @@ def _decode_record(value: dict, tensors: dict[str, torch.Tensor], where: str) ->
     for name, v in late.items():
         object.__setattr__(obj, name, v)
     return obj
-
-
-def _type_hints(cls: type) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: check nothing rather than fail to load
-        return {}
 
 
 # a decoded value against its field's annotation, by beartype (jaxtyping's tensor annotations are classes it

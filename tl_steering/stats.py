@@ -187,18 +187,9 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
 
 
 def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
-    """Richness of a population sampled with replacement, from how often each observed class was drawn.
-
-    The bias-corrected Chao1 estimate S_obs + f1 (f1 - 1) / (2 (f2 + 1)) (f_k: classes drawn exactly k times; Chao
-    1984, 2005) and its log-normal interval (Chao 1987: S_obs + T/K, S_obs + T K, T the estimated unseen count,
-    K = exp(z sqrt(log(1 + var / T²)))); where T = 0 (f1 <= 1) the interval of Chao's no-singleton case,
-    S_obs / (1 - P) ± z sqrt(S_obs P / (1 - P)), P = exp(-n / S_obs), n the number of draws. The draws must be
-    independent; classes drawn with a tiny probability can always hide, so the upper end is a statistical bound,
-    not a certain one.
-
-    Returns:
-        ``{"observed", "draws", "f1", "f2", "estimate", "ci_low", "ci_high", "level"}`` (all 0 without a draw).
-    """
+    """Chao1 richness of a population sampled with replacement, from how often each observed class was drawn, with
+    its interval: ``{"observed", "draws", "f1", "f2", "estimate", "ci_low", "ci_high", "level"}`` (all 0 without a
+    draw; docs/statistics.md, "Richness (Chao1)")."""
     counts = [int(a) for a in abundances if int(a) > 0]
     s_obs, n = len(counts), sum(counts)
     f1, f2 = counts.count(1), counts.count(2)

@@ -56,16 +56,8 @@ VERDICTS = ("holds", "partly holds", "does not hold", "undecided", "not judged")
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """One claim judged on one result: what is claimed, our number with its interval, the verdict and why
-    (every protocol result's ``claim()``; docs/suite.md, "Claims").
-
-    Attributes:
-        statement: the paper's words (``tl_steering/reference/published.json``, "claims") or ours (``by="ours"``);
-            empty when the result lacks what the verdict reads (``why`` says so).
-        verdict: one of :data:`VERDICTS`; why: what we found and why that verdict (plain text, no final period).
-        value, interval: our number (None where there is none) and its interval ``(low, high)`` (None: none).
-        parts: the verdict's parts (the critical claim's three; ``against``: what a number was judged against).
-    """
+    """One claim judged on one result: what is claimed, our number with its interval, the verdict (one of
+    :data:`VERDICTS`) and why (every protocol result's ``claim()``; fields: docs/suite.md, "Claims")."""
 
     statement: str
     verdict: str

@@ -1,12 +1,5 @@
-"""The parts of a :class:`~tl_steering.parallel.plan_result.ParallelPlan`'s fitted correction, and the check that a call
-was given all of them (docs/parallel.md, "Refit").
-
-A ``refit="linear"`` plan's correction is three parts, ``g_l Phi(x) + b_l + a W_l``, fitted together: gates, biases
-and linear maps. Given only some of them, a parallel block runs another correction than the one fitted, and it can
-be worse than none (measured on SmolLM2-135M: docs/parallel.md, "Refit"). ``ParallelPlan.corrections()`` and ``.linear_maps()`` return
-:class:`PlanPart` dicts that remember which plan part they are; :func:`check_complete` refuses a call that got some
-parts of a plan's correction but not all, naming what is missing and what to pass.
-"""
+"""The parts of a :class:`~tl_steering.parallel.plan_result.ParallelPlan`'s fitted correction (:class:`PlanPart`),
+and the check that a call was given all of them (:func:`check_complete`; why: docs/parallel.md, "Refit")."""
 
 from collections.abc import Mapping
 from typing import Any

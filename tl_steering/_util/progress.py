@@ -1,17 +1,5 @@
 """Progress inside long stages: a tick per forward pass, with tokens/s, without a callback argument on every
-protocol.
-
-Whoever shows progress (the suite runner's bar per stage, a notebook, a script) opens a block::
-
-    with tl_steering._util.progress.reporting(lambda s: bar.set_postfix_str(s.note())):
-        parallel_defect(model, tokens, evaluate=True)     # 30 gold-standard forwards, ticking
-
-Every forward that goes through the adapter (``ad.run_with_hooks``, hence ``loss_per_token`` and
-``run_with_cache``) calls :func:`forward_done` with its token count; the callback receives the running
-:class:`ForwardStats` at most every ``min_interval`` seconds, and once more when the block ends. Blocks nest:
-a forward counts in every open block. Outside any block :func:`forward_done` only reads one context variable.
-Context variables do not cross into threads the code starts itself: forwards run on such threads are not counted.
-"""
+protocol (docs/suite.md, "Progress")."""
 
 import contextlib
 import contextvars

@@ -1,9 +1,5 @@
-"""The one timing primitive (see docs/statistics.md, "Timing"): wall and CPU time of a block, and the median
-wall time of a repeated call, and the times of several calls in alternating rounds for a paired comparison
-(CUDA events on a GPU, ``time.perf_counter`` on a CPU).
-
-Timings are never part of a pinned or compared number: they depend on the machine and its load.
-"""
+"""The one timing primitive: a block's wall and CPU time, a call's median time, several calls in alternating
+rounds (docs/statistics.md, "Timing")."""
 
 import contextlib
 import dataclasses
@@ -61,17 +57,8 @@ def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", wa
 
 def alternating_seconds(fns: Sequence[Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1,
                         rounds: int = 5) -> list[list[float]]:
-    """Wall seconds of every call of ``fns`` timed in alternating rounds (A B A B ..., see docs/statistics.md).
-
-    ``warmup`` untimed calls of each function first; then round ``r`` calls every function once, the order
-    rotated by ``r`` (A B C, B C A, C A B, ...), so that a drift of the machine's load or a position effect hits
-    every function alike and the times of one round can be compared pairwise (``times[a][r] / times[b][r]``).
-    Give the same function twice for an A/A control: its ratio shows the noise of the comparison itself.
-    Runs under ``torch.no_grad()``; each call is timed like :func:`median_seconds`.
-
-    Returns:
-        ``times[i][r]``: seconds of ``fns[i]`` in round ``r``.
-    """
+    """``times[i][r]``: seconds of ``fns[i]`` in round ``r``, after ``warmup`` untimed calls of each, the order
+    rotated per round, under ``torch.no_grad()`` (docs/statistics.md, "Timing")."""
     device = torch.device(device)
     n = len(fns)
     times: list[list[float]] = [[] for _ in range(n)]

@@ -35,14 +35,8 @@ def iter_batches(ad: ModelAdapter, tokens: Int[Tensor, "batch pos"], names: Sequ
 
 def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = (), batch_size: int = 8,
               world: Any = None) -> float:
-    """Mean next-token cross-entropy (nats) over every predicted token of ``tokens``, with ``hooks``.
-
-    ``sum over windows of sum_i loss_i / number of predicted tokens``: every token weighs the same, whatever
-    the batching; accumulated in float64 (:func:`tl_steering.metrics.next_token_loss`). Raises
-    :class:`~tl_steering.errors.NonFiniteError` if a loss is NaN/Inf. ``model`` may be a model or its adapter.
-    ``world`` (a :class:`tl_steering.data.sharding.World`): each rank runs its batches, the per-window sums are
-    gathered and added in window order (the same number on one rank or many).
-    """
+    """Mean next-token cross-entropy (nats) over every predicted token of ``tokens``, with ``hooks``, every token
+    weighing the same (docs/metrics.md, "Mean loss over batches"); ``model`` may be a model or its adapter."""
     from .sharding import gather_rows, my_batches
 
     ad = adapt(model)

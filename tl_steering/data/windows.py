@@ -1,8 +1,11 @@
-"""Token windows of real English text with no network: Python's own ``pydoc_data`` (the language reference,
-about 100k tokens, on every install), a local text file, or a Hugging Face dataset (optional extra)."""
+"""Token windows of real English text, and the one reader of text sources (:func:`parse_source`,
+:func:`text_chunks`): Python's own ``pydoc_data`` (the language reference, about 100k tokens, on every install, no
+network), a local text file or directory, JSONL, or a Hugging Face dataset (optional extra)."""
 
 import dataclasses
 import functools
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,6 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from ..backends import adapt
 from ..errors import InputError
 
 
@@ -22,23 +24,141 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 
-def _source_text(source: str) -> tuple[str, str]:
+DEFAULT_CHUNK_CHARS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """What to read: ``kind`` is ``"pydoc"``, ``"file"``, ``"dir"``, ``"jsonl"`` or ``"hf"``; built by
+    :func:`parse_source` from a source string (docs/scale_out.md, "Streaming corpora")."""
+
+    kind: str
+    location: str
+    field: str | None = None
+    config: str | None = None
+    split: str | None = None
+
+    @property
+    def label(self) -> str:
+        """Short provenance label of the source (file names, not absolute paths)."""
+        if self.kind == "pydoc":
+            return "pydoc"
+        if self.kind in ("file", "dir"):
+            return f"{self.kind}:{Path(self.location).name}"
+        if self.kind == "jsonl":
+            return f"jsonl:{Path(self.location).name}:{self.field}"
+        return ":".join(x for x in ("hf", self.location, self.config, self.split, self.field) if x)
+
+
+def parse_source(source: str) -> CorpusSpec:
+    """Turn a ``source`` string into a :class:`CorpusSpec` (errors name what is wrong and what to pass)."""
+    if not isinstance(source, str) or not source:
+        raise InputError(f"source must be a non-empty string ('pydoc', a path, 'jsonl:PATH[:FIELD]' or "
+                         f"'hf:NAME[:CONFIG]:SPLIT[:FIELD]'), got {source!r}")
     if source == "pydoc":
-        return pydoc_text(), "pydoc"
+        return CorpusSpec("pydoc", "pydoc")
+    if source.startswith("jsonl:"):
+        rest = source[len("jsonl:"):]
+        path, _, field = (rest, "", "") if Path(rest).is_file() else rest.rpartition(":")
+        if not Path(path).is_file():
+            raise InputError(f"JSONL corpus {path!r} is not a file")
+        return CorpusSpec("jsonl", path, field=field or "text")
     if source.startswith("hf:"):
-        try:
-            import datasets  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise InputError("source='hf:NAME[:CONFIG]:SPLIT' needs the datasets extra: pip install 'tl-steering[datasets]'") from e
         parts = source[3:].split(":")
-        name, config, split = (parts + [None, None])[:3] if len(parts) >= 3 else (parts[0], None, parts[-1] if len(parts) > 1 else "test")
-        ds = datasets.load_dataset(name, config, split=split)
-        col = "text" if "text" in ds.column_names else ds.column_names[0]
-        return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), source
+        if len(parts) == 1 or not parts[0]:
+            raise InputError(f"Hugging Face source {source!r}: use 'hf:NAME[:CONFIG]:SPLIT[:FIELD]'")
+        name = parts[0]
+        config, split, field = None, parts[-1], None
+        if len(parts) == 3:
+            config, split = parts[1], parts[2]
+        elif len(parts) >= 4:
+            config, split, field = parts[1] or None, parts[2], parts[3]
+        return CorpusSpec("hf", name, field=field, config=config, split=split)
     path = Path(source)
-    if not path.exists():
-        raise InputError(f"text source {source!r} is neither 'pydoc', 'hf:NAME[:CONFIG]:SPLIT' nor an existing file")
-    return path.read_text(encoding="utf-8", errors="replace"), f"file:{path.name}"
+    if path.is_dir():
+        return CorpusSpec("dir", str(path))
+    if path.is_file():
+        return CorpusSpec("file", str(path))
+    raise InputError(f"text source {source!r} is neither 'pydoc', an existing file or directory, "
+                     "'jsonl:PATH[:FIELD]' nor 'hf:NAME[:CONFIG]:SPLIT[:FIELD]'")
+
+
+def datasets_module() -> Any:
+    """The ``datasets`` package (an optional extra), or an InputError saying how to install it."""
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise InputError("an 'hf:' source needs the datasets extra: pip install 'tl-steering[datasets]'") from e
+    return datasets
+
+
+def _read_chunks(handle: Any, chunk_chars: int) -> Iterator[str]:
+    """Line-aligned chunks of about ``chunk_chars`` characters from a text handle (one line may be longer)."""
+    buf: list[str] = []
+    size = 0
+    for line in handle:
+        buf.append(line)
+        size += len(line)
+        if size >= chunk_chars:
+            yield "".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf)
+
+
+def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[str]:
+    """The source's text as a stream of line-aligned chunks; documents are separated by a blank line."""
+    if spec.kind == "pydoc":
+        text = pydoc_text()
+        for i in range(0, len(text), chunk_chars):
+            yield text[i:i + chunk_chars]
+    elif spec.kind == "file":
+        with open(spec.location, encoding="utf-8", errors="replace") as f:
+            yield from _read_chunks(f, chunk_chars)
+    elif spec.kind == "dir":
+        files = sorted(p for p in Path(spec.location).rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+        if not files:
+            raise InputError(f"directory {spec.location!r} holds no *.txt or *.md file")
+        for p in files:
+            with open(p, encoding="utf-8", errors="replace") as f:
+                yield from _read_chunks(f, chunk_chars)
+            yield "\n\n"
+    elif spec.kind == "jsonl":
+        with open(spec.location, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{spec.location}:{lineno}: not a JSON line ({e.msg})") from e
+                if not isinstance(rec, dict) or spec.field not in rec:
+                    raise InputError(f"{spec.location}:{lineno}: no field {spec.field!r} "
+                                     "(choose it with 'jsonl:PATH:FIELD')")
+                text = str(rec[spec.field])
+                for i in range(0, len(text), chunk_chars):
+                    yield text[i:i + chunk_chars]
+                yield "\n\n"
+    elif spec.kind == "hf":
+        ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split, streaming=True)
+        for rec in ds:
+            field = spec.field or ("text" if "text" in rec else next(iter(rec)))
+            text = rec[field]
+            if text and str(text).strip():
+                yield str(text)
+                yield "\n\n"
+    else:  # pragma: no cover - CorpusSpec is built by parse_source
+        raise InputError(f"unknown corpus kind {spec.kind!r}")
+
+
+def _source_text(source: str) -> tuple[str, str]:
+    """The whole text of ``source`` (read by :mod:`.corpus`; an ``hf:`` source: its first 2000 non-empty records)."""
+    spec = parse_source(source)
+    if spec.kind != "hf":
+        return "".join(text_chunks(spec)), spec.label
+    ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
+    col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
+    return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), spec.label
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,10 +171,12 @@ def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list
 def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
                 seed: int = 0) -> Int[Tensor, "batch pos"]:
     """``[n_windows, length]`` long tensor (on the model's device) of deterministic windows of real text, tokenized
-    for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline; a UTF-8 text file;
-    ``"hf:NAME[:CONFIG]:SPLIT"``) chosen by a permutation seeded with ``seed``. Where the model's convention is to
+    for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline, or any source of
+    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. Where the model's convention is to
     prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
     ``length`` text tokens."""
+    from ..backends import adapt
+
     ad = adapt(model)
     if n_windows < 1 or length < 2:
         raise InputError(f"need n_windows >= 1 and length >= 2, got {n_windows} and {length}")
@@ -87,13 +209,8 @@ def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, s
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-    """Token ids together with the label of the corpus they came from; provenance that survives slicing.
-
-    Every public call that takes ``tokens`` also takes a ``TokenWindows``: its ``corpus`` then goes into the
-    result's provenance (an explicit ``corpus=`` argument wins). Slicing, ``split`` and ``to`` keep the label
-    (a slice records which rows: ``"pydoc:8x128:seed0[0:2]"``). ``windows.tokens`` is the plain tensor to feed
-    a model.
-    """
+    """Token ids together with the label of the corpus they came from, provenance that survives slicing (every
+    public call takes one as ``tokens``; docs/protocols.md, "Conventions shared by every protocol")."""
 
     tokens: Int[Tensor, "batch pos"]
     corpus: str
@@ -152,10 +269,12 @@ def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[An
     ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
     checks dtype, shape, range and length with errors that name the problem.
     """
+    from ..backends import adapt
+
     ad = adapt(model)
     tokens, corpus = token_source(tokens, corpus)
     return ad, ad.validate_tokens(tokens), corpus
 
 
-__all__ = ["TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
-           "token_source"]
+__all__ = ["CorpusSpec", "TokenWindows", "corpus_label", "model_tokens", "pydoc_text", "text_tokens", "text_windows",
+           "token_source", "parse_source", "text_chunks"]

@@ -167,21 +167,7 @@ def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tange
 ) -> AblationResult:
     """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (docs/ablation.md).
 
-    Args:
-        model: a TransformerLens model; left unchanged, no hook stays.
-        tokens: ``[batch, pos]`` token ids on the model's device.
-        keep: variants among ``tangential``, ``radial``, ``zero``, ``random_tangent``; ``zero`` is always added
-            (it is the denominator of ``ratio_to_zero``).
-        scope: ``"all"``: the chosen layers are ablated together (the paper's scope, [I]). ``"per_layer"``: in
-            addition, each chosen layer is ablated alone (one forward per layer and variant).
-        layers: layers to ablate (default: all).
-        include_random_tangent: add the random-tangent chance control.
-        ablate_position_0: ablate position 0's FFN write too (default); False keeps it intact.
-        seed: seed of the random-tangent control and of the bootstrap.
-        batch_size: sequences per forward pass.
-        n_bootstrap: bootstrap resamples over sequences for ``delta_loss_ci``.
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
-            per-sequence values are gathered in window order; the same result on every rank.
+    Arguments: docs/ablation.md, "Arguments of ffn_ablation".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)

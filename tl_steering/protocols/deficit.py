@@ -209,20 +209,7 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
                     corpus: str | None = None, batch_size: int = 8, world: World | None = None) -> DeficitResult:
     """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
 
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); left unchanged, no hook stays.
-        tokens: ``[batch, pos]`` token ids on the model's device.
-        layers: layers to measure (default: all).
-        exclude_positions: positions left out of every statistic (default: position 0, the attention sink).
-        n_bootstrap: bootstrap resamples over sequences for the 95 % CIs (0: none).
-        seed: seed of the bootstrap generator.
-        batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.data.sharding.World` (``sharding.world()`` under torchrun; every rank calls):
-            each rank runs its batches, the per-window values are gathered; the same result on every rank.
-
-    Returns:
-        :class:`DeficitResult`. The residual identity is checked on the first batch
-        (:class:`~tl_steering.errors.ResidualIdentityError` if the hooks do not decompose the residual stream).
+    Arguments: docs/deficit.md, "Arguments of angular_deficit".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)

@@ -240,17 +240,7 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
     ablations, and under an attention-gain sweep (docs/diversity.md).
 
-    Args:
-        model: a TransformerLens model; left unchanged, no hook stays.
-        tokens: ``[batch, pos]`` token ids on the model's device.
-        layers: layers whose sites are measured (default: all). Ablations and gains always act on every layer.
-        exclude_positions: positions left out of every direction set (default: position 0).
-        ablations: FFN-component variants (``tangential``, ``radial``, ``zero``, ``random_tangent``).
-        gains: attention-output gains for the sweep (empty: no sweep).
-        seed: seed of the random-tangent control.
-        batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls): each rank runs its batches, the
-            per-sequence values are gathered in window order; the same result on every rank.
+    Arguments: docs/diversity.md, "Arguments of diversity".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)

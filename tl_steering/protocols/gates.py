@@ -222,22 +222,7 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Method = "loss",
                     plan: Sequence[int] | None = None, batch_size: int = 8) -> GateResult:
     """Fit one scalar FFN gate per layer on top of ``base_hooks`` (docs/gates.md).
 
-    Args:
-        model: a TransformerLens model (weights never changed; hooks removed afterwards).
-        tokens: ``[batch, pos]``; split into calibration and held-out sequences (seeded) unless
-            ``held_out_tokens`` is given.
-        method: ``"loss"`` (Adam on CE) or ``"closed_form"`` (parallel-surrogate least squares; needs ``plan``).
-        base_hooks: hooks the gates are composed with: a fwd_hooks list, a callable ``model -> list``, or None
-            (``parallel_blocks(model, plan)`` when ``plan`` is given, else no hooks).
-        layers: layers that get a fitted gate (default: all for "loss", ``plan`` for "closed_form").
-        held_out: fraction of the sequences held out.
-        held_out_tokens: explicit held-out tokens (then all of ``tokens`` is the calibration split).
-        steps, lr: Adam steps and learning rate (loss method; full-batch gradient).
-        scan: also run the per-layer 1-D scans on the calibration split (``len(layers) × len(grid)`` forwards).
-        scan_grid: gate values of the scans (default 0, 0.25, ..., 2).
-        seed: seed of the split.
-        plan: the parallelized layers (closed form; default base hooks).
-        batch_size: sequences per forward.
+    Arguments: docs/gates.md, "Arguments of calibrate_gates".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     method = as_choice(method, "method", ("loss", "closed_form"))

@@ -19,28 +19,12 @@ from ..results import Result, register, tensor_field
 from .._util.claims import Claim, fmt
 from ..reference import paper_statement
 from ..stats import check_exclude_positions, position_mask
-from ..validation import as_choice, as_choices, as_int
+from ..validation import as_choice, as_choices, as_float, as_int, as_int_list
 from ..backends.ownership import exclusive
 
 Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
-
-
-def _check_positions(position: Any, n_pos: int) -> list[int]:
-    items = [position] if isinstance(position, int) and not isinstance(position, bool) else position
-    try:
-        items = list(items)
-    except TypeError as e:
-        raise InputError(f"position must be an int or a list of ints, got {position!r}") from e
-    out = []
-    for p in items:
-        if isinstance(p, bool) or not isinstance(p, int) or not -n_pos <= p < n_pos:
-            raise InputError(f"position {p!r} is not an int in [0, {n_pos}) for sequences of length {n_pos}")
-        out.append(p % n_pos)
-    if not out:
-        raise InputError("position is empty: pass at least one position to perturb")
-    return out
 
 
 @register
@@ -157,28 +141,17 @@ def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int,
                        ) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
-    Args:
-        model: a TransformerLens model (not changed; every hook is removed afterwards).
-        tokens: ``[batch, pos]``.
-        layer: l0, the layer whose ``resid_pre`` is perturbed (noise mode). In token mode the embedding changes,
-            ``layer`` is ignored and every layer is measured.
-        position: j, or a list of positions (one perturbed forward each; results averaged aligned by distance).
-        eps: noise mode: ``resid_pre[:, j] += eps · ||x_j|| · ξ`` with ξ a seeded random unit vector per sequence.
-        mode: ``"noise"`` or ``"token"`` (token j replaced by a seeded random vocabulary token != the original).
-        seed: seed of ξ and of the replacement tokens.
-
-    Returns:
-        :class:`PrefixSensitivityResult`.
+    Arguments: docs/prefix.md, "Arguments of prefix_sensitivity".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     mode = as_choice(mode, "mode", ("noise", "token"))
     seed = as_int(seed, "seed")
     n_seq, n_pos = tokens.shape
-    positions = _check_positions(position, n_pos)
+    items = as_int_list([position] if isinstance(position, int) else position, "position", allow_empty=False)
+    positions = [as_int(p, "position", minimum=-n_pos, maximum=n_pos - 1) % n_pos for p in items]
     if mode == "noise":
         l0 = ad.check_layer(layer)
-        eps = float(eps)
-        if not math.isfinite(eps) or eps <= 0:
+        if (eps := as_float(eps, "eps")) <= 0:
             raise InputError(f"eps must be a positive finite float, got {eps!r}")
     else:
         l0 = 0
@@ -284,14 +257,7 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
                       corpus: str | None = None) -> PrefixStatisticsResult:
     """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
 
-    Args:
-        model: a TransformerLens model.
-        tokens: ``[batch, pos]``.
-        layers: None for all.
-        site: any adapter site ("resid_pre", "resid_mid", "resid_post", "ffn_input", ...).
-        stats: any of "pairwise_cosine", "resultant_length", "effective_rank" (O(pos^4) per sequence: the
-            slowest), "participation_ratio".
-        exclude_positions: positions masked out of every prefix (BOS / attention sink; default (0,)).
+    Arguments: docs/prefix.md, "Arguments of prefix_statistics".
     """
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)

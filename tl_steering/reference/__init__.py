@@ -33,11 +33,8 @@ def published_data() -> dict[str, Any]:
 
 def published_numbers(regress_only: bool = False) -> list[dict[str, Any]]:
     """Every published number as a dict (``id``, ``model``, ``metric``, ``value``, ``range``, ``band``,
-    ``protocol``, ``certainty``, ``regress``, ``notes``, ...).
-
-    Args:
-        regress_only: drop the rows that must not be regressed against (definitions, low-trust numbers).
-    """
+    ``protocol``, ``certainty``, ``regress``, ``notes``, ...); ``regress_only``: without the rows that must not be
+    regressed against (definitions, low-trust numbers)."""
     rows = published_data()["numbers"]
     return [r for r in rows if r["regress"]] if regress_only else rows
 
@@ -70,13 +67,8 @@ def paper_statement(key: str) -> str:
 
 def band_check(ours: Any, number: str | dict[str, Any], by_range: bool = True) -> Claim:
     """Our value ``ours`` against one published number (its ``id`` or row): the one band check of the claims, the
-    report's comparison table and ``tests/published``.
-
-    With ``by_range``, the paper's published range decides where there is one: a value outside it does not hold even
-    when the wider tolerance band holds it (the band is named beside it). Otherwise, or without a range, the
-    tolerance band (either end None) around the paper's number or threshold decides. A bool is a shape target.
-    ``parts["against"]``: ``"paper's range"``, ``"tolerance band"``, ``"shape"`` or ``""`` (not judged).
-    """
+    report's comparison table and ``tests/published``; with ``by_range`` the paper's range decides where there is
+    one, else the tolerance band (either end None) (docs/published.md)."""
     row = published_number(number) if isinstance(number, str) else number
     rng, band, v = (row["range"] if by_range else None), row["band"], as_number(ours)
 

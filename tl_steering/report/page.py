@@ -117,19 +117,13 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         ["gates"]),
     ("critical", "Critical points of the FFN field",
         "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
-        "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes. The report runs critical_points' one finder "
-        "(the census, critical_census, which decides 'mostly saddles' where it can, is a benchmark: "
-        "docs/critical_points.md section 11): the power "
-        "iteration u ← ±normalize(F(u)) from every start reaches attractors (+) and repellers (−); edge tracking "
-        "between two of its basins reaches the saddle on their boundary (index 1, or one stable direction); "
-        "Levenberg-Marquardt finishes every point to a relative residual of 1e-10; the solution-landscape phase "
-        "walks from every point found to its neighbours of any index (deflated Newton along its tangent "
-        "eigenvectors). The points are a sample, not all equilibria: the label counts say which kinds exist, not "
-        "their share. So the "
-        "claim is judged in its three parts: one verified attractor decides 'not attractors'; the share of points "
-        "with a rotational mode decides 'rotational modes'; 'mostly saddles' is decided by no sample here, and the "
-        "Poincaré-Hopf parity of each layer's found set (index signs (-1)^(d-1-k) add up to the sphere's Euler "
-        "characteristic) bounds from below how many equilibria were not found.",
+        "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes, found by critical_points' one finder "
+        "(power iteration, edge tracking, Levenberg-Marquardt, the solution landscape: docs/critical_points.md "
+        "section 9). The points are a sample: the label counts say which kinds exist, not their share. One verified "
+        "attractor decides 'not attractors'; the share of points with a rotational mode decides 'rotational modes'; "
+        "'mostly saddles' is decided by no sample here (the census is a benchmark: docs/critical_points.md section "
+        "11), and the Poincaré-Hopf parity of each layer's found set bounds from below how many equilibria were not "
+        "found.",
         ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
     ("prefix", "Prefix-indexed causal dynamics",
         "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "
