@@ -210,7 +210,6 @@ def pinned_suite_settings(settings: dict[str, Any] | None = None) -> SuiteSettin
         defect_gold_layers=list(s["defect_gold_layers"]),
         defect_gold_k_values=[0, 2],
         plan_k=s["defect_k"],
-        gate_method="closed_form",
         critical_layers=[],
         prefix_layer=s["prefix_layer"],
         prefix_positions=list(s["prefix_positions"]),
