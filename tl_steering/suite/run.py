@@ -120,9 +120,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             timing=False,
             **c.common(),
         )
-    # ---- the plan: the planner's reference (PLANNER.reference, the k lowest-C layers of the defect scores: the
-    # report's numbers), or another planner strategy (plan_parallel(model, tokens, k, strategy=...)) when
-    # settings.plan_strategy names one; its ParallelPlan is kept in SuiteResult.planner.
+    # the plan: the k lowest-C layers (PLANNER.reference), or settings.plan_strategy's (kept in res.planner)
     k = min(s.plan_k, len(defect.candidates))
     if s.plan_strategy == PLANNER.reference:
         layers, strategy = defect.plan(k), PLANNER.reference

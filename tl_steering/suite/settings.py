@@ -13,9 +13,7 @@ from ..critical.options import DEFAULT_FINDER, METHODS
 from ..results import register
 from ..validation import as_int
 
-#: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
-#: the data it reads from earlier stages (``checks`` -> clean loss; ``defect`` -> the plan that ``parallel`` and
-#: ``gates`` use; ``plan_choice`` -> the chosen plan that ``parallel`` also runs), so a later scheduler can plan shared passes or shard windows stage by stage.
+#: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run (what each reads: docs/suite.md, "Stages")
 STAGES: tuple[str, ...] = (
     "checks",
     "deficit",
@@ -29,8 +27,7 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-#: The strategies the ``plan_choice`` stage compares by default: the planner's one default,
-#: :data:`tl_steering.parallel.strategies.PLANNER` (as ``plan_parallel``).
+#: The strategies the ``plan_choice`` stage compares by default: the planner's (``parallel.strategies.PLANNER``)
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = PLANNER.strategies
 
 #: the finders the critical stage can run: the one finder of tl_steering.critical (docs/critical_points.md)
