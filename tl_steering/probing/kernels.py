@@ -185,10 +185,7 @@ def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
     """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
     ``[batch, n, d]`` set (``sq``: its rows' squared norms ``[batch, n]``), stacked set-major ``[len(sets) * batch]``,
     from one Gram matrix per sequence (the smaller one); the effective rank (an ``eigvalsh`` of it) only with
-    ``spectrum``, else 0.
-
-    Participation ratio: ``(sum_k s_k^2)^2 / sum_k s_k^4 = tr(G)^2 / ||G||_F^2`` of the same Gram matrix (either
-    one: ``||U U^T||_F = ||U^T U||_F``), no decomposition, as ``geometry.participation_ratio``."""
+    ``spectrum``, else 0; the participation ratio ``tr(G)^2 / ||G||_F^2`` (either Gram: ``||U U^T||_F = ||U^T U||_F``)."""
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
@@ -253,8 +250,7 @@ def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gr
 
 class Accumulator:
     """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
-    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of
-    forwards."""
+    ``[n_quantities, n_layers]`` (per-sequence metrics); their size does not grow with the forwards."""
 
     def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
                  device: torch.device):
@@ -268,9 +264,6 @@ class Accumulator:
         self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
         self.s_msk = torch.zeros_like(self.s_cnt)
         self._index: dict[tuple[bool, tuple[str, ...]], Tensor] = {}
-
-    def tensors(self) -> list[Tensor]:
-        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
 
     def _rows(self, names: list[str], token: bool) -> Tensor:
         """Accumulator rows of ``names`` (an index tensor, built once per distinct list)."""

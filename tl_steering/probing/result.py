@@ -1,6 +1,5 @@
-"""The result of a streaming geometry probe (:func:`tl_steering.probe`, module ``tl_steering.probing.trace``): per-layer running sums,
-counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probing/trace.py`` for the
-metric definitions (docs/protocols.md)."""
+"""The result of a streaming geometry probe (:func:`tl_steering.probe`): per-layer running sums, counts and masked
+counts, their means, merging, summary and figures (docs/probe.md)."""
 
 import dataclasses
 import math

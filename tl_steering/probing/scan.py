@@ -28,11 +28,8 @@ __all__ = ["World", "check_agreement", "init_from_env", "main", "scan", "world"]
 
 
 def init_from_env(device: str | None = None) -> bool:
-    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1).
-
-    gloo on CPU, NCCL when ``device`` is CUDA (each rank then uses ``cuda:LOCAL_RANK``). Returns True when it
-    created the group (the caller destroys it), False when there is nothing to do.
-    """
+    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1): gloo on CPU, NCCL
+    on ``cuda:LOCAL_RANK``. True when it created the group (the caller destroys it)."""
     dist = torch.distributed
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
         return False

@@ -45,11 +45,8 @@ def bin_edges_for(n_ctx: int) -> Tensor:
 
 
 class ProbeTrace:
-    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered.
-
-    It may be entered several times; every forward run inside adds to the same running sums. Read the
-    numbers with :meth:`result` (at any time, also inside the block).
-    """
+    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered (possibly several
+    times); :meth:`result` reads the numbers at any time, also inside the block."""
 
     def __init__(self, model: Any, metrics: Sequence[str] | str | None = None,
                  layers: Sequence[int] | int | None = None, exclude_positions: Sequence[int] = (0,),
@@ -265,17 +262,13 @@ class ProbeTrace:
     def __exit__(self, *exc: Any) -> None:
         self._entered = False
         self._detach(*exc)
-        return None
 
     # No __del__ safety net: a Ctrl-C landing anywhere, also on entry to __exit__, is handled by the guard's
     # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
-        """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.
-
-        The same arithmetic as the hooks (the cache route of ``benchmarks/probe_overhead.py``); it needs the
-        probed layers' resid_pre, attn_out, resid_mid, mlp_out and resid_post under their legacy hook names.
-        """
+        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``: the probed layers' sites
+        under their legacy hook names) to the sums, with the same arithmetic as the hooks."""
         for layer in self.layers:
             sites = self._layer_sites(layer)
             missing = [name for _, name in sites if name not in cache]
@@ -364,7 +357,8 @@ class ProbeTrace:
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:
         """Bytes held by the accumulators (constant: it does not grow with the number of forwards)."""
-        return sum(t.numel() * t.element_size() for t in self._acc.tensors())
+        a = self._acc
+        return sum(t.numel() * t.element_size() for t in (a.t_sum, a.t_cnt, a.t_msk, a.s_sum, a.s_cnt, a.s_msk))
 
     def result(self) -> "ProbeResult":
         """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running).

@@ -288,14 +288,8 @@ class RunArguments:
 @register
 @dataclasses.dataclass
 class SuiteResult(Result):
-    """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
-
-    A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
-    ``tl_steering.parallel.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
-    the cheap strategy comparison of the ``plan_choice`` stage and ``executor_choice`` its chosen plan run by the
-    parallel executor (``executor``: the lowest-C plan). Timings are the only numbers that
-    change between identical runs.
-    """
+    """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`); a field is
+    ``None`` when its stage was not run (docs/suite.md, "The result")."""
 
     settings: SuiteSettings = dataclasses.field(default_factory=SuiteSettings)
     seed: int = 0
