@@ -21,13 +21,8 @@ DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "par
 
 def erank_from_eigvalsh(ev: Tensor) -> Tensor:
     """Effective rank of unit-row matrices U from the eigenvalues ``[..., size]`` of their Gram matrix
-    ``U U^T`` (or ``U^T U``; ``torch.linalg.eigvalsh``), batched.
-
-    sigma_k = sqrt(eig_k(gram)). Eigenvalues below ``size * eps64 * eig_max`` are numerical zeros of the
-    Gram route (singular values below ~1e-7 sigma_max) and are dropped, as are sigma < 1e-12 sigma_max
-    (geometry.SINGULAR_REL). For well-conditioned sets this equals ``geometry.effective_rank`` (an SVD) to
-    ~1e-12; for a set with singular values in (1e-12, 1e-7) sigma_max it can differ by ~1e-6 (those carry
-    almost no entropy). NaN where the Gram matrix is 0 (no valid row); callers mask that.
+    (``torch.linalg.eigvalsh``), batched: sigma_k = sqrt(eig_k), numerical zeros dropped (docs/probe.md, "Choices").
+    NaN where the Gram matrix is 0 (no valid row); callers mask that.
     """
     size = ev.shape[-1]
     ev = ev.clamp_min(0.0)
@@ -107,14 +102,9 @@ def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], 
 
 def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
-    ``sets``, stacked set-major ``[len(sets) * b, size, size]`` (both triangles).
-
-    On a CPU, in float64, through numpy's ``matmul``: numpy sends ``A @ A.T`` and ``A.T @ A`` to its BLAS's
-    symmetric rank-k kernel (``dsyrk``: half the flops) and mirrors the triangle, which ran the diversity Grams of
-    SmolLM2 (127 x 576 per sequence) 25-30% faster than torch's BLAS. Call it with numpy's BLAS capped at one
-    thread (``_util.threads.single_threaded``) when two threads call it at once: a multi-threaded OpenBLAS
-    serializes concurrent callers. Elsewhere (a GPU, another dtype) torch's ``matmul``.
-    """
+    ``sets``, stacked set-major ``[len(sets) * b, size, size]`` (both triangles): on a CPU in float64 through
+    numpy's ``matmul`` (``dsyrk``; call it with numpy's BLAS on one thread when two threads call it at once),
+    elsewhere torch's (docs/probe.md, "Cost")."""
     b, n, d = sets[0].shape
     size = d if cols else n
     t0 = sets[0]
@@ -155,9 +145,7 @@ def splits(device: torch.device) -> bool:
 
 def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
-    helper thread while this thread runs the first (torch releases the GIL inside its kernels, so the halves
-    use two cores with torch itself on one thread each: no OpenMP team to spin against other processes).
-    Both halves are finished when this returns, also when one raises."""
+    helper thread while this thread runs the first; both are finished when this returns, also when one raises."""
     if not split or n < 2:
         return [fn(0, n)]
     h = (n + 1) // 2
@@ -173,11 +161,7 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
 def token_grams(groups: Sequence[Tensor], split: bool = False) -> list[Tensor]:
     """Per-token Gram matrices of each group of slot vectors ``[slots, batch, pos, d]`` (a view of the probe's
     buffer): ``[batch, pos, slots, slots]`` each; with ``split``, the two halves of the batch on two threads
-    (:func:`in_halves`; the same products).
-
-    The probe asks for the dot products its metrics use, in two groups (x, a, z and y, phi: 9 + 4 entries a
-    token) rather than one 5 x 5 product (25): a batched product of tiny matrices costs about its number of
-    entries, and the two groups ran in half the time of the 5 x 5 one."""
+    (:func:`in_halves`; the same products). docs/probe.md, "Cost"."""
     Vs = [g.permute(1, 2, 0, 3) for g in groups]
     out = [V.new_empty((*V.shape[:-1], V.shape[-2])) for V in Vs]
 
@@ -201,10 +185,7 @@ def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
     """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
     ``[batch, n, d]`` set (``sq``: its rows' squared norms ``[batch, n]``), stacked set-major ``[len(sets) * batch]``,
     from one Gram matrix per sequence (the smaller one); the effective rank (an ``eigvalsh`` of it) only with
-    ``spectrum``, else 0.
-
-    Participation ratio: ``(sum_k s_k^2)^2 / sum_k s_k^4 = tr(G)^2 / ||G||_F^2`` of the same Gram matrix (either
-    one: ``||U U^T||_F = ||U^T U||_F``), no decomposition, as ``geometry.participation_ratio``."""
+    ``spectrum``, else 0; the participation ratio ``tr(G)^2 / ||G||_F^2`` (either Gram: ``||U U^T||_F = ||U^T U||_F``)."""
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
@@ -243,15 +224,10 @@ def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gr
               sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
     ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
-    halves of the batch on two threads (:func:`in_halves`: each sequence's numbers come from its own Gram matrix
-    either way). ``sq``: the squared norms ``[batch, n]`` of each set's rows where the caller has them (the probe:
-    the diagonals of its per-token Grams); None computes them.
-
-    ``spectrum`` (the effective rank) needs each sequence's Gram matrix (:func:`gram_sets`) and one batched
-    ``eigvalsh``; ``gram`` (the participation ratio; default: ``spectrum``) the Gram matrix only. The pairwise
-    cosine and the resultant length read ``||sum_j u_j||^2 = sum_ij <u_i, u_j>`` off it at no extra cost. With
-    neither there is no Gram matrix: ``sum_j u_j`` directly, O(n d) per sequence instead of O(n^2 d + n^3); a
-    statistic not computed is 0 and marked invalid."""
+    halves of the batch on two threads. ``sq``: the squared row norms ``[batch, n]`` where the caller has them
+    (None computes them). ``spectrum`` (the effective rank: Gram matrices and one ``eigvalsh``) and ``gram``
+    (the participation ratio; default: ``spectrum``) need each sequence's Gram matrix; with neither, ``sum_j u_j``
+    directly (docs/probe.md, "Cost"); a statistic not computed is 0 and marked invalid."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
@@ -274,8 +250,7 @@ def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gr
 
 class Accumulator:
     """Running sums, counts and masked counts: ``[n_quantities, n_layers, n_bins]`` (token metrics) and
-    ``[n_quantities, n_layers]`` (per-sequence diversity). Fixed size: independent of the number of
-    forwards."""
+    ``[n_quantities, n_layers]`` (per-sequence metrics); their size does not grow with the forwards."""
 
     def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
                  device: torch.device):
@@ -289,9 +264,6 @@ class Accumulator:
         self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
         self.s_msk = torch.zeros_like(self.s_cnt)
         self._index: dict[tuple[bool, tuple[str, ...]], Tensor] = {}
-
-    def tensors(self) -> list[Tensor]:
-        return [self.t_sum, self.t_cnt, self.t_msk, self.s_sum, self.s_cnt, self.s_msk]
 
     def _rows(self, names: list[str], token: bool) -> Tensor:
         """Accumulator rows of ``names`` (an index tensor, built once per distinct list)."""

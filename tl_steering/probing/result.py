@@ -1,6 +1,5 @@
-"""The result of a streaming geometry probe (:func:`tl_steering.probe`, module ``tl_steering.probing.trace``): per-layer running sums,
-counts and masked counts, their means, merging, summary and figures. See ``tl_steering/probing/trace.py`` for the
-metric definitions (docs/protocols.md)."""
+"""The result of a streaming geometry probe (:func:`tl_steering.probe`): per-layer running sums, counts and masked
+counts, their means, merging, summary and figures (docs/probe.md)."""
 
 import dataclasses
 import math
@@ -27,10 +26,8 @@ QUANTITIES: dict[str, tuple[str, ...]] = {
 }
 TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
 SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")
-#: what ``probe(model)`` measures: every metric but the per-sequence spectra (``effective_rank``: one Gram matrix and
-#: eigenproblem per sequence and site; ``participation_ratio``: one Gram matrix), which cost more than the forward's
-#: share the probe is allowed (docs/probe.md, "Cost"); ``metrics="all"`` adds them
-DEFAULT_METRICS: tuple[str, ...] = (*TOKEN_METRICS, "diversity")  # per-sequence statistics: not binned by position
+#: what ``probe(model)`` measures: every metric but the per-sequence spectra (docs/probe.md, "Which metrics by default")
+DEFAULT_METRICS: tuple[str, ...] = (*TOKEN_METRICS, "diversity")
 SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
 _F64 = torch.float64
@@ -44,24 +41,9 @@ def _mean(s: Tensor, c: Tensor) -> Tensor:
 @register
 @dataclasses.dataclass(kw_only=True)
 class ProbeResult(Result):
-    """Per-layer geometry accumulated by :func:`probe`.
-
-    Attributes:
-        metrics: metric groups that were computed.
-        layers: probed layers (index i of every per-layer tensor is layer ``layers[i]``).
-        parallel: per probed layer, whether the block is parallel (no resid_mid: ``*_mid`` entries NaN).
-        exclude_positions: positions left out of every statistic.
-        position_bins: whether the token metrics were binned by position.
-        bin_edges: int64 ``[n_bins + 1]``; bin k holds positions ``bin_edges[k] <= p < bin_edges[k+1]``
-            (a single bin when ``position_bins`` is False).
-        n_tokens / n_sequences / n_forwards: what the probe saw (all positions, excluded ones included).
-        sums / counts / masked: per quantity, float64 sums, int64 counts of the averaged rows (tokens, or
-            sequences for the per-sequence metrics) and int64 counts of masked rows, each ``[layer, n_bins]``
-            (``[layer, 1]`` for the per-sequence ones). Means are ``sums / counts``; two results of the same probe setup
-            merge by adding them (:meth:`merge`).
-
-    Per-layer means: :meth:`get` (``res.get("tangent_alignment")``) or the attribute of the same name
-    (``res.tangent_alignment``), ``Float[Tensor, " layer"]``, NaN where nothing was counted.
+    """Per-layer geometry accumulated by :func:`probe`: float64 ``sums``, int64 ``counts`` and ``masked`` per
+    quantity, each ``[layer, n_bins]`` (``[layer, 1]`` for the per-sequence ones), and the probe's setup; means by
+    :meth:`get` or the attribute of the same name (``res.tangent_alignment``). Fields: docs/probe.md, "The result".
     """
 
     metrics: list[str] = dataclasses.field(default_factory=list)
@@ -134,7 +116,7 @@ class ProbeResult(Result):
                 and torch.equal(self.bin_edges, other.bin_edges))
         if not same:
             raise InputError("can only merge results of the same probe setup (layers, metrics, positions, bins)")
-        out = dataclasses.replace(
+        return dataclasses.replace(
             self,
             sums={q: self.sums[q] + other.sums[q] for q in self.sums},
             counts={q: self.counts[q] + other.counts[q] for q in self.counts},
@@ -144,7 +126,6 @@ class ProbeResult(Result):
             provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
                                            n_sequences=self.n_sequences + other.n_sequences),
         )
-        return out
 
     def summary(self) -> dict[str, Any]:
         """Mean over probed layers (NaN layers skipped) of every quantity, plus token counts."""

@@ -16,6 +16,7 @@ import torch
 from ..backends import adapt, weights_fingerprint
 from ..data.corpus import CorpusSpec, iter_window_rows, parse_source
 from ..errors import InputError
+from ..validation import as_int
 from .result import ProbeResult
 from .trace import probe
 from ..data.sharding import World, check_agreement, gather_objects, rank_device, world
@@ -27,11 +28,8 @@ __all__ = ["World", "check_agreement", "init_from_env", "main", "scan", "world"]
 
 
 def init_from_env(device: str | None = None) -> bool:
-    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1).
-
-    gloo on CPU, NCCL when ``device`` is CUDA (each rank then uses ``cuda:LOCAL_RANK``). Returns True when it
-    created the group (the caller destroys it), False when there is nothing to do.
-    """
+    """Initialize the default process group from torchrun's environment (``WORLD_SIZE`` > 1): gloo on CPU, NCCL
+    on ``cuda:LOCAL_RANK``. True when it created the group (the caller destroys it)."""
     dist = torch.distributed
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
@@ -42,9 +40,6 @@ def init_from_env(device: str | None = None) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     return True
-
-
-_gather = gather_objects
 
 
 def _digest(settings: dict[str, Any]) -> str:
@@ -67,28 +62,16 @@ def scan(
     resume: bool = False,
     progress: bool = False,
 ) -> ProbeResult:
-    """Probe ``n_windows`` windows of a streamed corpus, split over the ranks of the process group.
-
-    Args:
-        model: a TransformerLens model (the same on every rank).
-        source: ``"pydoc"``, a text file, a directory, ``"jsonl:PATH[:FIELD]"`` or ``"hf:..."``
-            (see :func:`tl_steering.data.corpus.parse_source`).
-        n_windows: windows of ``length`` tokens to cover (all ranks together).
-        metrics, layers, exclude_positions: as for :func:`tl_steering.probe`.
-        shard_windows: windows per shard (the unit of work, of checkpointing and of resuming).
-        batch_size: windows per forward.
-        out_dir: where shards and the result are written (needed for ``resume``); None keeps all in memory.
-        resume: continue a killed run in ``out_dir`` (its ``scan.json`` must hold the same settings).
-        progress: a tqdm bar on rank 0 (tokens and tokens/s of this rank).
-
-    Returns:
-        The merged :class:`ProbeResult` (on every rank; rank 0 also writes ``out_dir/result.json``). Its
-        provenance records the corpus, the world size and the torch.distributed backend.
+    """Probe ``n_windows`` windows of ``length`` tokens of a streamed corpus (``source``: see
+    :func:`tl_steering.data.corpus.parse_source`), split over the ranks of the process group in shards of
+    ``shard_windows`` windows (batches of ``batch_size``); ``metrics``, ``layers``, ``exclude_positions`` as for
+    :func:`tl_steering.probe`. With ``out_dir`` the shards and the result are written there and ``resume``
+    continues a killed run of the same settings; ``progress``: a tqdm bar on rank 0. Returns the merged
+    :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N processes").
     """
     for name, v, lo in (("n_windows", n_windows, 1), ("length", length, 2), ("shard_windows", shard_windows, 1),
                         ("batch_size", batch_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise InputError(f"scan: {name} must be an int >= {lo}, got {v!r}")
+        as_int(v, name, minimum=lo, where="scan")
     if resume and out_dir is None:
         raise InputError("scan: resume=True needs out_dir (where the finished shards are)")
     ad = adapt(model)
@@ -108,87 +91,17 @@ def scan(
     shard_dir = None
     done: set[int] = set()
     if out_dir is not None:
-        out = Path(out_dir)
-        shard_dir = out / "shards"
-        manifest = out / "scan.json"
-        if w.rank == 0:
-            if manifest.exists() and not resume:
-                raise InputError(f"{out} already holds a scan; pass resume=True (--resume) to continue it, or "
-                                 "choose another output directory")
-            if manifest.exists():
-                old = json.loads(manifest.read_text())
-                if old.get("digest") != _digest(settings):
-                    diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
-                    raise InputError(f"{manifest} was written with other settings (differs in: {', '.join(diff)});"
-                                     " resume needs the same model, corpus and settings")
-            shard_dir.mkdir(parents=True, exist_ok=True)
-            manifest.write_text(json.dumps({"digest": _digest(settings), "settings": settings,
-                                            "n_shards": n_shards}, indent=1, default=str))
-        if w.active:
-            torch.distributed.barrier()
+        shard_dir = _prepare_out(Path(out_dir), settings, n_shards, resume, w)
         if resume:
             done = {j for j in mine if (shard_dir / f"shard-{j:06d}.json").exists()}  # written last
             metrics = _resumed_metrics(metrics, shard_dir)
-
     todo = [j for j in mine if j not in done]
-    bar = None
-    if progress and w.rank == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo) * shard_windows * length, unit="tok", unit_scale=True, desc="scan")
-    results: dict[int, ProbeResult] = {}
-    if todo:
-        rows: list[list[int]] = []
-        current = None
-
-        def finish(j: int, batch_rows: list[list[int]]) -> None:
-            t0 = time.perf_counter()
-            with probe(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
-                       corpus=f"{spec.label}:shard{j}") as trace, torch.no_grad():
-                for i in range(0, len(batch_rows), batch_size):
-                    t = torch.tensor(batch_rows[i:i + batch_size], dtype=torch.long, device=ad.device)
-                    ad.model(t, return_type=None)
-            res = trace.result()
-            if shard_dir is not None:
-                res.save(shard_dir / f"shard-{j:06d}.json")  # atomic: no half shard
-            results[j] = res
-            if bar is not None:
-                bar.update(len(batch_rows) * length)
-                bar.set_postfix(tok_per_s=f"{len(batch_rows) * length / max(time.perf_counter() - t0, 1e-9):.0f}")
-
-        wanted = set(todo)
-        for i, row in iter_window_rows(model, spec, length):
-            if i >= n_windows:
-                break
-            j = i // shard_windows
-            if j not in wanted:
-                continue
-            if current is not None and j != current:
-                finish(current, rows)
-                rows = []
-            current = j
-            rows.append(row)
-        if current is not None and rows:
-            finish(current, rows)
-        missing = wanted - set(results)
-        if missing:
-            raise InputError(f"the corpus {spec.label} ended before window {min(missing) * shard_windows}: it "
-                             f"holds fewer than n_windows={n_windows} windows of {length} tokens")
-    if bar is not None:
-        bar.close()
+    probe_kw = {"metrics": metrics, "layers": layers, "exclude_positions": exclude_positions}
+    results = _run_shards(ad, spec, todo, probe_kw, n_windows=n_windows, length=length, shard_windows=shard_windows,
+                          batch_size=batch_size, shard_dir=shard_dir, progress=progress and w.rank == 0)
     for j in sorted(done):
         results[j] = ProbeResult.load(shard_dir / f"shard-{j:06d}.json")
-
-    # gather every rank's shard sums and add them in shard order (the same order on every rank)
-    payload = {j: r.to_dict() for j, r in results.items()}
-    merged_parts: dict[int, Any] = {}
-    for part in _gather(payload, w):
-        merged_parts.update(part)
-    total = None
-    for j in range(n_shards):
-        r = results[j] if j in results else ProbeResult.from_dict(merged_parts[j])
-        total = r if total is None else total.merge(r)
-    assert total is not None
+    total = _merge_shards(results, n_shards, w)
     prov = dataclasses.replace(total.provenance, corpus=f"{spec.label}:{n_windows}x{length}", world_size=w.size,
                                extra={**total.provenance.extra, "scan": {"shard_windows": shard_windows,
                                                                         "n_shards": n_shards,
@@ -200,12 +113,97 @@ def scan(
     return total
 
 
+def _prepare_out(out: Path, settings: dict[str, Any], n_shards: int, resume: bool, w: World) -> Path:
+    """Rank 0 checks ``out/scan.json`` against ``settings`` (a resumed scan must match) and (re)writes it; every
+    rank waits for it and gets the shard directory."""
+    shard_dir = out / "shards"
+    manifest = out / "scan.json"
+    if w.rank == 0:
+        if manifest.exists() and not resume:
+            raise InputError(f"{out} already holds a scan; pass resume=True (--resume) to continue it, or "
+                             "choose another output directory")
+        if manifest.exists():
+            old = json.loads(manifest.read_text())
+            if old.get("digest") != _digest(settings):
+                diff = sorted(k for k in settings if old.get("settings", {}).get(k) != settings[k])
+                raise InputError(f"{manifest} was written with other settings (differs in: {', '.join(diff)});"
+                                 " resume needs the same model, corpus and settings")
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        manifest.write_text(json.dumps({"digest": _digest(settings), "settings": settings,
+                                        "n_shards": n_shards}, indent=1, default=str))
+    if w.active:
+        torch.distributed.barrier()
+    return shard_dir
+
+
+def _run_shards(ad: Any, spec: CorpusSpec, todo: list[int], probe_kw: dict[str, Any], *, n_windows: int,
+                length: int, shard_windows: int, batch_size: int, shard_dir: Path | None,
+                progress: bool) -> dict[int, ProbeResult]:
+    """Probe the shards ``todo`` of the corpus stream (saving each to ``shard_dir``, atomically, when given)."""
+    results: dict[int, ProbeResult] = {}
+    if not todo:
+        return results
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo) * shard_windows * length, unit="tok", unit_scale=True, desc="scan")
+
+    def finish(j: int, batch_rows: list[list[int]]) -> None:
+        t0 = time.perf_counter()
+        with probe(ad.model, corpus=f"{spec.label}:shard{j}", **probe_kw) as trace, torch.no_grad():
+            for i in range(0, len(batch_rows), batch_size):
+                t = torch.tensor(batch_rows[i:i + batch_size], dtype=torch.long, device=ad.device)
+                ad.model(t, return_type=None)
+        res = trace.result()
+        if shard_dir is not None:
+            res.save(shard_dir / f"shard-{j:06d}.json")  # atomic: no half shard
+        results[j] = res
+        if bar is not None:
+            bar.update(len(batch_rows) * length)
+            bar.set_postfix(tok_per_s=f"{len(batch_rows) * length / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+    wanted = set(todo)
+    rows: list[list[int]] = []
+    current = None
+    for i, row in iter_window_rows(ad.model, spec, length):
+        if i >= n_windows:
+            break
+        j = i // shard_windows
+        if j not in wanted:
+            continue
+        if current is not None and j != current:
+            finish(current, rows)
+            rows = []
+        current = j
+        rows.append(row)
+    if current is not None and rows:
+        finish(current, rows)
+    if bar is not None:
+        bar.close()
+    missing = wanted - set(results)
+    if missing:
+        raise InputError(f"the corpus {spec.label} ended before window {min(missing) * shard_windows}: it "
+                         f"holds fewer than n_windows={n_windows} windows of {length} tokens")
+    return results
+
+
+def _merge_shards(results: dict[int, ProbeResult], n_shards: int, w: World) -> ProbeResult:
+    """Gather every rank's shard sums and add them in shard order (the same order on every rank)."""
+    merged_parts: dict[int, Any] = {}
+    for part in gather_objects({j: r.to_dict() for j, r in results.items()}, w):
+        merged_parts.update(part)
+    total = None
+    for j in range(n_shards):
+        r = results[j] if j in results else ProbeResult.from_dict(merged_parts[j])
+        total = r if total is None else total.merge(r)
+    assert total is not None
+    return total
+
+
 def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
-    """The metrics every remaining shard measures on resume: those of the shards written so far (the first one, on
-    every rank) when ``metrics`` is None (the default, whose list may have changed since the scan started)
-    or a subset of theirs (a shard of this scan upgraded on load, e.g. ``effective_rank`` split from
-    ``diversity``); otherwise as asked. Shards of one scan then always merge, and the scan gives what it gave
-    when it started."""
+    """The metrics every remaining shard measures on resume: those of the shards written so far when ``metrics``
+    is None or a subset of theirs, else as asked, so that the shards always merge (docs/scale_out.md)."""
     first = next(iter(sorted(shard_dir.glob("shard-*.json"))), None)
     if first is None:
         return metrics

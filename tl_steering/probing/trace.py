@@ -3,6 +3,7 @@ geometry accumulated in float64 during ordinary forwards, no activation kept (sp
 
 import contextlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,32 +44,17 @@ def bin_edges_for(n_ctx: int) -> Tensor:
     return torch.tensor(position_bin_edges(n_ctx), dtype=torch.int64)
 
 
-_position_bins = position_bin_index  # 0 for position 0, floor(log2 p) + 1 otherwise (tl_steering.stats)
-
-
 class ProbeTrace:
-    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered.
-
-    It may be entered several times; every forward run inside adds to the same running sums. Read the
-    numbers with :meth:`result` (at any time, also inside the block).
-    """
+    """A live probe (see :func:`probe`): a context manager that accumulates while it is entered (possibly several
+    times); :meth:`result` reads the numbers at any time, also inside the block."""
 
     def __init__(self, model: Any, metrics: Sequence[str] | str | None = None,
                  layers: Sequence[int] | int | None = None, exclude_positions: Sequence[int] = (0,),
                  position_bins: bool = False, corpus: str | None = None):
         self.ad = adapt(model)
         self.model = self.ad.model
-        if metrics is None:
-            metrics = list(DEFAULT_METRICS)
-        elif metrics == "all":
-            metrics = list(METRICS)
-        elif isinstance(metrics, str):
-            metrics = [metrics]
-        metrics = list(dict.fromkeys(metrics))
-        bad = [m for m in metrics if m not in METRICS]
-        if bad or not metrics:
-            raise InputError(f"unknown probe metric(s) {bad or metrics!r}; choose from {METRICS} "
-                             "(metrics=None: the default, DEFAULT_METRICS; 'all': every metric)")
+        metrics = DEFAULT_METRICS if metrics is None else METRICS if metrics == "all" else metrics
+        metrics = validation.as_choices(metrics, "probe metric", METRICS)  # None: DEFAULT_METRICS; "all": every one
         self.metrics = [m for m in METRICS if m in metrics]
         self.layers = self.ad.layers(layers)
         self.exclude_positions = validation.as_positions(exclude_positions, "exclude_positions")
@@ -95,8 +81,7 @@ class ProbeTrace:
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
         self._n_diversity_sets = 0
-        # the per-sequence statistics asked for (rows of the diversity kernel's output); the spectrum (Gram
-        # matrices and eigenproblems, the probe's main cost) only for effective_rank
+        # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
         self._div_names = {mid: [f"{DIVERSITY_STATS[i]}_{w}" for w in SITES3 if w != "mid" or mid
@@ -107,20 +92,15 @@ class ProbeTrace:
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
-        # the buffer slot of each site for the layer being filled: a layer whose resid_pre is the previous
-        # layer's resid_post, untouched, takes that slot as its resid_pre (no copy) and writes its resid_post
-        # into the previous resid_pre's slot
+        # the buffer slot of each site for the layer being filled (swapped when resid_pre reuses resid_post)
         self._cur = dict(self._slots)
         self._last_layer = max(self.layers)
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
-        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (one pass; the dtype is
-        converted by the copy). The buffer ``[n_slots, batch, kept_pos, d_model]`` is reused by every layer of a
-        forward and released at the last probed layer's resid_post (and on exit); it is the probe's only
-        activation-sized memory. Slot-major,
-        so that each slot is contiguous: the copies, the diversity Gram products and even the per-token Gram
-        product (through a permuted view) ran 10-40% faster than on a ``[batch, pos, slot, d]`` layout."""
+        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (the copy converts the
+        dtype); the slot-major buffer ``[n_slots, batch, kept_pos, d_model]`` is the probe's only activation-sized
+        memory (docs/probe.md, "Cost")."""
         idx, _ = self._positions(act.shape[-2], act.device)
         src = act.detach()
         if isinstance(idx, slice):
@@ -128,8 +108,7 @@ class ProbeTrace:
         elif idx is not None:
             src = src.index_select(-2, idx)
         shape = (len(self._slots), src.shape[0], src.shape[1], src.shape[2])
-        # torch's own threads for this elementwise copy: half the wall time of a one-thread copy at two threads
-        # (no MKL call here, so none of the oversubscription that _update avoids)
+        # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
             buf = self._buf = torch.empty(shape, dtype=_F64, device=src.device)  # every slot read is written first
@@ -154,7 +133,7 @@ class ProbeTrace:
                 idx = slice(int(pos[0]), int(pos[-1]) + 1)
             else:
                 idx = pos.to(device)
-            bins = _position_bins(pos).clamp_max(len(self.bin_edges) - 2).to(device) if self.position_bins else None
+            bins = position_bin_index(pos).clamp_max(len(self.bin_edges) - 2).to(device) if self.position_bins else None
             self._pos_cache[key] = (idx, bins)
         return self._pos_cache[key]
 
@@ -236,13 +215,8 @@ class ProbeTrace:
                             if layer + 1 in self._row:
                                 self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
                                                "div": state.get("_div_post")}
-                            elif layer == self._last_layer:
-                                # done with this forward: the buffer goes before the forward's own peak (the
-                                # logits), so a probed forward peaks at a plain forward's memory
+                            elif layer == self._last_layer:  # done with this forward (docs/probe.md, "Cost")
                                 self._buf = None
-                                # and TransformerLens's records of the tensors our attention hooks saw (a bridge
-                                # keeps one per hooked attention site and forward, forever): a long scan's memory
-                                # stays that of one forward
                                 drop_identity_conversions(self._conversions)
                     finally:
                         state.clear()
@@ -272,7 +246,7 @@ class ProbeTrace:
             self._entered = True
             return self
         except BaseException:
-            self._detach(*_exc_info())
+            self._detach(*sys.exc_info())
             stack.close()
             raise
 
@@ -288,17 +262,13 @@ class ProbeTrace:
     def __exit__(self, *exc: Any) -> None:
         self._entered = False
         self._detach(*exc)
-        return None
 
     # No __del__ safety net: a Ctrl-C landing anywhere, also on entry to __exit__, is handled by the guard's
     # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
-        """Add the activations of a finished forward, e.g. ``model.run_with_cache(tokens)[1]``, to the sums.
-
-        The same arithmetic as the hooks (the cache route of ``benchmarks/probe_overhead.py``); it needs the
-        probed layers' resid_pre, attn_out, resid_mid, mlp_out and resid_post under their legacy hook names.
-        """
+        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``: the probed layers' sites
+        under their legacy hook names) to the sums, with the same arithmetic as the hooks."""
         for layer in self.layers:
             sites = self._layer_sites(layer)
             missing = [name for _, name in sites if name not in cache]
@@ -320,9 +290,7 @@ class ProbeTrace:
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
-        """All metrics of one layer from the float64 buffer (filled by this layer's hooks): the kernels of
-        ``probe_kernels``, batched over sequences and positions, on one torch thread (MKL's threads on these
-        small products and decompositions cost 2-10x more than one thread on a shared 2-core machine)."""
+        """All metrics of one layer from the float64 buffer, on one torch thread (docs/probe.md, "Cost")."""
         split = splits(self.ad.device)
         with single_threaded():
             self._update_layer(layer, st, split)
@@ -389,7 +357,8 @@ class ProbeTrace:
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:
         """Bytes held by the accumulators (constant: it does not grow with the number of forwards)."""
-        return sum(t.numel() * t.element_size() for t in self._acc.tensors())
+        a = self._acc
+        return sum(t.numel() * t.element_size() for t in (a.t_sum, a.t_cnt, a.t_msk, a.s_sum, a.s_cnt, a.s_msk))
 
     def result(self) -> "ProbeResult":
         """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running).
@@ -402,15 +371,9 @@ class ProbeTrace:
                              "trace.add_cache(cache)")
         self._check_positions()
         acc = self._acc
-        sums: dict[str, Tensor] = {}
-        counts: dict[str, Tensor] = {}
-        masked: dict[str, Tensor] = {}
-        for q, i in acc.tq.items():
-            sums[q], counts[q], masked[q] = (acc.t_sum[i].cpu().clone(), acc.t_cnt[i].cpu().clone(),
-                                             acc.t_msk[i].cpu().clone())
-        for q, i in acc.sq.items():
-            sums[q], counts[q], masked[q] = (acc.s_sum[i, :, None].cpu().clone(),
-                                             acc.s_cnt[i, :, None].cpu().clone(), acc.s_msk[i, :, None].cpu().clone())
+        rows = [(q, acc.t_sum[i], acc.t_cnt[i], acc.t_msk[i]) for q, i in acc.tq.items()] + [
+            (q, acc.s_sum[i, :, None], acc.s_cnt[i, :, None], acc.s_msk[i, :, None]) for q, i in acc.sq.items()]
+        sums, counts, masked = ({q: r[k].cpu().clone() for q, *r in rows} for k in range(3))
         prov = self.ad.provenance(None, corpus=self.corpus or "unknown (pass corpus= to probe)",
                                   metrics=list(self.metrics), layers=list(self.layers),
                                   exclude_positions=list(self.exclude_positions),
@@ -425,10 +388,6 @@ class ProbeTrace:
                            n_sequences=self.n_sequences, n_forwards=self.n_forwards,
                            sums=sums, counts=counts, masked=masked)
 
-    def get(self, name: str) -> Tensor:
-        """Shortcut for ``result().get(name)``."""
-        return self.result().get(name)
-
 
 def _version(t: Tensor) -> int | None:
     """The in-place version counter of a tensor (None for inference tensors, which have none)."""
@@ -438,36 +397,15 @@ def _version(t: Tensor) -> int | None:
         return None
 
 
-def _exc_info() -> tuple[Any, Any, Any]:
-    import sys
-
-    return sys.exc_info()
-
-
 def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequence[int] | int | None = None,
           exclude_positions: Sequence[int] = (0,), position_bins: bool = False,
           corpus: str | None = None) -> ProbeTrace:
     """Streaming geometry probe: ``with probe(model) as trace: model(tokens)``; then ``trace.result()``.
 
-    Several forwards may run inside one probe (and the probe may be entered several times): the running
-    sums merge, so the result equals the one of a single forward on all the batches together (up to float64
-    summation order). Hooks are added only while the block runs and all are removed on exit, also on errors.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge).
-        metrics: any of ``"resid_norm"``, ``"radial_coef"``, ``"tangent_alignment"``, ``"tangential_speed"``,
-            ``"diversity"``, ``"effective_rank"``, ``"participation_ratio"``; None: the default
-            (:data:`~tl_steering.probing.result.DEFAULT_METRICS`, every metric but the per-sequence spectra
-            ``effective_rank`` and ``participation_ratio``, which cost more than a forward's share); ``"all"``: every
-            metric. See the module docstring for the definitions and docs/probe.md for the cost of each.
-        layers: layers to probe (None: all).
-        exclude_positions: positions left out of every statistic (default ``(0,)``: the attention sink).
-            Negative indices count from the end of each forward's sequence.
-        position_bins: also keep the token metrics per log-spaced position bin ``[0,1), [1,2), [2,4), ...``.
-        corpus: label of the text fed to the model, recorded in the provenance.
-
-    Returns:
-        A :class:`ProbeTrace` (a context manager); ``trace.result()`` gives a :class:`ProbeResult`.
+    ``metrics``: names of :data:`~tl_steering.probing.result.METRICS`, None (``DEFAULT_METRICS``) or ``"all"``;
+    ``layers``: None for all; ``exclude_positions`` (negative ones count from the end); ``position_bins``: also
+    per log-spaced position bin; ``corpus``: a provenance label. Returns a :class:`ProbeTrace` (a context manager;
+    several forwards, and several entries, add to the same sums). Definitions and cost: docs/probe.md.
     """
     return ProbeTrace(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
                       position_bins=position_bins, corpus=corpus)

@@ -192,32 +192,6 @@ def pinned_values(suite: SuiteResult) -> dict[str, tuple[Any, str]]:
     return {name: (n.get(suite, s), n.tol) for name, n in PINNED.items()}
 
 
-def pinned_suite_settings(settings: dict[str, Any] | None = None) -> SuiteSettings:
-    """Pinned settings (default: SmolLM2's, ``tl_steering.reference.pinned.PINNED_SETTINGS``) as the suite's
-    settings (no executor timing, no critical points, no defect timing: nothing timing-dependent is pinned)."""
-    s = PINNED_SETTINGS if settings is None else settings
-    return SuiteSettings(
-        stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
-        windows=s["windows"],
-        length=s["length"],
-        n_bootstrap=0,
-        ablation_variants=list(s["ablation_variants"]),
-        diversity_ablations=list(s["diversity_ablations"]),
-        diversity_gains=[],
-        defect_evaluate=False,
-        defect_brackets=False,
-        defect_timing=False,
-        defect_gold_layers=list(s["defect_gold_layers"]),
-        defect_gold_k_values=[0, 2],
-        plan_k=s["defect_k"],
-        gate_method="closed_form",
-        critical_layers=[],
-        prefix_layer=s["prefix_layer"],
-        prefix_positions=list(s["prefix_positions"]),
-        prefix_eps=s["prefix_eps"],
-    )
-
-
 def compute_pinned(
     model: Any, tokens: torch.Tensor | None = None, settings: dict[str, Any] | None = None
 ) -> dict[str, tuple[Any, str]]:
@@ -236,7 +210,25 @@ def compute_pinned(
         tokens = text_windows(
             model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
         )
-    suite = run_suite(model, tokens, pinned_suite_settings(s), progress=False, seed=s["seed"])
+    pinned = SuiteSettings(
+        stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
+        windows=s["windows"],
+        length=s["length"],
+        n_bootstrap=0,
+        ablation_variants=list(s["ablation_variants"]),
+        diversity_ablations=list(s["diversity_ablations"]),
+        diversity_gains=[],
+        defect_evaluate=False,
+        defect_brackets=False,
+        defect_timing=False,
+        defect_gold_layers=list(s["defect_gold_layers"]),
+        defect_gold_k_values=[0, 2],
+        plan_k=s["defect_k"],
+        prefix_layer=s["prefix_layer"],
+        prefix_positions=list(s["prefix_positions"]),
+        prefix_eps=s["prefix_eps"],
+    )
+    suite = run_suite(model, tokens, pinned, progress=False, seed=s["seed"])
     return pinned_values(suite)
 
 
@@ -246,7 +238,6 @@ __all__ = [
     "PUBLISHED",
     "Number",
     "compute_pinned",
-    "pinned_suite_settings",
     "pinned_values",
     "published_value",
 ]

@@ -1,9 +1,5 @@
 """The suite's result: one typed, registered :class:`SuiteResult` holding every protocol's result and the
-analyses the suite adds (clean-loss checks, the plan's loss, the speedup estimate, the executor timing).
-
-Saved and loaded like every result (``suite.save("results.json")``, ``SuiteResult.load(...)``); the report
-renders it without a model. See docs/suite.md.
-"""
+analyses the suite adds, saved and loaded like every result (docs/suite.md, "The result")."""
 
 import dataclasses
 import math
@@ -88,16 +84,8 @@ class Checks:
 @register
 @dataclasses.dataclass
 class PlanLosses:
-    """The layer plan the suite makes parallel and its loss (the surrogate hooks of docs/defect.md).
-
-    Attributes:
-        k: layers in the plan; layers: the plan (k lowest-C sequential layers); variant: the score used.
-        strategy: how the plan was chosen (``"C"``: the planner's reference, the lowest-C plan; or the planner strategy of ``SuiteResult.planner``).
-        n_candidates: sequential layers the plan chose from.
-        highest_layers: the k highest-C layers (the control).
-        delta_ce_lowest, delta_ce_highest: CE increase with the plan / the control made parallel.
-        source: where the two dCE come from (the defect curves, or two hooked forwards of the suite).
-    """
+    """The layer plan the suite makes parallel and its loss (the surrogate hooks of docs/defect.md); fields:
+    docs/suite.md, "The result"."""
 
     kind: ClassVar[str] = "suite_plan"
 
@@ -151,15 +139,10 @@ class ExecutorTiming:
     and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
     ``g_l Phi(x) + b_l`` folded into the fused weights).
 
-    The timing (docs/suite.md, "Verdicts"): ``rounds`` alternating rounds
-    (:func:`tl_steering._util.timing.alternating_seconds`), each timing one whole forward of the original model
-    (``timing_sequential_s``), of the original again (``timing_control_s``: the A/A control) and of every parallel
-    copy of the stage, the order rotated per round. ``measured_speedup`` is the median over rounds of the
-    paired ratio sequential / parallel, ``speedup_interval`` its order-statistic interval
-    (:func:`tl_steering.stats.median_interval`, coverage ``speedup_coverage``); ``speedup_control`` and
-    ``speedup_control_interval`` the same for sequential / control, whose spread is the noise of the comparison itself.
-    ``t_forward_sequential_s`` / ``t_forward_parallel_s`` are the medians of the times. Results from older
-    files hold one median per model and no rounds (``rounds = 0``: no interval, no verdict).
+    The timing fields (``rounds`` alternating rounds of the original, ``timing_sequential_s``, the A/A control,
+    ``timing_control_s``, and the copy, ``timing_parallel_s``; ``measured_speedup`` and ``speedup_control`` with
+    their intervals; ``t_forward_*_s`` the median times): docs/suite.md, "Verdicts". Older files hold one median
+    per model and no rounds (``rounds = 0``: no interval, no verdict).
     """
 
     kind: ClassVar[str] = "suite_executor"
@@ -213,20 +196,8 @@ class ExecutorTiming:
 @register
 @dataclasses.dataclass
 class PlanChoice:
-    """The ``plan_choice`` stage: a cheap comparison of planner strategies (``plan_parallel(..., strategy="best",
-    strategies=settings.plan_choice_strategies, refit=settings.plan_choice_refit)``), chosen by calibration dCE on
-    the first half of the windows, reported on the second half (held out), beside the paper's lowest-C plan.
-
-    Attributes:
-        plan: the ``tl_steering.parallel.ParallelPlan`` (its ``layers``, ``strategy``, ``refit``, ``gates``,
-            ``biases``, ``calibration_delta_ce``, ``held_out_delta_ce``, every strategy's curves, ``plot()``;
-            ``plan.hooks(model)`` runs it exactly).
-        lowest_c_layers: the k lowest-C layers of the defect scores (``SuiteResult.plan.layers`` with the default
-            ``plan_strategy``; empty when ``defect`` did not run).
-        lowest_c_held_out_delta_ce: that plan, uncorrected (the paper's surrogate), on the same held-out windows.
-        ratio_to_lowest_c: ``plan.held_out_delta_ce / lowest_c_held_out_delta_ce``.
-        fisher_samples: sampled-label backwards of the second-order scores.
-    """
+    """The ``plan_choice`` stage: a cheap comparison of planner strategies, chosen on the first half of the
+    windows and reported on the second half beside the paper's lowest-C plan; fields: docs/suite.md, "The result"."""
 
     kind: ClassVar[str] = "suite_plan_choice"
 
@@ -281,16 +252,9 @@ class StageTiming:
 @register
 @dataclasses.dataclass
 class DistributedRun:
-    """How the run was spread over processes (docs/scale_out.md, "The sharded report").
-
-    Attributes:
-        world_size: processes of the ``torch.distributed`` job (1: no process group).
-        backend: its backend (``"gloo"``, ``"nccl"``; ``"none"`` for one process).
-        sharded_stages: stages whose windows were split over every rank.
-        rank0_stages: stages run on rank 0 alone, their result handed to the other ranks.
-        stage_ranks: the ranks that ran each stage (one rank: its result handed to the others;
-            :mod:`tl_steering.suite.schedule`); empty for one process.
-    """
+    """How the run was spread over processes: ``world_size`` (1: no process group), the ``torch.distributed``
+    ``backend`` (``"none"`` for one process) and the placement of the stages (``sharded_stages``, ``rank0_stages``,
+    ``stage_ranks``: empty for one process); docs/scale_out.md, "The sharded report"."""
 
     kind: ClassVar[str] = "suite_distributed"
     added_fields: ClassVar[tuple[str, ...]] = ("stage_ranks",)
@@ -324,14 +288,8 @@ class RunArguments:
 @register
 @dataclasses.dataclass
 class SuiteResult(Result):
-    """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`).
-
-    A field is ``None`` when its stage was not run (``settings.stages``). ``planner`` holds the
-    ``tl_steering.parallel.ParallelPlan`` when ``settings.plan_strategy`` names a planner strategy; ``plan_choice``
-    the cheap strategy comparison of the ``plan_choice`` stage and ``executor_choice`` its chosen plan run by the
-    parallel executor (``executor``: the lowest-C plan). Timings are the only numbers that
-    change between identical runs.
-    """
+    """Every protocol of the paper on one model and one set of token windows (:func:`run_suite`); a field is
+    ``None`` when its stage was not run (docs/suite.md, "The result")."""
 
     settings: SuiteSettings = dataclasses.field(default_factory=SuiteSettings)
     seed: int = 0

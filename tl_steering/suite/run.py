@@ -1,10 +1,6 @@
-"""The suite runner: the ONE code path that runs every protocol of the paper on a model (see docs/suite.md).
-
-``run_suite(model, tokens, settings)`` runs the stages of :data:`~tl_steering.suite.settings.STAGES` in order,
-each a plain function of (model, tokens, settings, the result so far) that fills its own fields of the
-:class:`~tl_steering.suite.result.SuiteResult`. Under a process group :mod:`tl_steering.suite.schedule` decides
-which rank runs each stage (alone, or every rank with the windows split) and carries the results between them.
-"""
+"""The suite runner: the ONE code path that runs every protocol of the paper on a model (docs/suite.md). Each
+stage of :data:`~tl_steering.suite.settings.STAGES` is a plain function that fills its own fields of the
+:class:`~tl_steering.suite.result.SuiteResult`; under a process group :mod:`.schedule` places the stages."""
 
 import dataclasses
 import datetime as _dt
@@ -124,9 +120,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
             timing=False,
             **c.common(),
         )
-    # ---- the plan: the planner's reference (PLANNER.reference, the k lowest-C layers of the defect scores: the
-    # report's numbers), or another planner strategy (plan_parallel(model, tokens, k, strategy=...)) when
-    # settings.plan_strategy names one; its ParallelPlan is kept in SuiteResult.planner.
+    # the plan: the k lowest-C layers (PLANNER.reference), or settings.plan_strategy's (kept in res.planner)
     k = min(s.plan_k, len(defect.candidates))
     if s.plan_strategy == PLANNER.reference:
         layers, strategy = defect.plan(k), PLANNER.reference
@@ -138,7 +132,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
                                     batch_size=s.batch_size, world=c.w,
                                     refit="none")  # the suite's plan runs uncorrected (its executor: layers only)
         layers, strategy = list(res.planner.layers), res.planner.strategy
-    res.plan = _plan_losses(c, defect, k, layers, lambda: _clean_loss(c, res), strategy)
+    res.plan = _plan_losses(c, res, k, layers, strategy)
     if s.defect_timing:
         res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
     tick("plan")
@@ -154,22 +148,20 @@ def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
     return res.checks.clean_loss if res.checks is not None else c.mean_loss()
 
 
-def _plan_losses(
-    c: _Ctx, defect: Any, k: int, layers: list[int], clean_loss: Callable[[], float], strategy: str
-) -> PlanLosses:
+def _plan_losses(c: _Ctx, res: SuiteResult, k: int, layers: list[int], strategy: str) -> PlanLosses:
     """dCE with the plan and with the k highest-C layers made parallel (the surrogate hooks of docs/defect.md).
 
     Taken from the defect curves when they hold k, else measured (two hooked forwards over the tokens).
     """
     from ..hooks import parallel_blocks
 
+    defect = res.defect
     high = sorted(
         sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k]
     )
     out = PlanLosses(
         k=k,
         layers=list(layers),
-        variant="C",
         strategy=strategy,
         n_candidates=len(defect.candidates),
         highest_layers=high,
@@ -180,7 +172,7 @@ def _plan_losses(
         out.delta_ce_highest = float(defect.curves["highest"][j])
         out.source = "defect curves (evaluate=True)"
         return out
-    clean = clean_loss()
+    clean = _clean_loss(c, res)
     out.delta_ce_lowest = c.mean_loss(parallel_blocks(c.model, layers)) - clean
     out.delta_ce_highest = c.mean_loss(parallel_blocks(c.model, high)) - clean
     out.source = "measured by the suite (parallel_blocks hooks)"
@@ -191,7 +183,6 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """A cheap comparison of planner strategies (``settings.plan_choice_strategies``, one-shot scores by default)
     with the closed-form correction ``settings.plan_choice_refit``, chosen by calibration dCE on the first half of
     the windows, reported on the second half, beside the lowest-C plan (uncorrected) on the same held-out windows."""
-    from ..data.batching import mean_loss as _mean_loss
     from ..hooks import parallel_blocks
     from ..parallel import plan_parallel
 
@@ -217,7 +208,7 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)
         low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == PLANNER.reference else \
             list(res.defect.plan(min(k, len(res.defect.candidates))))
-        loss = _mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
+        loss = mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
         out.lowest_c_layers = low
         out.lowest_c_held_out_delta_ce = loss - plan.clean_loss_held_out
         d = out.lowest_c_held_out_delta_ce
@@ -228,17 +219,12 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """The plans run by the real parallel executor: loss over the tokens, and whole-forward time against the
-    original in alternating rounds beside an A/A control (the original against itself; docs/suite.md, "Verdicts").
-
-    ``executor``: the lowest-C plan (uncorrected); ``executor_choice``: the ``plan_choice`` stage's chosen plan
-    with its fitted corrections folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``).
-    Every round times one forward of the original, of the original again (the control) and of every copy, the
-    order rotated per round (:func:`tl_steering._util.timing.alternating_seconds`, ``settings.parallel_repeats`` rounds
-    after one warm-up call each, on the first ``settings.parallel_timing_windows`` windows): the copies share the
-    sequential times and the control."""
+    original in alternating rounds beside an A/A control (docs/suite.md, "Verdicts"). ``executor``: the lowest-C
+    plan (uncorrected); ``executor_choice``: the ``plan_choice`` stage's chosen plan with its fitted corrections
+    folded into the fused weights (``parallelize(..., gates=, biases=, linears=)``); the copies share the rounds."""
     plan = res.plan.layers if res.plan is not None else []
     strategy = res.plan.strategy if res.plan is not None else PLANNER.reference
-    runs = [_executor_copy(c, list(plan), strategy, {}, {})]
+    runs = [_executor_copy(c, list(plan), strategy)]
     pc = res.plan_choice
     if pc is not None and pc.plan is not None:
         gates, biases = pc.plan.corrections()
@@ -265,8 +251,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     tick("timed")
 
 
-def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict, biases: dict, correction: str = "none",
-                   linears: dict | None = None) -> tuple[ExecutorTiming, Any]:
+def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict | None = None, biases: dict | None = None,
+                   correction: str = "none", linears: dict | None = None) -> tuple[ExecutorTiming, Any]:
     """One plan made parallel by :func:`tl_steering.parallel.parallelize`: its (unfilled) timing record and the
     parallel copy (None when the plan is empty or the model is not supported; the record says why)."""
     from ..parallel.apply import parallelize
@@ -344,20 +330,18 @@ def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     )
 
 
-#: stage name -> (function, number of progress ticks for settings s)
-STAGE_FUNCTIONS: dict[
-    str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], Callable[[SuiteSettings], int]]
-] = {
-    "checks": (stage_checks, lambda s: 2),
-    "deficit": (stage_deficit, lambda s: 1),
-    "ablation": (stage_ablation, lambda s: 1),
-    "diversity": (stage_diversity, lambda s: 1),
-    "defect": (stage_defect, lambda s: 2),
-    "plan_choice": (stage_plan_choice, lambda s: 2),
-    "parallel": (stage_parallel, lambda s: 2),
-    "gates": (stage_gates, lambda s: 1),
-    "critical": (stage_critical, lambda s: 1),
-    "prefix": (stage_prefix, lambda s: 1),
+#: stage name -> (function, number of progress ticks)
+STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], int]] = {
+    "checks": (stage_checks, 2),
+    "deficit": (stage_deficit, 1),
+    "ablation": (stage_ablation, 1),
+    "diversity": (stage_diversity, 1),
+    "defect": (stage_defect, 2),
+    "plan_choice": (stage_plan_choice, 2),
+    "parallel": (stage_parallel, 2),
+    "gates": (stage_gates, 1),
+    "critical": (stage_critical, 1),
+    "prefix": (stage_prefix, 1),
 }
 
 
@@ -395,11 +379,8 @@ def run_suite(
         progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
         seed: seed of bootstraps, random controls, gate splits, critical-point starts and perturbations.
         corpus: the corpus label recorded in the provenance (e.g. ``corpus_label("pydoc", 8, 128, 0)``).
-        checkpoint: a ``.json`` path: the result so far is written there (atomically) after every finished
-            stage, and a run given a checkpoint that exists resumes from it: its finished stages are taken as
-            they are, the others run (docs/suite.md, "Resuming"). The checkpoint must come from the same model
-            weights, tokens, settings and seed (else :class:`~tl_steering.errors.InputError` naming what
-            differs); the number of processes may differ (the sharded stages give the same numbers).
+        checkpoint: a ``.json`` path written after every finished stage; a run given one that exists resumes
+            from it (same weights, tokens, settings and seed; docs/suite.md, "Resuming").
 
     Returns:
         The :class:`SuiteResult`; the fields of stages not run are None.
@@ -432,7 +413,7 @@ def run_suite(
     extra = res.provenance.extra if key is None else {**res.provenance.extra, "run_key": key}
     res.provenance = dataclasses.replace(res.provenance, world_size=w.size, extra=extra)
     ctx = _Ctx(model, tokens, corpus, settings, seed, w)
-    ran = [name for name in STAGES if settings.runs(name)]
+    ran = [name for name in STAGES if name in settings.stages]
     done: set[str] = set()
     if checkpoint is not None and Path(checkpoint).exists():
         res, done = resume(Path(checkpoint), key, res, ran)
@@ -452,7 +433,7 @@ def run_suite(
             continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
         fn, total = STAGE_FUNCTIONS[name]
         with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
-                prog.stage(name, total=total(settings)) as tick:
+                prog.stage(name, total=total) as tick:
             try:
                 fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
             except BaseException as e:  # the ranks that wait for this stage raise it too

@@ -1,14 +1,6 @@
-"""Which rank runs which stage of a suite run on a process group, and how a stage's result reaches the other ranks
-(docs/scale_out.md, "The sharded report").
-
-Every stage runs either on ONE rank, as it runs in one process (its numbers are the one-process numbers, bit for
-bit), or on EVERY rank with its windows split (``WINDOW_STAGES``, when there are at least as many batches as
-ranks). :func:`assign_stages` picks the ranks from a rough cost of each stage (:func:`stage_costs`) so that the
-ranks finish together; :class:`Exchange` sends a finished stage's fields to the other ranks at once and a rank
-receives them when one of its stages first reads them (a stage reads only fields of stages before it in
-:data:`~tl_steering.suite.settings.STAGES`, and every rank runs its stages in that order, so no rank waits on a
-rank that waits on it).
-"""
+"""Which rank runs which stage of a suite run on a process group (:func:`assign_stages`: one rank, or every rank
+with the windows split), and how a stage's result reaches the other ranks (:class:`Exchange`); docs/scale_out.md,
+"The sharded report"."""
 
 import math
 from collections.abc import Callable

@@ -11,10 +11,9 @@ from ..errors import InputError
 from ..parallel.strategies import FISHER_SAMPLES, PLANNER
 from ..critical.options import DEFAULT_FINDER, METHODS
 from ..results import register
+from ..validation import as_int
 
-#: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run. Each is independent apart from
-#: the data it reads from earlier stages (``checks`` -> clean loss; ``defect`` -> the plan that ``parallel`` and
-#: ``gates`` use; ``plan_choice`` -> the chosen plan that ``parallel`` also runs), so a later scheduler can plan shared passes or shard windows stage by stage.
+#: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run (what each reads: docs/suite.md, "Stages")
 STAGES: tuple[str, ...] = (
     "checks",
     "deficit",
@@ -28,12 +27,12 @@ STAGES: tuple[str, ...] = (
     "prefix",
 )
 
-#: The strategies the ``plan_choice`` stage compares by default: the planner's one default,
-#: :data:`tl_steering.parallel.strategies.PLANNER` (as ``plan_parallel``).
+#: The strategies the ``plan_choice`` stage compares by default: the planner's (``parallel.strategies.PLANNER``)
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = PLANNER.strategies
 
 #: the finders the critical stage can run: the one finder of tl_steering.critical (docs/critical_points.md)
 CRITICAL_METHODS: tuple[str, ...] = METHODS
+_MAY_BE_ZERO = ("n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples")
 
 
 @register
@@ -44,47 +43,7 @@ class SuiteSettings:
     Defaults are sized for about 10 minutes on 2 CPU cores with SmolLM2-135M (:func:`default_settings` sizes
     them for a model's depth; ``quick`` for about 2 minutes).
 
-    Attributes:
-        stages: the stages to run (a subset of :data:`STAGES`, run in :data:`STAGES` order). A stage that is
-            left out leaves its fields of the result ``None``; ``parallel`` and ``gates`` need ``defect``.
-        quick: recorded only (the sizes below are what counts).
-        windows, length: token windows and tokens per window (recorded; the tokens are given to run_suite).
-        n_bootstrap: bootstrap resamples of the deficit and ablation confidence intervals (0: none).
-        ablation_variants: FFN-write variants of the ablation (the random-tangent control is always added).
-        diversity_ablations, diversity_gains: ablations and attention gains of the diversity protocol.
-        defect_k_values, defect_n_random, defect_brackets, defect_evaluate: ``parallel_defect`` options.
-        defect_timing: time the sub-modules (needed by the speedup estimate), ``timing_repeats`` times.
-        defect_gold_layers: when set, the gold standard runs as a second ``parallel_defect`` restricted to
-            these layers (``evaluate=True``, ``defect_gold_k_values``, no random sets, no timing), stored as
-            ``SuiteResult.defect_gold``.
-        plan_k: layers made parallel by the plan (capped at the sequential candidates).
-        plan_strategy: the planner's reference, ``"C"`` (``PLANNER.reference``: the k lowest-C layers of the defect
-            scores, uncorrected: the paper's plan) or another strategy of ``tl_steering.plan_parallel`` (``"best"``
-            or one name; run uncorrected), its ``ParallelPlan`` kept as ``SuiteResult.planner``.
-        plan_choice_strategies: the ``plan_choice`` stage: ``plan_parallel(..., strategy="best", strategies=these,
-            refit=plan_choice_refit, fisher_samples=plan_choice_fisher_samples)`` at k = ``plan_k`` on the first half of the windows (calibration; the
-            choice is by calibration dCE), reported on the second half (held out), beside the lowest-C plan's
-            held-out dCE; kept as ``SuiteResult.plan_choice`` and run by the executor stage as
-            ``SuiteResult.executor_choice``. Default :data:`PLAN_CHOICE_STRATEGIES`, the
-            planner's default; an empty list turns the stage off.
-        plan_choice_refit: the closed-form correction of the compared plans (default ``PLANNER.refit``,
-            ``"linear"``; ``"affine"``, ``"gate"``, ``"none"``); every compared plan is also measured uncorrected
-            on the held-out windows (the report's plan table).
-        plan_choice_fisher_samples: sampled-label backwards of the second-order score (``attribution_2nd``;
-            default ``plan_parallel``'s, :data:`~tl_steering.parallel.strategies.FISHER_SAMPLES`); 0 drops it.
-        plan_choice_k_values: the k of the compared curves (None: 0 and k, the table of equal k; every point costs one
-            forward over the calibration and one over the held-out windows per distinct layer set).
-        parallel_repeats: alternating timing rounds of the executor stage (each round: one whole forward of the
-            original, of the original again as the A/A control, and of every parallel copy; docs/suite.md).
-        parallel_timing_windows: windows of the timed forward (the first ones; at most ``batch_size``): a few
-            windows keep the rounds cheap (4 forwards a round), the loss still runs over every window.
-        gate_method, gate_steps: ``calibrate_gates`` options (on top of the plan).
-        critical_layers, critical_n_starts, critical_methods: critical points of the FFN field
-            (``critical_methods``: one finder, ``[DEFAULT_FINDER]``, the finder of ``critical_points``:
-            flow + solution landscape, docs/critical_points.md; a second entry would overwrite the first).
-        critical_max_windows: use only the first windows for the critical-point radii and starts (None: all).
-        prefix_layer, prefix_positions, prefix_eps: prefix sensitivity (noise mode).
-        batch_size: windows per forward.
+    Each field: docs/suite.md, "Settings".
     """
 
     kind: ClassVar[str] = "suite_settings"
@@ -158,18 +117,8 @@ class SuiteSettings:
                 f"section holds one result), got {self.critical_methods!r}"
             )
         for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
-                     "critical_n_starts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"SuiteSettings.{name} must be an int >= 1, got {v!r}")
-        for name in ("n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise InputError(f"SuiteSettings.{name} must be an int >= 0, got {v!r}")
-
-    def runs(self, stage: str) -> bool:
-        """Whether ``stage`` is among :attr:`stages`."""
-        return stage in self.stages
+                     "critical_n_starts", "n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples"):
+            as_int(getattr(self, name), f"SuiteSettings.{name}", minimum=0 if name in _MAY_BE_ZERO else 1)
 
 
 def check_windows_length(windows: int | None, length: int | None) -> None:
@@ -204,27 +153,19 @@ def default_settings(
         windows=windows,
         length=length,
         n_bootstrap=200 if quick else 1000,
-        ablation_variants=["tangential", "radial", "zero"],
-        diversity_ablations=["tangential", "radial"],
         diversity_gains=[1.0, 2.0] if quick else [0.5, 1.0, 2.0],
         defect_k_values=ks,
         defect_n_random=0 if quick else 1,
         defect_brackets=not quick,
         defect_evaluate=not quick,
-        defect_timing=True,
         timing_repeats=3,
         plan_k=half,
         parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
         parallel_timing_windows=1 if quick else 2,  # 4 forwards a round of 1 x 64 / 2 x 128 tokens
-        gate_method="closed_form",
-        gate_steps=0,
         critical_layers=crit,
         critical_n_starts=4 if quick else 8,
-        critical_methods=[DEFAULT_FINDER],
         prefix_layer=L // 2,
         prefix_positions=[p for p in positions if 0 < p < length],
-        prefix_eps=1e-2,
-        batch_size=8,
     )
 
 
