@@ -62,16 +62,9 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int) -> dict[str, tupl
         "plan_choice": (0.0, 0.0, choice),
         "parallel": (0.0, 0.0, (3.4 * fixed + 1.2) * copies + 1.2 * timed),
         "gates": (0.0, 0.0, 4.5),
-        "critical": (0.0, 0.0, fixed * len(s.critical_layers) * (0.9 * s.critical_n_starts + 0.5 * _landscape_solves())),
+        "critical": (0.0, 0.0, 0.9 * fixed * s.critical_n_starts * len(s.critical_layers) * len(s.critical_methods)),
         "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions))),
     }
-
-
-def _landscape_solves() -> int:
-    """The one finder's solution-landscape budget per layer (each solve costs about half a forward of 256 tokens)."""
-    from ..critical.options import DEFAULT_OPTIONS
-
-    return int(DEFAULT_OPTIONS.landscape_solves)
 
 
 def _finish_times(plan: dict[str, tuple[int, ...]], cost: dict[str, float], size: int) -> dict[str, float]:
