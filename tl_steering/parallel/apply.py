@@ -15,6 +15,7 @@ from ..backends.copying import deepcopy_module
 from ..backends.decoding import route_cache_keyword
 from ..backends.executor import parallel_states, parallelize_blocks
 from ..errors import InputError, ParallelBlockError
+from ..hooks import checked_corrections
 from ..backends.ownership import exclusive
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
-    corrections = _corrections(ad, todo, gates, biases, linears)
+    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
+    corrections = {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
+                   for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
     new = route_cache_keyword(deepcopy_module(model))  # the copy is ours: generate()'s KV cache works on it
     if not todo:
         return new
@@ -86,31 +89,16 @@ def _plan_arguments(layers: Any, gates: Any, biases: Any, linears: Any) -> tuple
     return list(layers.layers), g or None, b or None, layers.linear_maps() or None
 
 
-def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, biases: Mapping[int, Tensor] | None,
-                 linears: Mapping[int, Tensor] | None = None
-                 ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
-    """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    from ..hooks import checked_corrections
-
-    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
-    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
-            for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
-
-
 def parallel_layers(model: Any) -> list[int]:
     """The blocks :func:`parallelize` turned parallel in ``model`` (empty for any other model)."""
     info = getattr(model, "_tl_steering_parallel", None)
     return list(info["layers"]) if info else []
 
 
-def _states(model: Any) -> list[Any]:
-    return parallel_states(model)
-
-
 @contextlib.contextmanager
 def unfused(model: Any):
     """Inside the block, every parallelized block of ``model`` runs the unfused parallel path."""
-    states = _states(model)
+    states = parallel_states(model)
     before = [s.force_unfused for s in states]
     for s in states:
         s.force_unfused = True
