@@ -26,22 +26,8 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
     """A new model (a deep copy; ``model`` is never modified) in which exactly the chosen blocks compute
-    x + A(x) + Phi(x) (parallel attention/MLP); docs/parallel.md "API", "Design: the fused block", "Hooks".
-
-    Args:
-        layers: a ``ParallelPlan`` (run as fitted: its layers and every part of its correction, folded into the
-            fused weights; then no ``gates`` / ``biases`` / ``linears``), or block indices (``[]``: an unchanged
-            copy). Blocks parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
-        fuse: fold each norm's affine into the input projections and run the block as two GEMMs; ``False``: the
-            unfused parallel block attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every hook fires).
-        streams: on CUDA, run the attention core on a side stream concurrently with the MLP branch.
-        verify: run the new model once on 8 random tokens fused and unfused; :class:`ParallelBlockError` if they
-            disagree.
-        gates / biases / linears: ``{layer: g}``, ``{layer: b}`` (``[d_model]``), ``{layer: W}`` (``[d_model,
-            d_model]``): the FFN write becomes g Phi(x) + b + a W (a the block's attention write), as
-            ``hooks.parallel_blocks``; given only some parts of a plan's correction, :class:`InputError` names
-            what is missing.
-    """
+    x + A(x) + Phi(x) (parallel attention/MLP): ``layers`` a ``ParallelPlan`` (run as fitted) or block indices;
+    every argument in docs/parallel.md "API" ("Design: the fused block", "Hooks")."""
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)

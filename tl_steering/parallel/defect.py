@@ -90,25 +90,8 @@ def parallel_defect(
     timing_repeats: int = 7,
     world: World | None = None,
 ) -> DefectResult:
-    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); planning beyond the paper's lowest-C
-    choice is :func:`tl_steering.plan_parallel`.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); never modified, no hook left.
-        tokens: ``[batch, pos]`` token ids (calibration text).
-        layers: blocks to analyse (default all). Curves and plans use the sequential ones among them.
-        exclude_positions: positions left out of every pooled statistic (kept in the forward pass).
-        brackets: also the RMS of DPhi.A, DA.Phi and the Lie bracket [A, Phi] (one JVP of each attention).
-        evaluate: the gold standard: clean CE, single-layer dCE_l, each variant's Spearman with it, the curves.
-        k_values: k of the curves (default :func:`~.strategies.default_k_values`), each in ``[0, L]``.
-        n_random: random layer sets per k (seeded by ``seed``).
-        seed: seed of the random layer sets.
-        corpus: provenance label of the tokens.
-        timing: also the sub-module times of :meth:`DefectResult.speedup_estimate` (rank 0).
-        batch_size: sequences per forward pass (also the timed slice).
-        timing_repeats: timed calls per sub-module (median, after 1 warm-up call).
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls; the same result on every rank).
-    """
+    """Per-layer sequential-to-parallel defect scores C_l (every argument in docs/defect.md); planning beyond the
+    paper's lowest-C choice is :func:`tl_steering.plan_parallel`."""
     t_start = time.perf_counter()
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)

@@ -78,13 +78,6 @@ class ParallelPlan(Result):
     interval: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "parallel_plan"
-    # fields that came after the first plan files (older files load without them)
-    added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
-                    "held_out_delta_ce_uncorrected", "held_out_curves_uncorrected", "refit_requested",
-                    "calibration_fit", "calibration_note", "reference", "choice_rule", "margins", "margins_uncorrected",
-                    "calibration_intervals", "held_out_intervals", "held_out_intervals_uncorrected",
-                    "calibration_delta_ce_interval", "held_out_delta_ce_interval",
-                    "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval", "interval")
 
     def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
         """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`
@@ -189,5 +182,8 @@ class ParallelPlan(Result):
                           xaxis_title="k (layers made parallel)", yaxis_title="ΔCE (nats)", template="plotly_white")
         return fig
 
+
+_FIELDS = [f.name for f in dataclasses.fields(ParallelPlan)]
+ParallelPlan.added_fields = tuple(_FIELDS[_FIELDS.index("refit"):])  # after the first plan files: load without them
 
 __all__ = ["ParallelPlan"]

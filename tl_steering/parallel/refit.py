@@ -13,6 +13,7 @@ from ..data.sharding import batch_slices
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
 from ..stats import Moments, check_exclude_positions
+from ..validation import as_choice
 from .gold import PlanLoss
 
 REFITS: tuple[str, ...] = ("none", "gate", "affine", "linear")
@@ -37,11 +38,6 @@ def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
         if per_coordinate <= CARRY * int(n_tokens):
             return cand
     return "none"
-
-
-def _check(refit: str) -> None:
-    if refit not in REFITS:
-        raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
 
 
 class _Stop(Exception):
@@ -95,7 +91,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
          linears_out: dict[int, Tensor] | None, carry: bool) -> tuple[Any, dict[int, float], dict[int, Tensor], int]:
     """The sequential fit; with ``measure(plan, write)`` (``PlanLoss.ce_blocks``) also what it measures on the
     corrected plan, on one batch in the fitting forward itself."""
-    _check(refit)
+    as_choice(refit, "refit", REFITS)
     if refit == "linear" and linears_out is None:
         raise InputError('refit="linear" fits a [d_model, d_model] map per layer: pass a dict as linears= to '
                          "receive them (or use RefitLoss / plan_parallel, which keep them)")
@@ -162,8 +158,7 @@ class RefitLoss(PlanLoss):
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
                  share_prefix: bool = True, crossfit: bool | None = None, carry: bool = False):
         super().__init__(model, tokens, batch_size, world, share_prefix)
-        _check(refit)
-        self.refit, self.carry = refit, bool(carry)
+        self.refit, self.carry = as_choice(refit, "refit", REFITS), bool(carry)
         self._fits: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
         self.crossfit = (refit == "linear" and int(tokens.shape[0]) >= 2) if crossfit is None else bool(crossfit)
         #: passes of the fits on all the windows that no measurement ran (cross-fitted, or measured on another rank)

@@ -106,21 +106,8 @@ def parallel_scores(
     fisher_samples: int = 8,
     seed: int = 0,
 ) -> ParallelScoresResult:
-    """Every per-layer score of making a block parallel (docs/defect.md "Attribution", "Second order", "Peer
-    scores"); the model is never modified, no hook or ``.grad`` left on it.
-
-    Args:
-        tokens: ``[batch, pos]`` token ids (calibration windows), or a ``TokenWindows``.
-        layers: blocks to score (default all).
-        exclude_positions: positions left out of the C statistics (the attribution uses every predicted one).
-        gold: also measure the single-layer dCE of every candidate (one forward pass per layer).
-        fisher_samples: sampled-label backward passes of the second-order scores (0: first order only).
-        seed: seed of the sampled labels.
-
-    Returns:
-        A :class:`ParallelScoresResult`; cost: 2 forwards and ``1 + fisher_samples`` backwards, plus 1 + L forwards
-        with ``gold``.
-    """
+    """Every per-layer score of making a block parallel, a :class:`ParallelScoresResult` (the arguments and the cost
+    in docs/defect.md "Layer planning"; the scores in "Attribution", "Second order", "Peer scores")."""
     t0 = time.perf_counter()
     tokens, corpus = token_source(tokens, corpus)
     tokens = adapt(model).validate_tokens(tokens)
