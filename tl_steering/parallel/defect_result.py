@@ -93,17 +93,14 @@ class DefectResult(Result):
         """Layers that can be made parallel (the sequential ones among :attr:`layers`)."""
         return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
 
-    def _variant(self, variant: str) -> Tensor:
-        if variant not in self.scores:
-            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
-        return self.scores[variant]
-
     def plan(self, k: int, variant: str = "C") -> list[int]:
         """The k sequential layers with the lowest score (ties: lower layer first), sorted by layer index.
 
         Already-parallel blocks are never chosen (nothing would change). NaN scores rank last.
         """
-        score, pos = self._variant(variant), {lay: i for i, lay in enumerate(self.layers)}
+        if variant not in self.scores:
+            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
+        score, pos = self.scores[variant], {lay: i for i, lay in enumerate(self.layers)}
         return _strategies.one_shot(self.candidates, {lay: float(score[pos[lay]]) for lay in self.candidates}, k)
 
     # -- speedup --------------------------------------------------------------------------------------------

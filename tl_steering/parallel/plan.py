@@ -76,8 +76,14 @@ class PlanContext:
         self.model, self.ad, self.seed, self.batch_size, self.world = model, adapt(model), seed, batch_size, world
         tokens, self.corpus = token_source(tokens, None)
         self.held_given = held_out is not None
-        held = self.ad.validate_tokens(token_source(held_out, None)[0]) if self.held_given else None
-        self.cal, self.held = _split(self.ad.validate_tokens(tokens), held)
+        self.cal, n = self.ad.validate_tokens(tokens), int(tokens.shape[0])
+        if self.held_given:
+            self.held = self.ad.validate_tokens(token_source(held_out, None)[0])
+        elif n < 2:
+            raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
+                             "(the first half calibrates, the second half is held out)")
+        else:
+            self.cal, self.held = self.cal[:n - n // 2], self.cal[n - n // 2:]
         self.sel = self.ad.layers(layers)
         self.candidates = [lay for lay in self.sel if not self.ad.is_parallel(lay)]
         already = [lay for lay in self.sel if self.ad.is_parallel(lay)]
@@ -106,17 +112,6 @@ class PlanContext:
                 self.model, self.cal, layers=self.sel, batch_size=self.batch_size,
                 fisher_samples=self.fisher_samples, seed=self.seed), self.world)
         return self.scores.score_of(name)
-
-
-def _split(tokens: Tensor, held_out: Tensor | None) -> tuple[Tensor, Tensor]:
-    if held_out is not None:
-        return tokens, held_out
-    n = tokens.shape[0]
-    if n < 2:
-        raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
-                         "(the first half calibrates, the second half is held out)")
-    cut = n - n // 2
-    return tokens[:cut], tokens[cut:]
 
 
 def _names(strategy: Any, fisher_samples: Any) -> tuple[list[str], str]:

@@ -47,14 +47,9 @@ class _Stop(Exception):
 def fit_corrections(model: Any, tokens: Tensor, layers: Sequence[int], refit: str = "affine", batch_size: int = 8,
                     exclude_positions: Sequence[int] = (0,), linears: dict[int, Tensor] | None = None,
                     carry: bool = False) -> tuple[dict[int, float], dict[int, Tensor], int]:
-    """Fit the corrections of the parallel plan ``layers`` on ``tokens``, each layer on the forward that runs the
-    corrected layers before it (docs/parallel.md "Refit").
-
-    Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
-    ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
-    one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``), required
-    for ``refit="linear"``. ``carry``: cap each linear map's effective degrees of freedom at :func:`carried_max_df`.
-    """
+    """``(gates, biases, passes)``: the corrections of the parallel plan ``layers`` fitted on ``tokens``, each layer on
+    the forward that runs the corrected layers before it, and the forwards run (docs/parallel.md "Refit");
+    ``linears``, required for ``refit="linear"``, receives the maps; ``carry``: the ridge of :func:`carried_max_df`."""
     _, g, b, passes = _fit(model, tokens, layers, refit, batch_size, exclude_positions, None, linears, carry)
     return g, b, passes
 

@@ -26,20 +26,8 @@ from .gold import PlanLoss, single_layer_gold
 @register
 @dataclasses.dataclass(kw_only=True)
 class ParallelScoresResult(Result):
-    """Per-layer scores of making each block parallel; every tensor is indexed like :attr:`layers`.
-
-    Attributes:
-        layers: the analysed blocks.
-        already_parallel: per layer, whether the block is parallel already (never a candidate).
-        scores: float64, lower = safer: the defect's ``C``, ``C_phi``, ``C1``, ``C_tan``, the attribution variants
-            (:func:`attribution_scores`) and the peers' scores (:data:`~.strategies.PEER_SCORES`).
-        clean_loss: mean next-token CE of the model on the tokens.
-        evaluated: whether the measured gold (``delta_ce``) was computed.
-        delta_ce: per layer, measured CE with that layer alone parallel minus clean CE (NaN unless evaluated).
-        spearman: Spearman rho of each score with ``delta_ce`` over the candidate layers.
-        cost: passes over the tokens: ``forward``, ``backward`` (and ``seconds`` of wall time).
-        options: the call's options.
-    """
+    """Per-layer scores of making each block parallel; every tensor is indexed like :attr:`layers` (each field in
+    docs/defect.md "Layer planning")."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     already_parallel: list[bool] = dataclasses.field(default_factory=list)
