@@ -1,7 +1,5 @@
 """The one planner, :func:`plan_parallel`: plans chosen on calibration windows, reported on held-out windows
-(docs/parallel.md "Planning"). The strategies and the default are in :mod:`.strategies`; every plan is measured
-by one oracle (:class:`~.gold.PlanLoss`, its corrected twins in :mod:`.refit`), every curve built by
-:func:`~.gold.delta_curves`."""
+(docs/parallel.md "Planning"), measured by one oracle (:mod:`.gold`, :mod:`.refit`)."""
 
 import time
 import warnings
@@ -66,10 +64,8 @@ def plan_parallel(
 
 
 class PlanContext:
-    """One :func:`plan_parallel` call, its arguments checked: what the strategies read (``candidates``,
-    ``score_of(name)``: the calibration windows' :func:`parallel_scores`, computed once on first use; the oracle
-    ``loss``, the calibration loss of a plan corrected as asked; ``seed``, ``fisher_samples``), the windows, the
-    losses and the options."""
+    """One :func:`plan_parallel` call, its arguments checked: the windows, the losses (``loss``: the calibration
+    oracle) and what the strategies read (``candidates``, ``score_of(name)``: :func:`parallel_scores`, once)."""
 
     def __init__(self, model: Any, tokens: Any, k: Any, strategy: Any, held_out: Any, layers: Any, k_values: Any,
                  refit: Any, fisher_samples: Any, seed: int, batch_size: int, world: Any):
