@@ -16,8 +16,7 @@ from ..data.sharding import batch_slices, split_map
 from ..hooks import Write, parallel_blocks, parallel_hooks
 from ..stats import block_length
 
-#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing; above it every plan runs a whole
-#: forward.
+#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (above it: a whole forward per plan).
 PREFIX_CACHE_BYTES = 1 << 30
 
 

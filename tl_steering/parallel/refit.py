@@ -28,10 +28,8 @@ def carried_max_df(n_tokens: int, d_model: int) -> float:
 
 
 def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
-    """The richest correction, no richer than ``refit`` (none < gate < affine < linear), that ``n_tokens`` fitted
-    tokens carry when it can only be judged in-sample: at most :data:`CARRY` effective parameter per fitted token and
-    output coordinate (docs/parallel.md "Uncertainty and the choice"; ``"linear"`` counts as ``"affine"``, its ridge
-    capped at :func:`carried_max_df`)."""
+    """The richest correction, no richer than ``refit``, that ``n_tokens`` fitted tokens carry in-sample (at most
+    :data:`CARRY` per token and coordinate; docs/parallel.md "Uncertainty and the choice")."""
     order = list(REFITS)
     for cand in reversed(order[:order.index(refit) + 1]):
         per_coordinate = {"none": 0.0, "gate": 1.0 / d_model}.get(cand, 1.0 + 1.0 / d_model)
@@ -143,12 +141,9 @@ def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list, last: 
 
 
 class RefitLoss(PlanLoss):
-    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits that plan's
-    corrections on these windows and returns the corrected mean CE (memoised; :attr:`passes` counts the fitting
-    forwards too); :meth:`fitted` gives ``(gates, biases, linears)`` fitted on all the windows.
-
-    ``crossfit`` (default: on for ``refit="linear"`` given at least 2 windows): the loss is measured out of fold,
-    the corrections fitted on each half of the windows applied to the other half (docs/parallel.md "Refit")."""
+    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans, each fitted on these windows (:attr:`passes`
+    counts the fits); ``crossfit`` (default: for ``refit="linear"`` on 2+ windows): each half's fit measured on the
+    other half (docs/parallel.md "Refit")."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
                  share_prefix: bool = True, crossfit: bool | None = None, carry: bool = False):
