@@ -153,7 +153,7 @@ def test_speedup_estimate(defect, tmp_path):
 
 
 def test_attribution_ranks_single_layer_damage(smollm2, smollm2_tokens, defect):
-    from tl_steering.parallel.attribution import attribution_scores
+    from tl_steering.parallel.scores import attribution_scores
     from tl_steering.parallel.gold import spearman
 
     scores, clean = attribution_scores(smollm2, smollm2_tokens[:4], list(range(30)), batch_size=4)

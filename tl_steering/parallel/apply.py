@@ -15,6 +15,7 @@ from ..backends.copying import deepcopy_module
 from ..backends.decoding import route_cache_keyword
 from ..backends.executor import parallel_states, parallelize_blocks
 from ..errors import InputError, ParallelBlockError
+from ..hooks import checked_corrections
 from ..backends.ownership import exclusive
 
 if TYPE_CHECKING:
@@ -25,22 +26,8 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
     """A new model (a deep copy; ``model`` is never modified) in which exactly the chosen blocks compute
-    x + A(x) + Phi(x) (parallel attention/MLP); docs/parallel.md "API", "Design: the fused block", "Hooks".
-
-    Args:
-        layers: a ``ParallelPlan`` (run as fitted: its layers and every part of its correction, folded into the
-            fused weights; then no ``gates`` / ``biases`` / ``linears``), or block indices (``[]``: an unchanged
-            copy). Blocks parallel already (NeoX/Pythia/GPT-J) are left as they are, with a warning.
-        fuse: fold each norm's affine into the input projections and run the block as two GEMMs; ``False``: the
-            unfused parallel block attn(ln1(x)) + mlp(ln2(x)) through the original sublayers (every hook fires).
-        streams: on CUDA, run the attention core on a side stream concurrently with the MLP branch.
-        verify: run the new model once on 8 random tokens fused and unfused; :class:`ParallelBlockError` if they
-            disagree.
-        gates / biases / linears: ``{layer: g}``, ``{layer: b}`` (``[d_model]``), ``{layer: W}`` (``[d_model,
-            d_model]``): the FFN write becomes g Phi(x) + b + a W (a the block's attention write), as
-            ``hooks.parallel_blocks``; given only some parts of a plan's correction, :class:`InputError` names
-            what is missing.
-    """
+    x + A(x) + Phi(x) (parallel attention/MLP): ``layers`` a ``ParallelPlan`` (run as fitted) or block indices;
+    every argument in docs/parallel.md "API" ("Design: the fused block", "Hooks")."""
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
     ad = adapt(model)
     # strict: an int or a sequence of ints (a str, bool, float or None is an error naming `layers`)
@@ -53,7 +40,9 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
                       "they are", stacklevel=2)
     todo = [lay for lay in chosen if not ad.is_parallel(lay)]
     validation.check_weights_finite(model, todo, "parallelize")  # NaN weights: name the layer, not the layout
-    corrections = _corrections(ad, todo, gates, biases, linears)
+    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
+    corrections = {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
+                   for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
     new = route_cache_keyword(deepcopy_module(model))  # the copy is ours: generate()'s KV cache works on it
     if not todo:
         return new
@@ -86,31 +75,16 @@ def _plan_arguments(layers: Any, gates: Any, biases: Any, linears: Any) -> tuple
     return list(layers.layers), g or None, b or None, layers.linear_maps() or None
 
 
-def _corrections(ad: Any, todo: list[int], gates: Mapping[int, float] | None, biases: Mapping[int, Tensor] | None,
-                 linears: Mapping[int, Tensor] | None = None
-                 ) -> dict[int, tuple[float, Tensor | None, Tensor | None]]:
-    """``{layer: (g, b, W)}`` for the blocks made parallel here, checked like ``hooks.parallel_blocks``."""
-    from ..hooks import checked_corrections
-
-    g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
-    return {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
-            for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
-
-
 def parallel_layers(model: Any) -> list[int]:
     """The blocks :func:`parallelize` turned parallel in ``model`` (empty for any other model)."""
     info = getattr(model, "_tl_steering_parallel", None)
     return list(info["layers"]) if info else []
 
 
-def _states(model: Any) -> list[Any]:
-    return parallel_states(model)
-
-
 @contextlib.contextmanager
 def unfused(model: Any):
     """Inside the block, every parallelized block of ``model`` runs the unfused parallel path."""
-    states = _states(model)
+    states = parallel_states(model)
     before = [s.force_unfused for s in states]
     for s in states:
         s.force_unfused = True

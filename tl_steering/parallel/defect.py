@@ -11,6 +11,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .. import geometry as geo
+from .._util.timing import median_seconds
 from ..backends import autodiff, check_finite
 from ..backends.ownership import exclusive
 from ..data.batching import iter_batches
@@ -20,9 +21,8 @@ from ..errors import InputError, ResidualIdentityError
 from ..stats import check_exclude_positions, position_mask
 from ..validation import as_int
 from . import strategies as st
-from .defect_result import BRACKET_TERMS, CURVE_STRATEGIES, DEFECT_RMS_TERMS, DEFECT_VARIANTS, DefectResult
+from .defect_result import BRACKET_TERMS, DEFECT_VARIANTS, SPEEDUP_LABEL, DefectResult
 from .gold import PlanLoss, delta_curves, single_layer_gold
-from .speedup import SPEEDUP_LABEL, submodule_times
 from .strategies import PEER_SCORES, default_k_values
 
 _PHI_CHECK_FACTOR = 10.0  # Phi(ffn input) vs hook_mlp_out may differ by kernel rounding: 10x the identity tol
@@ -90,25 +90,8 @@ def parallel_defect(
     timing_repeats: int = 7,
     world: World | None = None,
 ) -> DefectResult:
-    """Per-layer sequential-to-parallel defect scores C_l (docs/defect.md); planning beyond the paper's lowest-C
-    choice is :func:`tl_steering.plan_parallel`.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); never modified, no hook left.
-        tokens: ``[batch, pos]`` token ids (calibration text).
-        layers: blocks to analyse (default all). Curves and plans use the sequential ones among them.
-        exclude_positions: positions left out of every pooled statistic (kept in the forward pass).
-        brackets: also the RMS of DPhi.A, DA.Phi and the Lie bracket [A, Phi] (one JVP of each attention).
-        evaluate: the gold standard: clean CE, single-layer dCE_l, each variant's Spearman with it, the curves.
-        k_values: k of the curves (default :func:`~.strategies.default_k_values`), each in ``[0, L]``.
-        n_random: random layer sets per k (seeded by ``seed``).
-        seed: seed of the random layer sets.
-        corpus: provenance label of the tokens.
-        timing: also the sub-module times of :meth:`DefectResult.speedup_estimate` (rank 0).
-        batch_size: sequences per forward pass (also the timed slice).
-        timing_repeats: timed calls per sub-module (median, after 1 warm-up call).
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls; the same result on every rank).
-    """
+    """Per-layer sequential-to-parallel defect scores C_l (every argument in docs/defect.md); planning beyond the
+    paper's lowest-C choice is :func:`tl_steering.plan_parallel`."""
     t_start = time.perf_counter()
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
@@ -287,5 +270,27 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
             "curve_layers": sets}
 
 
-__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",
+def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int) -> dict[str, Any]:
+    """Median seconds of ``ad.attention(l)`` on resid_pre and ``ad.ffn(l)`` on the FFN input per layer of
+    ``layers`` on ``tokens`` (one batch, 1 warm-up call), of a hook-free forward, and ``t_other`` (the forward
+    minus the sub-modules, clamped at 0; NaN unless every layer is timed)."""
+    names = []
+    for lay in layers:
+        names += [ad.hook_name(lay, "resid_pre"), ad.hook_name(lay, ad.ffn_input_site(lay))]
+    _, cache = ad.run_with_cache(tokens, list(dict.fromkeys(names)))
+    t_attn, t_ffn = [], []
+    for lay in layers:
+        x, y = cache[ad.hook_name(lay, "resid_pre")], cache[ad.hook_name(lay, ad.ffn_input_site(lay))]
+        attn, phi = ad.attention(lay), ad.ffn(lay)
+        t_attn.append(median_seconds(lambda: attn(x), x.device, 1, repeats))
+        t_ffn.append(median_seconds(lambda: phi(y), x.device, 1, repeats))
+    t_forward = median_seconds(lambda: ad.run_with_hooks(tokens, [], return_type="logits"), ad.device, 1,
+                               max(3, repeats // 2))
+    t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
+    return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),
+            "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape],
+            "timing_device": str(ad.device)}
+
+
+__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",
            "default_k_values", "parallel_defect"]

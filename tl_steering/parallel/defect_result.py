@@ -19,61 +19,20 @@ from ..errors import InputError
 from ..reference import band_check, paper_statement, published_number
 from ..results import Result, register, tensor_field
 from . import strategies as _strategies
-from .speedup import estimate_speedup
 
+SPEEDUP_LABEL = "estimate (sub-module times, critical path max(t_attn, t_ffn))"
+"""Label of every speedup estimate (docs/defect.md "Speedup estimate"): an estimate, not a measured kernel speedup."""
 DEFECT_VARIANTS: tuple[str, ...] = ("C", "C_phi", "C1", "C_tan")
 """Score variants (keys of :attr:`DefectResult.scores`); ``"C"`` is the primary one."""
-CURVE_STRATEGIES: tuple[str, ...] = ("lowest", "highest", "random", "contiguous")
-"""Layer choices of the loss-vs-k curves."""
 BRACKET_TERMS: tuple[str, ...] = ("DPhi_A", "DA_Phi", "bracket")
 """Keys of :attr:`DefectResult.brackets`: RMS of DPhi.A, DA.Phi and [A, Phi] = DPhi.A - DA.Phi."""
-DEFECT_RMS_TERMS: tuple[str, ...] = ("defect", "update", "ffn_write", "first_order", "defect_tangential",
-                              "first_order_error")
-"""Keys of :attr:`DefectResult.rms`: per-token RMS of d, Dx, Phi(ffn input), J a, P_u d and d - J a."""
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
 class DefectResult(Result):
-    """Per-layer sequential-to-parallel defect scores, optionally with the loss they predict and timings.
-
-    Every per-layer tensor is indexed like :attr:`layers` (entry i belongs to block ``layers[i]``).
-
-    Attributes:
-        layers: the analysed blocks (sorted).
-        already_parallel: per layer, whether the block is parallel already (NeoX/Pythia); see the module doc.
-        score: primary score C_l (float64), ``scores["C"]``.
-        scores: every variant, keys :data:`DEFECT_VARIANTS` (``C``, ``C_phi``, ``C1``, ``C_tan``).
-        nonlinearity: nu_l = ||d - J a|| / ||d|| (pooled RMS); NaN for already-parallel blocks.
-        counterfactual_scores: the variants of ``Phi(x + a) - Phi(x)`` with x = resid_pre, for every block
-            (equal to ``scores`` for sequential blocks).
-        counterfactual_nonlinearity: nu of that counterfactual defect.
-        rms: per-token RMS (absolute, float64) of the terms :data:`DEFECT_RMS_TERMS`.
-        phi_check: per layer, max |Phi(ffn input) - hook_mlp_out| / max |hook_mlp_out| (our FFN callable
-            reproduces the model's FFN write; rounding level).
-        brackets: RMS per token of ``DPhi_A``, ``DA_Phi``, ``bracket`` (empty unless ``brackets=True``).
-        peer_scores: the field's layer-choice scores from the same forward, keys
-            :data:`tl_steering.parallel.strategies.PEER_SCORES` (``block_influence``, ``angular_distance``,
-            ``ffn_fusion``; token means, float64, lower = safer; docs/defect.md "Peer scores").
-        n_tokens: tokens pooled per layer (non-excluded positions of every sequence).
-        evaluated: whether the gold-standard losses were computed.
-        clean_loss: mean next-token CE of the unmodified model (NaN unless evaluated).
-        delta_ce: per layer, CE with that layer alone parallel minus clean CE (0 for already-parallel blocks).
-        spearman: Spearman rho of each variant with ``delta_ce`` over the candidate (sequential) layers; NaN
-            with fewer than 3 candidates or a constant input.
-        k_values: the k of the curves.
-        curves: ``k`` (int64), ``lowest``, ``highest``, ``contiguous``, ``random_mean`` (dCE per k, float64)
-            and ``random`` ([n_random, n_k]).
-        curve_layers: the layer sets behind every curve point (``random``: one list per draw).
-        t_attn / t_ffn: median seconds of LN1+attention / LN2+MLP per layer (NaN unless ``timing``).
-        t_forward: median seconds of a whole forward (no hooks) on the same slice.
-        t_other: ``t_forward - sum_l (t_attn + t_ffn)`` over all blocks, clamped at 0: embedding, final norm,
-            unembedding and framework overhead (NaN when only some layers were timed).
-        timing_shape: ``[batch, pos]`` of the timed slice.
-        timing_device: device the times were taken on.
-        seconds: wall time of the call.
-        options: every option of the call.
-    """
+    """Per-layer sequential-to-parallel defect scores, optionally with the loss they predict and timings; every
+    per-layer tensor is indexed like :attr:`layers`. Each field is described in docs/defect.md "DefectResult"."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     already_parallel: list[bool] = dataclasses.field(default_factory=list)
@@ -134,28 +93,20 @@ class DefectResult(Result):
         """Layers that can be made parallel (the sequential ones among :attr:`layers`)."""
         return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
 
-    def _variant(self, variant: str) -> Tensor:
-        if variant not in self.scores:
-            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
-        return self.scores[variant]
-
     def plan(self, k: int, variant: str = "C") -> list[int]:
         """The k sequential layers with the lowest score (ties: lower layer first), sorted by layer index.
 
         Already-parallel blocks are never chosen (nothing would change). NaN scores rank last.
         """
-        return _choose(self.layers, self.candidates, self._variant(variant), k, lowest=True)
+        if variant not in self.scores:
+            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
+        score, pos = self.scores[variant], {lay: i for i, lay in enumerate(self.layers)}
+        return _strategies.one_shot(self.candidates, {lay: float(score[pos[lay]]) for lay in self.candidates}, k)
 
     # -- speedup --------------------------------------------------------------------------------------------
     def speedup_estimate(self, layers: Sequence[int]) -> dict[str, Any]:
-        """Estimated speedup of making ``layers`` parallel, from the measured sub-module times.
-
-        ``T_seq = sum_l (t_attn,l + t_ffn,l)``; ``T_par = sum_{l not in S} (t_attn,l + t_ffn,l) +
-        sum_{l in S} max(t_attn,l, t_ffn,l)`` over the timed layers (already-parallel blocks count with
-        ``max`` in both, as the model has them). ``*_with_other`` adds :attr:`t_other` (embedding, final norm,
-        unembedding, overhead) to both totals. The ``label`` says what this is: an estimate of the critical
-        path if attention and FFN ran concurrently, not a measured kernel speedup.
-        """
+        """Estimated speedup of making ``layers`` parallel from the measured sub-module times (:func:`estimate_speedup`;
+        docs/defect.md "Speedup estimate")."""
         return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
                                 t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
 
@@ -272,10 +223,28 @@ def ordering_claim(k: int, n_candidates: int, lowest: float, highest: float, str
                  f"{lowest:+.3g} nats ({cost.why}), and {order}", value=lowest, parts={"high_over_low": ratio})
 
 
-def _choose(layers: Sequence[int], candidates: Sequence[int], score: Tensor, k: int,
-            lowest: bool) -> list[int]:
-    pos = {lay: i for i, lay in enumerate(layers)}
-    return _strategies.one_shot(candidates, {lay: float(score[pos[lay]]) for lay in candidates}, k, lowest)
+def estimate_speedup(layers: Sequence[int], already_parallel: Sequence[bool], t_attn: Tensor, t_ffn: Tensor,
+                     chosen: Sequence[int], t_other: float = math.nan, timing_shape: Sequence[int] = (),
+                     device: str = "") -> dict[str, Any]:
+    """Estimated speedup of making ``chosen`` parallel from per-layer sub-module times: ``T_seq / T_par`` of
+    docs/defect.md "Speedup estimate" (already-parallel blocks count with ``max`` in both; ``*_with_other`` adds
+    ``t_other`` to both)."""
+    if not layers or not torch.isfinite(t_attn).all() or not torch.isfinite(t_ffn).all():
+        raise InputError("no sub-module times: run parallel_defect(..., timing=True)")
+    picked = sorted({int(x) for x in chosen})
+    unknown = [x for x in picked if x not in layers]
+    if unknown:
+        raise InputError(f"layers {unknown} were not analysed (analysed: {list(layers)})")
+    ta, tf = t_attn.tolist(), t_ffn.tolist()
+    t_seq = t_par = 0.0
+    for i, lay in enumerate(layers):
+        seq_cost = max(ta[i], tf[i]) if already_parallel[i] else ta[i] + tf[i]
+        t_seq += seq_cost
+        t_par += max(ta[i], tf[i]) if lay in picked else seq_cost
+    return {"label": SPEEDUP_LABEL, "layers": picked, "k": len(picked), "T_seq_s": t_seq, "T_par_s": t_par,
+            "speedup": t_seq / t_par if t_par > 0 else math.nan, "T_other_s": t_other,
+            "speedup_with_other": (t_seq + t_other) / (t_par + t_other) if math.isfinite(t_other) else math.nan,
+            "timing_shape": list(timing_shape), "device": device}
 
 
-__all__ = ["BRACKET_TERMS", "CURVE_STRATEGIES", "DEFECT_RMS_TERMS", "DEFECT_VARIANTS", "DefectResult", "ordering_claim"]
+__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "SPEEDUP_LABEL", "DefectResult", "estimate_speedup", "ordering_claim"]

@@ -16,21 +16,14 @@ from ..data.sharding import batch_slices, split_map
 from ..hooks import Write, parallel_blocks, parallel_hooks
 from ..stats import block_length
 
-#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing; above it every plan runs a whole
-#: forward.
+#: Largest size of the clean residuals :class:`PlanLoss` keeps for prefix sharing (above it: a whole forward per plan).
 PREFIX_CACHE_BYTES = 1 << 30
 
 
 class PlanLoss:
-    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows: ``loss(layers)``.
-
-    :attr:`passes` counts the passes over the windows run (over all ranks; ``world``: :meth:`prefetch` splits the
-    plans over the ranks). Every measured plan keeps its per-block CE sums, :attr:`blocks` (``[window, block]``
-    float64, :attr:`block` consecutive predicted tokens each): the resampling units of the intervals
-    (docs/parallel.md "Uncertainty and the choice"). ``share_prefix``: run each plan from the clean residual
-    entering its first parallel layer (off, or :attr:`prefix_note` saying why it could not be used: a whole hooked
-    forward per plan).
-    """
+    """Memoised mean CE of plans (sets of parallel layers) on one set of token windows, ``loss(layers)``; every
+    measured plan keeps its per-block CE sums :attr:`blocks` (``[window, block]``, the resampling units of
+    docs/parallel.md "Uncertainty and the choice"); ``share_prefix``: docs/defect.md "Prefix sharing"."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None,
                  share_prefix: bool = True):

@@ -1,7 +1,5 @@
 """The one planner, :func:`plan_parallel`: plans chosen on calibration windows, reported on held-out windows
-(docs/parallel.md "Planning"). The strategies and the default are in :mod:`.strategies`; every plan is measured
-by one oracle (:class:`~.gold.PlanLoss`, its corrected twins in :mod:`.refit`), every curve built by
-:func:`~.gold.delta_curves`."""
+(docs/parallel.md "Planning"), measured by one oracle (:mod:`.gold`, :mod:`.refit`)."""
 
 import time
 import warnings
@@ -18,6 +16,7 @@ from ..data.sharding import broadcast_from_rank0
 from ..data.windows import token_source
 from ..errors import InputError
 from ..stats import cluster_bootstrap_ci
+from ..validation import as_choice, as_int
 from . import strategies as st
 from .gold import PlanLoss, delta_curves
 from .plan_result import ParallelPlan
@@ -48,31 +47,9 @@ def plan_parallel(
     batch_size: int = 8,
     world: Any = None,
 ) -> ParallelPlan:
-    """Choose k layers to make parallel on calibration windows; report the loss on held-out windows
-    (docs/parallel.md "Planning", "Refit", "Uncertainty and the choice").
-
-    Args:
-        model: a TransformerLens model; never modified, no hook or ``.grad`` left on it.
-        tokens: calibration windows ``[batch, pos]`` or a ``TokenWindows``. With ``held_out=None`` the first
-            ``ceil(batch / 2)`` windows calibrate, the rest are held out.
-        k: number of layers to make parallel, in ``[0, L]`` (L = sequential layers among ``layers``).
-        strategy: ``"best"`` (compare :data:`~.strategies.PLANNER`'s strategies; keep its reference unless another
-            beats it beyond noise), a list of strategy names (compared the same way), or one name of
-            :data:`PLAN_STRATEGIES`.
-        held_out: held-out windows (never used to choose).
-        layers: blocks that may be chosen (default all).
-        k_values: k of the curves (default: 0 and k for ``"best"``, else
-            :func:`~.strategies.default_k_values` up to k, and k).
-        refit: the closed-form correction fitted for every plan measured: ``"linear"`` (default, cross-fitted),
-            ``"affine"``, ``"gate"`` or ``"none"``.
-        fisher_samples: sampled-label backwards of ``attribution_2nd`` (0 drops it from ``"best"``).
-        seed: seed of the ``random`` baseline, of the sampled labels and of the intervals' resamples.
-        batch_size: sequences per forward pass.
-        world: a :class:`tl_steering.data.sharding.World` (every rank calls, docs/scale_out.md).
-
-    Returns:
-        A :class:`ParallelPlan` (its ``layers``, fitted correction and every figure with its 95 % interval).
-    """
+    """Choose k layers to make parallel on calibration windows; report the loss on held-out windows: a
+    :class:`ParallelPlan`, its layers, fitted correction and every figure with its 95 % interval (the arguments in
+    docs/parallel.md "Planning"; "Refit", "Uncertainty and the choice")."""
     t0 = time.perf_counter()
     ctx = PlanContext(model, tokens, k, strategy, held_out, layers, k_values, refit, fisher_samples, seed,
                       batch_size, world)
@@ -87,25 +64,28 @@ def plan_parallel(
 
 
 class PlanContext:
-    """One :func:`plan_parallel` call, its arguments checked: what the strategies read (``candidates``,
-    ``score_of(name)``: the calibration windows' :func:`parallel_scores`, computed once on first use; the oracle
-    ``loss``, the calibration loss of a plan corrected as asked; ``seed``, ``fisher_samples``), the windows, the
-    losses and the options."""
+    """One :func:`plan_parallel` call, its arguments checked: the windows, the losses (``loss``: the calibration
+    oracle) and what the strategies read (``candidates``, ``score_of(name)``: :func:`parallel_scores`, once)."""
 
     def __init__(self, model: Any, tokens: Any, k: Any, strategy: Any, held_out: Any, layers: Any, k_values: Any,
                  refit: Any, fisher_samples: Any, seed: int, batch_size: int, world: Any):
         self.model, self.ad, self.seed, self.batch_size, self.world = model, adapt(model), seed, batch_size, world
         tokens, self.corpus = token_source(tokens, None)
         self.held_given = held_out is not None
-        held = self.ad.validate_tokens(token_source(held_out, None)[0]) if self.held_given else None
-        self.cal, self.held = _split(self.ad.validate_tokens(tokens), held)
+        self.cal, n = self.ad.validate_tokens(tokens), int(tokens.shape[0])
+        if self.held_given:
+            self.held = self.ad.validate_tokens(token_source(held_out, None)[0])
+        elif n < 2:
+            raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
+                             "(the first half calibrates, the second half is held out)")
+        else:
+            self.cal, self.held = self.cal[:n - n // 2], self.cal[n - n // 2:]
         self.sel = self.ad.layers(layers)
         self.candidates = [lay for lay in self.sel if not self.ad.is_parallel(lay)]
         already = [lay for lay in self.sel if self.ad.is_parallel(lay)]
         self.k = st.check_k(k, len(self.candidates), already)
         self.names, self.requested = _names(strategy, fisher_samples)
-        if refit not in REFITS:
-            raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
+        as_choice(refit, "refit", REFITS)
         if k_values is None:
             k_values = [0] if strategy == "best" else [j for j in st.default_k_values(len(self.candidates))
                                                        if j <= self.k]
@@ -130,21 +110,9 @@ class PlanContext:
         return self.scores.score_of(name)
 
 
-def _split(tokens: Tensor, held_out: Tensor | None) -> tuple[Tensor, Tensor]:
-    if held_out is not None:
-        return tokens, held_out
-    n = tokens.shape[0]
-    if n < 2:
-        raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
-                         "(the first half calibrates, the second half is held out)")
-    cut = n - n // 2
-    return tokens[:cut], tokens[cut:]
-
-
 def _names(strategy: Any, fisher_samples: Any) -> tuple[list[str], str]:
     """The strategies compared and the request recorded (``"best"`` or the one name)."""
-    if isinstance(fisher_samples, bool) or not isinstance(fisher_samples, int) or fisher_samples < 0:
-        raise InputError(f"fisher_samples must be an int >= 0, got {fisher_samples!r}")
+    as_int(fisher_samples, "fisher_samples", minimum=0)
     if strategy == "best":
         names = [s for s in PLANNER.strategies if fisher_samples or s != "attribution_2nd"]
     elif isinstance(strategy, str):

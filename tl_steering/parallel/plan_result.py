@@ -1,8 +1,5 @@
-"""The result of :func:`tl_steering.plan_parallel`: :class:`ParallelPlan` (docs/parallel.md "Planning").
-
-Saved like every result: ``plan.save("plan.json")`` writes its tensors (``gates``, ``biases``, ``linears``: the
-fitted corrections) to ``plan.safetensors`` beside the JSON, and ``ParallelPlan.load`` reads them back bit for bit.
-"""
+"""The result of :func:`tl_steering.plan_parallel`: :class:`ParallelPlan` (docs/parallel.md "Planning"; its saved
+file holds the fitted corrections bit for bit)."""
 
 import dataclasses
 import math
@@ -24,14 +21,7 @@ def _no_interval() -> Any:
 @dataclasses.dataclass(kw_only=True)
 class ParallelPlan(Result):
     """A set of layers to make parallel, how it was chosen and what it costs (loss and planner passes); every field
-    is described in docs/parallel.md "Planning", "Refit" and "Uncertainty and the choice".
-
-    Besides those: ``requested`` is the ``strategy`` argument, ``candidates`` the sequential layers that could be
-    chosen, ``strategy_costs`` each strategy's own ``cost``, ``n_calibration`` / ``n_held_out`` the windows of each
-    set, ``refit_requested`` the correction asked for (:attr:`refit` is the one fitted), ``gates`` / ``biases`` /
-    ``linears`` the fitted ``[k]`` / ``[k, d_model]`` / ``[k, d_model, d_model]`` float64 corrections in the order
-    of :attr:`layers` (``linears`` ``[0, 0, 0]`` unless ``refit="linear"``).
-    """
+    is described in docs/parallel.md "Planning", "Refit" and "Uncertainty and the choice"."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     k: int = 0
@@ -78,13 +68,6 @@ class ParallelPlan(Result):
     interval: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "parallel_plan"
-    # fields that came after the first plan files (older files load without them)
-    added_fields = ("refit", "refit_order", "gates", "biases", "linears", "calibration_delta_ce_uncorrected",
-                    "held_out_delta_ce_uncorrected", "held_out_curves_uncorrected", "refit_requested",
-                    "calibration_fit", "calibration_note", "reference", "choice_rule", "margins", "margins_uncorrected",
-                    "calibration_intervals", "held_out_intervals", "held_out_intervals_uncorrected",
-                    "calibration_delta_ce_interval", "held_out_delta_ce_interval",
-                    "calibration_delta_ce_uncorrected_interval", "held_out_delta_ce_uncorrected_interval", "interval")
 
     def corrections(self) -> tuple[dict[int, float], dict[int, Tensor]]:
         """The fitted corrections as ``({layer: g}, {layer: b})`` for :func:`tl_steering.hooks.parallel_blocks`
@@ -127,9 +110,7 @@ class ParallelPlan(Result):
         return {s: float(v[j]) for s, v in c.items()}
 
     def summary(self) -> dict[str, Any]:
-        """Headline figures; every dCE with its ``_interval`` ``[low, high]`` (:attr:`interval`), the calibration
-        fit (``"out-of-fold"`` / ``"in-sample"`` / ``"none"``) and, when there is one, the note of a calibration set
-        too small to cross-fit."""
+        """Headline figures, every dCE with its ``_interval`` ``[low, high]`` (docs/parallel.md "Planning")."""
         out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
                                "refit": self.refit, "calibration_fit": self.calibration_fit,
                                "calibration_delta_ce": self.calibration_delta_ce,
@@ -189,5 +170,8 @@ class ParallelPlan(Result):
                           xaxis_title="k (layers made parallel)", yaxis_title="ΔCE (nats)", template="plotly_white")
         return fig
 
+
+_FIELDS = [f.name for f in dataclasses.fields(ParallelPlan)]
+ParallelPlan.added_fields = tuple(_FIELDS[_FIELDS.index("refit"):])  # after the first plan files: load without them
 
 __all__ = ["ParallelPlan"]

@@ -13,6 +13,7 @@ from ..data.sharding import batch_slices
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
 from ..stats import Moments, check_exclude_positions
+from ..validation import as_choice
 from .gold import PlanLoss
 
 REFITS: tuple[str, ...] = ("none", "gate", "affine", "linear")
@@ -27,21 +28,14 @@ def carried_max_df(n_tokens: int, d_model: int) -> float:
 
 
 def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
-    """The richest correction, no richer than ``refit`` (none < gate < affine < linear), that ``n_tokens`` fitted
-    tokens carry when it can only be judged in-sample: at most :data:`CARRY` effective parameter per fitted token and
-    output coordinate (docs/parallel.md "Uncertainty and the choice"; ``"linear"`` counts as ``"affine"``, its ridge
-    capped at :func:`carried_max_df`)."""
+    """The richest correction, no richer than ``refit``, that ``n_tokens`` fitted tokens carry in-sample (at most
+    :data:`CARRY` per token and coordinate; docs/parallel.md "Uncertainty and the choice")."""
     order = list(REFITS)
     for cand in reversed(order[:order.index(refit) + 1]):
         per_coordinate = {"none": 0.0, "gate": 1.0 / d_model}.get(cand, 1.0 + 1.0 / d_model)
         if per_coordinate <= CARRY * int(n_tokens):
             return cand
     return "none"
-
-
-def _check(refit: str) -> None:
-    if refit not in REFITS:
-        raise InputError(f"refit must be one of {list(REFITS)}, got {refit!r}")
 
 
 class _Stop(Exception):
@@ -51,14 +45,9 @@ class _Stop(Exception):
 def fit_corrections(model: Any, tokens: Tensor, layers: Sequence[int], refit: str = "affine", batch_size: int = 8,
                     exclude_positions: Sequence[int] = (0,), linears: dict[int, Tensor] | None = None,
                     carry: bool = False) -> tuple[dict[int, float], dict[int, Tensor], int]:
-    """Fit the corrections of the parallel plan ``layers`` on ``tokens``, each layer on the forward that runs the
-    corrected layers before it (docs/parallel.md "Refit").
-
-    Returns ``(gates, biases, passes)``: ``{layer: g}``, ``{layer: b}`` (float64 ``[d_model]``; empty for
-    ``"none"``/``"gate"``) for :func:`tl_steering.hooks.parallel_blocks`, and the forwards run (an early-stopped
-    one counts as one). ``linears``: a dict that receives ``{layer: W}`` (float64 ``[d_model, d_model]``), required
-    for ``refit="linear"``. ``carry``: cap each linear map's effective degrees of freedom at :func:`carried_max_df`.
-    """
+    """``(gates, biases, passes)``: the corrections of the parallel plan ``layers`` fitted on ``tokens``, each layer on
+    the forward that runs the corrected layers before it, and the forwards run (docs/parallel.md "Refit");
+    ``linears``, required for ``refit="linear"``, receives the maps; ``carry``: the ridge of :func:`carried_max_df`."""
     _, g, b, passes = _fit(model, tokens, layers, refit, batch_size, exclude_positions, None, linears, carry)
     return g, b, passes
 
@@ -95,7 +84,7 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
          linears_out: dict[int, Tensor] | None, carry: bool) -> tuple[Any, dict[int, float], dict[int, Tensor], int]:
     """The sequential fit; with ``measure(plan, write)`` (``PlanLoss.ce_blocks``) also what it measures on the
     corrected plan, on one batch in the fitting forward itself."""
-    _check(refit)
+    as_choice(refit, "refit", REFITS)
     if refit == "linear" and linears_out is None:
         raise InputError('refit="linear" fits a [d_model, d_model] map per layer: pass a dict as linears= to '
                          "receive them (or use RefitLoss / plan_parallel, which keep them)")
@@ -152,18 +141,14 @@ def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list, last: 
 
 
 class RefitLoss(PlanLoss):
-    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans: ``loss(layers)`` fits that plan's
-    corrections on these windows and returns the corrected mean CE (memoised; :attr:`passes` counts the fitting
-    forwards too); :meth:`fitted` gives ``(gates, biases, linears)`` fitted on all the windows.
-
-    ``crossfit`` (default: on for ``refit="linear"`` given at least 2 windows): the loss is measured out of fold,
-    the corrections fitted on each half of the windows applied to the other half (docs/parallel.md "Refit")."""
+    """:class:`~tl_steering.parallel.gold.PlanLoss` of the corrected plans, each fitted on these windows (:attr:`passes`
+    counts the fits); ``crossfit`` (default: for ``refit="linear"`` on 2+ windows): each half's fit measured on the
+    other half (docs/parallel.md "Refit")."""
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
                  share_prefix: bool = True, crossfit: bool | None = None, carry: bool = False):
         super().__init__(model, tokens, batch_size, world, share_prefix)
-        _check(refit)
-        self.refit, self.carry = refit, bool(carry)
+        self.refit, self.carry = as_choice(refit, "refit", REFITS), bool(carry)
         self._fits: dict[tuple[int, ...], tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]] = {}
         self.crossfit = (refit == "linear" and int(tokens.shape[0]) >= 2) if crossfit is None else bool(crossfit)
         #: passes of the fits on all the windows that no measurement ran (cross-fitted, or measured on another rank)

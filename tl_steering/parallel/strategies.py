@@ -1,10 +1,6 @@
 """The one planner's strategies and its one default, :data:`PLANNER` (docs/parallel.md "Planning"; no torch here,
-so the CLI checks its arguments fast).
-
-:data:`STRATEGIES` maps each name to ``plan(ctx, ks) -> (one plan per k of ks, cost)``, a plan a sorted list of
-candidate layers; ``ctx`` is a :class:`tl_steering.parallel.plan.PlanContext`. Ties go to the lower layer index;
-NaN scores rank last.
-"""
+so the CLI checks its arguments fast). :data:`STRATEGIES` maps each name to ``plan(ctx, ks) -> (one sorted plan
+per k of ks, cost)``, ``ctx`` a :class:`tl_steering.parallel.plan.PlanContext`; ties go to the lower layer."""
 
 import math
 from collections.abc import Callable, Mapping, Sequence

@@ -19,7 +19,7 @@ from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, parallel_blocks
 from tl_steering.parallel import strategies as st
-from tl_steering.parallel.attribution import attribution_scores
+from tl_steering.parallel.scores import attribution_scores
 from tl_steering.parallel.strategies import PLANNER, STRATEGIES
 
 
