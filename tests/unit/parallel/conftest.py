@@ -1,4 +1,4 @@
-"""Fixtures shared by the planner tests of this room (test_plan.py, test_peers.py)."""
+"""Fixtures shared by the planner tests of this room (test_plan.py, test_defect_peers.py)."""
 
 import pytest
 import torch
