@@ -34,15 +34,8 @@ def hooked_available() -> bool:
 
 Backend = Literal["hooked", "bridge"]
 Processing = Literal["raw", "tl"]
-_SITE_HOOK = {
-    "resid_pre": "hook_resid_pre",
-    "attn_out": "hook_attn_out",
-    "resid_mid": "hook_resid_mid",
-    "mlp_in": "hook_mlp_in",
-    "mlp_out": "hook_mlp_out",
-    "resid_post": "hook_resid_post",
-    "ln2_normalized": "ln2.hook_normalized",
-}
+_SITE_HOOK = {s: f"hook_{s}" for s in ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")}
+_SITE_HOOK["ln2_normalized"] = "ln2.hook_normalized"
 SITES: tuple[str, ...] = (*_SITE_HOOK, "ffn_input")
 
 
