@@ -3,6 +3,7 @@
 docs/generate.md and docs/parallel.md, "Masks and KV cache"."""
 
 import contextlib
+import functools
 import inspect
 import types
 import warnings
@@ -115,19 +116,15 @@ def decode_step(model: Any, tokens: Tensor, cache: Any) -> Tensor:
     if backend_of(model) == "hooked":
         return model(tokens, past_kv_cache=cache)
     with cache_routing(model):
-        return model(tokens, return_type="logits", use_cache=True, **{_cache_kwarg(model): cache})
+        return model(tokens, return_type="logits", use_cache=True,
+                     **{_cache_kwarg(type(model.original_model)): cache})
 
 
-_CACHE_KWARG: dict[type, str] = {}
-
-
-def _cache_kwarg(model: Any) -> str:
-    """The keyword the wrapped Hugging Face model takes its cache by: ``cache`` (transformers >= 5.x, where
+@functools.cache
+def _cache_kwarg(hf: type) -> str:
+    """The keyword Hugging Face model class ``hf`` takes its cache by: ``cache`` (transformers >= 5.x, where
     ``past_key_values`` is deprecated) or ``past_key_values``."""
-    hf = type(model.original_model)
-    if hf not in _CACHE_KWARG:
-        _CACHE_KWARG[hf] = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    return _CACHE_KWARG[hf]
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def kv_cache_length(cache: Any) -> int:
