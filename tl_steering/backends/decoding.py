@@ -1,6 +1,5 @@
-"""Incremental (KV-cache) decoding on both model classes: :func:`kv_cache`, :func:`decode_step`,
-:func:`freeze_kv_cache`, :func:`kv_cache_length`, :func:`cache_routing` and :func:`route_cache_keyword`. See
-docs/generate.md and docs/parallel.md, "Masks and KV cache"."""
+"""Incremental (KV-cache) decoding on both model classes. See docs/generate.md and docs/parallel.md, "Masks and KV
+cache"."""
 
 import contextlib
 import functools
@@ -74,8 +73,7 @@ _PKV_DEPRECATION = r"`past_key_values` is deprecated and will be removed"
 
 def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
     """TransformerLens's own ``generate`` of the bridge with transformers' ``past_key_values`` FutureWarning filtered
-    for this call alone (it comes from how TransformerLens calls the Hugging Face model, on every step). Bound per
-    instance by :func:`route_cache_keyword` (named like the method it shadows, so a pickled bound method resolves)."""
+    for this call alone; bound per instance like :func:`_update_kv_cache`."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PKV_DEPRECATION, category=FutureWarning)
         return type(self).generate(self, *args, **kwargs)
