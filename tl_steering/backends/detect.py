@@ -1,7 +1,5 @@
-"""Which TransformerLens is installed and which model class a model is: the feature detection every backend
-module shares (TL 4.x removed ``HookedTransformer``; both lines have ``TransformerBridge``), the site vocabulary,
-and the bit-exact weight fingerprint used to prove a call left the weights alone. See docs/architecture.md.
-"""
+"""Which TransformerLens is installed and which model class a model is, the site vocabulary and the bit-exact
+weight fingerprint. See docs/architecture.md."""
 
 import importlib.metadata
 from typing import Any, Literal
@@ -66,10 +64,8 @@ def first_output(out: Any) -> Tensor:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone.
-
-    A tensor offloaded by accelerate (on the ``meta`` device: its data lives on disk or in CPU memory and is loaded
-    by accelerate's hooks at forward time) contributes its name, dtype and shape only."""
+    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone; a tensor offloaded
+    by accelerate (``meta`` device) contributes its name, dtype and shape only (docs/scale_out.md)."""
     import hashlib
 
     h = hashlib.sha256()
