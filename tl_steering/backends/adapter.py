@@ -241,8 +241,7 @@ class ModelAdapter:
 
     # -- running -----------------------------------------------------------------------------------------
     def hook_guard(self, call: str = "tl_steering.hook_guard") -> contextlib.AbstractContextManager[None]:
-        """Every hook added inside is gone on exit; the block holds the model for this thread (``call`` names it
-        in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
+        """:class:`.lifecycle.hook_guard` on this model (docs/hooks.md)."""
         return hook_guard(self.model, call)
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
