@@ -3,6 +3,7 @@ tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules t
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -35,14 +36,6 @@ def check_finite(x: Tensor, layer: int | None, site: str) -> None:
         )
 
 
-def split_hook_name(name: str) -> tuple[int | None, str]:
-    """``blocks.3.hook_x`` -> ``(3, 'hook_x')``; a name outside the blocks -> ``(None, name)``."""
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[0] == "blocks" and parts[1].isdigit():
-        return int(parts[1]), ".".join(parts[2:])
-    return None, name
-
-
 @dataclasses.dataclass
 class ModelInfo:
     """Provenance tags that tl_steering's loaders attach to a model (``model._tl_steering_info``)."""
@@ -54,12 +47,8 @@ class ModelInfo:
 
 
 class ModelAdapter:
-    """Uniform access to a TransformerLens model (HookedTransformer or TransformerBridge).
-
-    Args:
-        model: the TransformerLens model. It is used as is: the adapter never changes weights and every hook
-            it adds is removed before its methods return.
-    """
+    """Uniform access to a TransformerLens model (HookedTransformer or TransformerBridge), used as is: the adapter
+    never changes weights and every hook it adds is removed before its methods return."""
 
     def __init__(self, model: Any):
         self.model = model
@@ -67,7 +56,9 @@ class ModelAdapter:
         self.cfg = model.cfg
         self.n_layers: int = int(self.cfg.n_layers)
         self.d_model: int = int(self.cfg.d_model)
-        self._parallel = [self._detect_parallel(blk) for blk in model.blocks]
+        # HookedTransformer and bridges build hook_resid_mid only on sequential blocks (a bridge: alias of ln2.hook_in)
+        self._parallel = [type(blk).__name__ == "ParallelBlockBridge" or not hasattr(blk, "hook_resid_mid")
+                          for blk in model.blocks]
 
     # -- identity ----------------------------------------------------------------------------------------
     @property
@@ -107,14 +98,6 @@ class ModelAdapter:
         return parameter_device(self.model)
 
     # -- structure ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _detect_parallel(blk: torch.nn.Module) -> bool:
-        if type(blk).__name__ == "ParallelBlockBridge":
-            return True
-        # HookedTransformer builds hook_resid_mid only for sequential blocks; bridges likewise expose it only
-        # on sequential blocks (an alias of ln2.hook_in).
-        return not hasattr(blk, "hook_resid_mid")
-
     def is_parallel(self, layer: int) -> bool:
         """Whether block ``layer`` computes x + A(x) + Phi(x) (GPT-NeoX/Pythia, GPT-J style)."""
         return self._parallel[self.check_layer(layer)]
@@ -138,12 +121,8 @@ class ModelAdapter:
         return "resid_pre" if self.is_parallel(layer) else "resid_mid"
 
     def hook_name(self, layer: int, site: str, hook_dict: Mapping[str, Any] | None = None) -> str:
-        """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them).
-
-        ``site="ffn_input"`` resolves to the FFN-input site of that block. ``hook_dict``: a snapshot of
-        ``model.hook_dict`` to check the name against (a bridge rebuilds that dict on every access; a caller
-        naming many points, like the probe, takes it once).
-        """
+        """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them); ``"ffn_input"``
+        resolves per block. ``hook_dict``: a snapshot of ``model.hook_dict`` (a bridge rebuilds it on every access)."""
         layer = self.check_layer(layer)
         if site == "ffn_input":
             site = self.ffn_input_site(layer)
@@ -177,10 +156,8 @@ class ModelAdapter:
         return sublayer_norms(self.model.blocks[self.check_layer(layer)])
 
     def require_resident(self, layers: Sequence[int], what: str) -> None:
-        """Refuse blocks whose weights accelerate offloaded (``meta`` device) for ``what``: calls that take
-        Jacobian-vector products or copies of a block (torch.func transforms, the float64 field, the executor)
-        cannot go through accelerate's weight-loading hooks; plain forwards and the adapter's ``ffn`` /
-        ``attention`` calls can."""
+        """Refuse blocks whose weights accelerate offloaded (``meta`` device) for ``what`` (JVPs, block copies:
+        docs/scale_out.md)."""
         for layer in layers:
             blk = self.model.blocks[self.check_layer(layer)]
             if any(p.device.type == "meta" for p in blk.parameters()):
@@ -264,8 +241,7 @@ class ModelAdapter:
 
     # -- running -----------------------------------------------------------------------------------------
     def hook_guard(self, call: str = "tl_steering.hook_guard") -> contextlib.AbstractContextManager[None]:
-        """Every hook added inside is gone on exit; the block holds the model for this thread (``call`` names it
-        in the :class:`~tl_steering.errors.ModelBusyError` another thread gets; docs/hooks.md)."""
+        """:class:`.lifecycle.hook_guard` on this model (docs/hooks.md)."""
         return hook_guard(self.model, call)
 
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
@@ -283,10 +259,8 @@ class ModelAdapter:
 
     def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = (),
                        check_finite_acts: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
-        """Forward, collecting the activations at ``names`` (detached) with our own light hooks.
-
-        Raises :class:`NonFiniteError` naming the layer and site when a collected activation has NaN/Inf.
-        """
+        """Forward, collecting the activations at ``names`` (detached) with our own light hooks;
+        :class:`NonFiniteError` naming the layer and site when one has NaN/Inf."""
         store: dict[str, Tensor] = {}
 
         def saver(name: str) -> Callable:
@@ -300,9 +274,9 @@ class ModelAdapter:
         if missing:
             raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
         if check_finite_acts:
-            for n in names:
-                layer, site = split_hook_name(n)
-                check_finite(store[n], layer, site)
+            for n in names:  # blocks.3.hook_x -> layer 3, site hook_x
+                m = re.fullmatch(r"blocks\.(\d+)\.(.+)", n)
+                check_finite(store[n], int(m[1]) if m else None, m[2] if m else n)
         return logits, store
 
     # -- checks ------------------------------------------------------------------------------------------
@@ -369,23 +343,15 @@ class ModelAdapter:
 
     def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:
         """The hook names :meth:`check_residual_identity` reads."""
-        names = []
-        for layer in self.layers(layers):
-            sites = ["resid_pre", "attn_out", "mlp_out", "resid_post"]
-            if not self.is_parallel(layer):
-                sites.append("resid_mid")
-            names += [self.hook_name(layer, s) for s in sites]
-        return names
+        sites = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+        return [self.hook_name(layer, s) for layer in self.layers(layers)
+                for s in sites + (() if self.is_parallel(layer) else ("resid_mid",))]
 
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
                    **extra: Any):
-        """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``: model,
-        revision, TransformerLens version, backend, the weight processing read from the model
-        (:mod:`.processing`), the user's hook points during the call (:mod:`.ownership`; ``user_hooks=`` and
-        ``interventions=``: those a probe saw during its forwards, instead), corpus, seed, dtype, device, world
-        size and ``extra`` options. Warns once per model on a processed residual stream and once per set of user
-        hooks (:mod:`.provenance`)."""
+        """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``
+        (:func:`.provenance.model_provenance`)."""
         from .provenance import model_provenance
 
         return model_provenance(self, tokens, corpus, seed, extra)
@@ -398,4 +364,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "split_hook_name"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite"]

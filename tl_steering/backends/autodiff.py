@@ -40,9 +40,8 @@ def autodiff_state() -> AutodiffState:
 
 
 def _exit_forward_levels(above: int) -> bool:
-    """Exit every forward-AD level above ``above`` in torch's C++ registry (by index, newest first: an interrupt
-    between ``_enter_dual_level`` and ``_current_level = ...`` leaves a level the Python mirror does not show) and in
-    the mirror; whether one was left (idempotent). Torch refuses to exit a level that does not exist."""
+    """Exit every forward-AD level above ``above`` in torch's C++ registry (by index, newest first: the Python
+    mirror may not show one) and in the mirror; whether one was left (idempotent)."""
     left = int(_fwad._current_level) != above
     top = max(int(_fwad._current_level), above + 1)  # torch allows one level (no nesting): index 0 at most
     for level in range(top, above, -1):
@@ -70,9 +69,8 @@ def restore_autodiff_state(to: AutodiffState) -> bool:
 
 
 class autodiff_section:  # noqa: N801 - used like a function: ``with autodiff_section(): ...``
-    """Run a ``torch.func`` transform so that no interrupt can leave torch's autodiff state half-entered: signals are
-    held inside and delivered on exit; an exception leaving the block unwinds what the transform left entered (with
-    torch's own calls, main thread only). Nested sections hold for the outermost one."""
+    """Run a ``torch.func`` transform so that no interrupt can leave torch's autodiff state half-entered
+    (docs/hooks.md, "Interrupts"). Nested sections hold for the outermost one."""
 
     def __init__(self) -> None:
         self._hold = deferred_signals()

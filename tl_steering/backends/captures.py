@@ -1,7 +1,5 @@
-"""Hooks of ours on a model's modules (docs/hooks.md, "Interrupts"): hooks kept last on their point, one-shot
-captures of the value a sublayer really receives, the orphan-safe wrapper of the factories' hooks, the meta-device
-check of the probe. Split from :mod:`.lifecycle`, which re-exports the names callers use and whose guards remove
-them all."""
+"""Hooks of ours on a model's modules, which the guards of :mod:`.lifecycle` remove (docs/hooks.md, "Interrupts"):
+hooks kept last on their point, one-shot captures, the orphan-safe wrapper, the probe's meta-device check."""
 
 from collections.abc import Callable
 from typing import Any
@@ -46,11 +44,9 @@ def _drop_orphans(hp: HookPoint, fn: Callable) -> bool:
 
 
 def orphan_safe(fn: Callable) -> Callable:
-    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of (a Ctrl-C
-    inside ``HookPoint.add_hook``: docs/hooks.md, "Interrupts") removes itself at its first firing and leaves the
-    activation unchanged. Torch runs a forward's hooks from a snapshot of the dict, so every listed copy still runs
-    in this forward, and the first copy to fire is the oldest (an orphan is registered before any copy added
-    since). Cost: one scan of the point's few hooks per firing."""
+    """Wrap a hook factory's ``fn(act, hook)`` so that a copy of it that TransformerLens lost track of (docs/hooks.md,
+    "Interrupts") removes itself at its first firing and leaves the activation unchanged (the oldest copy fires
+    first; torch runs a forward's hooks from a snapshot of the dict, so every listed copy still runs)."""
 
     def hook_fn(act: Any, hook: Any) -> Any:
         hp = getattr(hook, "_target", hook)  # TransformerLens's _AliasedHookPoint delegates to the point
@@ -71,10 +67,8 @@ def _detach(module: torch.nn.Module, attr: str, fn: Callable) -> None:
 
 
 def capture_input_once(module: torch.nn.Module, store: Callable[[Tensor], None]) -> Any:
-    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store`` (the value
-    a sublayer really receives, after every user hook upstream) and removes itself, by identity: a Ctrl-C right
-    after the registration, where no guard of ours runs, leaves no capture that cannot remove itself. Tagged as
-    ours: a guard removes it if the forward never reaches ``module``."""
+    """Register a one-shot forward-pre-hook on ``module`` that hands its first tensor input to ``store`` and removes
+    itself by identity (so one left by a Ctrl-C outside any guard still does); tagged as ours."""
 
     def grab(mod: Any, args: tuple, kwargs: dict) -> None:
         _detach(mod, "_forward_pre_hooks", tagged)
@@ -113,14 +107,9 @@ def capture_output_once(hp: torch.nn.Module, store: Callable[[Tensor], None]) ->
 
 
 def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]) -> list[Any]:
-    """Arm a one-shot capture of the value block ``layer`` really uses at ``site`` in the running forward:
-    after every hook on that point, whatever their order (a user's steering hook listed after ours included).
-
-    ``site="resid_pre"``: the input of the block's first norm (``ln1``), which receives hook_resid_pre's final
-    output on both backends. ``site="resid_mid"``: the final output of the resid_mid hook point (on bridges an
-    alias of ``ln2.hook_in``, inside ``ln2``), kept last among its hooks. Arm it from a hook that fires earlier
-    in the same forward (e.g. on hook_resid_pre): the capture fires once and removes itself.
-    """
+    """Arm, from a hook that fires earlier in the running forward, a one-shot capture of the value block ``layer``
+    really uses at ``site`` (after every hook on that point): ``"resid_pre"``, the input of ``ln1``; ``"resid_mid"``,
+    the final output of the resid_mid hook point (on bridges an alias of ``ln2.hook_in``)."""
     blk = ad.model.blocks[layer]
     if site == "resid_pre":
         return [capture_input_once(blk.ln1, store)]
@@ -130,9 +119,8 @@ def capture_site(ad: Any, layer: int, site: str, store: Callable[[Tensor], None]
 
 
 def refuse_meta_inputs(model: torch.nn.Module) -> Any:
-    """A forward-pre-hook on the whole model (tagged as ours: a guard removes it) that refuses tokens on the ``meta``
-    device with a clear :class:`~tl_steering.errors.DeviceMismatchError` before TransformerLens fails on them with a
-    bare RuntimeError. For the probe, whose forwards the user runs."""
+    """A forward-pre-hook of ours on the whole model refusing ``meta`` tokens with a clear
+    :class:`~tl_steering.errors.DeviceMismatchError` (for the probe, whose forwards the user runs)."""
 
     def check(mod: Any, args: tuple, kwargs: dict) -> None:
         validation.check_not_meta(args[0] if args else kwargs.get("input", kwargs.get("tokens")))

@@ -1,8 +1,8 @@
-"""Incremental (KV-cache) decoding on both model classes: :func:`kv_cache`, :func:`decode_step`,
-:func:`freeze_kv_cache`, :func:`kv_cache_length`, :func:`cache_routing` and :func:`route_cache_keyword`. See
-docs/generate.md and docs/parallel.md, "Masks and KV cache"."""
+"""Incremental (KV-cache) decoding on both model classes. See docs/generate.md and docs/parallel.md, "Masks and KV
+cache"."""
 
 import contextlib
+import functools
 import inspect
 import types
 import warnings
@@ -73,8 +73,7 @@ _PKV_DEPRECATION = r"`past_key_values` is deprecated and will be removed"
 
 def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
     """TransformerLens's own ``generate`` of the bridge with transformers' ``past_key_values`` FutureWarning filtered
-    for this call alone (it comes from how TransformerLens calls the Hugging Face model, on every step). Bound per
-    instance by :func:`route_cache_keyword` (named like the method it shadows, so a pickled bound method resolves)."""
+    for this call alone; bound per instance like :func:`_update_kv_cache`."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PKV_DEPRECATION, category=FutureWarning)
         return type(self).generate(self, *args, **kwargs)
@@ -115,19 +114,15 @@ def decode_step(model: Any, tokens: Tensor, cache: Any) -> Tensor:
     if backend_of(model) == "hooked":
         return model(tokens, past_kv_cache=cache)
     with cache_routing(model):
-        return model(tokens, return_type="logits", use_cache=True, **{_cache_kwarg(model): cache})
+        return model(tokens, return_type="logits", use_cache=True,
+                     **{_cache_kwarg(type(model.original_model)): cache})
 
 
-_CACHE_KWARG: dict[type, str] = {}
-
-
-def _cache_kwarg(model: Any) -> str:
-    """The keyword the wrapped Hugging Face model takes its cache by: ``cache`` (transformers >= 5.x, where
+@functools.cache
+def _cache_kwarg(hf: type) -> str:
+    """The keyword Hugging Face model class ``hf`` takes its cache by: ``cache`` (transformers >= 5.x, where
     ``past_key_values`` is deprecated) or ``past_key_values``."""
-    hf = type(model.original_model)
-    if hf not in _CACHE_KWARG:
-        _CACHE_KWARG[hf] = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    return _CACHE_KWARG[hf]
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
 
 def kv_cache_length(cache: Any) -> int:

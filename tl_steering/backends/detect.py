@@ -1,7 +1,5 @@
-"""Which TransformerLens is installed and which model class a model is: the feature detection every backend
-module shares (TL 4.x removed ``HookedTransformer``; both lines have ``TransformerBridge``), the site vocabulary,
-and the bit-exact weight fingerprint used to prove a call left the weights alone. See docs/architecture.md.
-"""
+"""Which TransformerLens is installed and which model class a model is, the site vocabulary and the bit-exact
+weight fingerprint. See docs/architecture.md."""
 
 import importlib.metadata
 from typing import Any, Literal
@@ -34,15 +32,8 @@ def hooked_available() -> bool:
 
 Backend = Literal["hooked", "bridge"]
 Processing = Literal["raw", "tl"]
-_SITE_HOOK = {
-    "resid_pre": "hook_resid_pre",
-    "attn_out": "hook_attn_out",
-    "resid_mid": "hook_resid_mid",
-    "mlp_in": "hook_mlp_in",
-    "mlp_out": "hook_mlp_out",
-    "resid_post": "hook_resid_post",
-    "ln2_normalized": "ln2.hook_normalized",
-}
+_SITE_HOOK = {s: f"hook_{s}" for s in ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")}
+_SITE_HOOK["ln2_normalized"] = "ln2.hook_normalized"
 SITES: tuple[str, ...] = (*_SITE_HOOK, "ffn_input")
 
 
@@ -73,10 +64,8 @@ def first_output(out: Any) -> Tensor:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone.
-
-    A tensor offloaded by accelerate (on the ``meta`` device: its data lives on disk or in CPU memory and is loaded
-    by accelerate's hooks at forward time) contributes its name, dtype and shape only."""
+    """A hash of every parameter and buffer (bit-exact), to prove a call left the weights alone; a tensor offloaded
+    by accelerate (``meta`` device) contributes its name, dtype and shape only (docs/scale_out.md)."""
     import hashlib
 
     h = hashlib.sha256()

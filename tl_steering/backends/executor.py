@@ -42,17 +42,11 @@ if _HookedBlock is not None:
         _tl_parallel: _ParallelState
 
         def _can_fuse(self, shortformer_pos_embed: Any, attention_mask: Tensor | None) -> bool:
-            st = self._tl_parallel
-            cfg = self.cfg
-            if st.fused is None or st.force_unfused or shortformer_pos_embed is not None:
-                return False
-            if cfg.use_attn_in or cfg.use_split_qkv_input or cfg.use_hook_mlp_in:
-                return False
-            if st.inner_hooked():
-                return False
-            if attention_mask is not None and not bool(attention_mask.all()):
-                return False  # padding: HookedTransformer's own masked path
-            return True
+            st, cfg = self._tl_parallel, self.cfg
+            return not (st.fused is None or st.force_unfused or shortformer_pos_embed is not None
+                        or cfg.use_attn_in or cfg.use_split_qkv_input or cfg.use_hook_mlp_in or st.inner_hooked()
+                        # padding: HookedTransformer's own masked path
+                        or (attention_mask is not None and not bool(attention_mask.all())))
 
         def forward(self, resid_pre: Tensor, shortformer_pos_embed: Tensor | None = None,
                     past_kv_cache_entry: Any = None, attention_mask: Tensor | None = None) -> Tensor:
@@ -106,7 +100,7 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
         norm = "rms"
     else:
         return None, f"norms {sorted(kinds)}"
-    if abs(float(blk.ln1.eps) - float(blk.ln2.eps)) > 0:
+    if float(blk.ln1.eps) != float(blk.ln2.eps):
         return None, f"ln1.eps={blk.ln1.eps} != ln2.eps={blk.ln2.eps}"
     mlp, attn = blk.mlp, blk.attn
     if type(mlp).__name__ not in ("MLP", "GatedMLP") or cfg.is_layer_norm_activation():

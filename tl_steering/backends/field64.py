@@ -1,8 +1,5 @@
 """An exact float64 copy of one block's sublayers for the critical-point fields (:class:`Float64Block`), run inside
-:class:`float64_compute`, which keeps float64 tensors float64 where model code asks for float32 (Hugging Face norms'
-upcasts, attention's float32 softmax, HookedTransformer's casts to ``cfg.dtype``). The user's model is never
-touched and nothing is patched process-wide. See docs/critical_points.md, "Exact float64 copy"."""
-
+:class:`float64_compute`. See docs/critical_points.md, "Exact float64 copy"."""
 
 import contextlib
 from collections.abc import Callable
@@ -58,13 +55,8 @@ class _KeepFloat64(TorchFunctionMode):
 
 class float64_compute:  # noqa: N801 - used like a function: ``with float64_compute(): ...``
     """Context manager: inside it, float64 tensors are not downcast by ``.to(float32)``, ``.float()``, ``.half()``,
-    ``.type(float32)``, ``.type_as(float32 tensor)`` or ``softmax(..., dtype=float32)``. Thread-local; nothing is
-    patched; tensors of other dtypes are untouched.
-
-    Signals (Ctrl-C) are held while the mode is active and delivered right after it is popped
-    (:class:`~tl_steering.backends.interrupts.deferred_signals`): torch pops and re-pushes the mode around every
-    call it dispatches, and a KeyboardInterrupt between the two would leave the thread's mode stack broken (the
-    mode pushed for good, or "pop from empty mode stack" in place of the interrupt)."""
+    ``.type(float32)``, ``.type_as(float32 tensor)`` or ``softmax(..., dtype=float32)``; thread-local; signals held
+    (docs/hooks.md, "Interrupts")."""
 
     def __init__(self) -> None:
         self._hold = deferred_signals()
@@ -132,13 +124,8 @@ class Float64Block:
         return out.reshape(shape)
 
     def ffn_no_grad(self, x: Tensor) -> Tensor:
-        """Phi(x) like :meth:`ffn`, without autograd and without the per-call module overhead.
-
-        On first use the float64 computation is recorded once with ``torch.jit.trace`` (the same aten ops, in
-        float64) and checked against :meth:`ffn` on batches of two other sizes (relative difference <= 1e-12);
-        when the recording fails or differs, every call uses :meth:`ffn` (docs/critical_points.md). Not
-        differentiable by torch.func: use :meth:`ffn` for Jacobians.
-        """
+        """Phi(x) like :meth:`ffn`, without autograd, through a ``torch.jit.trace`` recording checked against
+        :meth:`ffn` (docs/critical_points.md); not differentiable by torch.func: use :meth:`ffn` for Jacobians."""
         if x.shape[-1] != self.d_model:
             raise InputError(f"ffn expects [..., {self.d_model}], got shape {tuple(x.shape)}")
         if self._traced is None:

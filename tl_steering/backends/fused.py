@@ -1,6 +1,5 @@
-"""The fused parallel block as tensor math (folded weights, the shared input projection, the attention core, the
-joint output GEMM) and the per-block state of the executor (:class:`_ParallelState`). No TransformerLens or Hugging
-Face here: the executor (:mod:`.executor`) extracts the weights from a block and calls these. See docs/parallel.md."""
+"""The fused parallel block as tensor math and the executor's per-block state (:class:`_ParallelState`); no
+TransformerLens or Hugging Face here. See docs/parallel.md, "Design: the fused block"."""
 
 import contextlib
 import copy
@@ -20,10 +19,8 @@ def corrected_ffn_write(m: Float[Tensor, "*rows d_model"], gate: float = 1.0,
                         linear: Float[Tensor, "d_model d_model2"] | None = None,
                         attn: Float[Tensor, "*rows d_model"] | None = None,
                         dtype: torch.dtype | None = None) -> Float[Tensor, "*rows d_model"]:
-    """The corrected FFN write of a parallel block, ``g m + b + attn W`` (the terms given), in float64 and cast to
-    ``dtype`` (default ``m.dtype``): ``m`` the FFN write Phi(x) ``[..., d_model]``, ``bias`` ``[d_model]``,
-    ``linear`` ``[d_model, d_model]`` applied to the block's attention write ``attn`` ``[..., d_model]``. The one
-    copy of this arithmetic: the hook surrogate, the fits and the executor's unfused paths call it."""
+    """The corrected FFN write ``g m + b + attn W`` of a parallel block (the terms given; ``m`` = Phi(x), ``attn``
+    the block's attention write), in float64, cast to ``dtype`` (default ``m.dtype``); the one copy of it."""
     out = m.to(torch.float64) * gate
     if bias is not None:
         out = out + bias.to(device=out.device, dtype=torch.float64)
@@ -54,12 +51,9 @@ class FusedWeights(torch.nn.Module):
         self.norm, self.eps = norm, float(eps)
         self.n_heads, self.n_kv_heads, self.d_head, self.d_mlp = n_heads, n_kv_heads, d_head, d_mlp
         self.gated, self.act, self.scale = gated, act, float(scale)
-        self.register_buffer("w_in", w_in.contiguous(), persistent=False)
-        self.register_buffer("b_in", None if b_in is None else b_in.contiguous(), persistent=False)
-        self.register_buffer("w_out", w_out.contiguous(), persistent=False)
-        self.register_buffer("b_out", None if b_out is None else b_out.contiguous(), persistent=False)
-        # HookedTransformer's GatedMLP adds b_in AFTER act(gate) * up
-        self.register_buffer("b_post", None if b_post is None else b_post.contiguous(), persistent=False)
+        # b_post: HookedTransformer's GatedMLP adds b_in AFTER act(gate) * up
+        for name, t in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out), ("b_out", b_out), ("b_post", b_post)):
+            self.register_buffer(name, None if t is None else t.contiguous(), persistent=False)
         nq, nkv = n_heads * d_head, n_kv_heads * d_head
         self.splits = [nq, nkv, nkv] + ([d_mlp] if gated else []) + [d_mlp]
         self.branch_biases: tuple[Tensor | None, Tensor | None] = (None, None)  # b_O, b_out (before folding)
@@ -98,11 +92,8 @@ class FusedWeights(torch.nn.Module):
         return self.post_attn_g is not None or self.post_ffn_g is not None
 
     def fold_ffn_correction(self, gate: float, bias: Tensor | None, linear: Tensor | None = None) -> None:
-        """Make the FFN branch write g Phi(x) + b (+ a W, a the attention branch's write) (float64 fold, cast
-        back): pre-norm blocks scale the W_out rows by g, fold g b_out + b into the output bias and W into the
-        attention output projection (W_O -> W_O (I + W), b_O -> b_O (I + W)); sandwich-norm blocks scale the
-        post-FFN norm's gain by g, add b after it (:attr:`b_ffn`) and add a W explicitly after the post-attention
-        norm (:attr:`w_lin`; a W cannot fold through that norm)."""
+        """Make the FFN branch write g Phi(x) + b (+ a W), folded in float64 and cast back (pre-norm and
+        sandwich-norm folds: docs/parallel.md, ``gates`` / ``linears``)."""
         nq = self.n_heads * self.d_head
         dt = self.w_out.dtype
         bias64 = None if bias is None else bias.detach().to(self.w_out.device, torch.float64)
@@ -246,8 +237,8 @@ def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv
 
 
 class _ParallelState(torch.nn.Module):
-    """Per-block state of a parallelized block (HookedTransformer blocks: :mod:`.executor`; the bridge's Hugging Face
-    decoder layers: :mod:`.executor_bridge`): the fused weights (or None), the inner hook points, options."""
+    """Per-block state of a parallelized block (:mod:`.executor`, :mod:`.executor_bridge`): the fused weights (or
+    None), the inner hook points, options."""
 
     def __init__(self, fused: FusedWeights | None, inner: list[Any], streams: bool):
         super().__init__()
@@ -268,8 +259,7 @@ class _ParallelState(torch.nn.Module):
         return self.ffn_gate != 1.0 or self.ffn_bias is not None or self.attn_linear is not None
 
     def correct(self, m: Tensor, a: Tensor | None = None) -> Tensor:
-        """The corrected FFN write g m + b (+ a W, ``a`` the block's attention write) (unfused paths; float64
-        arithmetic, cast back)."""
+        """:func:`corrected_ffn_write` with this block's correction (unfused paths)."""
         if not self.corrected:
             return m
         return corrected_ffn_write(m, self.ffn_gate, self.ffn_bias, self.attn_linear, a)
@@ -283,8 +273,7 @@ class _ParallelState(torch.nn.Module):
             self.fused.fold_ffn_correction(self.ffn_gate, self.ffn_bias, self.attn_linear)
 
     def _hooked_attn(self, module: Any, args: Any, out: Tensor) -> None:
-        """Torch forward hook on a HookedTransformer block's attention write (unfused path): keep it for
-        :meth:`_hooked_correction` of the same forward."""
+        """Torch forward hook keeping a HookedTransformer block's attention write for :meth:`_hooked_correction`."""
         self._last_attn = out
 
     def _hooked_correction(self, module: Any, args: Any, out: Tensor) -> Tensor:
@@ -315,9 +304,8 @@ class _ParallelState(torch.nn.Module):
         return torch.cuda.stream(side), join
 
     def step(self, x: Tensor, core: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-        """One fused parallel block on residual ``x``: the shared projection, attention ``core(q, k, v)`` (on a side
-        stream, :meth:`on_side`) beside the MLP hidden layer, one joint output GEMM. An input of 0 positions
-        (TransformerLens's ``generate("")`` on a parallelized copy) is an InputError, not a reshape error."""
+        """One fused parallel block on residual ``x`` (docs/parallel.md, "Design: the fused block"), attention
+        ``core(q, k, v)`` on a side stream (:meth:`on_side`); 0 positions (``generate("")``) is an InputError."""
         if x.shape[-2] == 0:
             validation.check_length(0, None, "the input of a parallelized block")
         fw = self.fused

@@ -1,7 +1,5 @@
-"""The tags and hook-dict vocabulary that every hook-lifecycle module shares (:mod:`.lifecycle`, :mod:`.captures`,
-:mod:`.ownership`; docs/hooks.md): which torch dicts hold hooks, how a hook of ours is tagged and recognised (also
-through TransformerLens's ``add_hook`` wrapper), and :func:`shielded`, the interrupt-proof restore. Re-exported by
-:mod:`.lifecycle`."""
+"""The tags and hook-dict vocabulary shared by :mod:`.lifecycle`, :mod:`.captures` and :mod:`.ownership`
+(docs/hooks.md): which torch dicts hold hooks, how a hook of ours is tagged and recognised, :func:`shielded`."""
 
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +23,8 @@ _INTERVENTION_ATTR = "_tl_steering_intervention"
 
 
 def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """``list(model.modules())``: every module inside ``model``, itself included, each once, in the same order,
-    read from the ``_modules`` dicts directly (torch's walk also builds every module's dotted name, which made it
-    2-3x slower on a bridge's 2000 modules). Walked anew on each call: a replaced submodule is never missed."""
+    """``list(model.modules())`` (same modules, same order) without building every dotted name; walked anew on
+    each call, so a replaced submodule is never missed."""
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = [model]
@@ -56,17 +53,6 @@ def drop_hook(module: torch.nn.Module, attr: str, key: Any) -> None:
             d.pop(key, None)
 
 
-def _wrapper(fn: Callable, attr: str, value: Any) -> Callable:
-    """A new function calling ``fn``, with ``attr`` set to ``value`` (for a callable that takes no attribute)."""
-
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    setattr(hook, attr, value)
-    hook.__name__ = f"tl_steering:{getattr(fn, '__name__', 'hook')}"
-    return hook
-
-
 def _tag(fn: Callable, attr: str, value: Any) -> Callable:
     """``fn`` itself with ``attr`` set to ``value`` (no wrapper: it stays on a hot path), or a tagged wrapper when
     ``fn`` takes no attribute."""
@@ -74,7 +60,12 @@ def _tag(fn: Callable, attr: str, value: Any) -> Callable:
         setattr(fn, attr, value)
         return fn
     except (AttributeError, TypeError):
-        return _wrapper(fn, attr, value)
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        setattr(hook, attr, value)
+        hook.__name__ = f"tl_steering:{getattr(fn, '__name__', 'hook')}"
+        return hook
 
 
 def is_owned(fn: Any) -> bool:
@@ -82,10 +73,8 @@ def is_owned(fn: Any) -> bool:
 
 
 def mark_owned(fn: Callable) -> Callable:
-    """Tag ``fn`` itself as tl_steering's (no wrapper: it stays on a hot path), or return a tagged wrapper when it
-    takes no attribute: a guard removes it from any module it finds it on. A hook given to TransformerLens's
-    ``add_hook`` is recognised through TL's wrapper (:func:`is_ours`), so a user-hook scan (:mod:`.ownership`) does
-    not count it as the user's."""
+    """Tag ``fn`` as tl_steering's (:func:`_tag`): a guard removes it from any module it finds it on, and a
+    user-hook scan (:mod:`.ownership`) does not count it, also through TL's ``add_hook`` wrapper (:func:`is_ours`)."""
     return _tag(fn, _OWNED_ATTR, True)
 
 
@@ -112,10 +101,8 @@ def is_ours(f: Any) -> bool:
 
 
 def mark_intervention(fn: Callable, desc: str) -> Callable:
-    """Tag a hook made by one of tl_steering's hook factories (``ffn_component(...)``, ...) with what it does.
-
-    Such a hook is the user's to place (not removed by a guard, unlike a :func:`mark_owned` one), and a result measured
-    under it records ``desc`` in its provenance (``interventions``) instead of warning about a foreign hook."""
+    """Tag a hook factory's hook with what it does: the user's to place (a guard keeps it), recorded as ``desc`` in a
+    result's provenance (``interventions``) instead of warned about (docs/hooks.md, "The user's own hooks")."""
     return _tag(fn, _INTERVENTION_ATTR, desc)
 
 
@@ -142,5 +129,4 @@ def shielded(restore: Callable[[], None]) -> None:
 
 
 __all__ = ["drop_hook", "hook_points", "intervention_of", "is_ours", "is_owned", "mark_intervention", "mark_owned",
-           "modules_of",
-           "shielded", "wraps_any"]
+           "modules_of", "shielded", "wraps_any"]

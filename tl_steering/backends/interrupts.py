@@ -57,9 +57,8 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _unsupported(e: BaseException) -> bool:
-    """Whether ``e`` says that signal handlers cannot be set here (not the main thread of the main interpreter),
-    rather than being a signal handler's own exception (which ``signal.signal`` can raise too: it runs pending
-    handlers first) -- a handler's ``TimeoutError`` is an ``OSError``, so the type alone cannot tell."""
+    """Whether ``e`` says that signal handlers cannot be set here (not the main thread), rather than being a signal
+    handler's own exception (``signal.signal`` runs pending handlers first)."""
     return isinstance(e, ValueError) and "main" in str(e)
 
 
@@ -123,11 +122,9 @@ _sections: list["deferred_signals"] = []
 
 
 class deferred_signals:  # noqa: N801 - used like a function: ``with deferred_signals(): ...``
-    """Hold every signal that has a Python handler while the block runs; deliver each held one on exit, by calling
-    the handler that was installed on entry (a Ctrl-C raises KeyboardInterrupt right after the block). For short
-    sections where no Python-level cleanup can be made safe (torch's mode stack in ``field64.float64_compute``,
-    ``torch.func`` in ``autodiff``). Main thread only; nested sections hold for the outermost one; a signal arriving
-    while the handlers are swapped on entry or exit runs its handler at once."""
+    """Hold every signal that has a Python handler while the block runs; deliver each held one on exit through the
+    handler installed on entry. For short sections no Python-level cleanup can make safe (docs/hooks.md,
+    "Interrupts"). Main thread only; nested sections hold for the outermost one."""
 
     def __init__(self) -> None:
         self._saved: dict[int, Any] = {}

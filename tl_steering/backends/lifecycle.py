@@ -1,6 +1,5 @@
-"""Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens
-(:class:`hook_guard`, :func:`run_with_hooks`, :class:`hooks_silenced`, :func:`orphan_safe`). See docs/hooks.md,
-"Interrupts"."""
+"""Hook lifecycle: every hook tl_steering adds to a user's model is gone afterwards, whatever happens (docs/hooks.md,
+"Interrupts")."""
 
 import contextlib
 import inspect
@@ -21,22 +20,13 @@ from ..errors import HookNotFoundError
 from .hookbase import _FLAG_DICTS, _HOOK_DICTS, _SILENCED, drop_hook, hook_points, is_owned, modules_of, shielded
 
 
-# ----------------------------------------------------------------------------------------------------------
-# snapshot / restore
-
-
 _EMPTY: dict = {}  # shared read-only "no hooks" record of the snapshots (never mutated)
 _NO_HOOKS: tuple = (None, _EMPTY, _EMPTY)  # (dict at entry, its copy, its flag copies) of a dict not recorded
 
 
 class _Snapshot:
-    """Hook state of one model: on every HookPoint, the identity of each hook dict (which :class:`hooks_silenced`
-    swaps) and the TransformerLens handle lists; on every module with hooks, a copy of each non-empty hook dict
-    and its flag dicts; model-level ``context_level``, ``use_hook_mlp_in`` and torch's autograd mode.
-
-    The copies are never mutated after construction, so :meth:`restore` can run any number of times, also inside
-    itself. Compact on purpose: one tuple per HookPoint, full records only for the few modules with hooks
-    (docs/hooks.md, "Interrupts")."""
+    """Hook state of one model (what it records, why compact: docs/hooks.md, "Interrupts"). Never mutated after
+    construction, so :meth:`restore` can run any number of times, also inside itself."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -122,11 +112,9 @@ class _Snapshot:
 
 class hook_guard:  # noqa: N801 - used like a function: ``with hook_guard(model): ...``
     """Remove, on exit, every hook added to ``model`` inside the block; keep (and if need be restore) the user's,
-    also on an exception or a Ctrl-C at any moment (a Ctrl-C restores the model before the KeyboardInterrupt
-    propagates: docs/hooks.md, "Interrupts"). The block holds the model for this thread (``call`` names it in the
-    error another thread gets: "One caller per model"); ``record_hooks``: record the user's hook points for a
-    result's provenance (:class:`.ownership.claim`). ``interrupted`` is True when a Ctrl-C restored the model while
-    the block ran (code that catches the KeyboardInterrupt inside the block then runs without its hooks)."""
+    also on an exception or a Ctrl-C at any moment; hold the model for this thread (``call`` names it in the error
+    another thread gets). ``record_hooks``: see :class:`.ownership.claim`; ``interrupted``: a Ctrl-C restored the
+    model while the block ran. docs/hooks.md, "Interrupts" and "One caller per model"."""
 
     def __init__(self, model: torch.nn.Module, call: str = "tl_steering.hook_guard", record_hooks: bool = True):
         self.model = model
@@ -174,9 +162,8 @@ class hook_guard:  # noqa: N801 - used like a function: ``with hook_guard(model)
 
 
 class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silenced(block):``
-    """Temporarily detach every forward/backward hook of the HookPoints inside ``module`` (the pure sublayer
-    callables: a user's steering hook cannot contaminate a Jacobian). The original hook dicts are put back (the same
-    objects: torch's and TransformerLens's handles point at them) idempotently, also on a Ctrl-C."""
+    """Temporarily detach every forward/backward hook of the HookPoints inside ``module``; the original dicts (the
+    objects the handles point at) are put back idempotently, also on a Ctrl-C (docs/hooks.md, "Interrupts")."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -216,15 +203,10 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
         return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# running
-
-
 def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Callable]] = (),
                    return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
-    """Forward with hooks under a guard; TransformerLens's ``hooks()`` context is entered through an ExitStack
-    so its own cleanup sees the exception. Every hook is removed afterwards, also on error or interrupt.
-    ``grad=True`` keeps autograd on (for ``torch.autograd.grad`` w.r.t. hooked activations; never
+    """Forward with hooks under a guard, every hook removed afterwards, also on error or interrupt (docs/hooks.md,
+    "Interrupts"). ``grad=True`` keeps autograd on (``torch.autograd.grad`` w.r.t. hooked activations; never
     ``.backward()`` on a user's model); the default runs under ``torch.no_grad()``."""
     validation.check_not_meta(tokens)
     if isinstance(tokens, Tensor) and tokens.dim() in (1, 2) and not tokens.is_floating_point():
@@ -250,10 +232,8 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
 
 
 def close_suspended(cm: Any) -> None:
-    """Run now the cleanup of a generator-based context manager whose exit was cut short (a Ctrl-C on the first
-    bytecode of its ``__exit__`` leaves the generator suspended at its ``yield``), not whenever the garbage collector
-    finalizes it inside a later call (docs/hooks.md, "Interrupts"). A no-op for a generator that finished or never
-    started, and for any other context manager."""
+    """Run now the cleanup of a generator-based context manager whose exit a Ctrl-C cut short (docs/hooks.md,
+    "Interrupts"); a no-op for a generator that finished or never started, and for any other context manager."""
     gen = getattr(cm, "gen", None)
     if gen is not None and inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
         gen.close()

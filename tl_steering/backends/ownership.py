@@ -78,11 +78,9 @@ def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
 
 
 class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):``
-    """Hold ``model`` for this thread while the block runs (a no-op when this thread holds it already); raise
-    :class:`ModelBusyError` when another live thread holds it. ``record_hooks``: record the user's hook points at
-    entry of an outermost claim (False for the pure sublayer calls, which add no hooks and run in tight loops);
-    ``refresh``: record them again when nested in this thread's claim (a public call inside a probe: the user may
-    have added hooks since; not for the per-forward guards, whose scan rebuilds a bridge's hook dict every forward)."""
+    """Hold ``model`` for this thread while the block runs (re-entrant); :class:`ModelBusyError` when another live
+    thread holds it (docs/hooks.md, "One caller per model"). ``record_hooks``: record the user's hook points at
+    entry of an outermost claim; ``refresh``: record them again when nested (a public call inside a probe)."""
 
     __slots__ = ("model", "call", "record_hooks", "refresh", "_token", "_nested")
 
@@ -139,8 +137,7 @@ class claim:  # noqa: N801 - used like a function: ``with claim(model, "name"):`
 
 
 def exclusive(fn: F) -> F:
-    """Decorate a public entry point that takes a model: the call holds the model for its thread (see
-    :class:`claim`); another thread's call into the same model meanwhile raises :class:`ModelBusyError`."""
+    """Decorate a public entry point that takes a model: the call holds it for its thread (:class:`claim`)."""
     params = list(inspect.signature(fn).parameters)  # the model: the parameter named ``model``, else the first one
     arg = "model" if "model" in params else (params[0] if params else None)
     index = params.index(arg) if arg is not None else None
@@ -158,10 +155,8 @@ def exclusive(fn: F) -> F:
 
 
 def named_hook_points(model: Any, hook_dict: Any = None) -> list[tuple[Any, tuple[str, ...]]]:
-    """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (on a bridge
-    ``blocks.0.hook_in`` and its legacy alias ``blocks.0.hook_resid_pre``). Take it once and scan it with
-    :func:`hooks_among` where it is done per forward (a bridge rebuilds ``hook_dict`` on every access;
-    ``hook_dict``: a snapshot of it the caller took already)."""
+    """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (a bridge's legacy aliases
+    included); ``hook_dict``: a snapshot of it the caller took already (a bridge rebuilds it on every access)."""
     named = getattr(model, "hook_dict", None) if hook_dict is None else hook_dict
     if not isinstance(named, dict) or not named:
         return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
@@ -172,38 +167,22 @@ def named_hook_points(model: Any, hook_dict: Any = None) -> list[tuple[Any, tupl
 
 
 def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """One scan of the points in ``points`` (from :func:`named_hook_points`): ``(user hook points, interventions)``.
-
-    User hook points: the names (sorted) of the points that carry a hook neither tagged as tl_steering's own nor
-    made by one of its hook factories. Interventions: the descriptions (sorted, each once) of the factory-made
-    hooks found (``hookbase.mark_intervention``). TransformerLens's ``add_hook`` registers every hook in a torch
-    hook dict, wrapped; its handle lists are bookkeeping of the same hooks."""
+    """One scan of ``points`` (from :func:`named_hook_points`): ``(user hook points, interventions)``, both sorted:
+    the names of the points carrying a hook neither ours nor factory-made, and the descriptions of the factory-made
+    hooks found (docs/hooks.md, "The user's own hooks, and the package's hook factories")."""
     users: list[str] = []
     found: set[str] = set()
     for hp, names in points:
-        user = False
-        for attr in _SILENCED:
-            d = getattr(hp, attr, None)
-            if not d:
-                continue
-            for f in d.values():
-                if is_ours(f):
-                    continue
-                desc = intervention_of(f)
-                if desc is None:
-                    user = True
-                else:
-                    found.add(desc)
-        if user:
+        descs = [intervention_of(f) for attr in _SILENCED for f in (getattr(hp, attr, None) or {}).values()
+                 if not is_ours(f)]
+        found.update(d for d in descs if d is not None)
+        if None in descs:  # a hook neither ours nor factory-made: the user's
             users.extend(names)
     return tuple(sorted(users)), tuple(sorted(found))
 
 
 def user_hook_points(model: Any) -> tuple[str, ...]:
-    """Names of the hook points that carry hooks not tagged as tl_steering's and not made by its hook factories
-    (the user's own: a ``hooks()`` context, ``add_hook``, permanent hooks), sorted; on a bridge every name of such a
-    point. Hooks that TransformerLens or transformers wire on other modules (a bridge's capture hooks) are not on
-    hook points and are not counted."""
+    """The user hook points of :func:`hooks_among` on ``model`` now."""
     return hooks_among(named_hook_points(model))[0]
 
 

@@ -19,15 +19,8 @@ _CHUNK = 1 << 22  # elements per chunk of a float64 reduction (32 MiB): Gemma's 
 
 @dataclasses.dataclass(frozen=True)
 class WeightProcessing:
-    """What was done to a model's weights.
-
-    Attributes:
-        label: ``"raw"`` (no weight processed: Hugging Face geometry) or ``"tl"`` (at least one step of
-            :data:`WEIGHT_STEPS`); ``"unknown"`` only when the weights cannot be read (offloaded to ``meta``) and
-            no flag says.
-        steps: the steps found, in :data:`STEPS` order (``"compatibility_mode"``: a bridge's legacy hook names and
-            forward; with ``no_processing=True`` it changes no weight).
-    """
+    """What was done to a model's weights: ``label`` ``"raw"``, ``"tl"`` (a step of :data:`WEIGHT_STEPS` found) or
+    ``"unknown"`` (weights on ``meta``, no flag); ``steps`` in :data:`STEPS` order (docs/loading.md)."""
 
     label: str
     steps: tuple[str, ...] = ()
@@ -119,10 +112,8 @@ _lock = threading.Lock()
 
 
 def _state_key(model: Any) -> tuple:
-    """Changes when the weights or TransformerLens's processing flags change: the identity and in-place version
-    of every parameter of every module inside ``model`` (a parameter replaced or written in place bumps its ``id``
-    or ``_version``; a bridge's own parameters are read along with the wrapped model's). Read from the modules'
-    ``_parameters`` dicts (:func:`.hookbase.modules_of`): a bridge's ``parameters()`` walk cost 2-3x more."""
+    """Changes when the weights or TransformerLens's processing flags change: the ``id`` and in-place ``_version``
+    of every parameter of every module inside ``model`` (a bridge's own and the wrapped model's)."""
     flags = (getattr(model, "compatibility_mode", None), getattr(model, "_weights_processed", None),
              str(getattr(getattr(model, "cfg", None), "normalization_type", None)))
     return flags + tuple((id(p), p._version) for m in modules_of(model) for p in m._parameters.values()

@@ -15,6 +15,10 @@ from ..errors import UserHooksWarning
 
 def model_provenance(ad: Any, tokens: Tensor | None, corpus: str | None, seed: int | None,
                      extra: dict[str, Any]) -> Any:
+    """Model, revision, TL version, backend, weight processing (:mod:`.processing`), the user's hook points during
+    the call (:mod:`.ownership`; ``user_hooks=`` / ``interventions=`` in ``extra``: those a probe saw instead),
+    corpus, seed, dtype, device, world size and ``extra`` options; warns once per model on a processed residual
+    stream and once per set of user hooks."""
     from ..results import Provenance
 
     proc = ad.processing

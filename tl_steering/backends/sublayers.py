@@ -108,10 +108,8 @@ def bridge_attention_kwargs(model: Any, blk: torch.nn.Module, x: Tensor) -> dict
     if rotary is not None:
         pos = torch.arange(n_pos, device=x.device).unsqueeze(0).expand(batch, -1)
         layer_type = getattr(hf_attn, "layer_type", None)
-        if layer_type is not None and "layer_type" in inspect.signature(unwrap(rotary).forward).parameters:
-            kwargs["position_embeddings"] = rotary(x, pos, layer_type)
-        else:
-            kwargs["position_embeddings"] = rotary(x, pos)
+        typed = layer_type is not None and "layer_type" in inspect.signature(unwrap(rotary).forward).parameters
+        kwargs["position_embeddings"] = rotary(x, pos, layer_type) if typed else rotary(x, pos)
     window = getattr(hf_attn, "sliding_window", None)
     if window and n_pos > int(window):
         allowed = causal_mask(n_pos, n_pos, x.device, int(window))

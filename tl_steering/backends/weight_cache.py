@@ -114,9 +114,8 @@ def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def write_entry(path: Path, key: dict[str, str], build: Build) -> dict[str, str]:
-    """Build an entry in a temporary sibling directory and rename it to ``path`` in one ``os.replace``
-    (docs/loading.md); ``build(tmpdir)`` writes any auxiliary files into ``tmpdir`` and returns ``(tensors, metadata)``. Returns the
-    metadata (another process's, when it completed the same entry first)."""
+    """Build an entry in a temporary sibling directory (``build(tmpdir)`` writes its files and returns ``(tensors,
+    metadata)``), rename it to ``path`` atomically (docs/loading.md); the metadata (another process's if first)."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,10 +152,8 @@ def write_entry(path: Path, key: dict[str, str], build: Build) -> dict[str, str]
 def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build: Build,
                  source_sha256: str | None = None, root: Path | None = None,
                  extra: dict[str, str] | None = None) -> tuple[Path, dict[str, str], bool]:
-    """The verified cache entry for ``source`` (built with ``build`` on a miss or a bad entry).
-
-    ``extra``: further key fields (e.g. ``{"transformers": "5.24.0"}`` when the files written depend on it).
-    Returns ``(entry directory, metadata, hit)``; ``hit`` is False when the entry was (re)built by this call."""
+    """``(entry directory, metadata, hit)``: the verified cache entry for ``source``, built with ``build`` on a miss
+    or a bad entry (``hit`` False); ``extra``: further key fields (e.g. the transformers version)."""
     sha = source_sha256 or file_sha256(source)
     key = _key(name, sha, dtype, extra)
     path = entry_dir(name, sha, dtype, root, extra)

@@ -33,10 +33,8 @@ def move_to_device(model: Any, device: torch.device) -> Any:
 def check_options(backend: str, processing: str) -> None:
     """Refuse an unknown ``backend`` or ``processing``, and ``backend="hooked"`` on a TransformerLens without
     HookedTransformer, before any weight is read."""
-    if backend not in ("bridge", "hooked"):
-        raise InputError(f"backend must be 'bridge' or 'hooked', got {backend!r}")
-    if processing not in ("raw", "tl"):
-        raise InputError(f"processing must be 'raw' or 'tl', got {processing!r}")
+    validation.as_choice(backend, "backend", ("bridge", "hooked"))
+    validation.as_choice(processing, "processing", ("raw", "tl"))
     if backend == "hooked" and _HookedTransformer is None:
         raise ModelNotSupportedError(
             f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
