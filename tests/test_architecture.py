@@ -197,3 +197,21 @@ def test_the_autodiff_checker_sees_calls_and_imports():
     assert autodiff_uses("from torch.func import jvp\n") == [1]
     assert autodiff_uses("import torch.autograd.forward_ad as fw\n") == [1]
     assert autodiff_uses("y = torch.autograd.functional.jvp(f, x, v)\n# torch.func.jvp in a comment\n") == []
+
+
+def _mirror_misses() -> list[str]:
+    """Unit test files whose name names no module of their room: ``tests/unit/<room>/test_<module>[_<topic>].py``
+    (``tests/unit/test_<module>...`` for the flat modules and the CLI)."""
+    misses = []
+    for f in sorted((ROOT / "tests" / "unit").rglob("test_*.py")):
+        rel = f.relative_to(ROOT / "tests" / "unit")
+        pkg = PKG.joinpath(*rel.parts[:-1])
+        stem = f.stem.removeprefix("test_")
+        mods = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"} if pkg.is_dir() else set()
+        if not any(stem == m or stem.startswith(m + "_") for m in mods):
+            misses.append(str(rel))
+    return misses
+
+
+def test_unit_tests_mirror_the_tree():
+    assert _mirror_misses() == []

@@ -288,6 +288,25 @@ def _value_desc(v: Any) -> str:
     return f"{type(v).__name__} {r[:60]}{'...' if len(r) > 60 else ''}"
 
 
+def to_bytes(value: Any) -> bytes:
+    """``value`` (anything a result may hold: results, registered records, tensors, numbers, strings, lists,
+    dicts) as bytes: the length of its JSON tree, the tree, then one safetensors blob of its tensors. What
+    :func:`tl_steering.data.sharding.send_object` sends between ranks (no pickle: only known kinds decode)."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    tree = json.dumps(_encode(value, tensors)).encode()
+    return len(tree).to_bytes(8, "little") + tree + save(tensors)
+
+
+def from_bytes(data: bytes) -> Any:
+    """The value :func:`to_bytes` wrote, tensors bit for bit."""
+    from safetensors.torch import load
+
+    n = int.from_bytes(data[:8], "little")
+    return _decode(json.loads(data[8:8 + n]), load(data[8 + n:]))
+
+
 def _write(path: Path, data: bytes) -> None:
     """Write to a temporary name beside ``path``, then rename: a killed write leaves no half file under ``path``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

@@ -142,13 +142,12 @@ _GLOO: Any = None
 
 
 def send_object(obj: Any, dst: int, tag: int, w: World) -> Callable[[], None]:
-    """Start sending ``obj`` (pickled) to rank ``dst`` under ``tag`` without waiting; returns the call that
+    """Start sending ``obj`` (:func:`tl_steering.results.to_bytes`, or an exception's type and message) to rank
+    ``dst`` under ``tag`` without waiting; returns the call that
     waits until it is sent. :func:`recv_object` with the same ``tag`` on ``dst`` receives it, in any order
     relative to other tags (:func:`p2p_group`)."""
-    import pickle
-
     group = p2p_group(w)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(_pack(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     works = [torch.distributed.isend(size, dst, group=group, tag=2 * tag),
              torch.distributed.isend(data, dst, group=group, tag=2 * tag + 1)]
@@ -162,14 +161,39 @@ def send_object(obj: Any, dst: int, tag: int, w: World) -> Callable[[], None]:
 
 def recv_object(src: int, tag: int, w: World) -> Any:
     """The object rank ``src`` sent under ``tag`` (:func:`send_object`); blocks until it has arrived."""
-    import pickle
-
     group = p2p_group(w)
     size = torch.zeros(1, dtype=torch.int64)
     torch.distributed.recv(size, src, group=group, tag=2 * tag)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     torch.distributed.recv(data, src, group=group, tag=2 * tag + 1)
-    return pickle.loads(data.numpy().tobytes())
+    return _unpack(data.numpy().tobytes())
+
+
+def _pack(obj: Any) -> bytes:
+    from ..results import to_bytes
+
+    if isinstance(obj, BaseException):  # re-raised on the receiving rank: its class if the package or Python has it
+        obj = {"__error__": [type(obj).__module__, type(obj).__qualname__, str(obj)]}
+    return to_bytes(obj)
+
+
+def _unpack(data: bytes) -> Any:
+    import builtins
+
+    from .. import errors
+    from ..results import from_bytes
+
+    obj = from_bytes(data)
+    if isinstance(obj, dict) and "__error__" in obj:
+        module, name, message = obj["__error__"]
+        cls = getattr(errors if module == errors.__name__ else builtins if module == "builtins" else None, name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            try:
+                return cls(message)
+            except Exception:  # noqa: BLE001 - a class whose constructor wants other arguments
+                pass
+        return RuntimeError(f"{name}: {message}")
+    return obj
 
 
 def check_agreement(settings: dict[str, Any], w: World | None = None) -> None:

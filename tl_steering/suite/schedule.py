@@ -142,7 +142,7 @@ class Exchange:
         ``error`` it raised (raised again on every rank that receives it, so none waits forever)."""
         if not self.w.active or len(self.plan[name]) > 1:
             return  # one process, or every rank ran it
-        payload = _picklable(error) if error is not None else (
+        payload = error if error is not None else (
             {f: getattr(res, f) for f in STAGE_FIELDS[name]}, res.timings[name])
         tag = 100 + STAGES.index(name)
         self.sends += [send_object(payload, r, tag, self.w) for r in range(self.w.size) if r != self.w.rank]
@@ -170,17 +170,6 @@ class Exchange:
         for wait in self.sends:
             wait()
         self.sends = []
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """``error`` itself when it pickles, else a RuntimeError with its type and message."""
-    import pickle
-
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:  # noqa: BLE001 - any pickling failure
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _View:
