@@ -1,21 +1,7 @@
-"""A census of a field's equilibria that can decide "mostly saddles" (docs/critical_points.md section 11).
-
-No finder samples the equilibria without a bias tied to their index, so the share of saddles among all of them is
-not the share in any found set. The census bounds the two sides separately instead:
-
-* the non-saddles are counted from above: attractors and repellers are the stable fixed points of the power map of
-  F and -F, and each has a basin of positive measure; the power iteration from ``n_starts`` independent uniform
-  starts samples the basins with replacement, so the number of attractors (repellers) is a population size
-  estimated from how often each was reached (:func:`tl_steering.stats.chao1`, with its upper bound at ``level``);
-  degenerate points found count on this side too;
-* the saddles are counted from below: the distinct saddles found (the solution-landscape phase walks from every
-  stable point to its neighbours of any index) are a lower bound on the field's saddles.
-
-"Mostly saddles" is **supported** when the saddles found outnumber the upper bound on the non-saddles, so that
-saddles are more than half of all equilibria at that level; otherwise **not decided** (never "rejected": the
-saddle count is only a lower bound). The assumptions are stated in the result: independent uniform starts, and
-stable points with basins too small for the starts to sample are covered only statistically by the estimate.
-"""
+"""A census of a field's equilibria that can decide "mostly saddles" (docs/critical_points.md section 11): an upper
+bound on the attractors and repellers (Chao1 of how often the power rows of F and -F from independent uniform starts
+reached each) against the saddles found, a lower bound; "supported" when the saddles outnumber that upper bound,
+else "not decided" (never "rejected")."""
 
 import dataclasses
 import math

@@ -1,25 +1,7 @@
-"""The flow phase of the finder: equilibria reached by the dynamics themselves (docs/critical_points.md, 6.2).
-
-Two cheap phases, both built from field evaluations only (no Jacobian), then the Levenberg-Marquardt end game of
-:mod:`tl_steering.critical.solver` and the usual classification:
-
-* **Power phase.** From every start, the projected power iteration u <- normalize(s·F(u)) for s = +1 and s = -1.
-  A fixed point with s = +1 is an equilibrium F(u*) = λu*, λ > 0, whose tangent spectrum lies in the disc
-  |μ| < λ: an attractor of the flow u' = P_u F(u). With s = -1 the disc is |μ| < |λ|, λ < 0: a repeller. The
-  iteration cannot converge to a saddle (its linearization at one has an eigenvalue outside the disc).
-* **Edge phase** (edge tracking, Skufca, Yorke & Eckhardt 2006). Two starts whose power iterations reached two
-  different fixed points A and B bracket the boundary between the two basins of the map. Bisection along the
-  great circle between them finds a start on the boundary (the side is the nearer of A and B after ``horizon``
-  iterations); iterating the pair for ``horizon`` steps moves it along the boundary toward the boundary's own
-  attracting set, where the bisection is repeated. When that set is a fixed point it is an equilibrium with one
-  unstable direction for the map: for s = +1 mostly an index-1 saddle of the flow (or a flow attractor the map
-  cannot hold, |μ| > λ with Re μ < λ), for s = -1 a saddle with one stable direction. The bracket stops when its
-  relative residual is below ``switch``; LM then converges it to ``tol``.
-
-The points are a sample of what the dynamics reach, not of all equilibria: attractors and repellers from the power
-phase, saddles of index 1 (and d - 2) from the edge phase. A label count of this sample says which kinds exist and
-how many were found; it is not an unbiased fraction of all equilibria (see "The claim" in the docs).
-"""
+"""The flow phase of the finder (docs/critical_points.md sections 2 and 6.2): the projected power iteration of F and
+-F (attractors, repellers) and edge tracking between their basins (boundary saddles), each row finished by the
+Levenberg-Marquardt end game of :mod:`tl_steering.critical.solver`. Its points are a sample of what the dynamics
+reach, not of all equilibria."""
 
 import time
 
@@ -28,7 +10,7 @@ from torch import Tensor
 
 from ..geometry import EPS_NORM, _normalize
 from .fields import _FieldAdapter, _match_point, relative_residual
-from .options import FinderOptions
+from .options import DEDUP_ANGLE, FinderOptions
 from .solver import lm_solve
 
 
@@ -204,19 +186,19 @@ def _finish(fld: _FieldAdapter, u: Tensor, rel: Tensor, near: float, opts: Finde
     iters = torch.zeros(u.shape[0], dtype=torch.long)
     todo = ((rel > opts.tol) & (rel < near)).nonzero().flatten()
     if todo.numel():
-        ub, rb, ib, sb = lm_solve(fld, u[todo], opts.tol, opts.max_iter, patience=opts.patience)
+        ub, rb, ib, sb = lm_solve(fld, u[todo], opts.tol, opts.max_iter)
         u, rel = u.clone(), rel.clone()
         u[todo], rel[todo] = ub.detach(), rb
         status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
     return u, rel, iters, status
 
 
-def _map_ids(u: Tensor, status: Tensor, dedup_angle: float) -> tuple[list[int], Tensor]:
-    """Fixed-point id per row (-1: not converged; angle <= max(dedup_angle, 1e-6) is one point) and the points."""
+def _map_ids(u: Tensor, status: Tensor) -> tuple[list[int], Tensor]:
+    """Fixed-point id per row (-1: not converged; angle <= ``DEDUP_ANGLE`` is one point) and the points."""
     ends = [-1] * u.shape[0]
     points = u[:0]
     for i in (status == 0).nonzero().flatten().tolist():
-        hit = _match_point(points, u[i], max(dedup_angle, 1e-6))
+        hit = _match_point(points, u[i], DEDUP_ANGLE)
         if hit < 0:
             points = torch.cat([points, u[i][None]])
             hit = points.shape[0] - 1
@@ -237,7 +219,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], opts: FinderOptions
     clock = time.perf_counter()
     u, rel, iters, status = _finish(fld, up, relp, 1e-2, opts)
     seconds["power_finish"] = time.perf_counter() - clock
-    ends, points = _map_ids(u, status, opts.dedup_angle)
+    ends, points = _map_ids(u, status)
     n_plus = opts.edge_pairs - opts.edge_pairs // 2
     plus = _edge_pairs(ends[:n], n_plus)
     minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], opts.edge_pairs - len(plus))]
@@ -268,7 +250,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], opts: FinderOptions
     info["plain_rows"] = len(rows)
     if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): LM
         clock = time.perf_counter()
-        ul, rl, il, sl = lm_solve(fld, u0, opts.tol, opts.max_iter, patience=opts.patience)
+        ul, rl, il, sl = lm_solve(fld, u0, opts.tol, opts.max_iter)
         seconds["lm_fallback"] = time.perf_counter() - clock
         parts.append((ul.detach(), rl, il.cpu(), sl.cpu()))
         row_kinds += [f"{k}/lm" for k in kinds]

@@ -1,19 +1,7 @@
-"""Critical points of a layer's steering field on the sphere for TransformerLens models (docs/critical_points.md).
-
-For layer l the fields are functions of a unit direction u ∈ S^{d-1}:
-
-* ``field="ffn"``: F(u) = Phi_l(ρ u), Phi = post_ffn(MLP(pre_ffn(·))) (MLP(LN2(·)) on pre-norm blocks),
-  ρ = median ||FFN input|| over the calibration tokens (position 0 excluded) or a float. Evaluating at ρ u rather
-  than at u matters: at unit norm the LN/RMS ``eps`` is comparable to the variance 1/d.
-* ``field="attention"``: the field of one token i (``token_index``, default the last position) of one sequence
-  with its prefix frozen, F_i(u) = A_i(u; X_<i frozen): the attention sublayer run on the clean residual matrix
-  ``resid_pre[seq, :i+1]`` whose row i is replaced by ρ u, row i of the output. ρ = median ||resid_pre||.
-* ``field="block"``: F_i(u) = A_i(u; X_<i frozen) + Phi_l(ρ u) (same ρ).
-
-Everything runs in float64 on the backend's private float64 copy of the block
-(:class:`tl_steering.backends.field64.Float64Block`): the user's model is never changed and no hook of the user
-fires. The equilibria are found and classified by :func:`tl_steering.critical.finder.find_equilibria`.
-"""
+"""Critical points of a layer's steering field on the sphere for TransformerLens models: the ``ffn``,
+``attention`` and ``block`` fields of docs/critical_points.md section 1, evaluated at ρu on the backend's private
+float64 copy of the block (:class:`tl_steering.backends.field64.Float64Block`: the user's model is never changed and
+no hook of the user fires); the equilibria are found by :func:`tl_steering.critical.finder.find_equilibria`."""
 
 import math
 import time
