@@ -31,19 +31,7 @@ def _abundance(res: EquilibriaResult, label: str) -> list[int]:
 @register
 @dataclasses.dataclass
 class CensusResult(Result):
-    """The census of one field (module docstring).
-
-    Attributes:
-        equilibria: the points found (the one finder from random starts).
-        attractors, repellers: :func:`tl_steering.stats.chao1` of the power rows that reached each one.
-        saddles: distinct saddles found: a lower bound on the field's saddles.
-        degenerate: degenerate points found (counted with the non-saddles).
-        non_saddles_high: upper bound on attractors + repellers (+ degenerate found) at ``level``.
-        share_low: saddles / (saddles + non_saddles_high): the share of saddles is at least this (at ``level``).
-        verdict: "supported" (saddles > non_saddles_high), "not decided" or "no equilibria".
-        level: the level of each upper bound.
-        assumptions: what the verdict rests on.
-    """
+    """The census of one field (module docstring; fields: docs/critical_points.md section 11, "Result fields")."""
 
     equilibria: EquilibriaResult = dataclasses.field(default_factory=EquilibriaResult)
     attractors: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -88,10 +76,6 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
         level: level of the upper bounds on attractors and repellers.
         options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
             every entry point uses); ``landscape_solves`` replaces its budget.
-
-    The census runs the one finder of :func:`find_equilibria` from random starts only (the abundance counts need
-    independent uniform starts); only the power rows' hits enter the upper bounds, and every other row (edge,
-    landscape) only adds saddles to the lower bound.
     """
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
         raise InputError(f"level must be in (0, 1), got {level!r}")

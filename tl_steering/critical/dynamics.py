@@ -48,12 +48,6 @@ def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, swit
     return u, rel
 
 
-def _iterate(fld: _FieldAdapter, u: Tensor, s: Tensor, n: int, shift: Tensor | None = None) -> Tensor:
-    for _ in range(n):
-        u = _map(fld, u, s, shift)
-    return u
-
-
 def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, horizon: int,
           shift: Tensor | None = None) -> Tensor:
     """True where the iteration from ``m`` ends nearer ``ea`` than ``eb`` (rows leave once within 0.05 of one)."""
@@ -107,7 +101,7 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
                 bst = torch.where(better[:, None], aa, bst)
                 rl = torch.where(better, ra, rl)
                 step_a = _normalize(ss * fa if sh is None else ss * fa + sh * aa, EPS_NORM)
-                step_b = _iterate(fld, bb, ss, 1, sh)
+                step_b = _map(fld, bb, ss, sh)
                 aa = torch.where(together[:, None], step_a, aa)
                 bb = torch.where(together[:, None], step_b, bb)
                 together = together & ((aa - bb).norm(dim=-1) < separation)
@@ -116,8 +110,6 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
             a[idx], b[idx], best[idx], rel[idx] = aa, bb, bst, rl
             active[idx[rl < switch]] = False
     return best, rel
-
-
 
 
 #: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point

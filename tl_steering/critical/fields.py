@@ -243,9 +243,6 @@ def _agree(a: Tensor, b: Tensor) -> bool:
     return bool(torch.isfinite(a).all()) and bool(torch.allclose(a, b, rtol=1e-9, atol=1e-12 * (1.0 + scale)))
 
 
-# the finders' dedup of fixed points (one angle test; finder.py and reflected.py)
-
-
 def _match_point(known: Tensor, x: Tensor, dedup_angle: float) -> int:
     """Row of ``known`` nearest to ``x`` when it lies within ``dedup_angle`` radians (the same point), else -1."""
     if known.shape[0] == 0:

@@ -101,16 +101,10 @@ def find_equilibria(
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
-    The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, ``"landscape"``): the projected power
-    iteration u <- normalize(±F(u)) from every start (attractors for F, repellers for -F; the shifted map where the
-    plain one rotates), edge tracking between basins (boundary saddles), each row finished by Levenberg-Marquardt on
-    the scale-invariant tangent residual (:mod:`tl_steering.critical.solver`); then the solution-landscape phase
-    (:mod:`tl_steering.critical.landscape`): deflated Newton from every point found along the real tangent
-    eigenvectors nearest zero, which reaches equilibria of every Morse index, at most
-    ``options.landscape_solves`` rows. The landscape needs the dense tangent spectrum: with ARPACK spectra
-    (``eigensolver`` resolving to "arpack", d > 1024 by default) it is skipped. A row has converged when
-    ||P_u F(u)|| / ||F(u)|| <= ``options.tol``; converged points closer than ``DEDUP_ANGLE`` radians are one
-    point (u and -u are distinct) and each distinct point is classified as :func:`classify_point` does.
+    The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, docs/critical_points.md "The one way in",
+    sections 2, 6.2 and 9): the flow phase (power iteration of ±F, edge tracking, LM end game), then the
+    solution-landscape phase (skipped with ARPACK spectra); converged points within ``DEDUP_ANGLE`` are one point,
+    each classified as :func:`classify_point` does.
 
     Args:
         field: F, a torch callable mapping ``[d]`` to ``[d]`` or ``[n, d]`` to ``[n, d]`` (detected); it receives

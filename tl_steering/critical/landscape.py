@@ -200,14 +200,10 @@ def _choose(pending: deque, deferred: deque, queue: list, expand, known: Tensor,
 
 def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, batch: int = 8,
                     explained_cos: float = EXPLAINED_COS) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
-    """Breadth-first solution landscape from the distinct ``points`` (module docstring): for each point, starts at
-    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``LANDSCAPE_DIRS`` per side), deflated
-    Newton with every known point deflated; new points are expanded (their
-    Jacobians batched) as soon as the starts before them are taken. A start that a known point explains
-    (:func:`explained`, checked against the known set when its batch is chosen) is deferred: deferred starts run, in
-    the order deferred, only when no unexplained start is left and no new point waits to be expanded, within the
-    same ``opts.landscape_solves``. Returns rows (u, rel, iterations, status, kinds: "landscape", or
-    "landscape/deferred" for a deferred start) and counts."""
+    """Breadth-first solution landscape from the distinct ``points`` (docs/critical_points.md section 9): starts at
+    u* ± DELTA·w along ``LANDSCAPE_DIRS`` real tangent eigenvectors per side, deflated Newton with every known point
+    deflated, explained starts deferred, at most ``opts.landscape_solves`` rows. Returns rows (u, rel, iterations,
+    status, kinds: "landscape" or "landscape/deferred") and counts."""
     known = points.detach().clone()
     queue = [known[i] for i in range(known.shape[0])]
     pending: deque[tuple[Tensor, Tensor, Tensor]] = deque()  # (origin, signed unit direction, start)

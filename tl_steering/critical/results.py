@@ -141,14 +141,8 @@ class EquilibriaResult(Result):
         return out
 
     def parity(self) -> dict[str, Any]:
-        """Poincaré-Hopf check of the found set (docs/critical_points.md section 4).
-
-        A nondegenerate equilibrium of Morse index k contributes sign det M = (-1)^(n-k), n = d - 1 (complex pairs
-        have positive determinant), and over all equilibria of the tangent field P_u F(u) these signs add up to the
-        Euler characteristic of S^n, 1 + (-1)^n. So |sum over the found points - (1 + (-1)^n)| equilibria at
-        least were not found. ``missing_at_least`` is None where the check does not apply (a degenerate point, or
-        ARPACK spectra whose index is only a lower bound).
-        """
+        """Poincaré-Hopf check of the found set (docs/critical_points.md section 4): ``missing_at_least``, a lower
+        bound on equilibria not found, None where the check does not apply (a degenerate point, ARPACK spectra)."""
         n = self.dim - 1
         euler = 1 + (-1) ** n if self.dim else 0
         total = sum((-1) ** (n - int(k)) for k in self.index)
@@ -223,12 +217,8 @@ UNDECIDABLE_BY = {
 
 
 def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
-    """The claim "most equilibria are saddles" for k saddles among n distinct equilibria.
-
-    ``supported`` when the exact interval lies above 1/2, ``rejected`` when it lies below, ``undecided``
-    otherwise (including n = 0: ``no equilibria``). The points of one field are not independent draws, so the
-    interval describes the found set, not a population of fields (see docs/critical_points.md).
-    """
+    """The claim "most equilibria are saddles" for k saddles among n distinct equilibria: the exact interval against
+    1/2, an interval on the found set (docs/critical_points.md section 4, "The fraction of a found set")."""
     return proportion_verdict(k, n, level, count_key="saddles")
 
 
@@ -304,13 +294,9 @@ class CriticalPointsResult(Result):
         return {"per_layer": per, "missing_at_least": None if None in miss else int(sum(miss))}
 
     def claim(self, level: float = 0.95) -> Claim:
-        """The paper's claim in its three parts (docs/critical_points.md section 4): does not hold once one verified
-        attractor is found, else undecided ("mostly saddles" is decided by no finder's sample). ``parts``:
-        ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against 1/2);
-        ``mostly_saddles_decided``: False, the reason in ``why_undecided``, for every finder here (the interval
-        describes the finder's sample, ``sample``; the census, ``critical_census``, is what can decide it);
-        ``not_attractors``: "fails" once one verified attractor is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the Poincaré-Hopf lower
-        bound on equilibria not found."""
+        """The paper's claim in its three parts (docs/critical_points.md section 4, the ``parts`` keys in its table):
+        does not hold once one verified attractor is found, else undecided ("mostly saddles" is decided by no
+        finder's sample; the census, ``critical_census``, is what can decide it)."""
         s, a = self.labels.index("saddle"), self.labels.index("attractor")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
