@@ -66,13 +66,9 @@ def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, hori
 def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: Tensor, sign: Tensor,
                bisections: int = 20, horizon: int = 25, rounds: int = 3, switch: float = 5e-2,
                separation: float = 1e-2, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs.
-
-    ``a`` / ``b``: starts whose iterations reached ``end_a`` / ``end_b``; ``sign``: the map's s per pair. Each
-    round bisects the bracket ``bisections`` times (2/3 of that after the first round, whose bracket spans the
-    two starts; the side of a point: the nearer end after ``horizon`` iterations), then iterates both ends while
-    they stay within ``separation`` of each other, keeping the A-side point of lowest relative residual. Returns ``(u, rel)``: that point per pair and its relative residual.
-    """
+    """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs (docs/critical_points.md
+    section 6.2); ``a`` / ``b``: starts whose iterations reached them, ``sign``: the map's s per pair. Rounds after the
+    first bisect 2/3 as often. Returns ``(u, rel)``: the A-side point of lowest relative residual and that residual."""
     s = sign.to(a.dtype)[:, None]
     sh_all = None if shift is None else shift.to(a.dtype)[:, None]
     a, b = a.clone(), b.clone()

@@ -86,13 +86,9 @@ class EquilibriaResult(Result):
 
     def __post_init__(self) -> None:
         n = int(self.points.shape[0])
-        per_point = {"lambdas": self.lambdas, "residuals": self.residuals, "eigenvalues": self.eigenvalues,
-                     "labels": self.labels, "rotational": self.rotational, "index": self.index,
-                     "spectral_abscissa": self.spectral_abscissa, "near_zero": self.near_zero,
-                     "max_im_re": self.max_im_re, "rotational_fraction": self.rotational_fraction,
-                     "hits": self.hits, "start_index": self.start_index, "start_kind": self.start_kind}
-        for name, value in per_point.items():
-            if len(value) != n:
+        for name in ("lambdas", "residuals", "eigenvalues", "labels", "rotational", "index", "spectral_abscissa",
+                     "near_zero", "max_im_re", "rotational_fraction", "hits", "start_index", "start_kind"):
+            if len(value := getattr(self, name)) != n:
                 raise InputError(f"EquilibriaResult.{name} has {len(value)} entries for {n} points; build it "
                                  "with find_equilibria")
         bad = set(self.labels) - set(LABELS)
