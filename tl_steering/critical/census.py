@@ -1,21 +1,7 @@
-"""A census of a field's equilibria that can decide "mostly saddles" (docs/critical_points.md section 11).
-
-No finder samples the equilibria without a bias tied to their index, so the share of saddles among all of them is
-not the share in any found set. The census bounds the two sides separately instead:
-
-* the non-saddles are counted from above: attractors and repellers are the stable fixed points of the power map of
-  F and -F, and each has a basin of positive measure; the power iteration from ``n_starts`` independent uniform
-  starts samples the basins with replacement, so the number of attractors (repellers) is a population size
-  estimated from how often each was reached (:func:`tl_steering.stats.chao1`, with its upper bound at ``level``);
-  degenerate points found count on this side too;
-* the saddles are counted from below: the distinct saddles found (the solution-landscape phase walks from every
-  stable point to its neighbours of any index) are a lower bound on the field's saddles.
-
-"Mostly saddles" is **supported** when the saddles found outnumber the upper bound on the non-saddles, so that
-saddles are more than half of all equilibria at that level; otherwise **not decided** (never "rejected": the
-saddle count is only a lower bound). The assumptions are stated in the result: independent uniform starts, and
-stable points with basins too small for the starts to sample are covered only statistically by the estimate.
-"""
+"""A census of a field's equilibria that can decide "mostly saddles" (docs/critical_points.md section 11): an upper
+bound on the attractors and repellers (Chao1 of how often the power rows of F and -F from independent uniform starts
+reached each) against the saddles found, a lower bound; "supported" when the saddles outnumber that upper bound,
+else "not decided" (never "rejected")."""
 
 import dataclasses
 import math
@@ -45,19 +31,7 @@ def _abundance(res: EquilibriaResult, label: str) -> list[int]:
 @register
 @dataclasses.dataclass
 class CensusResult(Result):
-    """The census of one field (module docstring).
-
-    Attributes:
-        equilibria: the points found (the one finder from random starts).
-        attractors, repellers: :func:`tl_steering.stats.chao1` of the power rows that reached each one.
-        saddles: distinct saddles found: a lower bound on the field's saddles.
-        degenerate: degenerate points found (counted with the non-saddles).
-        non_saddles_high: upper bound on attractors + repellers (+ degenerate found) at ``level``.
-        share_low: saddles / (saddles + non_saddles_high): the share of saddles is at least this (at ``level``).
-        verdict: "supported" (saddles > non_saddles_high), "not decided" or "no equilibria".
-        level: the level of each upper bound.
-        assumptions: what the verdict rests on.
-    """
+    """The census of one field (module docstring; fields: docs/critical_points.md section 11, "Result fields")."""
 
     equilibria: EquilibriaResult = dataclasses.field(default_factory=EquilibriaResult)
     attractors: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -102,10 +76,6 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
         level: level of the upper bounds on attractors and repellers.
         options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
             every entry point uses); ``landscape_solves`` replaces its budget.
-
-    The census runs the one finder of :func:`find_equilibria` from random starts only (the abundance counts need
-    independent uniform starts); only the power rows' hits enter the upper bounds, and every other row (edge,
-    landscape) only adds saddles to the lower bound.
     """
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
         raise InputError(f"level must be in (0, 1), got {level!r}")

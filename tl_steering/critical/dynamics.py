@@ -1,25 +1,7 @@
-"""The flow phase of the finder: equilibria reached by the dynamics themselves (docs/critical_points.md, 6.2).
-
-Two cheap phases, both built from field evaluations only (no Jacobian), then the Levenberg-Marquardt end game of
-:mod:`tl_steering.critical.solver` and the usual classification:
-
-* **Power phase.** From every start, the projected power iteration u <- normalize(s·F(u)) for s = +1 and s = -1.
-  A fixed point with s = +1 is an equilibrium F(u*) = λu*, λ > 0, whose tangent spectrum lies in the disc
-  |μ| < λ: an attractor of the flow u' = P_u F(u). With s = -1 the disc is |μ| < |λ|, λ < 0: a repeller. The
-  iteration cannot converge to a saddle (its linearization at one has an eigenvalue outside the disc).
-* **Edge phase** (edge tracking, Skufca, Yorke & Eckhardt 2006). Two starts whose power iterations reached two
-  different fixed points A and B bracket the boundary between the two basins of the map. Bisection along the
-  great circle between them finds a start on the boundary (the side is the nearer of A and B after ``horizon``
-  iterations); iterating the pair for ``horizon`` steps moves it along the boundary toward the boundary's own
-  attracting set, where the bisection is repeated. When that set is a fixed point it is an equilibrium with one
-  unstable direction for the map: for s = +1 mostly an index-1 saddle of the flow (or a flow attractor the map
-  cannot hold, |μ| > λ with Re μ < λ), for s = -1 a saddle with one stable direction. The bracket stops when its
-  relative residual is below ``switch``; LM then converges it to ``tol``.
-
-The points are a sample of what the dynamics reach, not of all equilibria: attractors and repellers from the power
-phase, saddles of index 1 (and d - 2) from the edge phase. A label count of this sample says which kinds exist and
-how many were found; it is not an unbiased fraction of all equilibria (see "The claim" in the docs).
-"""
+"""The flow phase of the finder (docs/critical_points.md sections 2 and 6.2): the projected power iteration of F and
+-F (attractors, repellers) and edge tracking between their basins (boundary saddles), each row finished by the
+Levenberg-Marquardt end game of :mod:`tl_steering.critical.solver`. Its points are a sample of what the dynamics
+reach, not of all equilibria."""
 
 import time
 
@@ -28,7 +10,7 @@ from torch import Tensor
 
 from ..geometry import EPS_NORM, _normalize
 from .fields import _FieldAdapter, _match_point, relative_residual
-from .options import FinderOptions
+from .options import DEDUP_ANGLE, FinderOptions
 from .solver import lm_solve
 
 
@@ -66,12 +48,6 @@ def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, swit
     return u, rel
 
 
-def _iterate(fld: _FieldAdapter, u: Tensor, s: Tensor, n: int, shift: Tensor | None = None) -> Tensor:
-    for _ in range(n):
-        u = _map(fld, u, s, shift)
-    return u
-
-
 def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, horizon: int,
           shift: Tensor | None = None) -> Tensor:
     """True where the iteration from ``m`` ends nearer ``ea`` than ``eb`` (rows leave once within 0.05 of one)."""
@@ -90,13 +66,9 @@ def _side(fld: _FieldAdapter, m: Tensor, s: Tensor, ea: Tensor, eb: Tensor, hori
 def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: Tensor, sign: Tensor,
                bisections: int = 20, horizon: int = 25, rounds: int = 3, switch: float = 5e-2,
                separation: float = 1e-2, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs.
-
-    ``a`` / ``b``: starts whose iterations reached ``end_a`` / ``end_b``; ``sign``: the map's s per pair. Each
-    round bisects the bracket ``bisections`` times (2/3 of that after the first round, whose bracket spans the
-    two starts; the side of a point: the nearer end after ``horizon`` iterations), then iterates both ends while
-    they stay within ``separation`` of each other, keeping the A-side point of lowest relative residual. Returns ``(u, rel)``: that point per pair and its relative residual.
-    """
+    """Edge states between the basins of ``end_a`` and ``end_b`` (rows), batched over the pairs (docs/critical_points.md
+    section 6.2); ``a`` / ``b``: starts whose iterations reached them, ``sign``: the map's s per pair. Rounds after the
+    first bisect 2/3 as often. Returns ``(u, rel)``: the A-side point of lowest relative residual and that residual."""
     s = sign.to(a.dtype)[:, None]
     sh_all = None if shift is None else shift.to(a.dtype)[:, None]
     a, b = a.clone(), b.clone()
@@ -125,7 +97,7 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
                 bst = torch.where(better[:, None], aa, bst)
                 rl = torch.where(better, ra, rl)
                 step_a = _normalize(ss * fa if sh is None else ss * fa + sh * aa, EPS_NORM)
-                step_b = _iterate(fld, bb, ss, 1, sh)
+                step_b = _map(fld, bb, ss, sh)
                 aa = torch.where(together[:, None], step_a, aa)
                 bb = torch.where(together[:, None], step_b, bb)
                 together = together & ((aa - bb).norm(dim=-1) < separation)
@@ -134,8 +106,6 @@ def edge_track(fld: _FieldAdapter, a: Tensor, b: Tensor, end_a: Tensor, end_b: T
             a[idx], b[idx], best[idx], rel[idx] = aa, bb, bst, rl
             active[idx[rl < switch]] = False
     return best, rel
-
-
 
 
 #: shifts σ / median ||F|| tried in turn by the flow finder for a sign whose plain power map fixes no point
@@ -204,19 +174,19 @@ def _finish(fld: _FieldAdapter, u: Tensor, rel: Tensor, near: float, opts: Finde
     iters = torch.zeros(u.shape[0], dtype=torch.long)
     todo = ((rel > opts.tol) & (rel < near)).nonzero().flatten()
     if todo.numel():
-        ub, rb, ib, sb = lm_solve(fld, u[todo], opts.tol, opts.max_iter, patience=opts.patience)
+        ub, rb, ib, sb = lm_solve(fld, u[todo], opts.tol, opts.max_iter)
         u, rel = u.clone(), rel.clone()
         u[todo], rel[todo] = ub.detach(), rb
         status[todo.cpu()], iters[todo.cpu()] = sb.cpu(), ib.cpu()
     return u, rel, iters, status
 
 
-def _map_ids(u: Tensor, status: Tensor, dedup_angle: float) -> tuple[list[int], Tensor]:
-    """Fixed-point id per row (-1: not converged; angle <= max(dedup_angle, 1e-6) is one point) and the points."""
+def _map_ids(u: Tensor, status: Tensor) -> tuple[list[int], Tensor]:
+    """Fixed-point id per row (-1: not converged; angle <= ``DEDUP_ANGLE`` is one point) and the points."""
     ends = [-1] * u.shape[0]
     points = u[:0]
     for i in (status == 0).nonzero().flatten().tolist():
-        hit = _match_point(points, u[i], max(dedup_angle, 1e-6))
+        hit = _match_point(points, u[i], DEDUP_ANGLE)
         if hit < 0:
             points = torch.cat([points, u[i][None]])
             hit = points.shape[0] - 1
@@ -237,7 +207,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], opts: FinderOptions
     clock = time.perf_counter()
     u, rel, iters, status = _finish(fld, up, relp, 1e-2, opts)
     seconds["power_finish"] = time.perf_counter() - clock
-    ends, points = _map_ids(u, status, opts.dedup_angle)
+    ends, points = _map_ids(u, status)
     n_plus = opts.edge_pairs - opts.edge_pairs // 2
     plus = _edge_pairs(ends[:n], n_plus)
     minus = [(a + n, b + n) for a, b in _edge_pairs(ends[n:], opts.edge_pairs - len(plus))]
@@ -268,7 +238,7 @@ def _flow(fld: _FieldAdapter, u0: Tensor, kinds: list[str], opts: FinderOptions
     info["plain_rows"] = len(rows)
     if points.shape[0] == 0:  # the map has no fixed point from these starts (e.g. a rotation-dominated field): LM
         clock = time.perf_counter()
-        ul, rl, il, sl = lm_solve(fld, u0, opts.tol, opts.max_iter, patience=opts.patience)
+        ul, rl, il, sl = lm_solve(fld, u0, opts.tol, opts.max_iter)
         seconds["lm_fallback"] = time.perf_counter() - clock
         parts.append((ul.detach(), rl, il.cpu(), sl.cpu()))
         row_kinds += [f"{k}/lm" for k in kinds]

@@ -40,46 +40,17 @@ class _Householder:
 
     This Q is the one a QR of [u, I] gives up to an orthogonal change of basis of the tangent space (the spectrum
     of M = Qᵀ DF Q - λ I does not depend on that choice), and it is applied in O(d) without forming a d × d matrix,
-    which the matrix-free (ARPACK / GMRES) paths need.
-
-    ``u`` is one unit vector ``[d]`` (``beta`` a Python float) or a batch ``[..., d]`` (one reflector per row,
-    ``beta`` a tensor ``[...]``); the methods then take matching leading dimensions: x ``[..., d]``, s
-    ``[..., d-1]``, A ``[..., d, d]``. A batch can be indexed (``h[rows]``) and written to (``h[rows] = other``).
+    which the matrix-free (ARPACK) path needs. ``u`` is one unit vector ``[d]``.
     """
 
     def __init__(self, u: Tensor) -> None:
         w = u.clone()
-        if u.dim() == 1:
-            w[0] = w[0] + (1.0 if float(u[0]) >= 0 else -1.0)
-            self.w = w
-            self.beta: float | Tensor = 2.0 / float(w @ w)
-        else:
-            w[..., 0] = w[..., 0] + torch.where(u[..., 0] >= 0, 1.0, -1.0).to(u.dtype)
-            self.w = w
-            self.beta = 2.0 / (w * w).sum(-1)
-
-    @property
-    def batched(self) -> bool:
-        return self.w.dim() > 1
-
-    def _batch_beta(self) -> Tensor:
-        if not isinstance(self.beta, Tensor):
-            raise TypeError("only a batch of reflectors (u of shape [..., d]) can be indexed")
-        return self.beta
-
-    def __getitem__(self, rows: Any) -> "_Householder":
-        h = object.__new__(_Householder)
-        h.beta, h.w = self._batch_beta()[rows], self.w[rows]
-        return h
-
-    def __setitem__(self, rows: Any, other: "_Householder") -> None:
-        self._batch_beta()[rows] = other.beta
-        self.w[rows] = other.w
+        w[0] = w[0] + (1.0 if float(u[0]) >= 0 else -1.0)
+        self.w = w
+        self.beta = 2.0 / float(w @ w)
 
     def apply(self, x: Tensor) -> Tensor:
-        if not self.batched:
-            return x - self.beta * (self.w @ x) * self.w
-        return x - (self.beta * (self.w * x).sum(-1))[..., None] * self.w
+        return x - self.beta * (self.w @ x) * self.w
 
     def q(self, s: Tensor) -> Tensor:
         """Q s: tangent coordinates (d-1) -> tangent vector (d)."""
@@ -90,19 +61,12 @@ class _Householder:
         return self.apply(v)[..., 1:]
 
     def conjugate(self, a: Tensor) -> Tensor:
-        """H A H for a d × d matrix A (a batch: [..., d, d]), in O(d²)."""
+        """H A H for a d × d matrix A, in O(d²)."""
         w, b = self.w, self.beta
-        if not self.batched:
-            aw = a @ w
-            wa = w @ a
-            waw = w @ aw
-            return a - b * torch.outer(w, wa) - b * torch.outer(aw, w) + (b * b * waw) * torch.outer(w, w)
-        aw = (a @ w[..., :, None])[..., 0]
-        wa = (w[..., None, :] @ a)[..., 0, :]
-        waw = (w * aw).sum(-1)
-        bm = self._batch_beta()[..., None, None]
-        return (a - bm * w[..., :, None] * wa[..., None, :] - bm * aw[..., :, None] * w[..., None, :]
-                + (b * b * waw)[..., None, None] * w[..., :, None] * w[..., None, :])
+        aw = a @ w
+        wa = w @ a
+        waw = w @ aw
+        return a - b * torch.outer(w, wa) - b * torch.outer(aw, w) + (b * b * waw) * torch.outer(w, w)
 
 
 def tangent_basis(u: Float[Tensor, " d"]) -> Float[Tensor, "d d_minus_1"]:
@@ -277,9 +241,6 @@ def key(x: Tensor) -> bytes:
 def _agree(a: Tensor, b: Tensor) -> bool:
     scale = float(b.abs().max()) if b.numel() else 0.0
     return bool(torch.isfinite(a).all()) and bool(torch.allclose(a, b, rtol=1e-9, atol=1e-12 * (1.0 + scale)))
-
-
-# the finders' dedup of fixed points (one angle test; finder.py and reflected.py)
 
 
 def _match_point(known: Tensor, x: Tensor, dedup_angle: float) -> int:

@@ -21,7 +21,7 @@ from ..results import Provenance
 from .dynamics import _flow
 from .fields import Field, _add_distinct, _FieldAdapter, _match_point
 from .landscape import landscape_phase
-from .options import DEFAULT_FINDER, DEFAULT_N_STARTS, FinderOptions, finder_options
+from .options import DEDUP_ANGLE, DEFAULT_FINDER, DEFAULT_N_STARTS, FinderOptions, finder_options
 from .results import EquilibriaResult, PointClassification
 from .solver import lm_solve
 from .spectrum import _classify, _resolve_eigensolver, _Spectrum
@@ -101,16 +101,10 @@ def find_equilibria(
 ) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
-    The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, ``"landscape"``): the projected power
-    iteration u <- normalize(±F(u)) from every start (attractors for F, repellers for -F; the shifted map where the
-    plain one rotates), edge tracking between basins (boundary saddles), each row finished by Levenberg-Marquardt on
-    the scale-invariant tangent residual (:mod:`tl_steering.critical.solver`); then the solution-landscape phase
-    (:mod:`tl_steering.critical.landscape`): deflated Newton from every point found along the real tangent
-    eigenvectors nearest zero, which reaches equilibria of every Morse index, at most
-    ``options.landscape_solves`` rows. The landscape needs the dense tangent spectrum: with ARPACK spectra
-    (``eigensolver`` resolving to "arpack", d > 1024 by default) it is skipped. A row has converged when
-    ||P_u F(u)|| / ||F(u)|| <= ``options.tol``; converged points closer than ``options.dedup_angle`` radians are one
-    point (u and -u are distinct) and each distinct point is classified as :func:`classify_point` does.
+    The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, docs/critical_points.md "The one way in",
+    sections 2, 6.2 and 9): the flow phase (power iteration of ±F, edge tracking, LM end game), then the
+    solution-landscape phase (skipped with ARPACK spectra); converged points within ``DEDUP_ANGLE`` are one point,
+    each classified as :func:`classify_point` does.
 
     Args:
         field: F, a torch callable mapping ``[d]`` to ``[d]`` or ``[n, d]`` to ``[n, d]`` (detected); it receives
@@ -142,7 +136,7 @@ def find_equilibria(
     u, rel, iters, status, kinds, info = _flow(fld, u0, kinds, opts)
     if solver == "dense" and opts.landscape_solves > 0:
         clock = time.perf_counter()
-        seeds = _add_distinct(u[:0], u[(status == 0).to(u.device)].detach(), opts.dedup_angle)
+        seeds = _add_distinct(u[:0], u[(status == 0).to(u.device)].detach(), DEDUP_ANGLE)
         if seeds.shape[0]:
             ul, rl, il, sl, kl, linfo = landscape_phase(fld, seeds, opts)
             u, rel = torch.cat([u.detach(), ul.detach().to(u.dtype)]), torch.cat([rel, rl.to(rel.dtype)])
@@ -155,14 +149,14 @@ def find_equilibria(
     return _result(fld, u.detach(), rel, iters, status, kinds, {**run, **info}, solver, opts, t0)
 
 
-def _dedup(u: Tensor, status: Tensor, dedup_angle: float) -> tuple[list[int], list[int], list[int]]:
+def _dedup(u: Tensor, status: Tensor) -> tuple[list[int], list[int], list[int]]:
     """Distinct converged rows in row order: (representative row per point, hits per point, point per row or -1);
     the representative is the first row that reached the point."""
     reps: list[int] = []
     hits: list[int] = []
     row_rep = [-1] * u.shape[0]
     for i in (status == 0).nonzero().flatten().tolist():
-        j = _match_point(u[reps], u[i], dedup_angle)
+        j = _match_point(u[reps], u[i], DEDUP_ANGLE)
         if j < 0:
             j = len(reps)
             reps.append(i)
@@ -175,11 +169,11 @@ def _dedup(u: Tensor, status: Tensor, dedup_angle: float) -> tuple[list[int], li
 def _result(fld: _FieldAdapter, u: Tensor, rel: Tensor, iters: Tensor, status: Tensor, kinds: list[str],
             options: dict[str, Any], solver: str, opts: FinderOptions, t0: float) -> EquilibriaResult:
     """Deduplicate the converged rows, classify each distinct point, and build the result (sorted by λ)."""
-    reps, hits, row_rep = _dedup(u, status, opts.dedup_angle)
+    reps, hits, row_rep = _dedup(u, status)
     clock = time.perf_counter()
     if solver == "dense" and reps:
         fld.point_jacobians(u[reps])  # the ones the landscape has not computed, in one batch
-    classified = [_classify(fld, u[r], solver, opts.n_eigs, opts.label_tol, opts.rot_ratio) for r in reps]
+    classified = [_classify(fld, u[r], solver, opts.n_eigs) for r in reps]
     spectra: list[_Spectrum] = [c[0] for c in classified]
     lams = [c[1] for c in classified]
     order = sorted(range(len(reps)), key=lambda k: -lams[k])  # stable: ties keep row order
@@ -222,7 +216,7 @@ def polish_points(field: Field, points: Float[Tensor, "m d_model"], options: Fin
     dim, solver, device = _setup(points.shape[-1], max(1, points.shape[0]), eigensolver, opts, dtype, None, points)
     u0, kinds = _prepare_starts(points, dim, points.shape[0], 0, dtype, device)
     fld = _adapter(field, u0, dim)
-    u, rel, iters, status = lm_solve(fld, u0, opts.tol, opts.max_iter, patience=opts.patience)
+    u, rel, iters, status = lm_solve(fld, u0, opts.tol, opts.max_iter)
     run = {"n_starts": int(u0.shape[0]), "given_starts": int(u0.shape[0]), "seed": 0, "method": "polish",
            "eigensolver": eigensolver, "dtype": str(dtype), "device": str(device), **opts.as_dict()}
     return _result(fld, u.detach(), rel, iters.cpu(), status.cpu(), kinds, run, solver, opts, t0)
@@ -233,15 +227,13 @@ def classify_point(
     u: Float[Tensor, " d_model"],
     eigensolver: Eigensolver = "auto",
     n_eigs: int = 6,
-    label_tol: float = 1e-6,
-    rot_ratio: float = 0.1,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
 ) -> PointClassification:
     """Tangent spectrum and label of the field at one point u (normalised here), see docs/critical_points.md.
 
     M = Qᵀ DF(u) Q - λ I_{d-1} with λ = <u, F(u)> and Q an orthonormal basis of u^⊥. The label is meaningful only
-    at an equilibrium: check ``residual`` (this function does not refine u; :func:`polish_points` does). Labels with tol = label_tol · max|eig|: attractor (max Re < -tol), repeller
+    at an equilibrium: check ``residual`` (this function does not refine u; :func:`polish_points` does). Labels with tol = ``LABEL_TOL`` · max|eig|: attractor (max Re < -tol), repeller
     (min Re > tol), saddle (max Re > tol and min Re < -tol), degenerate otherwise.
 
     Args:
@@ -250,8 +242,6 @@ def classify_point(
         eigensolver: "dense" (all d-1 eigenvalues), "arpack" (n_eigs of largest and n_eigs of smallest real part,
             from JVPs only) or "auto" (dense for d <= 1024).
         n_eigs: eigenvalues per end for ARPACK.
-        label_tol: relative tolerance of the labels.
-        rot_ratio: an eigenvalue is rotational when |Im| > rot_ratio · |Re|.
         dtype: compute dtype.
         device: compute device (default: that of u).
     """
@@ -275,11 +265,10 @@ def classify_point(
         f = fld.one(u)
     if not bool(torch.isfinite(f).all()):
         raise InputError("the field returned NaN/Inf at u; check the field at unit-norm inputs")
-    spec, lam, res = _classify(fld, u, solver, n_eigs, label_tol, rot_ratio)
+    spec, lam, res = _classify(fld, u, solver, n_eigs)
     return PointClassification(
         provenance=Provenance(dtype=str(dtype).removeprefix("torch."), device=str(device),
                               extra={"protocol": "classify_point", "eigensolver": solver, "n_eigs": n_eigs,
-                                     "label_tol": label_tol, "rot_ratio": rot_ratio,
                                      "seconds": time.perf_counter() - t0}),
         point=u.detach().cpu().to(torch.float64), lam=lam, residual=res, eigenvalues=spec.eigenvalues.cpu(),
         label=spec.label, rotational=spec.rotational, index=spec.index,

@@ -1,40 +1,7 @@
-"""The solution-landscape phase of the default finder: from every equilibrium found, deflated Newton solves started
-along the real eigenvectors of its tangent Jacobian reach the equilibria next to it, of any stability
-(docs/critical_points.md, "The solution-landscape phase").
-
-Newton on the sphere. W(u) = P_u F(u) / ||F(u)|| (the relative-residual vector) vanishes exactly at the equilibria.
-In the Householder tangent basis Q of u (:class:`tl_steering.critical.fields._Householder`) its Jacobian is
-
-    A = Qᵀ (I - F̂ F̂ᵀ) DF(u) Q / ||F|| - <u, F̂> I_{d-1},        F̂ = F / ||F||,
-
-(at an equilibrium A = M / ||F||, M the tangent matrix of the classification, so A has M's eigenvectors and
-Morse index). The Newton step s = -A⁻¹ Qᵀ W converges quadratically to a nondegenerate zero whatever its Morse
-index. Deflation (Farrell, Birkisson & Funke 2015) of the known points u_i, m(u) = prod_i (||u - u_i||^-p + σ),
-turns the Newton step for m·W into the scaled step s / (1 - <∇ log m, s>) (Sherman-Morrison), so it costs nothing
-extra; the scaled step pushes a start next to a known point away from it. Steps are capped at ``MAX_STEP``
-radians and backtracked on the deflated merit m·||W|| until the relative residual is below 1e-4 (full steps
-there: the quadratic end game).
-
-Landscape. For a linear field F(u) = A u the tangent Jacobian at the equilibrium v_j (A v_j = μ_j v_j) has the
-eigenvectors P v_i with eigenvalues μ_i - μ_j, and span{v_j, v_i} is invariant: a deflated Newton solve started
-at v_j + δ P v_i stays on that great circle and ends on ±v_i. The real eigenvalues of the tangent Jacobian nearest
-zero on each side point to the neighbouring equilibria of the chain; repeated breadth first from every new point,
-this walks all of them. On a nonlinear field the same starts are the solution-landscape construction of Yin et al.
-2020 (Phys. Rev. Lett. 124, 090601) with Newton instead of index-k saddle dynamics (which would need a
-(d-1)×(d-1) Schur form per step). Budget: ``dirs`` real eigenvectors below zero and ``dirs`` above per point,
-both signs each, at most ``max_solves`` rows in all.
-
-New ground first. Most starts of a walk head to a neighbour that is already known (on a linear field the start
-v_j + δ P v_i ends on v_i exactly; with v_i deflated the solve fails), and they would spend the budget before the
-walk reaches the ends of the chain (measured: a symmetric linear field at d = 24 stopped at 38 of its 48 points
-after 256 rows). A start is *explained* when a known point u_k other than its origin x lies along its direction:
-the unit geodesic direction P_x u_k / ||P_x u_k|| has cosine >= ``EXPLAINED_COS`` = 0.99 (8.1 degrees) with the
-signed start direction ±w. That is exact on linear fields (cosine 1 for the neighbour the start heads to); on a
-nonlinear field the start's path bends, and a known point within 8 degrees of its initial direction is where it
-most likely ends. Explained starts (checked when a batch is chosen, against the points known then) are deferred, not
-dropped: they run, in the order deferred, once no unexplained start is left and no new point waits to be
-expanded, within the same budget.
-"""
+"""The solution-landscape phase of the default finder (docs/critical_points.md section 9): from every equilibrium
+found, deflated Newton on the sphere started along the real eigenvectors of its tangent Jacobian nearest zero
+reaches its neighbours of any index (Yin et al. 2020, with Newton for index-k saddle dynamics); starts that a known
+point explains are deferred, not dropped ("New ground first")."""
 
 import math
 from collections import deque
@@ -44,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..geometry import EPS_NORM, _normalize, _tangential_part
-from .options import FinderOptions
+from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
 from .spectrum import point_eig
 
@@ -233,14 +200,10 @@ def _choose(pending: deque, deferred: deque, queue: list, expand, known: Tensor,
 
 def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, batch: int = 8,
                     explained_cos: float = EXPLAINED_COS) -> tuple[Tensor, Tensor, Tensor, Tensor, list[str], dict]:
-    """Breadth-first solution landscape from the distinct ``points`` (module docstring): for each point, starts at
-    u* ± DELTA·w for the real tangent eigenvectors w nearest zero (``opts.landscape_dirs`` per side), deflated
-    Newton with every known point deflated; new points are expanded (their
-    Jacobians batched) as soon as the starts before them are taken. A start that a known point explains
-    (:func:`explained`, checked against the known set when its batch is chosen) is deferred: deferred starts run, in
-    the order deferred, only when no unexplained start is left and no new point waits to be expanded, within the
-    same ``opts.landscape_solves``. Returns rows (u, rel, iterations, status, kinds: "landscape", or
-    "landscape/deferred" for a deferred start) and counts."""
+    """Breadth-first solution landscape from the distinct ``points`` (docs/critical_points.md section 9): starts at
+    u* ± DELTA·w along ``LANDSCAPE_DIRS`` real tangent eigenvectors per side, deflated Newton with every known point
+    deflated, explained starts deferred, at most ``opts.landscape_solves`` rows. Returns rows (u, rel, iterations,
+    status, kinds: "landscape" or "landscape/deferred") and counts."""
     known = points.detach().clone()
     queue = [known[i] for i in range(known.shape[0])]
     pending: deque[tuple[Tensor, Tensor, Tensor]] = deque()  # (origin, signed unit direction, start)
@@ -253,7 +216,7 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
     def expand() -> None:
         fld.point_jacobians(torch.stack(queue))  # the new points' Jacobians in one batch
         for x in queue:
-            for w in eigen_directions(fld, x, opts.landscape_dirs):
+            for w in eigen_directions(fld, x, LANDSCAPE_DIRS):
                 pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
         queue.clear()
 
@@ -262,14 +225,13 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
                                explained_cos, counts)
         if not chosen:
             break
-        part = newton_solve(fld, torch.stack([s for _, _, s in chosen]), known, opts.tol, opts.max_iter,
-                            patience=opts.patience)
+        part = newton_solve(fld, torch.stack([s for _, _, s in chosen]), known, opts.tol, opts.max_iter)
         solves += len(chosen)
         parts.append(part[:4])
         kinds += [kind] * len(chosen)
         for x in part[0][part[3].to(part[0].device) == 0]:
-            if _match_point(known, x, opts.dedup_angle) < 0:
-                known = _add_distinct(known, x[None], opts.dedup_angle)
+            if _match_point(known, x, DEDUP_ANGLE) < 0:
+                known = _add_distinct(known, x[None], DEDUP_ANGLE)
                 queue.append(x)
     u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else None for k in range(4))
     if u is None:

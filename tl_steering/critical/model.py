@@ -1,19 +1,7 @@
-"""Critical points of a layer's steering field on the sphere for TransformerLens models (docs/critical_points.md).
-
-For layer l the fields are functions of a unit direction u ∈ S^{d-1}:
-
-* ``field="ffn"``: F(u) = Phi_l(ρ u), Phi = post_ffn(MLP(pre_ffn(·))) (MLP(LN2(·)) on pre-norm blocks),
-  ρ = median ||FFN input|| over the calibration tokens (position 0 excluded) or a float. Evaluating at ρ u rather
-  than at u matters: at unit norm the LN/RMS ``eps`` is comparable to the variance 1/d.
-* ``field="attention"``: the field of one token i (``token_index``, default the last position) of one sequence
-  with its prefix frozen, F_i(u) = A_i(u; X_<i frozen): the attention sublayer run on the clean residual matrix
-  ``resid_pre[seq, :i+1]`` whose row i is replaced by ρ u, row i of the output. ρ = median ||resid_pre||.
-* ``field="block"``: F_i(u) = A_i(u; X_<i frozen) + Phi_l(ρ u) (same ρ).
-
-Everything runs in float64 on the backend's private float64 copy of the block
-(:class:`tl_steering.backends.field64.Float64Block`): the user's model is never changed and no hook of the user
-fires. The equilibria are found and classified by :func:`tl_steering.critical.finder.find_equilibria`.
-"""
+"""Critical points of a layer's steering field on the sphere for TransformerLens models: the ``ffn``,
+``attention`` and ``block`` fields of docs/critical_points.md section 1, evaluated at ρu on the backend's private
+float64 copy of the block (:class:`tl_steering.backends.field64.Float64Block`: the user's model is never changed and
+no hook of the user fires); the equilibria are found by :func:`tl_steering.critical.finder.find_equilibria`."""
 
 import math
 import time
@@ -28,6 +16,7 @@ from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
 from ..data.windows import token_source
 from ..errors import InputError
+from ..validation import as_choice
 from .census import CensusResult, census
 from .finder import ROW_KEYS, find_equilibria, polish_points
 from .options import CENSUS_LANDSCAPE_SOLVES, DEFAULT_FINDER, DEFAULT_N_STARTS, FinderOptions, finder_options
@@ -37,6 +26,8 @@ from ..backends.ownership import exclusive
 
 FieldKind = Literal["ffn", "attention", "block"]
 FIELDS: tuple[str, ...] = ("ffn", "attention", "block")
+#: the hook site whose median norm is ρ and whose rows are the token starts
+_SITE = {"ffn": "ffn_input", "attention": "resid_pre", "block": "resid_pre"}
 
 
 class CriticalField:
@@ -92,21 +83,11 @@ class CriticalField:
         return self.block.ffn_no_grad(self.radius * u)
 
 
-def _check_field(field: Any) -> str:
-    if field not in FIELDS:
-        raise InputError(f"field must be one of {FIELDS}, got {field!r}")
-    return field
-
-
 def _default_tokens(model: Any) -> Any:
     """The windows a call without ``tokens`` draws, with their corpus label (so its provenance names them)."""
     from ..data.windows import text_windows
 
     return text_windows(model, n_windows=4, length=64)
-
-
-def _site_for(ad: ModelAdapter, layer: int, kind: str) -> str:
-    return "ffn_input" if kind == "ffn" else "resid_pre"
 
 
 def _median_norm(acts: Tensor) -> float:
@@ -138,11 +119,11 @@ def _token_starts(acts: Tensor, n: int, seed: int) -> Tensor:
 
 
 def _activations(ad: ModelAdapter, tokens: Tensor, layers: Sequence[int], kind: str) -> dict[int, Tensor]:
-    names = {layer: ad.hook_name(layer, _site_for(ad, layer, kind)) for layer in layers}
+    names = {layer: ad.hook_name(layer, _SITE[kind]) for layer in layers}
     _, cache = ad.run_with_cache(tokens, sorted(set(names.values())))
     out = {}
     for layer, name in names.items():
-        check_finite(cache[name], layer, _site_for(ad, layer, kind))
+        check_finite(cache[name], layer, _SITE[kind])
         out[layer] = cache[name].detach().to(torch.float64)
     return out
 
@@ -174,12 +155,19 @@ def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str
 
     Args: as :func:`critical_points`. Tokens default to ``text_tokens(model, n_windows=4, length=64)``.
     """
+    return _layer_field(model, layer, field, radius, tokens, None, token_index, sequence)[3]
+
+
+def _layer_field(model: Any, layer: int, field: Any, radius: Any, tokens: Any, corpus: str | None,
+                 token_index: int | None, sequence: int) -> tuple[ModelAdapter, Tensor, str | None, CriticalField, str]:
+    """(adapter, tokens, corpus, field, radius mode) of one layer, for critical_field and critical_census."""
     ad = adapt(model)
     layer = ad.check_layer(layer)
-    kind = _check_field(field)
-    tokens = ad.validate_tokens(token_source(_default_tokens(model) if tokens is None else tokens)[0])
+    kind = as_choice(field, "field", FIELDS)
+    tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
+    tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, [layer], kind)[layer]
-    return _build_field(ad, layer, kind, radius, acts, token_index, sequence)[0]
+    return (ad, tokens, corpus, *_build_field(ad, layer, kind, radius, acts, token_index, sequence))
 
 
 @exclusive
@@ -191,16 +179,10 @@ def critical_census(model: Any, layer: int, n_starts: int = 64, seed: int = 0,
     upper bound on its attractors and repellers from random starts, the saddles found from below, and whether
     saddles are more than half of all its equilibria. Arguments as :func:`critical_points` and ``census``: the
     same finder and options as every entry point, with the census's own budget."""
-    ad = adapt(model)
-    layer = ad.check_layer(layer)
-    kind = _check_field(field)
-    tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
-    tokens = ad.validate_tokens(tokens)
-    acts = _activations(ad, tokens, [layer], kind)[layer]
-    fld, mode = _build_field(ad, layer, kind, radius, acts, None, 0)
+    ad, tokens, corpus, fld, mode = _layer_field(model, layer, field, radius, tokens, corpus, None, 0)
     out = census(fld, fld.dim, n_starts=n_starts, seed=seed, landscape_solves=landscape_solves, level=level,
                  options=options)
-    out.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, protocol="census", layer=layer, field=kind,
+    out.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, protocol="census", layer=fld.layer, field=fld.kind,
                                    radius=fld.radius, radius_mode=mode, n_starts=n_starts,
                                    landscape_solves=landscape_solves, level=level)
     return out
@@ -238,7 +220,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
                                  "n_converged": again.n_converged, "counts": again.counts()}
     options = {
         "protocol": "critical_points", "layer": layer, "field": kind, "radius": fld.radius, "radius_mode": mode,
-        "radius_site": ad.hook_name(layer, _site_for(ad, layer, kind)), "token_index": fld.token_index,
+        "radius_site": ad.hook_name(layer, _SITE[kind]), "token_index": fld.token_index,
         "sequence": fld.sequence, "n_token_starts": int(starts.shape[0]),
         "post_ffn_norm": fld.block.has_post_ffn_norm, "radius_scales": list(scales),
         "radius_sensitivity": sensitivity,
@@ -298,7 +280,7 @@ def critical_points(
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
     """
     ad = adapt(model)
-    kind = _check_field(field)
+    kind = as_choice(field, "field", FIELDS)
     scales = _check_scales(radius_scales)
     sel = ad.layers(layers)
     ad.require_resident(sel, "critical_points (a float64 copy of the block)")

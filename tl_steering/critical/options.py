@@ -18,9 +18,15 @@ METHODS: tuple[str, ...] = (DEFAULT_FINDER,)
 #: starts per layer of critical_points and find_equilibria (half token directions on a model, half random)
 DEFAULT_N_STARTS = 16
 
-_INTS = {"max_iter": 0, "patience": 1, "pre_iter": 0, "edge_pairs": 0, "landscape_dirs": 1, "landscape_solves": 0,
-         "n_eigs": 1}
-_FRACTIONS = ("tol", "dedup_angle", "label_tol")
+#: converged points closer than this (radians) are one point (u and -u are distinct)
+DEDUP_ANGLE = 1e-6
+#: a row stops when its residual has not halved over this many iterations
+PATIENCE = 8
+#: labels use tol = LABEL_TOL * max|eig|; an eigenvalue is rotational when |Im| > ROT_RATIO * |Re|
+LABEL_TOL, ROT_RATIO = 1e-6, 0.1
+#: real tangent eigenvectors per side of zero per point from which the landscape starts
+LANDSCAPE_DIRS = 2
+_INTS = {"max_iter": 0, "pre_iter": 0, "edge_pairs": 0, "landscape_solves": 0, "n_eigs": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,38 +35,24 @@ class FinderOptions:
 
     Attributes:
         tol: a row has converged when its relative residual ||P_u F|| / ||F|| is <= tol.
-        dedup_angle: converged points closer than this (radians) are one point (u and -u are distinct).
         max_iter: Levenberg-Marquardt iterations of a power or edge row's end game, Newton iterations of a
             landscape row.
-        patience: a row stops when its residual has not halved over this many iterations.
         pre_iter: power-iteration steps per row and sign.
         edge_pairs: pairs of basins whose boundary saddle is tracked (half per sign).
-        landscape_dirs: real tangent eigenvectors per side of zero per point from which the landscape starts.
         landscape_solves: most deflated Newton rows of the landscape phase (0: the flow finder alone).
-        label_tol: labels use tol = label_tol * max|eig|.
-        rot_ratio: an eigenvalue is rotational when |Im| > rot_ratio * |Re|.
         n_eigs: eigenvalues per end with ARPACK (eigensolver "arpack").
     """
 
     tol: float = 1e-10
-    dedup_angle: float = 1e-6
     max_iter: int = 60
-    patience: int = 8
     pre_iter: int = 200
     edge_pairs: int = 8
-    landscape_dirs: int = 2
     landscape_solves: int = 32
-    label_tol: float = 1e-6
-    rot_ratio: float = 0.1
     n_eigs: int = 6
 
     def __post_init__(self) -> None:
-        for name in _FRACTIONS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < 1):
-                raise InputError(f"{name} must be a float in (0, 1); got {value!r}")
-        if isinstance(self.rot_ratio, bool) or not (isinstance(self.rot_ratio, (int, float)) and self.rot_ratio >= 0):
-            raise InputError(f"rot_ratio must be a float >= 0; got {self.rot_ratio!r}")
+        if isinstance(self.tol, bool) or not (isinstance(self.tol, (int, float)) and 0 < self.tol < 1):
+            raise InputError(f"tol must be a float in (0, 1); got {self.tol!r}")
         for name, low in _INTS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:

@@ -1,19 +1,6 @@
-"""Synthetic fields with planted equilibria of chosen Morse indices: the coverage check of a finder
-(docs/critical_points.md, "Coverage check").
-
-:func:`planted_field` builds a linear, non-normal field F(u) = A u on S^{d-1} whose only equilibria are ±v_j, the
-real eigenvectors of A (a linear field's equilibria are its real eigenvectors; every other eigenvalue of A comes
-in a complex pair, whose plane holds no real eigenvector). At v_j (λ = μ_j) the tangent Jacobian has the other
-eigenvalues of A minus μ_j, so the Morse index of ±v_j is
-
-    #{real μ_i > μ_j} + 2 #{pairs a_k ± i b_k with a_k > μ_j},
-
-which the placement of the pairs' real parts sets: the default plants the indices 0, 1, 2, 3, d/2, d - 3, d - 2,
-d - 1 (8 real eigenvalues, (d - 8)/2 rotation pairs, 16 equilibria, every one with rotational modes). A = Z T Zᵀ
-with Z a seeded random orthogonal matrix and T quasi-upper-triangular (a real Schur form with a random strictly
-upper part), so the field is not normal and the planted points are not orthogonal to each other. The ground truth
-(points, λ, indices, labels) comes from ``numpy.linalg.eig`` of A, independent of the finder's own solver.
-"""
+"""Synthetic fields with planted equilibria of chosen Morse indices, the coverage check of a finder
+(docs/critical_points.md sections 8.1 and 9): a linear, non-normal field F(u) = A u whose only equilibria are the
+real eigenvectors ±v_j of A, with ground truth from ``numpy.linalg.eig``; optionally a quartic term that keeps them."""
 
 import dataclasses
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,11 @@ from ..errors import InputError
 from ..reference import paper_statement
 from ..results import Result, register
 from ..stats import clopper_pearson, proportion_verdict
-from .options import DEFAULT_FINDER
+from .options import DEFAULT_FINDER, LABEL_TOL, ROT_RATIO
 from .spectrum import LABELS
+
+
+_COLORS = {"attractor": "#2ca02c", "repeller": "#d62728", "saddle": "#1f77b4", "degenerate": "#7f7f7f"}
 
 
 def _empty(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tensor]:
@@ -26,23 +30,8 @@ def _empty(*shape: int, dtype: torch.dtype = torch.float64) -> Callable[[], Tens
 @register
 @dataclasses.dataclass
 class PointClassification(Result):
-    """Tangent spectrum and label of one point (see :func:`classify_point`).
-
-    Attributes:
-        point: the unit vector u (float64).
-        lam: λ = <u, F(u)>.
-        residual: ||P_u F(u)|| / ||F(u)||; the spectrum describes an equilibrium only when this is small.
-        eigenvalues: eigenvalues of M = Qᵀ DF(u) Q - λ I, sorted by real part, descending. All d-1 of them
-            (dense), or the n_eigs of largest real part followed by the n_eigs of smallest real part (arpack).
-        label: "attractor" | "repeller" | "saddle" | "degenerate".
-        rotational: any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones for arpack).
-        index: number of eigenvalues with Re > tol (for arpack: among the 2·n_eigs computed, a lower bound).
-        spectral_abscissa: max Re.
-        near_zero: number of eigenvalues with |Re| <= tol (among the computed ones).
-        max_im_re: largest |Im|/|Re| over the non-real eigenvalues (0 if all are real, inf for a pure-imaginary pair).
-        rotational_fraction: fraction of the computed eigenvalues that are rotational.
-        eigensolver: "dense" or "arpack".
-    """
+    """Tangent spectrum and label of one point (:func:`classify_point`; fields: docs/critical_points.md, "Result
+    fields")."""
 
     point: Float[Tensor, " d_model"] = dataclasses.field(default_factory=_empty(0))
     lam: float = math.nan
@@ -68,37 +57,8 @@ class PointClassification(Result):
 @register
 @dataclasses.dataclass
 class EquilibriaResult(Result):
-    """Distinct equilibria found on S^{d-1}, sorted by λ (descending), with their tangent spectra.
-
-    Attributes:
-        points: unit equilibria u*, float64 ``[n, d]``.
-        lambdas: λ = <u*, F(u*)> ``[n]``.
-        residuals: ||P_u F(u)|| / ||F(u)|| at each point ``[n]`` (all < tol).
-        eigenvalues: complex128 ``[n, k]``, eigenvalues of M = Qᵀ DF Q - λ I sorted by real part (descending);
-            k = d - 1 for the dense solver; for ARPACK k = 2·n_eigs: the n_eigs of largest real part (descending)
-            then the n_eigs of smallest real part (ascending).
-        labels: "attractor" | "repeller" | "saddle" per point, or "degenerate" when near-zero modes leave the sign
-            pattern undecided (non-hyperbolic; not in the paper's vocabulary).
-        rotational: per point, any eigenvalue with |Im| > rot_ratio·|Re| (among the computed ones).
-        index: per point, the number of eigenvalues with Re > tol (unstable directions); for ARPACK only the
-            2·n_eigs computed ones are counted, so it is a lower bound there.
-        spectral_abscissa: max Re per point.
-        near_zero: per point, the number of eigenvalues with |Re| <= tol (among the computed ones).
-        max_im_re: per point, max |Im|/|Re| over the non-real eigenvalues.
-        rotational_fraction: per point, the fraction of computed eigenvalues that are rotational.
-        hits: per point, how many starts converged to it.
-        start_index: per point, the first start (row of the start matrix) that converged to it.
-        start_kind: per point, "given" or "random": the kind of that start.
-        dim: d.
-        n_starts: number of solver rows run: the starts asked for (``options["n_starts"]``) plus the rows the
-            finder adds (edge-tracking rows, landscape solves, the other sign's power rows).
-        n_converged: number of starts that converged (before deduplication).
-        method: the finder, ``"landscape"`` (:data:`~tl_steering.critical.options.DEFAULT_FINDER`), or
-            ``"polish"`` for :func:`~tl_steering.critical.finder.polish_points`.
-        eigensolver: "dense" or "arpack" (resolved from "auto").
-        seconds: wall time.
-        options: every option of the call.
-    """
+    """Distinct equilibria found on S^{d-1}, sorted by λ (descending), with their tangent spectra (fields:
+    docs/critical_points.md, "Result fields")."""
 
     points: Float[Tensor, "n d_model"] = dataclasses.field(default_factory=_empty(0, 0))
     lambdas: Float[Tensor, " n"] = dataclasses.field(default_factory=_empty(0))
@@ -126,13 +86,9 @@ class EquilibriaResult(Result):
 
     def __post_init__(self) -> None:
         n = int(self.points.shape[0])
-        per_point = {"lambdas": self.lambdas, "residuals": self.residuals, "eigenvalues": self.eigenvalues,
-                     "labels": self.labels, "rotational": self.rotational, "index": self.index,
-                     "spectral_abscissa": self.spectral_abscissa, "near_zero": self.near_zero,
-                     "max_im_re": self.max_im_re, "rotational_fraction": self.rotational_fraction,
-                     "hits": self.hits, "start_index": self.start_index, "start_kind": self.start_kind}
-        for name, value in per_point.items():
-            if len(value) != n:
+        for name in ("lambdas", "residuals", "eigenvalues", "labels", "rotational", "index", "spectral_abscissa",
+                     "near_zero", "max_im_re", "rotational_fraction", "hits", "start_index", "start_kind"):
+            if len(value := getattr(self, name)) != n:
                 raise InputError(f"EquilibriaResult.{name} has {len(value)} entries for {n} points; build it "
                                  "with find_equilibria")
         bad = set(self.labels) - set(LABELS)
@@ -145,14 +101,11 @@ class EquilibriaResult(Result):
 
     def morse_histogram(self) -> dict[int, int]:
         """Number of points per Morse index (eigenvalues with Re > tol; a lower bound for ARPACK spectra)."""
-        out: dict[int, int] = {}
-        for k in self.index:
-            out[int(k)] = out.get(int(k), 0) + 1
-        return dict(sorted(out.items()))
+        return dict(sorted(Counter(int(k) for k in self.index).items()))
 
     def rotational_pairs(self) -> list[int]:
         """Per point, the number of complex-conjugate pairs that are rotational (|Im| > rot_ratio·|Re|, Im > 0)."""
-        ratio = float(self.options.get("rot_ratio", 0.1))
+        ratio = float(self.options.get("rot_ratio", ROT_RATIO))
         out = []
         for k in range(self.n_points):
             ev = self.eigenvalues[k]
@@ -160,7 +113,7 @@ class EquilibriaResult(Result):
             if ev.numel() == 0:
                 out.append(0)
                 continue
-            tol = float(self.options.get("label_tol", 1e-6)) * float(ev.abs().max())
+            tol = float(self.options.get("label_tol", LABEL_TOL)) * float(ev.abs().max())
             rot = (ev.imag > torch.clamp(ratio * ev.real.abs(), min=tol))
             out.append(int(rot.sum()))
         return out
@@ -184,14 +137,8 @@ class EquilibriaResult(Result):
         return out
 
     def parity(self) -> dict[str, Any]:
-        """Poincaré-Hopf check of the found set (docs/critical_points.md section 4).
-
-        A nondegenerate equilibrium of Morse index k contributes sign det M = (-1)^(n-k), n = d - 1 (complex pairs
-        have positive determinant), and over all equilibria of the tangent field P_u F(u) these signs add up to the
-        Euler characteristic of S^n, 1 + (-1)^n. So |sum over the found points - (1 + (-1)^n)| equilibria at
-        least were not found. ``missing_at_least`` is None where the check does not apply (a degenerate point, or
-        ARPACK spectra whose index is only a lower bound).
-        """
+        """Poincaré-Hopf check of the found set (docs/critical_points.md section 4): ``missing_at_least``, a lower
+        bound on equilibria not found, None where the check does not apply (a degenerate point, ARPACK spectra)."""
         n = self.dim - 1
         euler = 1 + (-1) ** n if self.dim else 0
         total = sum((-1) ** (n - int(k)) for k in self.index)
@@ -203,7 +150,6 @@ class EquilibriaResult(Result):
         """Tangent eigenvalues of every point in the complex plane, one colour per label (plotly Figure)."""
         import plotly.graph_objects as go
 
-        colors = {"attractor": "#2ca02c", "repeller": "#d62728", "saddle": "#1f77b4", "degenerate": "#7f7f7f"}
         fig = go.Figure()
         for label in LABELS:
             rows = [i for i, lab in enumerate(self.labels) if lab == label]
@@ -216,7 +162,7 @@ class EquilibriaResult(Result):
             keep = torch.isfinite(ev.real) & torch.isfinite(ev.imag)
             fig.add_trace(go.Scatter(
                 x=ev.real[keep].tolist(), y=ev.imag[keep].tolist(), mode="markers", name=label,
-                marker={"color": colors[label], "size": 6, "opacity": 0.7},
+                marker={"color": _COLORS[label], "size": 6, "opacity": 0.7},
                 text=[f"point {int(p)}, λ={float(v):.4g}" for p, v in zip(pid[keep], lam[keep])],
                 hovertemplate="%{text}<br>Re=%{x:.4g}<br>Im=%{y:.4g}<extra>" + label + "</extra>",
             ))
@@ -267,35 +213,16 @@ UNDECIDABLE_BY = {
 
 
 def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
-    """The claim "most equilibria are saddles" for k saddles among n distinct equilibria.
-
-    ``supported`` when the exact interval lies above 1/2, ``rejected`` when it lies below, ``undecided``
-    otherwise (including n = 0: ``no equilibria``). The points of one field are not independent draws, so the
-    interval describes the found set, not a population of fields (see docs/critical_points.md).
-    """
+    """The claim "most equilibria are saddles" for k saddles among n distinct equilibria: the exact interval against
+    1/2, an interval on the found set (docs/critical_points.md section 4, "The fraction of a found set")."""
     return proportion_verdict(k, n, level, count_key="saddles")
-
-
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
 class CriticalPointsResult(Result):
-    """Critical points of one field for one or several layers (see :func:`tl_steering.critical_points`).
-
-    Attributes:
-        layers: the layers, in order.
-        field: "ffn" | "attention" | "block".
-        labels: column names of ``counts``: attractor, repeller, saddle, degenerate.
-        counts: ``[layer, label]`` number of distinct equilibria per label.
-        rotational: ``[layer]`` points with at least one rotational mode.
-        rotational_pairs: ``[layer]`` rotational complex-conjugate pairs summed over the layer's points.
-        n_points: ``[layer]`` distinct equilibria; n_converged: ``[layer]`` converged rows; n_starts: ``[layer]``
-            solver rows run (the starts asked for plus the rows the finder adds; ``EquilibriaResult.n_starts``).
-        radius: ``[layer]`` ρ used.
-        seconds: ``[layer]`` wall time per layer.
-        results: the per-layer :class:`EquilibriaResult`.
-    """
+    """Critical points of one field for one or several layers (:func:`tl_steering.critical_points`; fields:
+    docs/critical_points.md, "Result fields")."""
 
     layers: list[int] = dataclasses.field(default_factory=list)
     field: str = "ffn"
@@ -342,11 +269,7 @@ class CriticalPointsResult(Result):
 
     def morse_histogram(self) -> dict[int, int]:
         """Points per Morse index, pooled over layers."""
-        out: dict[int, int] = {}
-        for r in self.results:
-            for k, v in r.morse_histogram().items():
-                out[k] = out.get(k, 0) + v
-        return dict(sorted(out.items()))
+        return dict(sorted(sum((Counter(r.morse_histogram()) for r in self.results), Counter()).items()))
 
     def sample(self) -> dict[str, Any]:
         """What the points are a sample of: finder(s), starts per layer (token directions / random), rows run,
@@ -367,13 +290,9 @@ class CriticalPointsResult(Result):
         return {"per_layer": per, "missing_at_least": None if None in miss else int(sum(miss))}
 
     def claim(self, level: float = 0.95) -> Claim:
-        """The paper's claim in its three parts (docs/critical_points.md section 4): does not hold once one verified
-        attractor is found, else undecided ("mostly saddles" is decided by no finder's sample). ``parts``:
-        ``per_layer`` / ``pooled``: "mostly saddles" over the found set (exact Clopper-Pearson interval against 1/2);
-        ``mostly_saddles_decided``: False, the reason in ``why_undecided``, for every finder here (the interval
-        describes the finder's sample, ``sample``; the census, ``critical_census``, is what can decide it);
-        ``not_attractors``: "fails" once one verified attractor is found; ``rotational_modes``: points with a rotational mode, with its interval; ``parity``: the Poincaré-Hopf lower
-        bound on equilibria not found."""
+        """The paper's claim in its three parts (docs/critical_points.md section 4, the ``parts`` keys in its table):
+        does not hold once one verified attractor is found, else undecided ("mostly saddles" is decided by no
+        finder's sample; the census, ``critical_census``, is what can decide it)."""
         s, a = self.labels.index("saddle"), self.labels.index("attractor")
         per_layer = {int(layer): saddle_verdict(int(self.counts[i, s]), int(self.counts[i].sum()), level)
                      for i, layer in enumerate(self.layers)}
@@ -429,11 +348,10 @@ class CriticalPointsResult(Result):
         """Stacked bars of the label counts per layer (plotly Figure)."""
         import plotly.graph_objects as go
 
-        colors = {"attractor": "#2ca02c", "repeller": "#d62728", "saddle": "#1f77b4", "degenerate": "#7f7f7f"}
         fig = go.Figure()
         for k, lab in enumerate(self.labels):
             fig.add_trace(go.Bar(x=list(self.layers), y=self.counts[:, k].tolist(), name=lab,
-                                 marker_color=colors.get(lab)))
+                                 marker_color=_COLORS.get(lab)))
         fig.update_layout(barmode="stack", template="plotly_white", xaxis_title="layer",
                           yaxis_title="distinct equilibria",
                           title=title or f"Critical points of the {self.field} field per layer "

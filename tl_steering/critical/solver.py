@@ -1,25 +1,5 @@
-"""Levenberg-Marquardt on the sphere: the end game of the finder's power and edge rows (docs/critical_points.md).
-
-Unknown: a unit vector u. Residual (scale invariant, tangent, d components): r(u) = P_u F(u) / ||F(u)||, whose
-norm is the relative residual (the sine of the angle between u and F(u)), the convergence measure.
-
-Step: with the exact Jacobian J = Dr(u) (dense, by ``torch.func.jacrev``, vmapped over the rows) restricted to
-the tangent space, A = J P_u, solve
-
-    (AᵀA + s·u uᵀ + μ s I) δ = -Aᵀ r,      s = max diag(AᵀA),
-
-(the u uᵀ term only pins the normal component of δ to zero; AᵀA is singular along u) and retract
-u <- (u + δ)/||u + δ||. A step is accepted when ||r|| decreases; μ follows Nielsen's rule (×max(1/3, 1-(2ρ-1)³)
-on success, ×ν with ν doubling on failure), and close to a root (relative residual < 1e-4) a pure Gauss-Newton step
-(μ = 0) is tried first, which gives the quadratic end game. A row stops when it converges, when its residual has
-not halved over ``patience`` iterations (a local minimum that is not a root), when no damping gives a decrease, or
-after ``max_iter`` iterations.
-
-Why our own loop rather than ``scipy.optimize.least_squares``: scipy solves one start at a time and its ``trf`` /
-``lm`` recompute the full Jacobian at every iteration exactly as here, so it brings no saving, while a batched
-torch loop shares one vmapped Jacobian call and one batched Cholesky across the rows; scipy's Broyden variant
-(``root(method="hybr")``) converged 1 of 12 starts on a SmolLM2 FFN field where this loop converged 3 of 8.
-"""
+"""Levenberg-Marquardt on the sphere, the end game of the finder's power and edge rows and of ``polish_points``:
+merit, step, damping rule, stopping rules and why not scipy in docs/critical_points.md section 2."""
 
 import math
 

@@ -3,7 +3,7 @@
 At an equilibrium u* (F(u*) = λ u*) the projected flow du/dt = P_u F(u) is linearised by the tangent Jacobian
 J_T = P DF(u*) P - λ P, written in an orthonormal tangent basis Q as M = Qᵀ DF(u*) Q - λ I_{d-1}. Its spectrum gives
 the label (attractor / repeller / saddle / degenerate), the Morse index (number of eigenvalues with Re > tol) and the
-rotational modes (|Im| > rot_ratio·|Re|).
+rotational modes (|Im| > ROT_RATIO·|Re|).
 """
 
 import dataclasses
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from .options import LABEL_TOL, ROT_RATIO
 from .fields import _FieldAdapter, _Householder, key, relative_residual
 
 #: In ``eigensolver="auto"`` the dense Jacobian is used up to this dimension, ARPACK above it.
@@ -35,13 +36,8 @@ class _Spectrum:
     rotational_fraction: float
 
 
-def _label_spectrum(eigs: Tensor, label_tol: float, rot_ratio: float) -> _Spectrum:
-    """Labels (docs/critical_points.md) with tol = label_tol · max|eig|.
-
-    attractor: max Re < -tol; repeller: min Re > tol; saddle: max Re > tol and min Re < -tol; ``degenerate``
-    (non-hyperbolic, our addition) otherwise, i.e. when near-zero modes leave the sign pattern undecided.
-    An eigenvalue is rotational when |Im| > max(rot_ratio·|Re|, tol).
-    """
+def _label_spectrum(eigs: Tensor) -> _Spectrum:
+    """The labels, Morse index and rotational modes of docs/critical_points.md section 3 (tol = LABEL_TOL·max|eig|)."""
     eigs = eigs.to(torch.complex128)
     order = torch.argsort(eigs.real, descending=True, stable=True)
     eigs = eigs[order]
@@ -50,7 +46,7 @@ def _label_spectrum(eigs: Tensor, label_tol: float, rot_ratio: float) -> _Spectr
     if e.numel() == 0:
         return _Spectrum(eigs, "degenerate", False, 0, math.nan, 0, math.nan, math.nan)
     re, im = e.real, e.imag
-    tol = label_tol * float(e.abs().max())
+    tol = LABEL_TOL * float(e.abs().max())
     max_re, min_re = float(re.max()), float(re.min())
     if max_re < -tol:
         label = "attractor"
@@ -60,7 +56,7 @@ def _label_spectrum(eigs: Tensor, label_tol: float, rot_ratio: float) -> _Spectr
         label = "saddle"
     else:
         label = "degenerate"
-    rot = im.abs() > torch.clamp(rot_ratio * re.abs(), min=tol)
+    rot = im.abs() > torch.clamp(ROT_RATIO * re.abs(), min=tol)
     ratio = torch.where(im.abs() > tol, im.abs() / re.abs(), torch.zeros_like(re))
     return _Spectrum(
         eigenvalues=eigs,
@@ -154,8 +150,7 @@ def _resolve_eigensolver(eigensolver: str, dim: int, n_eigs: int) -> Literal["de
     return solver  # type: ignore[return-value]
 
 
-def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int, label_tol: float,
-              rot_ratio: float) -> tuple[_Spectrum, float, float]:
+def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int) -> tuple[_Spectrum, float, float]:
     with torch.no_grad():
         f = fld.one(u)
     lam = float(u @ f)
@@ -164,4 +159,4 @@ def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int, label_tol
         eigs = point_eig(fld, u, lam)[0]
     else:
         eigs = _arpack_extremes(_tangent_operator(fld, u, lam), n_eigs)
-    return _label_spectrum(eigs, label_tol, rot_ratio), lam, res
+    return _label_spectrum(eigs), lam, res
