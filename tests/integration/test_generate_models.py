@@ -4,7 +4,7 @@ replaced its modules), and a parallelized copy with a fitted linear correction e
 tokens (one full forward per token, no cache).
 
 Integration backend (bridge on TL 4.3, HookedTransformer on TL 3.9; the TL 3.9 bridge is covered on the tiny models
-of tests/unit/backends/test_generate.py). Cost: one extra Hugging Face model per architecture, 2 x 20 cached steps, 20
+of tests/unit/backends/test_decoding_generate.py). Cost: one extra Hugging Face model per architecture, 2 x 20 cached steps, 20
 surrogate forwards of <= 27 tokens, one correction fit on 2 x 64 tokens, one parallelized copy (Gemma ~50 s, SmolLM2
 ~25 s on the shared 2-core machine, contaminated). Memory: at most one extra copy of the model at a time (the
 Hugging Face reference is freed before the parallelized copy is made, and that one before the surrogate runs).
