@@ -4,7 +4,8 @@ route.
 Three variants:
 
 * ``plain``: ``model(tokens)`` under ``torch.no_grad()``;
-* ``probe``: the same forward inside ``tl_steering.probe(model)`` with every metric on every layer (hooks
+* ``probe``: the same forward inside ``tl_steering.probe(model)`` with the default metrics (``--metrics all``: every
+  metric) on every layer (hooks
   attached and removed inside each timed repeat);
 * ``cache``: ``model.run_with_cache(tokens, names_filter=<the 5 residual/branch sites of every layer>)`` then
   the same metrics computed afterwards from the cache (``ProbeTrace.add_cache``: the probe's own arithmetic,
@@ -214,7 +215,8 @@ def main() -> None:
                     help="an offline model (gemma-3-270m needs its GGUF packages, scripts/setup_env.sh)")
     ap.add_argument("--windows", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
-    ap.add_argument("--metrics", default="", help="comma-separated probe metrics (default: all)")
+    ap.add_argument("--metrics", default="", help="comma-separated probe metrics, or 'all' (default: the probe's "
+                    "default, DEFAULT_METRICS)")
     ap.add_argument("--profile", action="store_true", help="also the CPU seconds of the probe's parts per forward")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
@@ -222,7 +224,7 @@ def main() -> None:
     if args.repeats < 5:
         ap.error("use at least 5 repeats")
     shape = {"model_name": args.model, "windows": args.windows, "length": args.length,
-             "metrics": args.metrics.split(",") if args.metrics else None}
+             "metrics": (args.metrics if args.metrics == "all" else args.metrics.split(",")) if args.metrics else None}
     if args.child == "timing":
         print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, args.profile, **shape)),
               flush=True)

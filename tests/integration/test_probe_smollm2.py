@@ -21,7 +21,7 @@ def _n_tensors() -> int:
 
 def test_probe_equals_cache_route_smollm2(smollm2, smollm2_tokens):
     tokens = smollm2_tokens[:2]
-    with probe(smollm2, corpus="pydoc:2x128:seed0") as trace:
+    with probe(smollm2, metrics="all", corpus="pydoc:2x128:seed0") as trace:
         for b in range(tokens.shape[0]):  # one window per forward: the sums merge across forwards
             smollm2(tokens[b:b + 1])
     assert_no_hooks(smollm2)
