@@ -268,7 +268,7 @@ def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
         assert ha[k] == hb[k], k  # same batches, same forwards, same window order: bit for bit here
 
 
-@pytest.mark.one_line("tl4")
+@pytest.mark.one_line("tl3")  # the lines balance within the budget; the backend is the fixture's
 def test_suite_on_two_processes_equals_one_process_smollm2(smollm2, tmp_path):
     """The sharded stages on SmolLM2-135M (4 windows of 16 tokens, batches of 2: one per rank): clean loss,
     deficit, ablation and the defect scores equal the one-process numbers. The gold standard's plans split over
