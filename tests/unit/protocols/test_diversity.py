@@ -1,27 +1,17 @@
 """tl_steering.protocols.diversity on the tiny models, set statistics with plain torch (conftest.py)."""
-
 import math
 
-import plotly.graph_objects as go
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import first_output, hook_count
+from tests.helpers import hook_count
 from tl_steering import errors
-from tl_steering import geometry as geo
-from tl_steering.backends import adapt, weights_fingerprint
 from tl_steering.protocols import (
-    AblationResult,
-    DeficitResult,
     DiversityResult,
-    angular_deficit,
     diversity,
-    ffn_ablation,
 )
-from tl_steering.results import Result
-from tl_steering.stats import bootstrap_ci, position_bins, position_mask
-from tests.unit.protocols.conftest import TOL, _angle, _cos, _is_parallel, _phi, _tan, _tl_cache, check_round_trip, check_summary_and_plots, _component_hooks
+from tests.unit.protocols.conftest import TOL, _is_parallel, _tl_cache, check_round_trip, check_summary_and_plots, _component_hooks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
