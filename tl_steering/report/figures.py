@@ -45,27 +45,21 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
         if key != "critical":
             figs[f"{key}_counts"] = summ.plot(title=f"Critical points of the FFN field, {label} (biased to stable "
                                                     f"points; {mn})")
-        best = max(range(len(summ.results)), key=lambda i: summ.results[i].n_points) if summ.results else None
-        if best is not None and summ.results[best].n_points:
-            r = summ.results[best]
+        best = max(range(len(summ.results)), key=lambda i: summ.results[i].n_points, default=None)
+        if best is not None and (r := summ.results[best]).n_points:
             figs[f"{key}_spectra"] = r.plot(title=f"Tangent spectra at layer {summ.layers[best]}, {label} "
                                                   f"({r.n_points} equilibria; {mn})")
     return figs
 
 
-def write_figures(figs: dict[str, Any], fig_dir: Path) -> dict[str, dict[str, str]]:
-    """Write each figure as ``NAME.json`` (``plotly.io.from_json``) and ``NAME.html``; ``{name: {json, html}}``."""
+def write_figures(figs: dict[str, Any], fig_dir: Path) -> None:
+    """Write each figure as ``NAME.json`` (``plotly.io.from_json``) and ``NAME.html``."""
     fig_dir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    first = True
-    for name, fig in figs.items():
+    for i, (name, fig) in enumerate(figs.items()):
         (fig_dir / f"{name}.json").write_text(fig.to_json(), encoding="utf-8")
         # the first standalone page copies plotly.min.js next to itself; the others reference it
-        fig.write_html(str(fig_dir / f"{name}.html"), include_plotlyjs="directory" if first else "plotly.min.js",
+        fig.write_html(str(fig_dir / f"{name}.html"), include_plotlyjs="plotly.min.js" if i else "directory",
                        full_html=True)
-        first = False
-        out[name] = {"json": f"{fig_dir.name}/{name}.json", "html": f"{fig_dir.name}/{name}.html"}
-    return out
 
 
 def figure_html(fig: Any, name: str) -> str:
