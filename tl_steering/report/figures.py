@@ -8,9 +8,14 @@ from typing import Any
 from ..suite import SuiteResult
 
 
+def esc(x: Any) -> str:
+    """``x`` as escaped HTML text: the report's one escape of user-supplied text (model names, corpus, arguments)."""
+    return html.escape(str(x), quote=True)
+
+
 def figures(suite: SuiteResult) -> dict[str, Any]:
     """Every figure of the page, titled by us (user-supplied names escaped); stages not run have none."""
-    mn = html.escape(suite.model.name)
+    mn = esc(suite.model.name)
     figs: dict[str, Any] = {}
     d, a, v, c, g, cr, p = (suite.deficit, suite.ablation, suite.diversity, suite.defect, suite.gates,
                              suite.critical, suite.prefix)
@@ -67,7 +72,7 @@ def figure_html(fig: Any, name: str) -> str:
     height = fig.layout.height or 480
     div = fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{name}", default_width="100%",
                       default_height=f"{int(height)}px", config={"displaylogo": False, "responsive": True})
-    return f"<div class='fig' id='figure-{html.escape(name, quote=True)}'>{div}</div>"
+    return f"<div class='fig' id='figure-{esc(name)}'>{div}</div>"
 
 
 __all__ = ["figure_html", "figures", "write_figures"]

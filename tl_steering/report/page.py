@@ -3,7 +3,6 @@ from ``style.css``), rendered from a :class:`~tl_steering.suite.SuiteResult` alo
 (model names, corpus labels, arguments) is always escaped."""
 
 import dataclasses
-import html
 import json
 import math
 from functools import lru_cache
@@ -17,7 +16,7 @@ from ..suite import SuiteResult
 from ..suite.claims import timing_claim
 from .comparison import comparison_rows
 from .critical_table import critical_layer_table
-from .figures import figure_html
+from .figures import esc as _esc, figure_html
 from .labels import labelled
 
 
@@ -25,10 +24,6 @@ from .labels import labelled
 def css() -> str:
     """The page's style sheet (``tl_steering/report/style.css``, shipped in the wheel)."""
     return resources.files(__package__).joinpath("style.css").read_text(encoding="utf-8")
-
-
-def _esc(x: Any) -> str:
-    return html.escape(str(x), quote=True)
 
 
 def _fmt(x: Any) -> str:
