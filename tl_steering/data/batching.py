@@ -43,35 +43,22 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
     n = tokens.shape[0]
     mine = my_batches(n, batch_size, world)
     per_row = torch.zeros(n, dtype=torch.float64)
-    for rows in mine:
-        per_row[rows] = loss_row_sums(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"),
-                                      tokens[rows])
+    for rows in mine:  # per window, the next-token CE summed over its predicted positions
+        lt = next_token_loss(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"), tokens[rows])
+        check_finite(lt, None, "next-token loss")
+        per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
     per_row = gather_rows({"s": per_row}, mine, world)["s"]
-    return token_mean(per_row, tokens)
-
-
-def loss_row_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """Per window, the next-token CE summed over its predicted positions: float64 ``[batch]`` on the CPU
-    (:func:`tl_steering.metrics.next_token_loss`). Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
-    lt = next_token_loss(logits, tokens)
-    check_finite(lt, None, "next-token loss")
-    return lt.to(torch.float64).sum(-1).cpu()
+    return float(per_row.sum()) / (n * (tokens.shape[1] - 1))
 
 
 def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
     """Per window, the next-token CE summed over consecutive blocks of ``length`` predicted positions: float64
     ``[batch, ceil((pos - 1) / length)]`` on the CPU (the last block shorter; :func:`tl_steering.stats.block_sums`),
-    the unit of the block bootstrap of plan losses (:func:`tl_steering.stats.cluster_bootstrap_ci`). Their sum over
-    blocks is :func:`loss_row_sums`. Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    the unit of the block bootstrap of plan losses (:func:`tl_steering.stats.cluster_bootstrap_ci`). Raises
+    :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
     lt = next_token_loss(logits, tokens)
     check_finite(lt, None, "next-token loss")
     return block_sums(lt.to(torch.float64).cpu(), length)
 
 
-def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
-    """The token-weighted mean CE from per-window sums ``per_row`` (:func:`loss_row_sums`) of ``tokens``:
-    ``sum / (windows x (pos - 1))``, every predicted token weighing the same."""
-    return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
-
-
-__all__ = ["HookList", "iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss"]

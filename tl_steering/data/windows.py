@@ -151,21 +151,18 @@ def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Ite
         raise InputError(f"unknown corpus kind {spec.kind!r}")
 
 
-def _source_text(source: str) -> tuple[str, str]:
-    """The whole text of ``source`` (read by :mod:`.corpus`; an ``hf:`` source: its first 2000 non-empty records)."""
-    spec = parse_source(source)
-    if spec.kind != "hf":
-        return "".join(text_chunks(spec)), spec.label
-    ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
-    col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
-    return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), spec.label
-
-
 @functools.lru_cache(maxsize=8)
 def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list[int], str]:
-    text, label = _source_text(source)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids, label
+    """The token ids of the whole text of ``source`` (an ``hf:`` source: its first 2000 non-empty records), and
+    its label; ``tokenizer_key`` keys the cache."""
+    spec = parse_source(source)
+    if spec.kind != "hf":
+        text = "".join(text_chunks(spec))
+    else:
+        ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
+        col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
+        text = "\n\n".join(t for t in ds[col][:2000] if t and t.strip())
+    return tokenizer(text, add_special_tokens=False)["input_ids"], spec.label
 
 
 def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,

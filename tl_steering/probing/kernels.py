@@ -20,10 +20,8 @@ DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "par
 
 
 def erank_from_eigvalsh(ev: Tensor) -> Tensor:
-    """Effective rank of unit-row matrices U from the eigenvalues ``[..., size]`` of their Gram matrix
-    (``torch.linalg.eigvalsh``), batched: sigma_k = sqrt(eig_k), numerical zeros dropped (docs/probe.md, "Choices").
-    NaN where the Gram matrix is 0 (no valid row); callers mask that.
-    """
+    """Effective rank of unit-row matrices from the eigenvalues ``[..., size]`` of their Gram matrix, batched
+    (docs/probe.md, "Choices"); NaN where the Gram matrix is 0 (callers mask that)."""
     size = ev.shape[-1]
     ev = ev.clamp_min(0.0)
     ev_max = ev.amax(-1, keepdim=True)
@@ -101,10 +99,8 @@ def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], 
 
 
 def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
-    """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
-    ``sets``, stacked set-major ``[len(sets) * b, size, size]`` (both triangles): on a CPU in float64 through
-    numpy's ``matmul`` (``dsyrk``; call it with numpy's BLAS on one thread when two threads call it at once),
-    elsewhere torch's (docs/probe.md, "Cost")."""
+    """Gram matrices ``T T^T`` (with ``cols``, ``T^T T``) of every ``[b, n, d]`` tensor in ``sets``, stacked set-major
+    ``[len(sets) * b, size, size]``: numpy's ``dsyrk`` on a CPU in float64 (docs/probe.md, "Cost"), else torch."""
     b, n, d = sets[0].shape
     size = d if cols else n
     t0 = sets[0]
@@ -132,11 +128,6 @@ def _helper() -> concurrent.futures.ThreadPoolExecutor:
         return _HELPER
 
 
-def _no_grad_call(fn: Callable[..., Any], *args: Any) -> Any:
-    with torch.no_grad():  # grad mode is per thread; the helper's default is on
-        return fn(*args)
-
-
 def splits(device: torch.device) -> bool:
     """Whether :func:`in_halves` should split: torch has two or more intra-op threads and the work is on a CPU
     (the decision of every caller that runs its kernels one thread per half)."""
@@ -149,7 +140,7 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     if not split or n < 2:
         return [fn(0, n)]
     h = (n + 1) // 2
-    fut = _helper().submit(_no_grad_call, fn, h, n)
+    fut = _helper().submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
     try:
         first = fn(0, h)
     except BaseException:
@@ -159,9 +150,8 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
 
 
 def token_grams(groups: Sequence[Tensor], split: bool = False) -> list[Tensor]:
-    """Per-token Gram matrices of each group of slot vectors ``[slots, batch, pos, d]`` (a view of the probe's
-    buffer): ``[batch, pos, slots, slots]`` each; with ``split``, the two halves of the batch on two threads
-    (:func:`in_halves`; the same products). docs/probe.md, "Cost"."""
+    """Per-token Gram matrices ``[batch, pos, slots, slots]`` of each group of slot vectors ``[slots, batch, pos, d]``;
+    with ``split``, the halves of the batch on two threads (:func:`in_halves`; docs/probe.md, "Cost")."""
     Vs = [g.permute(1, 2, 0, 3) for g in groups]
     out = [V.new_empty((*V.shape[:-1], V.shape[-2])) for V in Vs]
 
@@ -222,12 +212,10 @@ def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tenso
 
 def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
               sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
-    ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
-    halves of the batch on two threads. ``sq``: the squared row norms ``[batch, n]`` where the caller has them
-    (None computes them). ``spectrum`` (the effective rank: Gram matrices and one ``eigvalsh``) and ``gram``
-    (the participation ratio; default: ``spectrum``) need each sequence's Gram matrix; with neither, ``sum_j u_j``
-    directly (docs/probe.md, "Cost"); a statistic not computed is 0 and marked invalid."""
+    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each ``[batch, n, d]``
+    set: values and validity masks ``[len(sets), 4, batch]`` (docs/probe.md, "Cost"). ``sq``: the squared row norms
+    ``[batch, n]`` (None computes them); ``spectrum`` (effective rank) and ``gram`` (participation ratio; default:
+    ``spectrum``) need Gram matrices; a statistic not computed is 0 and marked invalid."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
@@ -254,7 +242,6 @@ class Accumulator:
 
     def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
                  device: torch.device):
-        self.token_q, self.seq_q = token_q, seq_q
         self.tq = {q: i for i, q in enumerate(token_q)}
         self.sq = {q: i for i, q in enumerate(seq_q)}
         self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=F64, device=device)

@@ -30,12 +30,10 @@ SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")
 DEFAULT_METRICS: tuple[str, ...] = (*TOKEN_METRICS, "diversity")
 SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
-_F64 = torch.float64
 
 
 def _mean(s: Tensor, c: Tensor) -> Tensor:
-    c64 = c.to(_F64)
-    return torch.where(c > 0, s / c64.clamp_min(1.0), torch.full_like(s, math.nan))
+    return torch.where(c > 0, s / c.to(torch.float64).clamp_min(1.0), torch.full_like(s, math.nan))
 
 
 @register
@@ -117,10 +115,8 @@ class ProbeResult(Result):
         if not same:
             raise InputError("can only merge results of the same probe setup (layers, metrics, positions, bins)")
         return dataclasses.replace(
-            self,
-            sums={q: self.sums[q] + other.sums[q] for q in self.sums},
-            counts={q: self.counts[q] + other.counts[q] for q in self.counts},
-            masked={q: self.masked[q] + other.masked[q] for q in self.masked},
+            self, **{f: {q: getattr(self, f)[q] + getattr(other, f)[q] for q in self.sums}
+                     for f in ("sums", "counts", "masked")},
             n_tokens=self.n_tokens + other.n_tokens, n_sequences=self.n_sequences + other.n_sequences,
             n_forwards=self.n_forwards + other.n_forwards,
             provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
