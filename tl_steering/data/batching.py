@@ -20,13 +20,9 @@ HookList = list[tuple[str, Callable[..., Any]]]
 def iter_batches(ad: ModelAdapter, tokens: Int[Tensor, "batch pos"], names: Sequence[str], batch_size: int,
                  fwd_hooks: HookList = (), first_names: Sequence[str] = (), rows: Sequence[slice] | None = None
                  ) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
-    """Forward ``tokens`` in batches of ``batch_size`` sequences with :meth:`ModelAdapter.run_with_cache`.
-
-    Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
-    collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names` for the residual check).
-    Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
-    these batches (a rank's share, :func:`tl_steering.data.sharding.my_batches`); default every batch.
-    """
+    """``(rows, logits, cache)`` of :meth:`ModelAdapter.run_with_cache` (hooks removed after each forward) per batch
+    ``rows`` of ``tokens`` (default every batch of ``batch_size``; a rank's share: :func:`.sharding.my_batches`);
+    ``first_names`` are collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names`)."""
     for sl in batch_slices(tokens.shape[0], batch_size) if rows is None else rows:
         wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
         logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))

@@ -39,11 +39,10 @@ def world() -> World:
     return World()
 
 
-def rank_device(device: str | None, w: World | None = None) -> str | None:
+def rank_device(device: str | None) -> str | None:
     """The device this rank runs on: under a process group a CUDA request becomes the rank's own GPU (the one
     :func:`tl_steering.probing.scan.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
-    w = world() if w is None else w
-    if device is not None and str(device).startswith("cuda") and w.active:
+    if device is not None and str(device).startswith("cuda") and world().active:
         return f"cuda:{torch.cuda.current_device()}"
     return device
 
@@ -75,11 +74,8 @@ def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
 
 
 def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:
-    """Complete per-window arrays (first dimension = window) from every rank's rows ``mine``.
-
-    ``arrays`` holds this rank's values in its rows (the other rows are placeholders); the result holds every
-    rank's values in their rows, the same on every rank. The arrays are moved to the CPU for the exchange.
-    """
+    """Complete per-window arrays (first dimension = window; this rank's values in its rows ``mine``, the others
+    placeholders) with every rank's rows, the same on every rank, on the CPU (docs/scale_out.md, "The sharded report")."""
     w = _w(w)
     if not w.active:
         return arrays
@@ -106,10 +102,8 @@ def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None
 
 
 def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
-    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``).
-
-    An exception on rank 0 is re-raised on every rank (the others would otherwise wait forever).
-    """
+    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``); an exception on
+    rank 0 is re-raised on every rank (the others would otherwise wait forever)."""
     w = _w(w)
     if not w.active:
         return fn()
@@ -143,9 +137,8 @@ _GLOO: Any = None
 
 def send_object(obj: Any, dst: int, tag: int, w: World) -> Callable[[], None]:
     """Start sending ``obj`` (:func:`tl_steering.results.to_bytes`, or an exception's type and message) to rank
-    ``dst`` under ``tag`` without waiting; returns the call that
-    waits until it is sent. :func:`recv_object` with the same ``tag`` on ``dst`` receives it, in any order
-    relative to other tags (:func:`p2p_group`)."""
+    ``dst`` under ``tag``; returns the call that waits until it is sent (:func:`recv_object` with that ``tag``
+    receives it, in any order relative to other tags)."""
     group = p2p_group(w)
     data = torch.frombuffer(bytearray(_pack(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)

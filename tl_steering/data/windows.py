@@ -169,9 +169,8 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
                 seed: int = 0) -> Int[Tensor, "batch pos"]:
     """``[n_windows, length]`` long tensor (on the model's device) of deterministic windows of real text, tokenized
     for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline, or any source of
-    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. Where the model's convention is to
-    prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
-    ``length`` text tokens."""
+    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. A
+    window is ``[BOS] + length - 1`` text tokens where the model prepends BOS (GPT-2, Gemma), else ``length``."""
     from ..backends import adapt
 
     ad = adapt(model)
@@ -196,10 +195,8 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
 
 
 def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, seed: int = 0) -> str:
-    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``: pass it as ``corpus=``.
-
-    Example: ``"pydoc:8x128:seed0"``; a file source is labelled by its file name (``"file:NAME:..."``).
-    """
+    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``, e.g. ``"pydoc:8x128:seed0"``
+    (a file source: ``"file:NAME:..."``); pass it as ``corpus=``."""
     label = source if source == "pydoc" or source.startswith("hf:") else f"file:{Path(source).name}"
     return f"{label}:{n_windows}x{length}:seed{seed}"
 
@@ -248,11 +245,8 @@ def text_windows(model: Any, source: str = "pydoc", n_windows: int = 8, length: 
 
 
 def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | None]:
-    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``.
-
-    An explicit ``corpus`` wins over a :class:`TokenWindows` label. The tensor is NOT validated here (the
-    adapter's ``validate_tokens`` does that); anything that is not a ``TokenWindows`` passes through as is.
-    """
+    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``, an explicit
+    ``corpus`` before a :class:`TokenWindows` label; not validated here (:func:`model_tokens` does that)."""
     if corpus is not None and not isinstance(corpus, str):
         raise InputError(f"corpus must be a str label (e.g. 'pydoc:8x128:seed0'), got {type(corpus).__name__}")
     if isinstance(tokens, TokenWindows):
@@ -261,11 +255,8 @@ def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | Non
 
 
 def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[Any, Tensor, str | None]:
-    """What every public call does first: ``(adapter, validated token tensor, corpus label or None)``.
-
-    ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
-    checks dtype, shape, range and length with errors that name the problem.
-    """
+    """What every public call does first: ``(adapter, token tensor checked by the adapter's validate_tokens, corpus
+    label or None)``; ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`)."""
     from ..backends import adapt
 
     ad = adapt(model)

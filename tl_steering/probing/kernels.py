@@ -2,7 +2,6 @@
 docs/probe.md)."""
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,12 +34,7 @@ def erank_from_eigvalsh(ev: Tensor) -> Tensor:
 def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], parallel: bool, has_mid: bool,
                      has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
     """Every token quantity of one layer from the float64 dot products ``dot(site1, site2)`` ``[batch, pos]`` of its
-    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask).
-
-    Formulas of docs/probe.md, in dot products: with u = u(x), <u, a> = <x, a> / ||x||,
-    ||P_u a||^2 = ||a||^2 - <u, a>^2, Dx = z - x so <u, Dx> = (<x, z> - ||x||^2) / ||x|| and
-    ||P_u Dx||^2 = ||z||^2 - 2 <x, z> + ||x||^2 - <u, Dx>^2; a row is valid where every norm it divides by
-    exceeds ``EPS_NORM``."""
+    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask); docs/probe.md, "Metrics"."""
     names: list[str] = []
     values: list[Tensor] = []
     valid: list[Tensor] = []
@@ -115,17 +109,8 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
-_HELPER_LOCK = threading.Lock()
-
-
-def _helper() -> concurrent.futures.ThreadPoolExecutor:
-    """One helper thread per process (created on first use), for :func:`in_halves`."""
-    global _HELPER
-    with _HELPER_LOCK:
-        if _HELPER is None:
-            _HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
-        return _HELPER
+# one helper thread per process for in_halves (the executor starts it on the first submit)
+_HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
 
 
 def splits(device: torch.device) -> bool:
@@ -140,7 +125,7 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     if not split or n < 2:
         return [fn(0, n)]
     h = (n + 1) // 2
-    fut = _helper().submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
+    fut = _HELPER.submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
     try:
         first = fn(0, h)
     except BaseException:
@@ -172,10 +157,9 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
 
 def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
-    ``[batch, n, d]`` set (``sq``: its rows' squared norms ``[batch, n]``), stacked set-major ``[len(sets) * batch]``,
-    from one Gram matrix per sequence (the smaller one); the effective rank (an ``eigvalsh`` of it) only with
-    ``spectrum``, else 0; the participation ratio ``tr(G)^2 / ||G||_F^2`` (either Gram: ``||U U^T||_F = ||U^T U||_F``)."""
+    """(||sum_j u_j||^2, valid-row count, effective rank or 0 without ``spectrum``, participation ratio) of each
+    sequence of each ``[batch, n, d]`` set (``sq``: squared row norms), stacked set-major, from the smaller Gram
+    matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
@@ -263,8 +247,8 @@ class Accumulator:
 
     def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
                    bins: Tensor | None) -> None:
-        """Add ``values`` ``[q, batch, pos]`` (where ``valid``) to the sums of ``names`` at ``layer_row``,
-        binned by the position bins ``bins`` ``[pos]`` (None: one bin); invalid rows are counted as masked."""
+        """Add ``values`` ``[q, batch, pos]`` (where ``valid``; the others count as masked) to the sums of ``names``
+        at ``layer_row``, per position bin ``bins`` ``[pos]`` (None: one bin)."""
         q = self._rows(names, True)
         kept = torch.where(valid, values, torch.zeros_like(values))
         if bins is None:

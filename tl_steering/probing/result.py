@@ -39,10 +39,8 @@ def _mean(s: Tensor, c: Tensor) -> Tensor:
 @register
 @dataclasses.dataclass(kw_only=True)
 class ProbeResult(Result):
-    """Per-layer geometry accumulated by :func:`probe`: float64 ``sums``, int64 ``counts`` and ``masked`` per
-    quantity, each ``[layer, n_bins]`` (``[layer, 1]`` for the per-sequence ones), and the probe's setup; means by
-    :meth:`get` or the attribute of the same name (``res.tangent_alignment``). Fields: docs/probe.md, "The result".
-    """
+    """Per-layer geometry accumulated by :func:`probe`: running sums, counts and masked counts per quantity and the
+    probe's setup; means by :meth:`get` or ``res.<quantity>``. Fields: docs/probe.md, "The result"."""
 
     metrics: list[str] = dataclasses.field(default_factory=list)
     layers: list[int] = dataclasses.field(default_factory=list)

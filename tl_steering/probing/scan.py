@@ -199,8 +199,7 @@ def _merge_shards(results: dict[int, ProbeResult], n_shards: int, w: World) -> P
 
 
 def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
-    """The metrics every remaining shard measures on resume: those of the shards written so far when ``metrics``
-    is None or a subset of theirs, else as asked, so that the shards always merge (docs/scale_out.md)."""
+    """The metrics the remaining shards measure on resume, so that the shards always merge (docs/scale_out.md)."""
     first = next(iter(sorted(shard_dir.glob("shard-*.json"))), None)
     if first is None:
         return metrics
