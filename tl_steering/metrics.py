@@ -25,10 +25,8 @@ def _per_chunk(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
 
 def next_token_loss(logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"]
                     ) -> Float[Tensor, "batch pos_minus_1"]:
-    """Cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``, per position, float64 (nats).
-
-    ``loss[b, i] = -log softmax(logits[b, i])[tokens[b, i + 1]]``.
-    """
+    """Cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``, per position, float64 (nats):
+    ``loss[b, i] = -log softmax(logits[b, i])[tokens[b, i + 1]]``."""
     if logits.ndim != 3 or tokens.ndim != 2 or logits.shape[:2] != tokens.shape:
         raise InputError(f"logits [batch, pos, vocab] and tokens [batch, pos] must agree, got "
                          f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
@@ -42,10 +40,8 @@ def next_token_loss(logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor
 
 def kl_divergence(logits_p: Float[Tensor, "*batch vocab"], logits_q: Float[Tensor, "*batch vocab"]
                   ) -> Float[Tensor, " *batch"]:
-    """``KL(p || q) = sum_v p_v (log p_v - log q_v)`` per position, float64, with ``p = softmax(logits_p)``.
-
-    Clamped at 0 (the float64 sum can be a few ulp below 0 when ``p == q``). Both inputs must have one shape.
-    """
+    """``KL(p || q) = sum_v p_v (log p_v - log q_v)`` per position, float64, with ``p = softmax(logits_p)``, clamped
+    at 0 (the float64 sum can be a few ulp below 0 when ``p == q``); both inputs of one shape."""
     if logits_p.shape != logits_q.shape:
         raise InputError(f"logits_p and logits_q must have the same shape, got {tuple(logits_p.shape)} and "
                          f"{tuple(logits_q.shape)}")

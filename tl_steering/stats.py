@@ -1,6 +1,5 @@
 """Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
-the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model.
-"""
+the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model."""
 
 import dataclasses
 import math
@@ -18,9 +17,7 @@ from .validation import as_positions
 def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
     """``exclude_positions`` as a sorted tuple of distinct ints (negative indices count from the end; None: none);
     :func:`tl_steering.validation.as_positions` does the checking."""
-    if exclude_positions is None:
-        return ()
-    return as_positions(exclude_positions, "exclude_positions")
+    return () if exclude_positions is None else as_positions(exclude_positions, "exclude_positions")
 
 
 def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.device | str = "cpu"
@@ -250,8 +247,7 @@ class Moments:
         """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
         ``"linear"``; for ``"linear"`` see :meth:`solve_linear`)."""
         if refit == "linear":
-            g, b, _ = self.solve_linear()
-            return g, b
+            return self.solve_linear()[:2]
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
 
     def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
@@ -306,8 +302,8 @@ def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
                      ) -> tuple[float, Tensor]:
     """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
-    the identity (``"none"``), from the moments. A degenerate design (no token,
-    Phi(x) zero or constant) keeps g = 1 and fits b alone."""
+    the identity (``"none"``), from the moments; a degenerate design (no token, P zero or constant) keeps g = 1
+    and fits b alone."""
     sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
     zero = torch.zeros_like(sp64)
     if refit == "none" or n == 0:

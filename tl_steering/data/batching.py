@@ -1,6 +1,5 @@
 """Running a model over token batches: activation collection and the token-weighted mean loss
-(see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only.
-"""
+(see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only."""
 
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -48,10 +47,9 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
 
 
 def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
-    """Per window, the next-token CE summed over consecutive blocks of ``length`` predicted positions: float64
-    ``[batch, ceil((pos - 1) / length)]`` on the CPU (the last block shorter; :func:`tl_steering.stats.block_sums`),
-    the unit of the block bootstrap of plan losses (:func:`tl_steering.stats.cluster_bootstrap_ci`). Raises
-    :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    """Per window, the next-token CE summed over blocks of ``length`` predicted positions
+    (:func:`tl_steering.stats.block_sums`): float64 ``[batch, n_blocks]`` on the CPU, the unit of the plan losses'
+    bootstrap (:func:`tl_steering.stats.cluster_bootstrap_ci`); NonFiniteError on NaN/Inf."""
     lt = next_token_loss(logits, tokens)
     check_finite(lt, None, "next-token loss")
     return block_sums(lt.to(torch.float64).cpu(), length)

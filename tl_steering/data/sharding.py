@@ -47,13 +47,9 @@ def rank_device(device: str | None) -> str | None:
     return device
 
 
-def _w(w: World | None) -> World:
-    return World() if w is None else w
-
-
 def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``all_gather_object``; ``[obj]`` alone)."""
-    w = _w(w)
+    w = w or World()  # None: a single process
     if not w.active:
         return [obj]
     out: list[Any] = [None] * w.size
@@ -69,14 +65,14 @@ def batch_slices(n: int, batch_size: int) -> list[slice]:
 
 def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
     """The row slices (batches of ``batch_size`` consecutive windows of ``n``) this rank processes."""
-    w = _w(w)
+    w = w or World()
     return batch_slices(n, batch_size)[w.rank::w.size]
 
 
 def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:
     """Complete per-window arrays (first dimension = window; this rank's values in its rows ``mine``, the others
     placeholders) with every rank's rows, the same on every rank, on the CPU (docs/scale_out.md, "The sharded report")."""
-    w = _w(w)
+    w = w or World()
     if not w.active:
         return arrays
     keys = list(arrays)
@@ -91,7 +87,7 @@ def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None 
 
 def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None) -> list[Any]:
     """``[fn(x) for x in items]`` with item ``i`` computed on rank ``i % world_size``, the list on every rank."""
-    w = _w(w)
+    w = w or World()
     if not w.active:
         return [fn(x) for x in items]
     mine = {i: fn(x) for i, x in enumerate(items) if i % w.size == w.rank}
@@ -104,7 +100,7 @@ def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None
 def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
     """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``); an exception on
     rank 0 is re-raised on every rank (the others would otherwise wait forever)."""
-    w = _w(w)
+    w = w or World()
     if not w.active:
         return fn()
     box: list[Any] = [None]
@@ -121,9 +117,8 @@ def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
 
 
 def p2p_group(w: World) -> Any:
-    """The group :func:`send_object` / :func:`recv_object` use: the default group under gloo, else one gloo group
-    made once per process (NCCL moves CUDA tensors only). Its first call is collective (``new_group``): every rank
-    calls it at the same point before the first send."""
+    """The group of :func:`send_object` / :func:`recv_object`: the default group under gloo, else one gloo group per
+    process (NCCL moves CUDA tensors only), made by a collective first call before the first send on every rank."""
     global _GLOO
     if w.backend == "gloo":
         return None

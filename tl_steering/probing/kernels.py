@@ -196,10 +196,9 @@ def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tenso
 
 def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
               sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each ``[batch, n, d]``
-    set: values and validity masks ``[len(sets), 4, batch]`` (docs/probe.md, "Cost"). ``sq``: the squared row norms
-    ``[batch, n]`` (None computes them); ``spectrum`` (effective rank) and ``gram`` (participation ratio; default:
-    ``spectrum``) need Gram matrices; a statistic not computed is 0 and marked invalid."""
+    """Per sequence (pairwise cosine, resultant length, effective rank with ``spectrum``, participation ratio with
+    ``gram``, default ``spectrum``; else 0 and invalid) of each ``[batch, n, d]`` set (``sq``: squared row norms or
+    None): values and validity masks ``[len(sets), 4, batch]`` (docs/probe.md, "Cost")."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..results import Result, register
+from ..stats import finite_mean
 
 METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity",
                             "effective_rank", "participation_ratio")
@@ -99,10 +100,8 @@ class ProbeResult(Result):
         return self.masked[self._check(name)].sum(-1)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ALL_QUANTITIES:
-            sums = self.__dict__.get("sums", {})
-            if name in sums:
-                return self.get(name)
+        if name in ALL_QUANTITIES and name in self.__dict__.get("sums", {}):
+            return self.get(name)
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def merge(self, other: "ProbeResult") -> "ProbeResult":
@@ -122,14 +121,10 @@ class ProbeResult(Result):
         )
 
     def summary(self) -> dict[str, Any]:
-        """Mean over probed layers (NaN layers skipped) of every quantity, plus token counts."""
-        out: dict[str, Any] = {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences,
-                               "n_forwards": self.n_forwards}
-        for q in self.quantities:
-            v = self.get(q)
-            v = v[~torch.isnan(v)]
-            out[q] = float(v.mean()) if v.numel() else math.nan
-        return out
+        """Mean over probed layers (NaN layers skipped: :func:`tl_steering.stats.finite_mean`) of every quantity, plus
+        token counts."""
+        return {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences, "n_forwards": self.n_forwards,
+                **{q: finite_mean(self.get(q)) for q in self.quantities}}
 
     def plot(self):
         """Per-layer curves, one panel per metric group (plotly Figure)."""

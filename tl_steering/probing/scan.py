@@ -63,9 +63,8 @@ def scan(
     progress: bool = False,
 ) -> ProbeResult:
     """Probe ``n_windows`` windows of ``length`` tokens of a streamed corpus over the ranks of the process group, in
-    shards of ``shard_windows`` windows, written to ``out_dir`` and resumable there (``resume``); ``progress``: a
-    tqdm bar on rank 0. Returns the merged :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N
-    processes")."""
+    shards of ``shard_windows`` windows, written to ``out_dir`` and resumable there (``resume``); the merged
+    :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N processes")."""
     for name, v, lo in (("n_windows", n_windows, 1), ("length", length, 2), ("shard_windows", shard_windows, 1),
                         ("batch_size", batch_size, 1)):
         as_int(v, name, minimum=lo, where="scan")

@@ -255,8 +255,8 @@ class ProbeTrace:
     # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
-        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``: the probed layers' sites
-        under their legacy hook names) to the sums, with the same arithmetic as the hooks."""
+        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``) to the sums, with the same
+        arithmetic as the hooks."""
         for layer in self.layers:
             sites = self._sites_of[layer]
             missing = [name for _, name in sites if name not in cache]
