@@ -1,7 +1,6 @@
 """Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
 the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model."""
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -17,7 +17,7 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
+from .kernels import DIVERSITY_STATS, F64, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -102,7 +102,7 @@ class ProbeTrace:
         # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            buf = self._buf = torch.empty(shape, dtype=torch.float64, device=src.device)  # every slot read is written first
+            buf = self._buf = torch.empty(shape, dtype=F64, device=src.device)  # every slot read is written first
         out = buf[self._cur[site]]
         out.copy_(src)
         return out
@@ -311,7 +311,8 @@ class ProbeTrace:
 
         # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
         if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
-            bad = [s_ for pos in at for s_ in pos if not bool(torch.isfinite(dot(s_, s_)).all())]
+            sites = dict.fromkeys(s_ for pos in at for s_ in pos)
+            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(s_, s_)).all())]
             raise NonFiniteError(
                 f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
                 "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
