@@ -1,7 +1,6 @@
-"""Block surgery for the parallel executor (the backend side of :func:`tl_steering.parallel.apply.parallelize`):
-the ``HookedParallelBlock`` subclass (TL 3.9), the replacement forward of the Hugging Face decoder layer inside a
-``TransformerBridge`` block (GPT-2-, Llama- and Gemma-style layers; docs/gemma.md) and the entry points; the math and
-the per-block state are :mod:`.fused`. See docs/parallel.md."""
+"""Block surgery for :func:`tl_steering.parallel.apply.parallelize`: the ``HookedParallelBlock`` subclass (TL 3.9) and
+the replacement forward of a bridge's GPT-2-, Llama- or Gemma-style decoder layer; the math is :mod:`.fused`
+(docs/parallel.md, docs/gemma.md)."""
 
 import inspect
 import types

@@ -1,7 +1,5 @@
-"""The tags and hook-dict vocabulary shared by :mod:`.lifecycle` and :mod:`.ownership` (docs/hooks.md): which torch
-dicts hold hooks, how a hook of ours is tagged and recognised, :func:`shielded`; and the hooks of ours on a model's
-modules, which the guards of :mod:`.lifecycle` remove (docs/hooks.md, "Interrupts"): hooks kept last on their point,
-one-shot captures, the orphan-safe wrapper, the probe's meta-device check."""
+"""Which torch dicts hold hooks, how a hook of ours is tagged and recognised, :func:`shielded`, and the hooks of ours
+that the guards of :mod:`.lifecycle` remove: kept last, one-shot captures, orphan-safe (docs/hooks.md, "Interrupts")."""
 
 from collections.abc import Callable
 from typing import Any

@@ -1,8 +1,6 @@
-"""Loading models: real offline checkpoints, TransformerLens hub names, and tiny random models for tests.
-
-All loaders return the TransformerLens model itself (a ``TransformerBridge`` or, on TL 3.9, a
-``HookedTransformer``), so users keep using TransformerLens on it; :func:`wrap_hf` wraps the Hugging Face models
-built here, on the device asked for or refused. See docs/loading.md."""
+"""Loading models (offline checkpoints, TransformerLens hub names, tiny random models for tests) and wrapping Hugging
+Face models (:func:`wrap_hf`) as the TransformerLens model itself, on the device asked for or refused
+(docs/loading.md)."""
 
 import contextlib
 import functools
