@@ -1,9 +1,5 @@
-"""The result of :func:`tl_steering.parallel.parallel_defect`: :class:`DefectResult` (see docs/defect.md).
-
-The per-layer scores, the optional gold standard and curves, the opt-in sub-module times and the paper-style
-plan (:meth:`DefectResult.plan`, the k lowest-C layers) with its speedup estimate. Planners beyond the lowest-C
-choice live in :mod:`tl_steering.parallel`.
-"""
+"""The result of :func:`tl_steering.parallel.parallel_defect`, :class:`DefectResult` (docs/defect.md), with the
+paper's plan (the k lowest-C layers) and its speedup estimate; the planner is :func:`tl_steering.plan_parallel`."""
 
 import dataclasses
 import math
@@ -28,9 +24,26 @@ BRACKET_TERMS: tuple[str, ...] = ("DPhi_A", "DA_Phi", "bracket")
 """Keys of :attr:`DefectResult.brackets`: RMS of DPhi.A, DA.Phi and [A, Phi] = DPhi.A - DA.Phi."""
 
 
+class LayerScores:
+    """The layer selection of a result with ``layers``, ``already_parallel`` and per-layer ``scores``
+    (:class:`DefectResult`, :class:`~tl_steering.parallel.scores.ParallelScoresResult`)."""
+
+    @property
+    def candidates(self) -> list[int]:
+        """Layers that can be made parallel (the sequential ones among :attr:`layers`)."""
+        return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
+
+    def score_of(self, name: str) -> dict[int, float]:
+        """``{layer: score}`` over the candidates, for :mod:`tl_steering.parallel.strategies`."""
+        if name not in self.scores:
+            raise InputError(f"unknown score {name!r}; choose one of {sorted(self.scores)}")
+        pos = {lay: i for i, lay in enumerate(self.layers)}
+        return {lay: float(self.scores[name][pos[lay]]) for lay in self.candidates}
+
+
 @register
 @dataclasses.dataclass(kw_only=True)
-class DefectResult(Result):
+class DefectResult(Result, LayerScores):
     """Per-layer sequential-to-parallel defect scores, optionally with the loss they predict and timings; every
     per-layer tensor is indexed like :attr:`layers`. Each field is described in docs/defect.md "DefectResult"."""
 
@@ -68,18 +81,15 @@ class DefectResult(Result):
     def __post_init__(self) -> None:
         n = len(self.layers)
         # per-layer fields left at their (empty) defaults mean "not computed": NaN per layer
-        for name in ("score", "nonlinearity", "counterfactual_nonlinearity", "phi_check", "delta_ce",
-                     "t_attn", "t_ffn"):
+        tensors = ("score", "nonlinearity", "counterfactual_nonlinearity", "phi_check", "delta_ce", "t_attn", "t_ffn")
+        for name in tensors:
             if n and len(getattr(self, name)) == 0:
                 setattr(self, name, torch.full((n,), math.nan, dtype=torch.float64))
         if n and not self.already_parallel:
             self.already_parallel = [False] * n
         if "C" in self.scores and len(self.score) == n and bool(torch.isnan(self.score).all()):
             self.score = self.scores["C"].clone()
-        per_layer: dict[str, Any] = {"already_parallel": self.already_parallel, "score": self.score,
-                                     "nonlinearity": self.nonlinearity, "phi_check": self.phi_check,
-                                     "delta_ce": self.delta_ce, "t_attn": self.t_attn, "t_ffn": self.t_ffn,
-                                     "counterfactual_nonlinearity": self.counterfactual_nonlinearity}
+        per_layer = {name: getattr(self, name) for name in ("already_parallel",) + tensors}
         for group in ("scores", "counterfactual_scores", "rms", "brackets", "peer_scores"):
             per_layer.update({f"{group}[{k!r}]": v for k, v in getattr(self, group).items()})
         for name, value in per_layer.items():
@@ -88,27 +98,32 @@ class DefectResult(Result):
                                  "with parallel_defect")
 
     # -- layer selection ------------------------------------------------------------------------------------
-    @property
-    def candidates(self) -> list[int]:
-        """Layers that can be made parallel (the sequential ones among :attr:`layers`)."""
-        return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
-
     def plan(self, k: int, variant: str = "C") -> list[int]:
-        """The k sequential layers with the lowest score (ties: lower layer first), sorted by layer index.
-
-        Already-parallel blocks are never chosen (nothing would change). NaN scores rank last.
-        """
-        if variant not in self.scores:
-            raise InputError(f"unknown score variant {variant!r}; choose one of {sorted(self.scores)}")
-        score, pos = self.scores[variant], {lay: i for i, lay in enumerate(self.layers)}
-        return _strategies.one_shot(self.candidates, {lay: float(score[pos[lay]]) for lay in self.candidates}, k)
+        """The k sequential layers (never an already-parallel block) with the lowest score ``variant``, sorted by
+        layer index (:func:`~.strategies.one_shot`: ties go to the lower layer, NaN scores rank last)."""
+        return _strategies.one_shot(self.candidates, self.score_of(variant), k)
 
     # -- speedup --------------------------------------------------------------------------------------------
     def speedup_estimate(self, layers: Sequence[int]) -> dict[str, Any]:
-        """Estimated speedup of making ``layers`` parallel from the measured sub-module times (:func:`estimate_speedup`;
-        docs/defect.md "Speedup estimate")."""
-        return estimate_speedup(self.layers, self.already_parallel, self.t_attn, self.t_ffn, layers,
-                                t_other=self.t_other, timing_shape=self.timing_shape, device=self.timing_device)
+        """Estimated speedup of making ``layers`` parallel from the measured sub-module times: ``T_seq / T_par`` of
+        docs/defect.md "Speedup estimate" (already-parallel blocks count with ``max`` in both; ``*_with_other`` adds
+        :attr:`t_other` to both)."""
+        if not self.layers or not torch.isfinite(self.t_attn).all() or not torch.isfinite(self.t_ffn).all():
+            raise InputError("no sub-module times: run parallel_defect(..., timing=True)")
+        picked = sorted({int(x) for x in layers})
+        unknown = [x for x in picked if x not in self.layers]
+        if unknown:
+            raise InputError(f"layers {unknown} were not analysed (analysed: {list(self.layers)})")
+        ta, tf, t_other = self.t_attn.tolist(), self.t_ffn.tolist(), self.t_other
+        t_seq = t_par = 0.0
+        for i, lay in enumerate(self.layers):
+            seq_cost = max(ta[i], tf[i]) if self.already_parallel[i] else ta[i] + tf[i]
+            t_seq += seq_cost
+            t_par += max(ta[i], tf[i]) if lay in picked else seq_cost
+        return {"label": SPEEDUP_LABEL, "layers": picked, "k": len(picked), "T_seq_s": t_seq, "T_par_s": t_par,
+                "speedup": t_seq / t_par if t_par > 0 else math.nan, "T_other_s": t_other,
+                "speedup_with_other": (t_seq + t_other) / (t_par + t_other) if math.isfinite(t_other) else math.nan,
+                "timing_shape": list(self.timing_shape), "device": self.timing_device}
 
     def claim(self, k: int | None = None) -> Claim:
         """The paper's parallelization claim (:func:`ordering_claim`) on this result's curves at ``k`` (default: half
@@ -180,10 +195,9 @@ class DefectResult(Result):
             raise InputError("no loss curves in this result: run parallel_defect(..., evaluate=True)")
         fig = go.Figure()
         k = self.curves["k"].tolist()
-        for name in ("lowest", "highest", "contiguous", "random_mean"):
-            fig.add_trace(go.Scatter(x=k, y=self.curves[name].tolist(), mode="lines+markers",
-                                     name={"lowest": "lowest C", "highest": "highest C",
-                                           "random_mean": "random (mean)"}.get(name, name)))
+        for name, label in (("lowest", "lowest C"), ("highest", "highest C"), ("contiguous", "contiguous"),
+                            ("random_mean", "random (mean)")):
+            fig.add_trace(go.Scatter(x=k, y=self.curves[name].tolist(), mode="lines+markers", name=label))
         rnd = self.curves.get("random")
         if rnd is not None and rnd.numel():
             for r, row in enumerate(rnd.tolist()):
@@ -223,28 +237,4 @@ def ordering_claim(k: int, n_candidates: int, lowest: float, highest: float, str
                  f"{lowest:+.3g} nats ({cost.why}), and {order}", value=lowest, parts={"high_over_low": ratio})
 
 
-def estimate_speedup(layers: Sequence[int], already_parallel: Sequence[bool], t_attn: Tensor, t_ffn: Tensor,
-                     chosen: Sequence[int], t_other: float = math.nan, timing_shape: Sequence[int] = (),
-                     device: str = "") -> dict[str, Any]:
-    """Estimated speedup of making ``chosen`` parallel from per-layer sub-module times: ``T_seq / T_par`` of
-    docs/defect.md "Speedup estimate" (already-parallel blocks count with ``max`` in both; ``*_with_other`` adds
-    ``t_other`` to both)."""
-    if not layers or not torch.isfinite(t_attn).all() or not torch.isfinite(t_ffn).all():
-        raise InputError("no sub-module times: run parallel_defect(..., timing=True)")
-    picked = sorted({int(x) for x in chosen})
-    unknown = [x for x in picked if x not in layers]
-    if unknown:
-        raise InputError(f"layers {unknown} were not analysed (analysed: {list(layers)})")
-    ta, tf = t_attn.tolist(), t_ffn.tolist()
-    t_seq = t_par = 0.0
-    for i, lay in enumerate(layers):
-        seq_cost = max(ta[i], tf[i]) if already_parallel[i] else ta[i] + tf[i]
-        t_seq += seq_cost
-        t_par += max(ta[i], tf[i]) if lay in picked else seq_cost
-    return {"label": SPEEDUP_LABEL, "layers": picked, "k": len(picked), "T_seq_s": t_seq, "T_par_s": t_par,
-            "speedup": t_seq / t_par if t_par > 0 else math.nan, "T_other_s": t_other,
-            "speedup_with_other": (t_seq + t_other) / (t_par + t_other) if math.isfinite(t_other) else math.nan,
-            "timing_shape": list(timing_shape), "device": device}
-
-
-__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "SPEEDUP_LABEL", "DefectResult", "estimate_speedup", "ordering_claim"]
+__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "SPEEDUP_LABEL", "DefectResult", "LayerScores", "ordering_claim"]

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._util.progress import forward_done
 from ..backends import adapt
-from ..data.batching import loss_block_sums
+from ..data.batching import loss_block_sums, token_mean
 from ..data.sharding import batch_slices, split_map
 from ..hooks import Write, parallel_blocks, parallel_hooks
 from ..stats import block_length
@@ -43,16 +43,6 @@ class PlanLoss:
 
     def _measure(self, key: tuple[int, ...]) -> Tensor:
         return self.ce_blocks(key)
-
-    def block_counts(self) -> Tensor:
-        """Predicted tokens in each block, ``[window, block]`` float64 (the last block of a window may be short)."""
-        t = int(self.tokens.shape[1]) - 1
-        counts = torch.tensor([min(self.block, t - j) for j in range(0, t, self.block)], dtype=torch.float64)
-        return counts.expand(int(self.tokens.shape[0]), counts.shape[0]).clone()
-
-    def mean_of(self, blocks: Tensor) -> float:
-        """The token-weighted mean CE of per-block sums of these windows (:meth:`ce_blocks`)."""
-        return float(blocks.sum()) / (int(self.tokens.shape[0]) * (int(self.tokens.shape[1]) - 1))
 
     def ce_blocks(self, layers: Sequence[int], write: Write | None = None) -> Tensor:
         """Per-block CE sums ``[window, block]`` (float64, CPU; not memoised) with ``layers`` parallel, their FFN
@@ -105,7 +95,7 @@ class PlanLoss:
                 del cache, logits
         self._prefix, self._clean_blocks = prefix, torch.cat(per_row)
         if () not in self.memo:
-            self.memo[()], self.blocks[()] = self.mean_of(self._clean_blocks), self._clean_blocks
+            self._store((), self._clean_blocks)
         self._counted.setdefault((), 1)
         return True
 
@@ -119,12 +109,9 @@ class PlanLoss:
                 parts.append(loss_block_sums(logits, self.tokens[rows], self.block))
         return torch.cat(parts)
 
-    def _cost(self, key: tuple[int, ...]) -> int:
-        """Passes over the windows one measurement of ``key`` runs (1 here; more for fitted plans)."""
-        return 1
-
     def cost_of(self, layers: Sequence[int]) -> int:
-        return self._cost(self._key(layers))
+        """Passes over the windows one measurement of the plan ``layers`` runs (1 here; more for fitted plans)."""
+        return 1
 
     @property
     def passes(self) -> int:
@@ -134,19 +121,20 @@ class PlanLoss:
     def __call__(self, layers: Sequence[int]) -> float:
         key = self._key(layers)
         if key not in self.memo:
-            blocks = self._measure(key)
-            self._counted.setdefault(key, self._cost(key))
-            self.blocks[key], self.memo[key] = blocks, self.mean_of(blocks)
+            self._store(key, self._measure(key))
         return self.memo[key]
+
+    def _store(self, key: tuple[int, ...], blocks: Tensor) -> None:
+        """Keep a measured plan's block sums and token-weighted mean CE (and the passes its measurement ran)."""
+        self._counted.setdefault(key, self.cost_of(key))
+        self.blocks[key], self.memo[key] = blocks, token_mean(blocks, self.tokens)
 
     def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
         """Measure every plan of ``plans`` not known yet, split over the ranks of :attr:`world`
         (:func:`tl_steering.data.sharding.split_map`; every rank calls it with the same plans)."""
         keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
         for k, blocks in zip(keys, split_map(self._measure, keys, self.world) if keys else []):
-            self.blocks[k], self.memo[k] = blocks, self.mean_of(blocks)
-        for k in keys:
-            self._counted.setdefault(k, self._cost(k))
+            self._store(k, blocks)
 
     @property
     def clean(self) -> float:

@@ -10,13 +10,12 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from ..backends import adapt
 from ..backends.ownership import exclusive
 from ..data.sharding import broadcast_from_rank0
-from ..data.windows import token_source
+from ..data.windows import model_tokens
 from ..errors import InputError
-from ..stats import cluster_bootstrap_ci
-from ..validation import as_choice, as_int
+from ..stats import block_sums, cluster_bootstrap_ci
+from ..validation import as_choice, as_choices, as_int
 from . import strategies as st
 from .gold import PlanLoss, delta_curves
 from .plan_result import ParallelPlan
@@ -69,12 +68,11 @@ class PlanContext:
 
     def __init__(self, model: Any, tokens: Any, k: Any, strategy: Any, held_out: Any, layers: Any, k_values: Any,
                  refit: Any, fisher_samples: Any, seed: int, batch_size: int, world: Any):
-        self.model, self.ad, self.seed, self.batch_size, self.world = model, adapt(model), seed, batch_size, world
-        tokens, self.corpus = token_source(tokens, None)
-        self.held_given = held_out is not None
-        self.cal, n = self.ad.validate_tokens(tokens), int(tokens.shape[0])
+        self.model, self.seed, self.batch_size, self.world = model, seed, batch_size, world
+        self.ad, self.cal, self.corpus = model_tokens(model, tokens)
+        self.held_given, n = held_out is not None, int(self.cal.shape[0])
         if self.held_given:
-            self.held = self.ad.validate_tokens(token_source(held_out, None)[0])
+            self.held = model_tokens(self.ad, held_out)[1]
         elif n < 2:
             raise InputError("plan_parallel needs held-out windows: pass held_out=, or at least 2 token windows "
                              "(the first half calibrates, the second half is held out)")
@@ -115,14 +113,9 @@ def _names(strategy: Any, fisher_samples: Any) -> tuple[list[str], str]:
     as_int(fisher_samples, "fisher_samples", minimum=0)
     if strategy == "best":
         names = [s for s in PLANNER.strategies if fisher_samples or s != "attribution_2nd"]
-    elif isinstance(strategy, str):
-        names = [strategy]
-    else:
-        names = list(strategy) if isinstance(strategy, (list, tuple)) else []
-    unknown = [s for s in names if s not in PLAN_STRATEGIES]
-    if unknown or not names or len(set(names)) < len(names):
-        raise InputError(f"unknown strategy {unknown or strategy!r}; pass 'best', one of {list(PLAN_STRATEGIES)} "
-                         "or a list of distinct names of them")
+    elif len(set(names := as_choices(strategy, "strategy", PLAN_STRATEGIES))) < len(names):
+        raise InputError(f"strategy {strategy!r} names a strategy twice: pass 'best', one of the strategies or a list "
+                         "of distinct ones")
     if "attribution_2nd" in names and not fisher_samples:
         raise InputError("strategy attribution_2nd needs second-order scores: pass fisher_samples > 0")
     return names, ("best" if strategy == "best" or not isinstance(strategy, str) else strategy)
@@ -149,17 +142,14 @@ def _carried(ad: Any, cal: Tensor, refit: str) -> tuple[str, str, bool]:
 
 def _ci(loss: PlanLoss, cols: list[Tensor], seed: int) -> Tensor:
     """``[len(cols), 2]``: the intervals of per-block sums on ``loss``'s windows, resampled together."""
-    return cluster_bootstrap_ci(torch.stack(cols, -1), loss.block_counts(), N_BOOTSTRAP, seed, INTERVAL_LEVEL)
+    counts = block_sums(torch.ones(loss.tokens.shape[0], loss.tokens.shape[1] - 1, dtype=torch.float64), loss.block)
+    return cluster_bootstrap_ci(torch.stack(cols, -1), counts, N_BOOTSTRAP, seed, INTERVAL_LEVEL)
 
 
 def _intervals(loss: PlanLoss, curves: dict[str, list[list[int]]], seed: int) -> dict[str, Tensor]:
     """``{name: [n_plans, 2]}`` float64: the intervals of every plan's dCE (:func:`_ci`)."""
     ci = _ci(loss, [loss.delta_blocks(p) for plans in curves.values() for p in plans], seed)
-    out, i = {}, 0
-    for name, plans in curves.items():
-        out[name] = ci[i:i + len(plans)].clone()
-        i += len(plans)
-    return out
+    return {name: part.clone() for name, part in zip(curves, ci.split([len(p) for p in curves.values()]))}
 
 
 def _margins(loss: PlanLoss, plan_of: dict[str, list[int]], ref: str, seed: int) -> dict[str, list[float]]:

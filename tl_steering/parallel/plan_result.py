@@ -111,34 +111,27 @@ class ParallelPlan(Result):
 
     def summary(self) -> dict[str, Any]:
         """Headline figures, every dCE with its ``_interval`` ``[low, high]`` (docs/parallel.md "Planning")."""
+        def with_interval(name: str) -> dict[str, Any]:
+            return {name: getattr(self, name), f"{name}_interval": list(getattr(self, f"{name}_interval"))}
+
         out: dict[str, Any] = {"k": self.k, "layers": list(self.layers), "strategy": self.strategy,
                                "refit": self.refit, "calibration_fit": self.calibration_fit,
-                               "calibration_delta_ce": self.calibration_delta_ce,
-                               "calibration_delta_ce_interval": list(self.calibration_delta_ce_interval),
-                               "held_out_delta_ce": self.held_out_delta_ce,
-                               "held_out_delta_ce_interval": list(self.held_out_delta_ce_interval),
+                               **with_interval("calibration_delta_ce"), **with_interval("held_out_delta_ce"),
                                "cost_forward": self.cost.get("forward"), "cost_backward": self.cost.get("backward"),
                                "total_forward": self.total_cost.get("forward"),
                                "total_backward": self.total_cost.get("backward"),
-                               "held_out_delta_ce_uncorrected": self.held_out_delta_ce_uncorrected,
-                               "held_out_delta_ce_uncorrected_interval":
-                                   list(self.held_out_delta_ce_uncorrected_interval)}
-        if self.refit_requested and self.refit_requested != self.refit:
+                               **with_interval("held_out_delta_ce_uncorrected")}
+        if self.refit_requested not in ("", self.refit):
             out["refit_requested"] = self.refit_requested
-        if self.calibration_note:
-            out["calibration_note"] = self.calibration_note
-        if self.reference:
-            out["reference"] = self.reference
+        out.update({n: getattr(self, n) for n in ("calibration_note", "reference") if getattr(self, n)})
         if self.k in self.k_values:
             j = self.k_values.index(self.k)
-            for s, v in self.at_k().items():
-                out[f"held_out_delta_ce_{s}"] = v
-                if s in self.held_out_intervals:
-                    out[f"held_out_delta_ce_{s}_interval"] = self.held_out_intervals[s][j].tolist()
-            for s, v in self.at_k("calibration").items():
-                out[f"calibration_delta_ce_{s}"] = v
-                if s in self.calibration_intervals:
-                    out[f"calibration_delta_ce_{s}_interval"] = self.calibration_intervals[s][j].tolist()
+            for split, intervals in (("held_out", self.held_out_intervals),
+                                     ("calibration", self.calibration_intervals)):
+                for s, v in self.at_k(split).items():
+                    out[f"{split}_delta_ce_{s}"] = v
+                    if s in intervals:
+                        out[f"{split}_delta_ce_{s}_interval"] = intervals[s][j].tolist()
             for s, m in self.margins.items():
                 if s != self.reference:
                     out[f"calibration_margin_{s}"] = list(m)

@@ -12,13 +12,14 @@ from ..backends.fused import corrected_ffn_write
 from ..data.sharding import batch_slices
 from ..errors import InputError
 from ..hooks import corrected_write, parallel_hooks
-from ..stats import Moments, check_exclude_positions
+from ..stats import Moments
 from ..validation import as_choice
 from .gold import PlanLoss
 
 REFITS: tuple[str, ...] = ("none", "gate", "affine", "linear")
 CARRY = 0.5
 """Effective parameters per output coordinate a correction compared in-sample may have, per fitted token."""
+_EXCLUDED = (0,)  # the positions no correction is fitted on (docs/parallel.md "Refit")
 
 
 def carried_max_df(n_tokens: int, d_model: int) -> float:
@@ -30,8 +31,7 @@ def carried_max_df(n_tokens: int, d_model: int) -> float:
 def carried_refit(refit: str, n_tokens: int, d_model: int) -> str:
     """The richest correction, no richer than ``refit``, that ``n_tokens`` fitted tokens carry in-sample (at most
     :data:`CARRY` per token and coordinate; docs/parallel.md "Uncertainty and the choice")."""
-    order = list(REFITS)
-    for cand in reversed(order[:order.index(refit) + 1]):
+    for cand in reversed(REFITS[:REFITS.index(refit) + 1]):
         per_coordinate = {"none": 0.0, "gate": 1.0 / d_model}.get(cand, 1.0 + 1.0 / d_model)
         if per_coordinate <= CARRY * int(n_tokens):
             return cand
@@ -42,13 +42,17 @@ class _Stop(Exception):
     """Ends a fitting forward after the last layer it needs (hooks are removed by ``run_with_hooks``)."""
 
 
+def _stop(act: Tensor, hook: Any) -> None:
+    raise _Stop
+
+
 def fit_corrections(model: Any, tokens: Tensor, layers: Sequence[int], refit: str = "affine", batch_size: int = 8,
-                    exclude_positions: Sequence[int] = (0,), linears: dict[int, Tensor] | None = None,
-                    carry: bool = False) -> tuple[dict[int, float], dict[int, Tensor], int]:
+                    linears: dict[int, Tensor] | None = None, carry: bool = False
+                    ) -> tuple[dict[int, float], dict[int, Tensor], int]:
     """``(gates, biases, passes)``: the corrections of the parallel plan ``layers`` fitted on ``tokens``, each layer on
     the forward that runs the corrected layers before it, and the forwards run (docs/parallel.md "Refit");
     ``linears``, required for ``refit="linear"``, receives the maps; ``carry``: the ridge of :func:`carried_max_df`."""
-    _, g, b, passes = _fit(model, tokens, layers, refit, batch_size, exclude_positions, None, linears, carry)
+    _, g, b, passes = _fit(model, tokens, layers, refit, batch_size, None, linears, carry)
     return g, b, passes
 
 
@@ -80,7 +84,7 @@ class _Fitter:
 
 
 def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_size: int,
-         exclude_positions: Sequence[int], measure: Callable[[list[int], Any], Any] | None,
+         measure: Callable[[list[int], Any], Any] | None,
          linears_out: dict[int, Tensor] | None, carry: bool) -> tuple[Any, dict[int, float], dict[int, Tensor], int]:
     """The sequential fit; with ``measure(plan, write)`` (``PlanLoss.ce_blocks``) also what it measures on the
     corrected plan, on one batch in the fitting forward itself."""
@@ -89,7 +93,6 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
         raise InputError('refit="linear" fits a [d_model, d_model] map per layer: pass a dict as linears= to '
                          "receive them (or use RefitLoss / plan_parallel, which keep them)")
     ad = adapt(model)
-    excl = check_exclude_positions(exclude_positions)
     plan = [lay for lay in sorted(set(int(x) for x in layers)) if not ad.is_parallel(lay)]
     lins: dict[int, Tensor] = linears_out if linears_out is not None else {}
     lins.clear()
@@ -100,24 +103,24 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
     if len(rows) == 1:  # one forward: each hook fits its layer on the batch and applies it at once
         def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
             m = fitter.moments()
-            m.add(act, par, excl, attn)
+            m.add(act, par, _EXCLUDED, attn)
             fitter.fit(layer, m)
             return fitter.write(layer, act, par, attn)
 
-        if measure is not None:
-            return measure(plan, write), fitter.gates, fitter.biases, 1
-        _run_stopped(ad, tokens, [slice(None)], parallel_hooks(model, plan, write), plan[-1])
-        return None, fitter.gates, fitter.biases, 1
+        # without a measure: one forward, stopped after the plan's last layer
+        stop = [(ad.hook_name(plan[-1], "resid_post"), _stop)]
+        run = measure or (lambda p, w: _run_stopped(ad, tokens, [slice(None)], parallel_hooks(model, p, w) + stop))
+        return run(plan, write), fitter.gates, fitter.biases, 1
     for j, layer in enumerate(plan):  # one early-stopped forward per layer, the layers before it corrected
         m = fitter.moments()
 
         def write(lay: int, act: Tensor, par: Tensor, attn: Tensor, m: Moments = m, target: int = layer) -> Tensor:
             if lay == target:
-                m.add(act, par, excl, attn)
+                m.add(act, par, _EXCLUDED, attn)
                 raise _Stop
             return fitter.write(lay, act, par, attn)
 
-        _run_stopped(ad, tokens, rows, parallel_hooks(model, plan[:j + 1], write), None)
+        _run_stopped(ad, tokens, rows, parallel_hooks(model, plan[:j + 1], write))
         fitter.fit(layer, m)
     if measure is None:
         return None, fitter.gates, fitter.biases, len(plan)
@@ -125,14 +128,8 @@ def _fit(model: Any, tokens: Tensor, layers: Sequence[int], refit: str, batch_si
     return out, fitter.gates, fitter.biases, len(plan) + 1
 
 
-def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list, last: int | None) -> None:
-    """Run ``hooks`` over the ``rows`` of ``tokens`` until a hook raises :class:`_Stop` (with ``last``: after that
-    layer's ``resid_post``)."""
-    if last is not None:
-        def stop(act: Tensor, hook: Any) -> None:
-            raise _Stop
-
-        hooks = hooks + [(ad.hook_name(last, "resid_post"), stop)]
+def _run_stopped(ad: Any, tokens: Tensor, rows: list[slice], hooks: list) -> None:
+    """Run ``hooks`` over each of the ``rows`` of ``tokens`` until a hook raises :class:`_Stop`."""
     for sl in rows:
         try:
             ad.run_with_hooks(tokens[sl], hooks, return_type=None)
@@ -170,13 +167,13 @@ class RefitLoss(PlanLoss):
             on_first = first.ce_blocks(key, corrected_write(self.ad, list(key), g2, b2, "RefitLoss", w2))
             return torch.cat([on_first, on_second])
         w: dict[int, Tensor] = {}
-        blocks, g, b, _ = _fit(self.model, self.tokens, list(key), self.refit, self.batch_size, (0,), self.ce_blocks,
+        blocks, g, b, _ = _fit(self.model, self.tokens, list(key), self.refit, self.batch_size, self.ce_blocks,
                                w, self.carry)
         self._fits[key] = (g, b, w)
         return blocks
 
-    def _cost(self, key: tuple[int, ...]) -> int:
-        plan = [lay for lay in key if not self.ad.is_parallel(lay)]
+    def cost_of(self, layers: Sequence[int]) -> int:
+        plan = [lay for lay in self._key(layers) if not self.ad.is_parallel(lay)]
         if self.refit == "none" or not plan:
             return 1
         if self._folds is not None:  # per half: its fitting passes, then one measuring pass

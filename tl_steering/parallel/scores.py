@@ -14,18 +14,19 @@ from torch import Tensor
 from .. import geometry as geo
 from ..backends import adapt
 from ..backends.ownership import exclusive
-from ..data.windows import token_source
-from ..errors import InputError
+from ..data.windows import model_tokens
 from ..metrics import next_token_loss
 from ..results import Result, register, tensor_field
 from ..validation import as_int
 from .defect import parallel_defect
+from .defect_result import LayerScores
 from .gold import PlanLoss, single_layer_gold
+from .strategies import FISHER_SAMPLES
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
-class ParallelScoresResult(Result):
+class ParallelScoresResult(Result, LayerScores):
     """Per-layer scores of making each block parallel; every tensor is indexed like :attr:`layers` (each field in
     docs/defect.md "Layer planning")."""
 
@@ -40,18 +41,6 @@ class ParallelScoresResult(Result):
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     kind = "parallel_scores"
-
-    @property
-    def candidates(self) -> list[int]:
-        """Layers that can be made parallel (the sequential ones)."""
-        return [lay for lay, par in zip(self.layers, self.already_parallel) if not par]
-
-    def score_of(self, name: str) -> dict[int, float]:
-        """``{layer: score}`` over the candidates, for :mod:`tl_steering.parallel.strategies`."""
-        if name not in self.scores:
-            raise InputError(f"unknown score {name!r}; choose one of {sorted(self.scores)}")
-        pos = {lay: i for i, lay in enumerate(self.layers)}
-        return {lay: float(self.scores[name][pos[lay]]) for lay in self.candidates}
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"n_layers": len(self.layers), "n_candidates": len(self.candidates),
@@ -68,13 +57,9 @@ class ParallelScoresResult(Result):
         import plotly.graph_objects as go
 
         fig = go.Figure()
-        series = dict(self.scores)
-        if self.evaluated:
-            series["measured dCE"] = self.delta_ce
-        for name, val in series.items():
-            v = val.clone()
-            m = float(v[torch.isfinite(v)].abs().max()) if torch.isfinite(v).any() else 1.0
-            fig.add_trace(go.Scatter(x=self.layers, y=(v / (m or 1.0)).tolist(), mode="lines+markers",
+        for name, val in {**self.scores, **({"measured dCE": self.delta_ce} if self.evaluated else {})}.items():
+            m = float(val[torch.isfinite(val)].abs().max()) if torch.isfinite(val).any() else 1.0
+            fig.add_trace(go.Scatter(x=self.layers, y=(val / (m or 1.0)).tolist(), mode="lines+markers",
                                      name=name + (f" (rho {self.spearman[name]:.2f})" if name in self.spearman
                                                   else "")))
         fig.update_layout(title=title or f"Parallelization scores per layer ({self.provenance.model})",
@@ -91,14 +76,13 @@ def parallel_scores(
     gold: bool = False,
     batch_size: int = 8,
     corpus: str | None = None,
-    fisher_samples: int = 8,
+    fisher_samples: int = FISHER_SAMPLES,
     seed: int = 0,
 ) -> ParallelScoresResult:
     """Every per-layer score of making a block parallel, a :class:`ParallelScoresResult` (the arguments and the cost
     in docs/defect.md "Layer planning"; the scores in "Attribution", "Second order", "Peer scores")."""
     t0 = time.perf_counter()
-    tokens, corpus = token_source(tokens, corpus)
-    tokens = adapt(model).validate_tokens(tokens)
+    ad, tokens, corpus = model_tokens(model, tokens, corpus)
     defect = parallel_defect(model, tokens, layers=layers, exclude_positions=exclude_positions,
                              batch_size=batch_size, corpus=corpus)
     sel = defect.layers
@@ -117,7 +101,7 @@ def parallel_scores(
     options = {"layers": sel, "exclude_positions": list(exclude_positions), "gold": bool(gold),
                "batch_size": batch_size, "fisher_samples": fisher_samples, "seed": seed}
     return ParallelScoresResult(
-        provenance=adapt(model).provenance(tokens, corpus=defect.provenance.corpus, **options),
+        provenance=ad.provenance(tokens, corpus=defect.provenance.corpus, **options),
         layers=sel, already_parallel=list(defect.already_parallel), scores=scores, clean_loss=clean,
         evaluated=bool(gold), delta_ce=delta, spearman=rho, cost=cost, options=options)
 
@@ -125,25 +109,16 @@ def parallel_scores(
 @exclusive
 def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], batch_size: int = 8,
                        fisher_samples: int = 0, seed: int = 0) -> tuple[dict[str, Tensor], float]:
-    """The attribution variants per layer of ``layers`` (float64; NaN for already-parallel blocks): ``attribution``,
-    ``attribution_abs``, ``attribution_rms``, and with ``fisher_samples > 0`` ``attribution_fisher``,
-    ``attribution_2nd``, ``attribution_fisher_diag``; and the model's mean CE. Cost: one forward + ``1 +
-    fisher_samples`` backward passes per batch; the sampled labels are deterministic for a seed, whatever
-    ``batch_size``."""
+    """The attribution scores per layer of ``layers`` (float64; NaN for already-parallel blocks; the second-order
+    ones with ``fisher_samples > 0``) and the model's mean CE (docs/defect.md "Attribution", "Second order")."""
     fisher_samples = as_int(fisher_samples, "fisher_samples", minimum=0)
     ad = adapt(model)
     layers = list(layers)
     todo = [lay for lay in layers if not ad.is_parallel(lay)]
-    n = len(layers)
-    signed = torch.zeros(n, dtype=torch.float64)
-    absval = torch.zeros(n, dtype=torch.float64)
-    square = torch.zeros(n, dtype=torch.float64)
-    fisher = torch.zeros(n, dtype=torch.float64)
-    fisher_diag = torch.zeros(n, dtype=torch.float64)
+    signed, absval, square, fisher, fisher_diag = (torch.zeros(len(layers), dtype=torch.float64) for _ in range(5))
     n_pred = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_total = 0.0
     idx = {lay: i for i, lay in enumerate(layers)}
-    first = ad.hook_name(0, "resid_pre")
     for start in range(0, tokens.shape[0], batch_size):
         tb = tokens[start:start + batch_size]
         store: dict[str, Tensor] = {}
@@ -151,23 +126,21 @@ def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], batch_
         def leaf(act: Tensor, hook: Any) -> Tensor:
             return act.detach().requires_grad_(True)  # the graph starts here: no weight gradients at all
 
-        def keep(name: str, detach: bool) -> Any:
-            def fn(act: Tensor, hook: Any) -> None:
-                store[name] = act.detach() if detach else act
+        def keep(site: str, lay: int) -> Any:
+            def fn(act: Tensor, hook: Any) -> None:  # resid_post stays in the graph: the gradients are w.r.t. it
+                store[f"{site}{lay}"] = act if site == "resid_post" else act.detach()
             return fn
 
-        hooks = [(first, leaf)]
-        for lay in todo:
-            hooks += [(ad.hook_name(lay, "resid_pre"), keep(f"x{lay}", True)),
-                      (ad.hook_name(lay, "mlp_out"), keep(f"m{lay}", True)),
-                      (ad.hook_name(lay, "resid_post"), keep(f"p{lay}", False))]
+        hooks = [(ad.hook_name(0, "resid_pre"), leaf)] + [(ad.hook_name(lay, site), keep(site, lay)) for lay in todo
+                                   for site in ("resid_pre", "mlp_out", "resid_post")]
         logits = ad.run_with_hooks(tb, hooks, return_type="logits", grad=True)
         loss_sum = next_token_loss(logits, tb).sum()
         loss_total += float(loss_sum.detach())
-        outs = [store[f"p{lay}"] for lay in todo]
+        outs = [store[f"resid_post{lay}"] for lay in todo]
         grads = torch.autograd.grad(loss_sum / n_pred, outs, retain_graph=fisher_samples > 0) if todo else []
         with torch.no_grad():
-            defects = {lay: geo.to64(store[f"m{lay}"]) - geo.to64(ad.ffn(lay)(store[f"x{lay}"])) for lay in todo}
+            defects = {lay: geo.to64(store[f"mlp_out{lay}"]) - geo.to64(ad.ffn(lay)(store[f"resid_pre{lay}"]))
+                       for lay in todo}
             for lay, g in zip(todo, grads):
                 per_tok = -(geo.to64(g) * defects[lay]).sum(-1)  # [batch, pos]
                 i = idx[lay]
@@ -192,9 +165,8 @@ def attribution_scores(model: Any, tokens: Tensor, layers: Sequence[int], batch_
 def _fisher_terms(logits: Tensor, outs: list[Tensor], defects: dict[int, Tensor], todo: list[int],
                   idx: dict[int, int], samples: int, seed: int, first_row: int, fisher: Tensor,
                   fisher_diag: Tensor) -> None:
-    """Add the sampled-label Gauss-Newton sums of one batch (docs/defect.md "Second order") to ``fisher`` / ``fisher_diag``
-    (not yet divided by ``2 N S``). The labels of sequence i (its index in the windows) come from
-    ``torch.Generator().manual_seed(seed * 1_000_003 + i)`` on the CPU: the same whatever the batching."""
+    """Add the sampled-label Gauss-Newton sums of one batch to ``fisher`` / ``fisher_diag``, not yet divided by
+    ``2 N S`` (docs/defect.md "Second order": the labels of a sequence do not depend on the batching)."""
     with torch.no_grad():
         probs = torch.softmax(logits[:, :-1].detach(), dim=-1)  # the model's dtype (memory: batch x pos x vocab)
         flat = probs.cpu()

@@ -47,20 +47,16 @@ def check_k(k: object, n_candidates: int, parallel: Sequence[int] = ()) -> int:
     return int(k)
 
 
-def rank(candidates: Sequence[int], score_of: Mapping[int, float], lowest: bool = True) -> list[int]:
-    """Candidates ordered by score (ascending if ``lowest``), ties by layer index, NaN last."""
+def one_shot(candidates: Sequence[int], score_of: Mapping[int, float], k: int, lowest: bool = True) -> list[int]:
+    """The k candidates with the lowest (``lowest=False``: highest) score, sorted by layer index (ties: the lower
+    layer; NaN scores rank last)."""
+    k = check_k(k, len(candidates))
 
     def key(lay: int) -> tuple[int, float, int]:
         v = float(score_of[lay])
         return (1, 0.0, lay) if math.isnan(v) else (0, v if lowest else -v, lay)
 
-    return sorted(candidates, key=key)
-
-
-def one_shot(candidates: Sequence[int], score_of: Mapping[int, float], k: int, lowest: bool = True) -> list[int]:
-    """The k candidates with the lowest (``lowest=False``: highest) score, sorted by layer index."""
-    k = check_k(k, len(candidates))
-    return sorted(rank(candidates, score_of, lowest)[:k])
+    return sorted(sorted(candidates, key=key)[:k])
 
 
 def contiguous(candidates: Sequence[int], score_of: Mapping[int, float], k: int) -> list[int]:
@@ -85,10 +81,8 @@ def random_sets(candidates: Sequence[int], ks: Sequence[int], n_random: int, see
 Cost = dict[str, float]
 Strategy = Callable[[Any, Sequence[int]], tuple[list[list[int]], Cost]]
 
-#: passes over the calibration windows of each one-shot score (forward, backward); the peers share C's forward
-SCORE_COST: dict[str, Callable[[int], tuple[float, float]]] = {
-    "C": lambda s: (1.0, 0.0), "attribution_abs": lambda s: (1.0, 1.0),
-    "attribution_2nd": lambda s: (1.0, 1.0 + s), **{p: (lambda s: (1.0, 0.0)) for p in PEER_SCORES}}
+SCORE_STRATEGIES: tuple[str, ...] = ("C", "attribution_abs", "attribution_2nd") + PEER_SCORES
+"""The strategies that read a score of :func:`tl_steering.parallel_scores`."""
 
 
 def lowest_score(name: str) -> Strategy:
@@ -96,8 +90,9 @@ def lowest_score(name: str) -> Strategy:
 
     def plan(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
         so = ctx.score_of(name)
-        fwd, bwd = SCORE_COST[name](ctx.fisher_samples)
-        return [one_shot(ctx.candidates, so, k) for k in ks], {"forward": fwd, "backward": bwd}
+        # passes over the calibration windows: one forward (the peers share C's), the attributions' backwards
+        bwd = {"attribution_abs": 1.0, "attribution_2nd": 1.0 + ctx.fisher_samples}.get(name, 0.0)
+        return [one_shot(ctx.candidates, so, k) for k in ks], {"forward": 1.0, "backward": bwd}
 
     plan.__name__ = plan.__qualname__ = name
     return plan
@@ -123,23 +118,19 @@ def random(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
 
 
 STRATEGIES: dict[str, Strategy] = {
-    **{name: lowest_score(name) for name in ("C", "attribution_abs", "attribution_2nd") + PEER_SCORES},
+    **{name: lowest_score(name) for name in SCORE_STRATEGIES},
     "sleb": sleb,
     "random": random,
 }
 """Every strategy of the planner (docs/parallel.md "Planning", the table of strategies)."""
-SCORE_STRATEGIES: tuple[str, ...] = tuple(SCORE_COST)
-"""The strategies that read a score of :func:`tl_steering.parallel_scores`."""
 
 
 def choose(calibration: Mapping[str, float], order: Sequence[str], reference: str | None = None,
            margins: Mapping[str, Sequence[float]] | None = None,
            also: Mapping[str, Sequence[float]] | None = None) -> str:
-    """The strategy ``"best"`` keeps from the calibration dCE at k of the strategies in ``order`` (ties: the first
-    in ``order``): without a ``reference`` in ``order``, the lowest; else the reference unless some strategies beat
-    it beyond noise (the upper end of ``margins[s] = [point, low, high]``, their dCE minus the reference's, below
-    zero; a NaN interval never beats it), then the lowest of those. ``also``: margins that must be beaten too (a
-    strategy missing from them never beats the reference)."""
+    """The strategy ``"best"`` keeps from the calibration dCE at k of those in ``order`` (ties: the first in it;
+    docs/parallel.md "Uncertainty and the choice"): the ``reference`` unless beaten beyond noise (``high < 0`` in
+    ``margins[s] = [point, low, high]`` and, when given, in ``also``), then the lowest of those."""
     names = list(order)
     if not names:
         raise InputError("choose: no strategy to choose from")
@@ -163,4 +154,4 @@ def default_k_values(n_candidates: int) -> list[int]:
 
 
 __all__ = ["FISHER_SAMPLES", "PEER_SCORES", "PLANNER", "Planner", "SCORE_STRATEGIES", "STRATEGIES", "check_k",
-           "choose", "contiguous", "default_k_values", "lowest_score", "one_shot", "random_sets", "rank"]
+           "choose", "contiguous", "default_k_values", "lowest_score", "one_shot", "random_sets"]

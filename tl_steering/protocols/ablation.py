@@ -24,25 +24,6 @@ from ..backends.ownership import exclusive
 VARIANTS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent")
 
 
-@dataclasses.dataclass
-class _Metrics:
-    """Per-sequence sums of one patched variant against the clean forward."""
-
-    n_seq: int
-    n_pred: int
-
-    def __post_init__(self) -> None:
-        self.loss = torch.zeros(self.n_seq, dtype=torch.float64)
-        self.kl = torch.zeros(self.n_seq, dtype=torch.float64)
-        self.agree = torch.zeros(self.n_seq, dtype=torch.float64)
-
-    def add(self, rows: slice, logits: Tensor, tokens: Tensor, clean_logits: Tensor) -> None:
-        """Per-sequence means over the predicted positions 0..pos-2 (float64, :mod:`tl_steering.metrics`)."""
-        self.loss[rows] = next_token_loss(logits, tokens).mean(-1).cpu()
-        self.kl[rows] = kl_divergence(clean_logits[:, :-1], logits[:, :-1]).mean(-1).cpu()
-        self.agree[rows] = top1_agreement(logits[:, :-1], clean_logits[:, :-1]).mean(-1).cpu()
-
-
 @register
 @dataclasses.dataclass(kw_only=True)
 class AblationResult(Result):
@@ -71,10 +52,8 @@ class AblationResult(Result):
         out: dict[str, Any] = {"clean_loss": self.clean_loss, "scope": self.scope,
                                "ablate_position_0": self.ablate_position_0}
         for v in self.variants:
-            out[f"delta_loss_{v}"] = self.delta_loss[v]
-            out[f"ratio_to_zero_{v}"] = self.ratio_to_zero[v]
-            out[f"kl_{v}"] = self.kl[v]
-            out[f"top1_agreement_{v}"] = self.top1_agreement[v]
+            out.update({f"{name}_{v}": getattr(self, name)[v] for name in ("delta_loss", "ratio_to_zero", "kl",
+                                                                             "top1_agreement")})
         return out
 
     def claim(self) -> Claim:
@@ -128,35 +107,29 @@ class AblationResult(Result):
 
 
 def _collect(model: Any, ad: Any, tokens: Tensor, jobs: list[tuple[str, int | None]], layer_list: list[int],
-             skip: tuple[int, ...], seed: int, batch_size: int, world: World | None,
-             ) -> tuple[Tensor, dict[tuple[str, int | None], "_Metrics"]]:
-    """The clean loss per sequence and each job's (variant, layer or None for all) metrics, every window gathered."""
-    n_seq, n_pos = tokens.shape
-    metrics = {job: _Metrics(n_seq, n_pos - 1) for job in jobs}
-    clean = torch.zeros(n_seq, dtype=torch.float64)
+             skip: tuple[int, ...], seed: int, batch_size: int, world: World | None) -> dict[tuple, Tensor]:
+    """Per-window means over the predicted positions (float64, :mod:`tl_steering.metrics`), every window gathered:
+    the clean loss at ``("clean",)`` and each job's (variant, layer or None for all) ``(job, "loss" | "kl" |
+    "agree")`` against the clean forward."""
+    n_seq = tokens.shape[0]
+    keys = [("clean",)] + [(job, m) for job in jobs for m in ("loss", "kl", "agree")]
+    out = {k: torch.zeros(n_seq, dtype=torch.float64) for k in keys}
     mine = my_batches(n_seq, batch_size, world)  # this rank's batches (all of them without a process group)
     for rows in mine:
-        start = rows.start
         tb = tokens[rows]
         clean_logits = ad.run_with_hooks(tb, [], return_type="logits")
-        clean[rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
-        for variant, lay in jobs:
+        out[("clean",)][rows] = next_token_loss(clean_logits, tb).mean(-1).cpu()
+        for job in jobs:
+            variant, lay = job
             # the random-tangent generator is seeded per batch: the same batch always gets the same noise
             hooks = ffn_component(model, keep=variant, layers=layer_list if lay is None else [lay],
-                                  skip_positions=skip, seed=seed + start)
+                                  skip_positions=skip, seed=seed + rows.start)
             logits = ad.run_with_hooks(tb, hooks, return_type="logits")
-            metrics[(variant, lay)].add(rows, logits, tb, clean_logits)
+            out[(job, "loss")][rows] = next_token_loss(logits, tb).mean(-1).cpu()
+            out[(job, "kl")][rows] = kl_divergence(clean_logits[:, :-1], logits[:, :-1]).mean(-1).cpu()
+            out[(job, "agree")][rows] = top1_agreement(logits[:, :-1], clean_logits[:, :-1]).mean(-1).cpu()
             del logits
-    if world is not None and world.active:  # the other ranks' windows, in window order
-        arrays = {("clean",): clean}
-        for job, m in metrics.items():
-            arrays.update({(job, "loss"): m.loss, (job, "kl"): m.kl, (job, "agree"): m.agree})
-        arrays = gather_rows(arrays, mine, world)
-        clean = arrays[("clean",)]
-        for job, m in metrics.items():
-            m.loss, m.kl, m.agree = arrays[(job, "loss")], arrays[(job, "kl")], arrays[(job, "agree")]
-
-    return clean, metrics
+    return gather_rows(out, mine, world)  # the other ranks' windows, in window order
 
 
 @exclusive
@@ -175,23 +148,29 @@ def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tange
     batch_size = as_int(batch_size, "batch_size", minimum=1)
     n_bootstrap = as_int(n_bootstrap, "n_bootstrap", minimum=0)
     scope = validation.as_choice(scope, "scope", ("all", "per_layer"))
-    variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS)))
+    variants = list(dict.fromkeys(validation.as_choices(keep, "keep", VARIANTS) + ["zero"]
+                                  + (["random_tangent"] if include_random_tangent else [])))
     validation.check_weights_finite(model, layer_list, "ffn_ablation")  # NaN weights: name layer and site
-    if "zero" not in variants:
-        variants.append("zero")
-    if include_random_tangent and "random_tangent" not in variants:
-        variants.append("random_tangent")
     skip = () if ablate_position_0 else (0,)
 
-    n_pos = tokens.shape[1]
     jobs: list[tuple[str, int | None]] = [(v, None) for v in variants]
     if scope == "per_layer" and len(layer_list) > 1:  # with one layer the joint ablation is the scan
         jobs += [(v, lay) for v in variants for lay in layer_list]
-    clean, metrics = _collect(model, ad, tokens, jobs, layer_list, skip, seed, batch_size, world)
-    delta = {v: metrics[(v, None)].loss - clean for v in variants}
+    got = _collect(model, ad, tokens, jobs, layer_list, skip, seed, batch_size, world)
+    clean = got[("clean",)]
+
+    def mean(v: str, lay: int | None, key: str) -> float:
+        x = got[((v, lay if len(layer_list) > 1 else None), key)]
+        return float(((x - clean) if key == "loss" else x).mean())
+
+    delta = {v: got[((v, None), "loss")] - clean for v in variants}
     d_mean = {v: float(delta[v].mean()) for v in variants}
     zero = d_mean["zero"]
-    out = AblationResult(
+    per_layer = {name: {v: torch.tensor([mean(v, lay, key) for lay in layer_list], dtype=torch.float64)
+                        for v in variants} if scope == "per_layer" else {}
+                 for name, key in (("per_layer_delta_loss", "loss"), ("per_layer_kl", "kl"),
+                                   ("per_layer_top1", "agree"))}
+    return AblationResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="ffn_ablation", keep=variants, scope=scope,
                                  layers=layer_list, ablate_position_0=ablate_position_0, batch_size=batch_size,
                                  n_bootstrap=n_bootstrap),
@@ -200,20 +179,8 @@ def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tange
         delta_loss_ci={v: [float(c) for c in bootstrap_ci(delta[v], n_bootstrap=n_bootstrap, seed=seed)]
                        for v in variants},
         ratio_to_zero={v: d_mean[v] / zero if zero != 0 else math.nan for v in variants},
-        kl={v: float(metrics[(v, None)].kl.mean()) for v in variants},
-        top1_agreement={v: float(metrics[(v, None)].agree.mean()) for v in variants},
-        per_sequence_delta_loss=delta, n_predicted=n_pos - 1,
-    )
-    if scope == "per_layer":
-        if len(layer_list) == 1:
-            metrics.update({(v, layer_list[0]): metrics[(v, None)] for v in variants})
-        for v in variants:
-            per = [metrics[(v, lay)] for lay in layer_list]
-            out.per_layer_delta_loss[v] = torch.tensor([float((m.loss - clean).mean()) for m in per],
-                                                       dtype=torch.float64)
-            out.per_layer_kl[v] = torch.tensor([float(m.kl.mean()) for m in per], dtype=torch.float64)
-            out.per_layer_top1[v] = torch.tensor([float(m.agree.mean()) for m in per], dtype=torch.float64)
-    return out
+        kl={v: mean(v, None, "kl") for v in variants}, top1_agreement={v: mean(v, None, "agree") for v in variants},
+        per_sequence_delta_loss=delta, n_predicted=tokens.shape[1] - 1, **per_layer)
 
 
 __all__ = ["AblationResult", "VARIANTS", "ffn_ablation"]

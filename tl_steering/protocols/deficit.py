@@ -18,10 +18,16 @@ from ..data.batching import iter_batches
 from .._util.claims import Claim, fmt, pct
 from ..reference import paper_statement, published_number
 from ..stats import bin_labels, bootstrap_ci, check_exclude_positions, finite_mean, masked_mean, position_bins, position_mask
-from ._common import activation64
 from ..validation import as_int
+from ..backends import check_finite
 from ..backends.ownership import exclusive
 
+
+def activation64(ad: Any, cache: Any, layer: int, site: str) -> Float[Tensor, "b p d"]:
+    """The cached activation of ``layer`` at ``site`` as float64, checked finite (NonFiniteError names both)."""
+    x = cache[ad.hook_name(layer, site)]
+    check_finite(x, layer, site)
+    return geo.to64(x)
 
 
 @register
@@ -67,13 +73,10 @@ class DeficitResult(Result):
             "deficit_mean_excluding_first": self.mean_excluding_first,
             "deficit_min": float(d.min()) if d.numel() else math.nan,
             "deficit_max": float(d.max()) if d.numel() else math.nan,
-            "untangented_deficit_mean": finite_mean(self.untangented_deficit),
-            "angle_deficit_mean": finite_mean(self.angle_deficit),
-            "error_attention_mean": finite_mean(self.error_attention),
-            "error_parallel_mean": finite_mean(self.error_parallel),
+            **{f"{n}_mean": finite_mean(getattr(self, n)) for n in ("untangented_deficit", "angle_deficit",
+                                                                      "error_attention", "error_parallel")},
             "ffn_contribution_mean": self.ffn_contribution_mean,
-            "r2_attention_mean": finite_mean(self.r2_attention),
-            "r2_parallel_mean": finite_mean(self.r2_parallel),
+            **{f"{n}_mean": finite_mean(getattr(self, n)) for n in ("r2_attention", "r2_parallel")},
             "n_layers": len(self.layers),
             "n_tokens_used": int(self.n_tokens_used.sum()) if self.n_tokens_used.numel() else 0,
             "n_masked": int(self.n_masked.sum()) if self.n_masked.numel() else 0,
@@ -135,11 +138,8 @@ class DeficitResult(Result):
 
 def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int], batch_size: int,
              world: World | None) -> tuple[dict[str, Tensor], Tensor]:
-    """Per-window sums and means of this rank's batches, gathered in window order (docs/deficit.md).
-
-    The reduction in :func:`angular_deficit` is then the same code on one rank or many (docs/scale_out.md).
-    Returns the per-window values (every window, on every rank) and the position-bin edges.
-    """
+    """The per-window sums and means (docs/deficit.md) of every window, gathered in window order from the ranks'
+    batches (the reduction is then the same on one rank or many: docs/scale_out.md), and the position-bin edges."""
     n_seq, n_pos = tokens.shape
     n_lay = len(layer_list)
     pmask = position_mask(n_pos, excl, device=tokens.device)
@@ -151,7 +151,7 @@ def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int]
 
     keys = ("align", "untangented", "angle", "e_a", "e_af")
     per_seq = {k: torch.full((n_seq, n_lay), math.nan, dtype=torch.float64) for k in keys}
-    per_seq["r2"] = torch.zeros(n_seq, 3, n_lay, dtype=torch.float64)  # residual A, residual AF, total
+    per_seq["r2"] = torch.zeros(n_seq, 3, n_lay, dtype=torch.float64)
     per_seq["bin_sum"] = torch.zeros(n_seq, n_lay, n_bins, dtype=torch.float64)
     per_seq["bin_count"] = torch.zeros(n_seq, n_lay, n_bins, dtype=torch.float64)
     per_seq["used"] = torch.zeros(n_seq, n_lay, dtype=torch.int64)
@@ -169,9 +169,9 @@ def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int]
         base = pmask.expand(rows.stop - rows.start, n_pos)
         for j, layer in enumerate(layer_list):
             x_model = cache[ad.hook_name(layer, "resid_pre")]
-            x = activation64(cache, ad.hook_name(layer, "resid_pre"), layer, "resid_pre")
-            a = activation64(cache, ad.hook_name(layer, "attn_out"), layer, "attn_out")
-            post = activation64(cache, ad.hook_name(layer, "resid_post"), layer, "resid_post")
+            x = activation64(ad, cache, layer, "resid_pre")
+            a = activation64(ad, cache, layer, "attn_out")
+            post = activation64(ad, cache, layer, "resid_post")
             with torch.no_grad():
                 phi = geo.to64(ad.ffn(layer)(x_model))
             dx = post - x
@@ -183,17 +183,14 @@ def _collect(ad: Any, tokens: Tensor, layer_list: list[int], excl: Sequence[int]
             per_seq["used"][rows, j] = valid.sum(-1).cpu()
 
             align = geo.tangent_alignment(a, dx, x)  # cos(P_u a, P_u Dx)
-            per_seq["align"][rows, j] = masked_mean(align, valid).cpu()
-            per_seq["untangented"][rows, j] = masked_mean(geo.safe_cosine(a, dx), valid).cpu()
-            per_seq["angle"][rows, j] = masked_mean(geo.angle(ta, tdx) / math.pi, valid).cpu()
-            per_seq["e_a"][rows, j] = masked_mean(geo.angle(x + a, post), valid).cpu()
-            per_seq["e_af"][rows, j] = masked_mean(geo.angle(x + a + phi, post), valid).cpu()
+            for key, v in {"align": align, "untangented": geo.safe_cosine(a, dx), "angle": geo.angle(ta, tdx) / math.pi,
+                           "e_a": geo.angle(x + a, post), "e_af": geo.angle(x + a + phi, post)}.items():
+                per_seq[key][rows, j] = masked_mean(v, valid).cpu()
 
             w = valid.to(torch.float64)
             inv_r2 = w / (r * r).clamp_min(geo.EPS_NORM**2)
-            per_seq["r2"][rows, 0, j] = (((tdx - ta) ** 2).sum(-1) * inv_r2).sum(-1).cpu()
-            per_seq["r2"][rows, 1, j] = (((tdx - taf) ** 2).sum(-1) * inv_r2).sum(-1).cpu()
-            per_seq["r2"][rows, 2, j] = ((tdx**2).sum(-1) * inv_r2).sum(-1).cpu()
+            for q, resid in enumerate((tdx - ta, tdx - taf, tdx)):  # residual A, residual AF, total
+                per_seq["r2"][rows, q, j] = ((resid**2).sum(-1) * inv_r2).sum(-1).cpu()
 
             bw = onehot.unsqueeze(0) * w.unsqueeze(-1)  # [b, pos, bin]
             per_seq["bin_sum"][rows, j] = torch.einsum(
@@ -223,9 +220,8 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
     r2 = per_seq.pop("r2").sum(0)
     bin_sum, bin_count = per_seq.pop("bin_sum").sum(0), per_seq.pop("bin_count").sum(0)
     used, masked = per_seq.pop("used").sum(0), per_seq.pop("masked").sum(0)
-    identity = dict(zip(layer_list, per_seq.pop("identity")[0].tolist()))
+    identity = per_seq.pop("identity")[0].tolist()
     means = {k: torch.nanmean(v, dim=0) for k, v in per_seq.items()}
-    deficit = 1.0 - means["align"]
     not_first = torch.tensor([lay != 0 for lay in layer_list])
 
     def stat(sample: Tensor) -> Tensor:
@@ -240,7 +236,7 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
     return DeficitResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="angular_deficit", layers=layer_list,
                                  exclude_positions=list(excl), n_bootstrap=n_bootstrap, batch_size=batch_size),
-        layers=layer_list, parallel=[ad.is_parallel(lay) for lay in layer_list], deficit=deficit,
+        layers=layer_list, parallel=[ad.is_parallel(lay) for lay in layer_list], deficit=1.0 - means["align"],
         deficit_ci=ci[:n_lay], deficit_median=1.0 - torch.nanmedian(per_seq["align"], dim=0).values,
         per_sequence_alignment=per_seq["align"], mean=float(point[n_lay]), mean_ci=[float(v) for v in ci[n_lay]],
         mean_excluding_first=float(point[n_lay + 1]), mean_excluding_first_ci=[float(v) for v in ci[n_lay + 1]],
@@ -249,7 +245,7 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
         r2_attention=1.0 - r2[0] / r2[2], r2_parallel=1.0 - r2[1] / r2[2], position_bin_edges=edges,
         deficit_by_position=1.0 - bin_sum / bin_count.where(bin_count > 0, torch.tensor(math.nan, dtype=torch.float64)),
         position_bin_counts=bin_count.round().to(torch.int64), n_tokens_used=used, n_masked=masked,
-        residual_identity_error=[identity[lay] for lay in layer_list], exclude_positions=list(excl), seq_len=n_pos,
+        residual_identity_error=identity, exclude_positions=list(excl), seq_len=n_pos,
     )
 
 

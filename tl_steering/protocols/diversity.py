@@ -24,9 +24,9 @@ from ..data.batching import iter_batches
 from .._util.claims import Claim, pct
 from ..reference import band_check, paper_statement
 from ..stats import check_exclude_positions, finite_mean, position_mask
-from ._common import activation64
 from ..validation import as_choices, as_float, as_int
 from .ablation import VARIANTS
+from .deficit import activation64
 from ..backends.ownership import exclusive
 
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio",
@@ -46,83 +46,52 @@ def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     return {k: torch.cat([p[k] for p in parts]).cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
 
 
-@dataclasses.dataclass
-class _Run:
-    """Per-sequence accumulators of one forward configuration (clean or one ablation)."""
-
-    n_seq: int
-    n_lay: int
-
-    def __post_init__(self) -> None:
-        shape = (self.n_seq, self.n_lay, len(SITES) + 1)  # last slot: the state used as "mid" for effects
-        self.site = {k: torch.full(shape, math.nan, dtype=torch.float64) for k in STATS}
-        self.final = {k: torch.full((self.n_seq,), math.nan, dtype=torch.float64) for k in STATS}
-        self.entropy = torch.zeros(self.n_seq, dtype=torch.float64)
-        self.loss = torch.zeros(self.n_seq, dtype=torch.float64)
-        self.masked_rows = torch.zeros(self.n_seq, dtype=torch.int64)  # degenerate tokens per sequence
-
-    @property
-    def masked(self) -> int:
-        return int(self.masked_rows.sum())
-
-    def arrays(self) -> dict[tuple[str, ...], Tensor]:
-        """Every per-sequence array (what :func:`tl_steering.data.sharding.gather_rows` completes)."""
-        out = {("site", k): v for k, v in self.site.items()}
-        out.update({("final", k): v for k, v in self.final.items()})
-        out.update({("entropy",): self.entropy, ("loss",): self.loss, ("masked",): self.masked_rows})
-        return out
-
-    def set_arrays(self, arrays: dict[tuple[str, ...], Tensor]) -> None:
-        self.site = {k: arrays[("site", k)] for k in self.site}
-        self.final = {k: arrays[("final", k)] for k in self.final}
-        self.entropy, self.loss, self.masked_rows = arrays[("entropy",)], arrays[("loss",)], arrays[("masked",)]
-
-    def table(self, stat: str) -> Tensor:
-        return torch.nanmean(self.site[stat][..., : len(SITES)], dim=0)
-
-    def effects(self, stat: str) -> tuple[Tensor, Tensor]:
-        s = self.site[stat]
-        pre, mid, post = s[..., 0], s[..., len(SITES)], s[..., 2]
-        return torch.nanmean(mid - pre, dim=0), torch.nanmean(post - mid, dim=0)
-
-
 def _collect(ad: ModelAdapter, tokens: Tensor, layer_list: list[int], pmask: Tensor, batch_size: int,
-             hooks: list, run: _Run, world: World | None = None) -> None:
-    last = ad.n_layers - 1
+             hooks: list, world: World | None = None) -> dict[Any, Tensor]:
+    """One forward configuration (clean or one ablation), per window, every window gathered: each statistic per
+    layer and site (``("site", stat)``, ``[window, layer, 4]``, the last slot the state used as "mid" for the
+    effects), after the last layer (``("final", stat)``), the ``"entropy"``, the ``"loss"`` and the degenerate tokens
+    ``"masked"``."""
+    n_seq, last, mid_slot = tokens.shape[0], ad.n_layers - 1, len(SITES)
+    run: dict[Any, Tensor] = {("site", k): torch.full((n_seq, len(layer_list), len(SITES) + 1), math.nan,
+                                                      dtype=torch.float64) for k in STATS}
+    run.update({("final", k): torch.full((n_seq,), math.nan, dtype=torch.float64) for k in STATS})
+    run.update({"entropy": torch.zeros(n_seq, dtype=torch.float64), "loss": torch.zeros(n_seq, dtype=torch.float64),
+                "masked": torch.zeros(n_seq, dtype=torch.int64)})
     names = [ad.hook_name(lay, site) for lay in layer_list
              for site in ("resid_pre", "resid_post", "attn_out" if ad.is_parallel(lay) else "resid_mid")]
     names.append(ad.hook_name(last, "resid_post"))
-    mine = my_batches(tokens.shape[0], batch_size, world)
+    mine = my_batches(n_seq, batch_size, world)
     for rows, logits, cache in iter_batches(ad, tokens, list(dict.fromkeys(names)), batch_size, fwd_hooks=hooks,
                                             rows=mine):
-        run.entropy[rows] = entropy(logits[:, :-1]).mean(-1).cpu()  # over the predicted positions
-        run.loss[rows] = next_token_loss(logits, tokens[rows]).mean(-1).cpu()
+        run["entropy"][rows] = entropy(logits[:, :-1]).mean(-1).cpu()  # over the predicted positions
+        run["loss"][rows] = next_token_loss(logits, tokens[rows]).mean(-1).cpu()
         del logits
         base = pmask.expand(rows.stop - rows.start, -1)
         for j, lay in enumerate(layer_list):
-            pre = activation64(cache, ad.hook_name(lay, "resid_pre"), lay, "resid_pre")
-            post = activation64(cache, ad.hook_name(lay, "resid_post"), lay, "resid_post")
+            pre = activation64(ad, cache, lay, "resid_pre")
+            post = activation64(ad, cache, lay, "resid_post")
             if ad.is_parallel(lay):
-                mid = pre + activation64(cache, ad.hook_name(lay, "attn_out"), lay, "attn_out")
-                states = {0: pre, 2: post, len(SITES): mid}
+                states = {0: pre, 2: post, mid_slot: pre + activation64(ad, cache, lay, "attn_out")}
             else:
-                mid = activation64(cache, ad.hook_name(lay, "resid_mid"), lay, "resid_mid")
-                states = {0: pre, 1: mid, 2: post, len(SITES): mid}
+                states = {0: pre, 1: activation64(ad, cache, lay, "resid_mid"), 2: post}
             for slot, x in states.items():
-                if slot == len(SITES) and not ad.is_parallel(lay):
-                    st = {k: run.site[k][rows, j, 1] for k in STATS}  # resid_mid itself
-                else:
-                    st, n_bad = _stats(x, base)
-                    if slot < len(SITES):
-                        run.masked_rows[rows] += n_bad
+                st, n_bad = _stats(x, base)
+                if slot < mid_slot:
+                    run["masked"][rows] += n_bad
                 for k in STATS:
-                    run.site[k][rows, j, slot] = st[k]
-        fin = activation64(cache, ad.hook_name(last, "resid_post"), last, "resid_post")
-        st, _ = _stats(fin, base)
+                    run[("site", k)][rows, j, slot] = st[k]
+            if not ad.is_parallel(lay):  # the "mid" of the effects is resid_mid itself
+                for k in STATS:
+                    run[("site", k)][rows, j, mid_slot] = run[("site", k)][rows, j, 1]
+        st, _ = _stats(activation64(ad, cache, last, "resid_post"), base)
         for k in STATS:
-            run.final[k][rows] = st[k]
-    if world is not None and world.active:  # the other ranks' windows, in window order
-        run.set_arrays(gather_rows(run.arrays(), mine, world))
+            run[("final", k)][rows] = st[k]
+    return gather_rows(run, mine, world)  # the other ranks' windows, in window order
+
+
+def _table(run: dict[Any, Tensor], stat: str) -> Tensor:
+    return torch.nanmean(run[("site", stat)][..., : len(SITES)], dim=0)
 
 
 @register
@@ -159,15 +128,10 @@ class DiversityResult(Result):
     def summary(self) -> dict[str, Any]:
         att = self.attention_effect.get("pairwise_cosine", torch.zeros(0))
         ffn = self.ffn_effect.get("pairwise_cosine", torch.zeros(0))
-
-        def frac(x: Tensor) -> float:
-            x = x[torch.isfinite(x)]
-            return float(x.to(torch.float64).mean()) if x.numel() else math.nan
-
-        out: dict[str, Any] = {
+        out: dict[str, Any] = {  # the fractions: NaN without layers
             "pairwise_cosine_post_mean": finite_mean(self.pairwise_cosine[:, 2]) if len(self.layers) else math.nan,
-            "frac_layers_attention_concentrates": frac((att > 0).to(torch.float64)) if att.numel() else math.nan,
-            "frac_layers_ffn_diversifies": frac((ffn < 0).to(torch.float64)) if ffn.numel() else math.nan,
+            "frac_layers_attention_concentrates": finite_mean((att > 0).to(torch.float64)),
+            "frac_layers_ffn_diversifies": finite_mean((ffn < 0).to(torch.float64)),
             "final_pairwise_cosine": self.final_diversity.get("pairwise_cosine", math.nan),
             "entropy_clean": self.entropy.get("clean", math.nan),
             "n_masked": self.n_masked,
@@ -253,54 +217,43 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
         raise ArgumentTypeError(f"gains must be a sequence of numbers, got {gains!r}")
     gain_list = [as_float(g, f"gains[{i}] (an attention gain)") for i, g in enumerate(gains)]
 
-    n_seq, n_pos = tokens.shape
-    pmask = position_mask(n_pos, excl, device=tokens.device)
-    n_lay = len(layer_list)
+    pmask = position_mask(tokens.shape[1], excl, device=tokens.device)
+    clean = _collect(ad, tokens, layer_list, pmask, batch_size, [], world)
+    runs = {name: _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed),
+                           world) for name in ablations}
+    swept = [_collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), world) for g in gain_list]
+    sweep = {"final_pairwise_cosine": [finite_mean(r[("final", "pairwise_cosine")]) for r in swept],
+             "final_effective_rank": [finite_mean(r[("final", "effective_rank")]) for r in swept],
+             "entropy": [float(r["entropy"].mean()) for r in swept], "loss": [float(r["loss"].mean()) for r in swept]}
 
-    clean = _Run(n_seq, n_lay)
-    _collect(ad, tokens, layer_list, pmask, batch_size, [], clean, world)
-    runs = {}
-    for name in ablations:
-        runs[name] = _Run(n_seq, n_lay)
-        _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed), runs[name],
-                 world)
+    def finals(run: dict[Any, Tensor]) -> dict[str, float]:
+        return {k: float(torch.nanmean(run[("final", k)])) for k in STATS}
 
-    sweep = {k: [] for k in ("final_pairwise_cosine", "final_effective_rank", "entropy", "loss")}
-    for g in gain_list:
-        run = _Run(n_seq, 0)
-        _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run, world)
-        sweep["final_pairwise_cosine"].append(finite_mean(run.final["pairwise_cosine"]))
-        sweep["final_effective_rank"].append(finite_mean(run.final["effective_rank"]))
-        sweep["entropy"].append(float(run.entropy.mean()))
-        sweep["loss"].append(float(run.loss.mean()))
-
-    def finals(run: _Run) -> dict[str, float]:
-        return {k: float(torch.nanmean(run.final[k])) for k in STATS}
-
-    def effects(run: _Run) -> dict[str, dict[str, Tensor]]:
+    def effects(run: dict[Any, Tensor]) -> dict[str, dict[str, Tensor]]:
         out: dict[str, dict[str, Tensor]] = {"attention": {}, "ffn": {}}
         for k in STATS:
-            out["attention"][k], out["ffn"][k] = run.effects(k)
+            s = run[("site", k)]
+            pre, mid, post = s[..., 0], s[..., len(SITES)], s[..., 2]
+            out["attention"][k], out["ffn"][k] = torch.nanmean(mid - pre, dim=0), torch.nanmean(post - mid, dim=0)
         return out
 
-    clean_effects = effects(clean)
     return DiversityResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="diversity", layers=layer_list,
                                  exclude_positions=list(excl), ablations=ablations, gains=gain_list,
                                  batch_size=batch_size),
         layers=layer_list, parallel=[ad.is_parallel(lay) for lay in layer_list], sites=list(SITES),
-        **{k: clean.table(k) for k in STATS},
-        attention_effect=clean_effects["attention"], ffn_effect=clean_effects["ffn"],
-        under_ablation={a: r.table("pairwise_cosine") for a, r in runs.items()},
-        under_ablation_stats={a: {k: r.table(k) for k in STATS} for a, r in runs.items()},
+        **{k: _table(clean, k) for k in STATS},
+        **{f"{part}_effect": v for part, v in effects(clean).items()},  # attention_effect, ffn_effect
+        under_ablation={a: _table(r, "pairwise_cosine") for a, r in runs.items()},
+        under_ablation_stats={a: {k: _table(r, k) for k in STATS} for a, r in runs.items()},
         ablation_effects={a: effects(r) for a, r in runs.items()},
         final_diversity=finals(clean),
         final_diversity_under_ablation={a: finals(r) for a, r in runs.items()},
-        entropy={"clean": float(clean.entropy.mean()), **{a: float(r.entropy.mean()) for a, r in runs.items()}},
-        loss={"clean": float(clean.loss.mean()), **{a: float(r.loss.mean()) for a, r in runs.items()}},
+        entropy={a: float(r["entropy"].mean()) for a, r in {"clean": clean, **runs}.items()},
+        loss={a: float(r["loss"].mean()) for a, r in {"clean": clean, **runs}.items()},
         gain_sweep={"gain": torch.tensor(gain_list, dtype=torch.float64),
                     **{k: torch.tensor(v, dtype=torch.float64) for k, v in sweep.items()}},
-        exclude_positions=list(excl), n_masked=clean.masked,
+        exclude_positions=list(excl), n_masked=int(clean["masked"].sum()),
     )
 
 

@@ -10,7 +10,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..backends import ModelAdapter
-from ..data.batching import mean_loss
+from ..data.batching import iter_batches, mean_loss
 from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
@@ -20,9 +20,6 @@ from ..results import Result, register, tensor_field
 from ..stats import Moments
 from ..validation import as_choice, as_int
 from ..backends.ownership import exclusive
-
-Method = Literal["loss", "closed_form"]
-
 
 
 @register
@@ -151,11 +148,9 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
                  ) -> dict[int, float]:
     names = [ad.hook_name(layer, site) for layer in plan for site in ("resid_pre", "attn_out")]
     moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
-    for s in range(0, tokens.shape[0], batch_size):
-        _, cache = ad.run_with_cache(tokens[s:s + batch_size], names, fwd_hooks=base)
+    for _, _, cache in iter_batches(ad, tokens, names, batch_size, fwd_hooks=base):
         for layer in plan:
-            x = cache[ad.hook_name(layer, "resid_pre")]
-            a = cache[ad.hook_name(layer, "attn_out")]
+            x, a = (cache[ad.hook_name(layer, site)] for site in ("resid_pre", "attn_out"))
             phi = ad.ffn(layer)
             with torch.no_grad():
                 moments[layer].add(phi(x + a), phi(x), (0,))  # Y the sequential write, P the parallel one
@@ -171,8 +166,7 @@ def _fit_by_loss(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[i
     n_pred = calib.shape[0] * (calib.shape[1] - 1)
     hist = []
     for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        grad = torch.zeros_like(theta)
+        grad = torch.zeros_like(theta)  # the full-batch gradient, set as theta.grad before the step
         total = 0.0
         for s in range(0, calib.shape[0], batch_size):
             chunk = calib[s:s + batch_size]
@@ -193,28 +187,24 @@ def _fit_by_loss(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[i
 
 
 def _scan(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int],
-          scan_grid: Sequence[float] | Tensor | None, batch_size: int, scan: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The per-layer 1-D gate scans on the calibration split: grid, losses, best gate and quadratic curvature."""
-    if not scan:
-        empty = torch.zeros(0, dtype=torch.float64)
-        return empty, torch.zeros(0, 0, dtype=torch.float64), empty, empty
+          scan_grid: Sequence[float] | Tensor | None, batch_size: int) -> dict[str, Tensor]:
+    """The per-layer 1-D gate scans on the calibration split: grid, losses, best gate and quadratic curvature (the
+    ``scan_*`` fields of :class:`GateResult`)."""
     grid = torch.as_tensor(scan_grid if scan_grid is not None else torch.linspace(0, 2, 9),
                            dtype=torch.float64).flatten()
     if grid.numel() < 3 or not bool(torch.isfinite(grid).all()):
         raise InputError("scan_grid needs at least 3 finite gate values")
-    scan_losses = torch.zeros(len(sel), grid.numel(), dtype=torch.float64)
-    for k, layer in enumerate(sel):
-        for m, g in enumerate(grid.tolist()):
-            scan_losses[k, m] = mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
-    scan_best = grid[scan_losses.argmin(dim=1)]
+    scan_losses = torch.tensor([[mean_loss(ad, calib, base + ffn_gate(model, {layer: g}), batch_size)
+                                 for g in grid.tolist()] for layer in sel],
+                               dtype=torch.float64).reshape(len(sel), grid.numel())
     vander = torch.stack([grid ** 2, grid, torch.ones_like(grid)], dim=1)
     coef = torch.linalg.lstsq(vander, scan_losses.T).solution  # [3, layer]
-    scan_curv = 2.0 * coef[0]
-    return grid, scan_losses, scan_best, scan_curv
+    return {"scan_grid": grid, "scan_losses": scan_losses, "scan_best": grid[scan_losses.argmin(dim=1)],
+            "scan_curvature": 2.0 * coef[0]}
 
 
 @exclusive
-def calibrate_gates(model: Any, tokens: Tensor, method: Method = "loss",
+def calibrate_gates(model: Any, tokens: Tensor, method: Literal["loss", "closed_form"] = "loss",
                     base_hooks: HookList | Callable[[Any], HookList] | None = None,
                     layers: Sequence[int] | int | None = None, held_out: float = 0.25,
                     held_out_tokens: Tensor | None = None, steps: int = 200, lr: float = 0.05, scan: bool = False,
@@ -239,10 +229,11 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Method = "loss",
     calib, held = _split(tokens, held_out, held_out_tokens, seed, ad)
     base = _base(model, base_hooks, plan_l)
 
-    loss_clean_c = mean_loss(ad, calib, [], batch_size)
-    loss_clean_h = mean_loss(ad, held, [], batch_size)
-    loss_base_c = mean_loss(ad, calib, base, batch_size)
-    loss_base_h = mean_loss(ad, held, base, batch_size)
+    def losses(name: str, hooks: HookList) -> dict[str, float]:
+        return {f"loss_{name}_{split}": mean_loss(ad, toks, hooks, batch_size)
+                for split, toks in (("calib", calib), ("heldout", held))}
+
+    before = {**losses("clean", []), **losses("base", base)}
 
     gates = torch.ones(ad.n_layers, dtype=torch.float64)
     history = torch.zeros(0, dtype=torch.float64)
@@ -251,21 +242,15 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Method = "loss",
             gates[layer] = g
     elif steps > 0:
         gates[sel], history = _fit_by_loss(model, ad, calib, base, sel, steps, float(lr), batch_size)
-    gated = base + ffn_gate(model, gates.tolist())
-    loss_gated_c = mean_loss(ad, calib, gated, batch_size)
-    loss_gated_h = mean_loss(ad, held, gated, batch_size)
+    after = losses("gated", base + ffn_gate(model, gates.tolist()))
 
-    grid, scan_losses, scan_best, scan_curv = _scan(model, ad, calib, base, sel, scan_grid, batch_size, scan)
-
+    scanned = _scan(model, ad, calib, base, sel, scan_grid, batch_size) if scan else {}
     return GateResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="calibrate_gates", method=method, layers=sel,
                                  plan=plan_l, steps=steps, lr=float(lr), held_out=held_out,
                                  n_base_hooks=len(base), scan=scan, batch_size=batch_size),
-        method=method, layers=sel, plan=plan_l, gates=gates,
-        loss_clean_calib=loss_clean_c, loss_clean_heldout=loss_clean_h, loss_base_calib=loss_base_c,
-        loss_base_heldout=loss_base_h, loss_gated_calib=loss_gated_c, loss_gated_heldout=loss_gated_h,
-        history=history, scan_grid=grid, scan_losses=scan_losses, scan_best=scan_best, scan_curvature=scan_curv,
-        n_calib=int(calib.shape[0]), n_heldout=int(held.shape[0]),
+        method=method, layers=sel, plan=plan_l, gates=gates, **before, **after,
+        history=history, n_calib=int(calib.shape[0]), n_heldout=int(held.shape[0]), **scanned,
     )
 
 

@@ -21,8 +21,8 @@ from ..reference import paper_statement
 from ..stats import check_exclude_positions, position_mask
 from ..validation import as_choice, as_choices, as_float, as_int, as_int_list
 from ..backends.ownership import exclusive
+from .deficit import activation64
 
-Mode = Literal["noise", "token"]
 STATS: tuple[str, ...] = ("pairwise_cosine", "resultant_length", "effective_rank", "participation_ratio")
 
 
@@ -52,10 +52,9 @@ class PrefixSensitivityResult(Result):
     kind = "prefix_sensitivity"
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.mode, "eps": self.eps, "perturb_layer": self.perturb_layer,
-                               "positions": self.positions, "prefix_max_angle": self.prefix_max_angle,
-                               "prefix_max_rel_change": self.prefix_max_rel_change,
-                               "prefix_max_kl": self.prefix_max_kl, "prefix_bitwise_equal": self.prefix_bitwise_equal}
+        out: dict[str, Any] = {n: getattr(self, n) for n in ("mode", "eps", "perturb_layer", "positions",
+                                                              "prefix_max_angle", "prefix_max_rel_change",
+                                                              "prefix_max_kl", "prefix_bitwise_equal")}
         if self.kl.numel():
             out["kl_at_perturbed"] = float(self.kl[0])
             out["angle_final_at_perturbed"] = float(self.angle_final[0])
@@ -107,11 +106,8 @@ class PrefixSensitivityResult(Result):
 
 def _perturbed(ad: Any, tokens: Tensor, mode: str, j: int, l0: int, eps: float, gen: torch.Generator,
                replaced: list[list[int]]) -> tuple[Tensor, list]:
-    """The perturbed forward's tokens and hooks at position ``j`` (docs/prefix.md); token mode appends to ``replaced``.
-
-    Noise: ``resid_pre[:, j] += eps · ||x_j|| · ξ`` at layer ``l0``. Token: a seeded replacement, uniform over the
-    vocabulary minus the original token.
-    """
+    """The perturbed forward's tokens and hooks at position ``j`` (the two modes of docs/prefix.md); token mode
+    appends ``[sequence, j, old, new]`` to ``replaced``."""
     n_seq = tokens.shape[0]
     if mode == "noise":
         xi = torch.randn(n_seq, ad.d_model, generator=gen, dtype=torch.float64)
@@ -137,8 +133,8 @@ def _perturbed(ad: Any, tokens: Tensor, mode: str, j: int, l0: int, eps: float, 
 
 @exclusive
 def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, position: int | Sequence[int],
-                       eps: float = 1e-2, mode: Mode = "noise", seed: int = 0, corpus: str | None = None
-                       ) -> PrefixSensitivityResult:
+                       eps: float = 1e-2, mode: Literal["noise", "token"] = "noise", seed: int = 0,
+                       corpus: str | None = None) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
     Arguments: docs/prefix.md, "Arguments of prefix_sensitivity".
@@ -271,9 +267,8 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
            "effective_rank": geo.prefix_effective_rank, "participation_ratio": geo.prefix_participation_ratio}
     values = {s: torch.full((len(sel), n_pos), math.nan, dtype=torch.float64) for s in stats}
     m = mask.to(tokens.device).expand(n_seq, n_pos)
-    for k, (lay, nm) in enumerate(zip(sel, names)):
-        check_finite(cache[nm], lay, site)
-        x = geo.to64(cache[nm])
+    for k, lay in enumerate(sel):
+        x = activation64(ad, cache, lay, site)
         for s in stats:
             vals = fns[s](x, m).cpu()  # masked rows are zeroed: excluded exactly from every statistic
             values[s][k] = vals.nanmean(0) if n_seq > 1 else vals[0]

@@ -207,7 +207,8 @@ def test_bad_inputs(planner_model, planner_tokens):
 def test_strategies_on_hand_made_scores():
     cand = [0, 1, 2, 4, 5]
     score = {0: 3.0, 1: 1.0, 2: 1.0, 4: math.nan, 5: 0.5}
-    assert st.rank(cand, score) == [5, 1, 2, 0, 4]  # ties by layer, NaN last
+    # the order 5, 1, 2, 0, 4: ties by layer, NaN last
+    assert [st.one_shot(cand, score, k) for k in (1, 2, 4, 5)] == [[5], [1, 5], [0, 1, 2, 5], [0, 1, 2, 4, 5]]
     assert st.one_shot(cand, score, 2) == [1, 5]
     assert st.one_shot(cand, score, 2, lowest=False) == [0, 1]
     assert st.contiguous(cand, score, 2) == [1, 2]  # windows containing the NaN layer lose

@@ -401,7 +401,7 @@ def test_crossfit_loss_is_out_of_fold(planner_model, planner_tokens):
         assert abs(got - want) <= 1e-9, (refit, got, want)
         in_sample = RefitLoss(planner_model, toks, 8, refit=refit, crossfit=False)(plan)
         assert got != in_sample
-        assert rl._cost(tuple(plan)) == 2 and rl(plan) == got  # memoised
+        assert rl.cost_of(plan) == 2 and rl(plan) == got  # memoised
     assert RefitLoss(planner_model, toks, 4, refit="linear").crossfit  # on by default for linear only
     assert not RefitLoss(planner_model, toks, 4, refit="affine").crossfit
     with pytest.raises(InputError, match="at least 2"):  # asked for, cross-fitting needs two windows
