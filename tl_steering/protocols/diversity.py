@@ -267,8 +267,9 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
 
     sweep = {k: [] for k in ("final_pairwise_cosine", "final_effective_rank", "entropy", "loss")}
     for g in gain_list:
-        run = _Run(n_seq, 0)
-        _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run, world)
+        run = clean if g == 1.0 else _Run(n_seq, 0)  # a * 1.0 == a: gain 1 is the clean forward
+        if run is not clean:
+            _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), run, world)
         sweep["final_pairwise_cosine"].append(finite_mean(run.final["pairwise_cosine"]))
         sweep["final_effective_rank"].append(finite_mean(run.final["effective_rank"]))
         sweep["entropy"].append(float(run.entropy.mean()))

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .._util import progress as _progress
 from ..backends import adapt, tl_version
+from ..backends.adapter import shared_clean_forwards
 from ..data.batching import mean_loss
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
@@ -428,21 +429,22 @@ def run_suite(
     )
     ex = Exchange(w, plan)
     alone = _Ctx(model, tokens, corpus, settings, seed, World()) if w.active else ctx  # a stage one rank runs
-    for name in todo:
-        if not ex.runs_here(name):
-            continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
-        fn, total = STAGE_FUNCTIONS[name]
-        with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
-                prog.stage(name, total=total) as tick:
-            try:
-                fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
-            except BaseException as e:  # the ranks that wait for this stage raise it too
-                ex.publish(name, res, error=e)
-                raise
-        res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
-        ex.publish(name, res)
-        if checkpoint is not None and w.rank == 0:
-            res.save(checkpoint)
+    with shared_clean_forwards(model):  # one hook-free forward per token batch, shared by the stages
+        for name in todo:
+            if not ex.runs_here(name):
+                continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
+            fn, total = STAGE_FUNCTIONS[name]
+            with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
+                    prog.stage(name, total=total) as tick:
+                try:
+                    fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+                except BaseException as e:  # the ranks that wait for this stage raise it too
+                    ex.publish(name, res, error=e)
+                    raise
+            res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
+            ex.publish(name, res)
+            if checkpoint is not None and w.rank == 0:
+                res.save(checkpoint)
     ex.finish(res)
     if checkpoint is not None and w.rank == 0 and w.active:
         res.save(checkpoint)
