@@ -376,14 +376,16 @@ class _CleanForwards:
         key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
         run = self.runs.get(key)
         if run is None or not set(names) <= run[1].keys():
+            wanted = list(dict.fromkeys(names + ad.identity_names()))
+            size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
             token = _SHARED.set(None)
             try:
-                run = ad.run_with_cache(tokens, list(dict.fromkeys(names + ad.identity_names())), (), check)
+                if size > self.left:  # too big to keep: an ordinary forward
+                    return ad.run_with_cache(tokens, names, (), check)
+                run = self.runs[key] = ad.run_with_cache(tokens, wanted, (), check)
+                self.left -= size
             finally:
                 _SHARED.reset(token)
-            size = sum(t.numel() * t.element_size() for t in [run[0], *run[1].values()])
-            if size <= self.left:
-                self.runs[key], self.left = run, self.left - size
         return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets
 
 
