@@ -27,7 +27,7 @@ import torch
 import tl_steering as ts
 from tl_steering.backends import adapt
 from tl_steering.backends.loading import tiny_hf_model
-from tl_steering.backends.wrapping import wrap_hf
+from tl_steering.backends import wrap_hf
 from tl_steering.hooks import parallel_blocks
 
 

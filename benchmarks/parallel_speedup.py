@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tl_steering as ts  # noqa: E402
 from tl_steering.backends import (adapt, cache_routing, decode_step, freeze_kv_cache, hooked_available,  # noqa: E402
-                                  hooks_silenced, kv_cache, next_token_loss)
+                                  hooks_silenced, kv_cache)
 from tl_steering.backends.executor import parallel_states  # noqa: E402
 from tl_steering.backends.fused import _ParallelState  # noqa: E402
+from tl_steering.metrics import next_token_loss  # noqa: E402
 from tl_steering.parallel.apply import parallelize  # noqa: E402
 
 
@@ -208,7 +209,7 @@ def random_init_model(config_dir: str, backend: str, device: str, dtype: torch.d
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tl_steering.backends.loading import ModelInfo
-    from tl_steering.backends.wrapping import wrap_hf
+    from tl_steering.backends import wrap_hf
 
     cfg = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def _setup(backend: str, threads: int | None = None, model_name: str = "smollm2-
     model = ts.load_model(model_name, backend=backend)
     tokens = ts.text_tokens(model, n_windows=windows, length=length)
     ad = adapt(model)
-    names = {name for layer in ad.layers() for _, name in probe(model, metrics=metrics)._layer_sites(layer)}
+    names = {name for layer in ad.layers() for _, name in probe(model, metrics=metrics)._sites_of[layer]}
 
     def run(variant: str) -> None:
         with torch.no_grad():

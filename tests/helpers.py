@@ -21,6 +21,14 @@ def assert_no_hooks(model) -> None:
         assert not (hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks), f"{name} kept torch hooks"
 
 
+def claim_holder(model):
+    """The live tl_steering claim on ``model`` (None when no tl_steering call is using it)."""
+    from tl_steering.backends import ownership
+
+    c = ownership._claims.get(ownership._key(model))
+    return None if c is None or not c.thread.is_alive() else c
+
+
 def assert_no_grads(model) -> None:
     """No weight carries a ``.grad`` (a stray ``.backward()`` on a shared session model pollutes later tests)."""
     stray = [name for name, p in model.named_parameters() if p.grad is not None]

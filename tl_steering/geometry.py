@@ -52,8 +52,9 @@ def _checked_vectors(**named: Tensor) -> list[Tensor]:
     return checked
 
 
-def _prepared_set(U: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Validate a set of directions; return (unit rows with masked rows zeroed, float64 0/1 mask)."""
+def _prepared_set(U: Tensor, mask: Tensor | None, center: bool = False) -> tuple[Tensor, Tensor]:
+    """Validate a set of directions; return (unit rows with masked rows zeroed, float64 0/1 mask); ``center``:
+    the unit rows less their mean valid row (:func:`_centered`)."""
     U64 = _checked("U", U, min_ndim=2)
     if mask is None:
         valid = torch.ones(U64.shape[:-1], dtype=torch.float64, device=U64.device)
@@ -67,7 +68,8 @@ def _prepared_set(U: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
                 f"got {tuple(mask.shape)}."
             )
         valid = mask.to(device=U64.device, dtype=torch.float64)
-    return _normalize(U64, EPS_NORM) * valid.unsqueeze(-1), valid
+    unit = _normalize(U64, EPS_NORM) * valid.unsqueeze(-1)
+    return (_centered(unit, valid) if center else unit), valid
 
 
 def _nan_where(x: Tensor, undefined: Tensor) -> Tensor:
@@ -163,9 +165,8 @@ def tangential_speed(
 def angle(
     a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"], eps: float = EPS_NORM
 ) -> Float64[Tensor, "*#batch"]:
-    """Angle in radians between the directions of ``a`` and ``b``, ``2 atan2(||â - b̂||, ||â + b̂||)``: accurate
-    at 0 and pi; where either vector is shorter than ``eps``, ``arccos(clamp(safe cosine))`` (docs/geometry.md,
-    "Angles")."""
+    """Angle in radians between the directions of ``a`` and ``b``, ``2 atan2(||â - b̂||, ||â + b̂||)``
+    (docs/geometry.md, "Angles")."""
     a64, b64 = _checked_vectors(a=a, b=b)
     na, nb = _norm(a64), _norm(b64)
     ua, ub = _normalize(a64, eps), _normalize(b64, eps)
@@ -179,8 +180,8 @@ def angle(
 def degenerate_mask(
     x: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, rel: float = DEGENERATE_REL
 ) -> Bool[Tensor, "*batch n"]:
-    """True where a row of ``x`` is degenerate: ``||x_j|| == 0`` or ``||x_j|| < rel * median_k ||x_k||``, the median
-    per set over the rows ``mask`` keeps; rows outside ``mask`` are False (docs/geometry.md, "Degenerate tokens")."""
+    """True where a row of ``x`` is degenerate (``||x_j|| < rel`` x the median norm of the rows ``mask`` keeps, or 0);
+    docs/geometry.md, "Degenerate tokens"."""
     norms = _norm(_checked("x", x, min_ndim=2))
     if mask is None:
         mask = torch.ones_like(norms, dtype=torch.bool)
@@ -238,9 +239,8 @@ def _rank_collapse(unit: Tensor, valid: Tensor) -> Tensor:
 def mean_pairwise_cosine(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch"]:
-    """Mean pairwise cosine ``(||sum_j u_j||^2 - n) / (n (n - 1))`` of the valid unit rows of ``U`` (normalized
-    inside; ``mask``: valid rows, None for all), O(n d); ``[*batch]``, NaN where fewer than 2 rows are valid
-    (docs/geometry.md, "Statistics of a set of directions")."""
+    """Mean pairwise cosine of the valid rows of ``U`` (``mask``; None: all), ``[*batch]``, NaN where fewer than 2
+    are valid (docs/geometry.md, "Statistics of a set of directions")."""
     return _pairwise_cosine(*_prepared_set(U, mask))
 
 
@@ -254,13 +254,9 @@ def mean_resultant_length(
 def effective_rank(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
 ) -> Float64[Tensor, "*batch"]:
-    """Effective rank (Roy-Vetterli) ``exp(-sum_k p_k log p_k)``, ``p_k = s_k / sum s`` over the singular values of
-    the unit rows after dropping ``s < 1e-12 s_max``; ``center``: subtract the mean valid row first. NaN where every
-    singular value is 0 (docs/geometry.md, "Statistics of a set of directions")."""
-    unit, valid = _prepared_set(U, mask)
-    if center:
-        unit = _centered(unit, valid)
-    return _erank_from_singular_values(torch.linalg.svdvals(unit))
+    """Effective rank (Roy-Vetterli) of the unit rows, ``center``: less the mean valid row; NaN where every singular
+    value is 0 (docs/geometry.md, "Statistics of a set of directions")."""
+    return _erank_from_singular_values(torch.linalg.svdvals(_prepared_set(U, mask, center)[0]))
 
 
 def participation_ratio(
@@ -268,18 +264,14 @@ def participation_ratio(
 ) -> Float64[Tensor, "*batch"]:
     """Participation ratio ``(sum s^2)^2 / sum s^4 = ||U||_F^4 / ||U U^T||_F^2`` of the unit rows (no SVD); ``mask``
     and ``center`` as in :func:`effective_rank`; NaN where U (after centering) is 0."""
-    unit, valid = _prepared_set(U, mask)
-    if center:
-        unit = _centered(unit, valid)
-    return _participation_ratio(unit)
+    return _participation_ratio(_prepared_set(U, mask, center)[0])
 
 
 def diversity_stats(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> dict[str, Float64[Tensor, "*batch"]]:
     """Every set statistic at once (uncentered), with one validation and normalization: a dict of ``[*batch]``
-    tensors ``pairwise_cosine``, ``resultant_length``, ``spherical_variance`` (1 - R), ``effective_rank``,
-    ``participation_ratio`` and ``rank_collapse`` (docs/geometry.md, "Statistics of a set of directions")."""
+    tensors keyed as in docs/geometry.md, "Statistics of a set of directions"."""
     unit, valid = _prepared_set(U, mask)
     resultant = _resultant_length(unit, valid)
     return {
@@ -295,8 +287,7 @@ def diversity_stats(
 def prefix_mean_pairwise_cosine(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t`` by cumulative sums, O(n d); NaN while fewer than 2
-    rows are valid (docs/geometry.md, "Prefix ("causal") versions")."""
+    """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t`` (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
     running = unit.cumsum(-2)
@@ -316,8 +307,7 @@ def prefix_mean_resultant_length(
 def prefix_effective_rank(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`effective_rank` (uncentered) of every prefix, from one Householder QR ``U^T = Q R`` (the singular values
-    of ``U_t`` are those of the leading ``min(t, d) x t`` block of R): backward stable, O(n^4 / 4) flops in all
+    """:func:`effective_rank` (uncentered) of every prefix, from one Householder QR ``U^T = Q R``
     (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, _ = _prepared_set(U, mask)
     n, d = unit.shape[-2], unit.shape[-1]
@@ -332,8 +322,8 @@ def prefix_effective_rank(
 def prefix_participation_ratio(
     U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
 ) -> Float64[Tensor, "*batch n"]:
-    """:func:`participation_ratio` (uncentered) of every prefix, ``(tr G_t)^2 / ||G_t||_F^2`` off cumulative sums of
-    the Gram matrix ``G = U U^T``, O(n^2 d); NaN while no row is valid."""
+    """:func:`participation_ratio` (uncentered) of every prefix, off cumulative sums of the Gram matrix ``U U^T``
+    (docs/geometry.md, "Prefix ("causal") versions"); NaN while no row is valid."""
     unit, _ = _prepared_set(U, mask)
     gram = unit @ unit.mT
     trace = torch.diagonal(gram, dim1=-2, dim2=-1).cumsum(-1)

@@ -2,14 +2,14 @@
 ``attention_gain``) that compose with ``run_with_hooks``, ``hooks()`` and a user's own hooks. See docs/hooks.md."""
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from . import geometry as geo
 from . import validation
-from .backends import ModelAdapter, adapt, check_finite
+from .backends import adapt, check_finite
 from .backends.fused import corrected_ffn_write
 from .backends.hookbase import mark_intervention
 from .backends.lifecycle import capture_site, orphan_safe
@@ -17,7 +17,7 @@ from .errors import ArgumentTypeError, HookNotFoundError, InputError
 from .data.batching import HookList
 
 Keep = Literal["tangential", "radial", "zero", "random_tangent", "full"]
-KEEPS: tuple[str, ...] = ("tangential", "radial", "zero", "random_tangent", "full")
+KEEPS: tuple[str, ...] = get_args(Keep)
 
 
 def _skip_mask(act: Tensor, skip_positions: Sequence[int]) -> Tensor | None:
@@ -36,13 +36,30 @@ def _tagged(hooks: HookList, desc: str) -> HookList:
     return [(name, mark_intervention(fn, desc)) for name, fn in hooks]
 
 
+def _armed_capture(ad: Any, layer: int, site: str) -> tuple[Callable, Callable[[Tensor], Tensor | None]]:
+    """``(arm, take)``: ``arm``, a hook for hook_resid_pre (which fires before ``site`` is final), arms a capture of
+    the value the block really uses at ``site``, after every hook there, whatever their order; ``take(like)`` gives
+    it (else resid_pre's own value when ``site`` is resid_pre; None when neither was seen) and forgets it."""
+    state: dict[str, Tensor | None] = {}
+
+    def arm(act: Tensor, hook: Any) -> None:
+        state.clear()
+        state["fallback"] = act if site == "resid_pre" else None
+        capture_site(ad, layer, site, lambda x: state.__setitem__("ref", x))
+
+    def take(like: Tensor) -> Tensor | None:
+        ref = state.pop("ref", None)
+        if ref is None or ref.shape != like.shape:
+            ref = state.pop("fallback", None)
+        state.clear()
+        return ref
+
+    return orphan_safe(arm), take
+
+
 def _layers_text(ad: Any, layers: Sequence[int]) -> str:
     layers = list(layers)
     return "all" if layers == list(range(ad.n_layers)) else str(layers)
-
-
-def _layer_seed(seed: int, layer: int) -> int:
-    return (int(seed) * 1_000_003 + int(layer)) % (2**63 - 1)
 
 
 def ffn_component(
@@ -53,12 +70,8 @@ def ffn_component(
     skip_positions: Sequence[int] = (),
     seed: int = 0,
 ) -> HookList:
-    """Replace each chosen layer's FFN write phi = hook_mlp_out by one of its parts (docs/hooks.md): ``keep`` is
-    ``"tangential"`` (P_u phi), ``"radial"`` (<u, phi> u), ``"zero"``, ``"random_tangent"`` (chance control, seeded
-    by (seed, layer) at every forward) or ``"full"`` (a control), u = normalize(FFN input) read from the same forward
-    after every hook on it; ``layers``: default all at once (the paper's scope); ``reference="resid_pre"`` splits
-    against the block input instead; ``skip_positions`` are left intact (``(0,)``: the attention sink).
-    """
+    """Replace each chosen layer's FFN write phi = hook_mlp_out by its part ``keep`` (P_u phi, <u, phi> u, zero, a
+    seeded random tangent or phi itself), u = normalize(FFN input); ``layers``: default all at once (docs/hooks.md)."""
     ad = adapt(model)
     validation.as_choice(keep, "keep", KEEPS)
     validation.as_choice(reference, "reference", ("ffn_input", "resid_pre"))
@@ -67,23 +80,11 @@ def ffn_component(
     hooks: HookList = []
     for layer in ad.layers(layers):
         ref_site = ad.ffn_input_site(layer) if reference == "ffn_input" else "resid_pre"
-        arm_name = ad.hook_name(layer, "resid_pre")
-        out_name = ad.hook_name(layer, "mlp_out")
-        state: dict[str, Tensor] = {}
+        arm, take = _armed_capture(ad, layer, ref_site)
 
-        def arm(act: Tensor, hook: Any, state: dict = state, layer: int = layer, ref_site: str = ref_site) -> None:
-            # fires at hook_resid_pre (before the reference is final): arm a capture of the value the block
-            # really uses at the reference site, after every hook there, whatever their order
-            state.clear()
-            state["fallback"] = act if ref_site == "resid_pre" else None
-            capture_site(ad, layer, ref_site, lambda x, state=state: state.__setitem__("ref", x))
-
-        def patch(act: Tensor, hook: Any, state: dict = state, layer: int = layer, ref_site: str = ref_site) -> Tensor:
-            ref = state.pop("ref", None)
-            if ref is None or ref.shape != act.shape:
-                ref = state.pop("fallback", None)
-            state.clear()
-            if ref is None:
+        def patch(act: Tensor, hook: Any, take: Callable = take, layer: int = layer,
+                  ref_site: str = ref_site) -> Tensor:
+            if (ref := take(act)) is None:
                 raise HookNotFoundError(
                     f"ffn_component: the FFN input of layer {layer} was not seen before hook_mlp_out (this model's "
                     "hook order is not supported, or a run interrupted earlier left this hook attached: call "
@@ -98,23 +99,20 @@ def ffn_component(
                 new = torch.zeros_like(phi)
             elif keep == "radial":
                 new = geo.radial_part(phi, u)
-            else:
-                tan = geo.tangential_part(phi, u)
-                if keep == "tangential":
-                    new = tan
-                else:
-                    # a fresh generator per call, seeded by (seed, layer): the same hooks give the same noise in
-                    # every forward (and different, independent noise per layer)
-                    gen = torch.Generator(device=act.device).manual_seed(_layer_seed(seed, layer))
-                    noise = torch.randn(phi.shape, generator=gen, device=act.device, dtype=torch.float64)
-                    noise = geo.tangential_part(noise, u)
-                    new = geo.normalize(noise) * tan.norm(dim=-1, keepdim=True)
+            elif keep == "tangential":
+                new = geo.tangential_part(phi, u)
+            else:  # random_tangent: a fresh generator per call, seeded by (seed, layer): the same hooks give the
+                # same noise in every forward (and different, independent noise per layer)
+                gen = torch.Generator(device=act.device).manual_seed((seed * 1_000_003 + layer) % (2**63 - 1))
+                noise = torch.randn(phi.shape, generator=gen, device=act.device, dtype=torch.float64)
+                noise = geo.tangential_part(noise, u)
+                new = geo.normalize(noise) * geo.tangential_part(phi, u).norm(dim=-1, keepdim=True)
             mask = _skip_mask(act, skip)
             if mask is not None:
                 new = torch.where(mask, phi, new)
             return new.to(act.dtype)
 
-        hooks += [(arm_name, orphan_safe(arm)), (out_name, orphan_safe(patch))]
+        hooks += [(ad.hook_name(layer, "resid_pre"), arm), (ad.hook_name(layer, "mlp_out"), orphan_safe(patch))]
     extra = (f", reference={reference!r}" if reference != "ffn_input" else "") + (
         f", skip_positions={list(skip)}" if skip else "") + (f", seed={seed}" if keep == "random_tangent" else "")
     return _tagged(hooks, f"ffn_component(keep={keep!r}, layers={_layers_text(ad, ad.layers(layers))}{extra})")
@@ -149,11 +147,9 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
 def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, float] | None,
                         biases: Mapping[int, Tensor] | None, caller: str, linears: Mapping[int, Tensor] | None = None
                         ) -> tuple[dict[int, float], dict[int, Tensor], dict[int, Tensor]]:
-    """``(gates, biases, linears)`` of a corrected parallel plan, checked (float gates, ``[d_model]`` float64
-    biases, ``[d_model, d_model]`` float64 linear maps of ``refit="linear"``, keys valid layers among ``layers``);
-    shared by :func:`parallel_blocks` and :func:`tl_steering.parallelize`. Some parts of a plan's correction
-    without the others (``plan.corrections()`` of a ``refit="linear"`` plan without ``plan.linear_maps()``) are an
-    error naming what is missing (:func:`tl_steering._util.plan_parts.check_complete`)."""
+    """``(gates, biases, linears)`` of a corrected parallel plan, checked (float gates, float64 ``[d_model]`` biases
+    and ``[d_model, d_model]`` linear maps, keys among ``layers``, no part missing: ``check_complete``); shared by
+    :func:`parallel_blocks` and :func:`tl_steering.parallelize`."""
     from ._util.plan_parts import check_complete
 
     check_complete(caller, gates, biases, linears,
@@ -187,12 +183,9 @@ def parallel_blocks(
     biases: Mapping[int, Tensor] | None = None,
     linears: Mapping[int, Tensor] | None = None,
 ) -> HookList:
-    """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly (docs/hooks.md):
-    hook_mlp_out becomes Phi(x) of the resid_pre the block really uses; blocks parallel already are left alone, an
-    empty ``layers`` gives no hooks. ``gates`` / ``biases`` / ``linears`` (``{layer: g}``, ``{layer: b [d_model]}``,
-    ``{layer: W [d_model, d_model]}``) give the corrected write ``g_l Phi(x) + b_l + a W_l`` of docs/parallel.md
-    ("Refit"), fitted by :func:`tl_steering.parallel.refit.fit_corrections`.
-    """
+    """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly (docs/hooks.md),
+    with the corrected write ``g_l Phi(x) + b_l + a W_l`` where ``gates`` / ``biases`` / ``linears`` (``{layer: g}``,
+    ``{layer: b}``, ``{layer: W}``) are given (docs/parallel.md, "Refit")."""
     ad = adapt(model)
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
     parts = [name for name, v in (("gates", gates), ("biases", biases), ("linears", linears)) if v]
@@ -204,10 +197,8 @@ def parallel_blocks(
 def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] | None,
                     biases: Mapping[int, Tensor] | None, where: str,
                     linears: Mapping[int, Tensor] | None = None) -> "Write":
-    """The FFN write of :func:`parallel_blocks` as a ``write(layer, sequential_write, parallel_write,
-    attn_write)`` of :func:`parallel_hooks` / ``ModelAdapter.run_blocks``: ``g_l Phi(x) + b_l (+ a W_l)`` in
-    float64, cast to the activation dtype (``Phi(x)`` itself for a layer with no correction). ``where`` names the
-    caller in errors."""
+    """The :data:`Write` of :func:`parallel_blocks` (also for ``ModelAdapter.run_blocks``): ``g_l Phi(x) + b_l
+    (+ a W_l)`` in float64, ``Phi(x)`` for a layer with no correction; ``where`` names the caller in errors."""
     g_of, b_of, w_of = checked_corrections(ad, chosen, gates, biases, where, linears)
 
     def write(layer: int, act: Tensor, par: Tensor, attn: Tensor) -> Tensor:
@@ -223,12 +214,8 @@ Write = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 def parallel_hooks(model: Any, layers: Sequence[int], write: "Write", desc: str | None = None) -> HookList:
-    """The hooks of :func:`parallel_blocks` with the FFN write of each chosen sequential layer replaced by
-    ``write(layer, sequential_write, parallel_write, attn_write)``: ``sequential_write`` is the block's own
-    ``hook_mlp_out`` (Phi(x + a) in this forward), ``parallel_write`` is Phi(x) (model dtype), ``attn_write`` the
-    block's ``hook_attn_out`` a in this forward (after every other hook on it). The building block of the fitted
-    corrections (:mod:`tl_steering.parallel.refit`); most callers want :func:`parallel_blocks`. ``desc``: what a
-    result's provenance records for these hooks (``interventions``; default ``parallel_hooks(layers=...)``)."""
+    """The hooks of :func:`parallel_blocks` with the FFN write of each chosen sequential layer given by ``write``
+    (docs/hooks.md); most callers want :func:`parallel_blocks`."""
     ad = adapt(model)
     hooks: HookList = []
     chosen = validation.as_layers(layers, ad.n_layers, "layers", allow_none=False, allow_empty=True)
@@ -236,26 +223,18 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: "Write", desc: str 
         if ad.is_parallel(layer):
             continue
         phi = ad.ffn(layer)
+        # x as resid_pre's hook sees it, and a capture of the x the block really uses (ln1's input, after every
+        # hook on resid_pre, also a user's listed after ours)
+        stash, take = _armed_capture(ad, layer, "resid_pre")
         state: dict[str, Tensor] = {}
 
-        def stash(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
-            # x as this hook sees it, and a capture of the x the block really uses (ln1's input, after every
-            # hook on resid_pre, also a user's listed after ours)
-            state.clear()
-            state["fallback"] = act
-            capture_site(ad, layer, "resid_pre", lambda x, state=state: state.__setitem__("x", x))
-
-        def swap(act: Tensor, hook: Any, state: dict = state, phi: Callable = phi, layer: int = layer) -> Tensor:
-            x = state.pop("x", None)
-            fallback = state.pop("fallback", None)
-            if x is None or fallback is None or x.shape != fallback.shape:
-                x = fallback
-            if x is None:
+        def swap(act: Tensor, hook: Any, state: dict = state, take: Callable = take, phi: Callable = phi,
+                 layer: int = layer) -> Tensor:
+            if (x := take(act)) is None:
                 raise HookNotFoundError(
                     f"parallel_blocks: resid_pre of layer {layer} did not fire before hook_mlp_out (a run "
                     "interrupted earlier may have left this hook attached: call model.reset_hooks())")
-            attn = state.pop("attn", None)
-            if attn is None:
+            if (attn := state.pop("attn", None)) is None:
                 raise HookNotFoundError(
                     f"parallel_blocks: hook_attn_out of layer {layer} did not fire before hook_mlp_out")
             return write(layer, act, phi(x), attn)
@@ -263,7 +242,7 @@ def parallel_hooks(model: Any, layers: Sequence[int], write: "Write", desc: str 
         def keep_attn(act: Tensor, hook: Any, state: dict = state) -> None:
             state["attn"] = act
 
-        hooks += [(ad.hook_name(layer, "resid_pre"), orphan_safe(stash)),
+        hooks += [(ad.hook_name(layer, "resid_pre"), stash),
                   (ad.hook_name(layer, "attn_out"), orphan_safe(keep_attn)),
                   (ad.hook_name(layer, "mlp_out"), orphan_safe(swap))]
     return _tagged(hooks, desc or f"parallel_hooks(layers={list(chosen)})")
@@ -282,4 +261,4 @@ def attention_gain(model: Any, gain: float, layers: Sequence[int] | int | None =
                    f"attention_gain(gain={gain:g}, layers={_layers_text(ad, chosen)})")
 
 
-__all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "parallel_hooks", "ModelAdapter"]
+__all__ = ["HookList", "KEEPS", "attention_gain", "ffn_component", "ffn_gate", "parallel_blocks", "parallel_hooks"]

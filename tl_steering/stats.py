@@ -1,8 +1,6 @@
 """Statistics shared by every protocol and probe: position masks, log-spaced position bins, masked means and
-the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model.
-"""
+the bootstrap over sequences (see docs/statistics.md), exact binomial intervals. Pure functions, no model."""
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,9 +16,7 @@ from .validation import as_positions
 def check_exclude_positions(exclude_positions: Any) -> tuple[int, ...]:
     """``exclude_positions`` as a sorted tuple of distinct ints (negative indices count from the end; None: none);
     :func:`tl_steering.validation.as_positions` does the checking."""
-    if exclude_positions is None:
-        return ()
-    return as_positions(exclude_positions, "exclude_positions")
+    return () if exclude_positions is None else as_positions(exclude_positions, "exclude_positions")
 
 
 def position_mask(n_pos: int, exclude_positions: Sequence[int], device: torch.device | str = "cpu"
@@ -57,9 +53,8 @@ def position_bin_index(positions: Int[Tensor, "*shape"]) -> Int[Tensor, "*shape"
 
 
 def position_bins(n_pos: int) -> tuple[list[int], Int[Tensor, " pos"]]:
-    """The bins of :func:`position_bin_edges` without bin 0, for statistics that leave position 0 out: ``(edges,
-    index)`` with ``edges = [1, 2, 4, ..., 2^k]`` (at least one bin) and ``index[p]`` the bin of position ``p``
-    (-1 for position 0); docs/statistics.md, "Position bins"."""
+    """The bins of :func:`position_bin_edges` without bin 0: ``(edges [1, 2, 4, ..., 2^k], index)``, index -1 for
+    position 0 (docs/statistics.md, "Position bins")."""
     edges = position_bin_edges(max(n_pos, 2))[1:]
     index = position_bin_index(torch.arange(n_pos)) - 1
     return edges, index
@@ -91,10 +86,8 @@ def bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*out 2"]:
-    """Percentile bootstrap CI ``[*out, 2]`` (float64) over sequences, the rows of ``per_sequence`` resampled with a
-    seeded CPU generator; ``statistic`` maps a ``[seq, *rest]`` sample to the statistic (default ``nanmean`` over
-    sequences); ``n_bootstrap=0`` or one sequence gives NaN bounds (docs/statistics.md, "Bootstrap confidence
-    intervals")."""
+    """Percentile bootstrap CI ``[*out, 2]`` (float64) over the rows (sequences) of ``per_sequence`` of ``statistic``
+    (default ``nanmean`` over sequences); docs/statistics.md, "Bootstrap confidence intervals"."""
     stat = statistic or (lambda s: torch.nanmean(s, dim=0))
     x = per_sequence.detach().to("cpu", torch.float64)
     point = stat(x)
@@ -137,10 +130,8 @@ def cluster_bootstrap_ci(
     seed: int = 0,
     level: float = 0.95,
 ) -> Float[Tensor, "*m 2"]:
-    """Percentile interval ``[*m, 2]`` of ratio statistics ``sum(sums) / sum(counts)`` under a two-stage bootstrap:
-    the windows with replacement, then each drawn window's blocks (:func:`block_sums`) with replacement; every
-    column of ``sums`` ``[window, block, *m]`` from the same draws, ``counts`` ``[window, block]`` tokens per block.
-    ``n_bootstrap=0`` or a single block gives NaN bounds (docs/statistics.md, "Bootstrap confidence intervals")."""
+    """Percentile interval ``[*m, 2]`` of ``sum(sums) / sum(counts)`` (``sums`` ``[window, block, *m]``, ``counts``
+    ``[window, block]``) under the two-stage block bootstrap of docs/statistics.md, "Bootstrap confidence intervals"."""
     s = sums.detach().to("cpu", torch.float64)
     c = counts.detach().to("cpu", torch.float64)
     w, b = int(c.shape[0]), int(c.shape[1])
@@ -169,8 +160,7 @@ def cluster_bootstrap_ci(
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
     """``(median, low, high, coverage)`` of the finite ``values``: the median with its distribution-free
-    order-statistic interval (docs/statistics.md, "Timing"); all NaN without a finite value, one value gives
-    ``low = high`` and coverage 0."""
+    order-statistic interval (docs/statistics.md, "Timing"); all NaN without a finite value."""
     x = sorted(float(v) for v in values if math.isfinite(float(v)))
     n = len(x)
     if n == 0:
@@ -188,8 +178,7 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
 
 def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
     """Chao1 richness of a population sampled with replacement, from how often each observed class was drawn, with
-    its interval: ``{"observed", "draws", "f1", "f2", "estimate", "ci_low", "ci_high", "level"}`` (all 0 without a
-    draw; docs/statistics.md, "Richness (Chao1)")."""
+    its interval (docs/statistics.md, "Richness (Chao1)")."""
     counts = [int(a) for a in abundances if int(a) > 0]
     s_obs, n = len(counts), sum(counts)
     f1, f2 = counts.count(1), counts.count(2)
@@ -257,16 +246,12 @@ class Moments:
         """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
         ``"linear"``; for ``"linear"`` see :meth:`solve_linear`)."""
         if refit == "linear":
-            g, b, _ = self.solve_linear()
-            return g, b
+            return self.solve_linear()[:2]
         return solve_correction(self.yp, self.pp, self.sp, self.sy, self.n, refit)
 
     def solve_linear(self, ridge: float = LINEAR_RIDGE, max_df: float | None = None) -> tuple[float, Tensor, Tensor]:
-        """``(g, b, W)`` of ``refit="linear"`` (docs/parallel.md, "Refit"): g of the affine fit, W the ridge
-        regression of its residual on the centred attention write, b the intercept. W = 0 where the attention write
-        does not vary (C_aa = 0) or no token was added. ``max_df``: raise the ridge until the fit's effective degrees of
-        freedom per output coordinate, df(λ) = Σ_i s_i / (s_i + λ) over the eigenvalues s_i of C_aa, are at most
-        ``max_df`` (:func:`ridge_for_df`)."""
+        """``(g, b, W)`` of ``refit="linear"`` (docs/parallel.md, "Refit"); W = 0 where the attention write does not
+        vary or no token was added. ``max_df``: raise the ridge until :func:`ridge_df` of C_aa is at most it."""
         if not self.linear:
             raise InputError("these moments were collected without the attention write: Moments(..., linear=True)")
         d = self.sp.shape[0]
@@ -316,8 +301,8 @@ def ridge_for_df(eigenvalues: Tensor, max_df: float, lam: float) -> float:
 def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Tensor, n: int, refit: str
                      ) -> tuple[float, Tensor]:
     """Least-squares ``g, b`` minimising Σ||g P + b - Y||² (``"affine"``), Σ||g P - Y||² (``"gate"``, b = 0) or
-    the identity (``"none"``), from the moments. A degenerate design (no token,
-    Phi(x) zero or constant) keeps g = 1 and fits b alone."""
+    the identity (``"none"``), from the moments; a degenerate design (no token, P zero or constant) keeps g = 1
+    and fits b alone."""
     sp64, sy64 = sp.to(torch.float64), sy.to(torch.float64)
     zero = torch.zeros_like(sp64)
     if refit == "none" or n == 0:

@@ -25,33 +25,27 @@ def _is_int(v: Any) -> bool:
 def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
            where: str = "") -> int:
     """``value`` as an int (rejecting bool, float, str, None), optionally within ``[minimum, maximum]``."""
-    at = f" in {where}" if where else ""
+    name += f" in {where}" if where else ""
     if not _is_int(value):
-        raise ArgumentTypeError(f"{name}{at} must be an int, got {value!r} ({type(value).__name__})")
-    return _in_range(int(value), f"{name}{at}", minimum, maximum)
-
-
-def _in_range(v: Any, what: str, minimum: Any, maximum: Any) -> Any:
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    v = int(value)
     if minimum is not None and v < minimum:
-        raise InputError(f"{what} must be >= {minimum}, got {v}")
+        raise InputError(f"{name} must be >= {minimum}, got {v}")
     if maximum is not None and v > maximum:
-        raise InputError(f"{what} must be <= {maximum}, got {v}")
+        raise InputError(f"{name} must be <= {maximum}, got {v}")
     return v
 
 
-def as_float(value: Any, name: str, *, finite: bool = True, minimum: float | None = None,
-             maximum: float | None = None, where: str = "") -> float:
-    """``value`` as a float (int or float; not bool, str or None), finite unless ``finite=False``."""
-    at = f" in {where}" if where else ""
+def as_float(value: Any, name: str) -> float:
+    """``value`` as a finite float (int or float; not bool, str or None)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
     if isinstance(value, torch.Tensor):
         ok = value.dim() == 0 and value.dtype != torch.bool and not value.is_complex()
     if not ok:
-        raise ArgumentTypeError(f"{name}{at} must be a number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    if finite and not math.isfinite(v):
-        raise InputError(f"{name}{at} must be finite, got {v}")
-    return _in_range(v, f"{name}{at}", minimum, maximum)
+        raise ArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(v := float(value)):
+        raise InputError(f"{name} must be finite, got {v}")
+    return v
 
 
 def as_bool(value: Any, name: str) -> bool:
@@ -82,35 +76,31 @@ def as_choices(value: Any, name: str, choices: Sequence[str]) -> list[str]:
     return list(value)
 
 
-def as_int_list(value: Any, name: str, *, allow_empty: bool = True, where: str = "") -> list[int]:
-    """A sequence of ints (a list, tuple, range or 1-d integer tensor), each checked by :func:`as_int`.
-
-    A bare int is NOT accepted here (use :func:`as_layers` for "one or many"); a string is refused rather
-    than iterated character by character.
-    """
-    at = f" in {where}" if where else ""
+def as_int_list(value: Any, name: str, *, allow_empty: bool = True) -> list[int]:
+    """A sequence of ints (a list, tuple, range or 1-d integer tensor), each checked by :func:`as_int`; a bare int
+    (:func:`as_layers` takes "one or many") and a string (not iterated character by character) are refused."""
     if value is None:
-        raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got None")
+        raise ArgumentTypeError(f"{name} must be a sequence of ints, got None")
     if isinstance(value, (str, bytes)):
-        raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got the string {value!r}; "
+        raise ArgumentTypeError(f"{name} must be a sequence of ints, got the string {value!r}; "
                                 f"write {name}=[...] with int entries")
     if isinstance(value, torch.Tensor):
         if value.dim() > 1:
-            raise ArgumentTypeError(f"{name}{at} must be 1-d, got a tensor of shape {tuple(value.shape)}")
+            raise ArgumentTypeError(f"{name} must be 1-d, got a tensor of shape {tuple(value.shape)}")
         value = list(value.reshape(-1))
-    if isinstance(value, (set, frozenset, dict)) or not isinstance(value, (Sequence, range)):
+    if not isinstance(value, Sequence):  # a set, a generator ...
         try:
             value = list(value)
         except TypeError:
-            raise ArgumentTypeError(f"{name}{at} must be a sequence of ints, got {value!r} "
+            raise ArgumentTypeError(f"{name} must be a sequence of ints, got {value!r} "
                                     f"({type(value).__name__})") from None
     out = []
     for i, v in enumerate(value):
         if not _is_int(v):
-            raise ArgumentTypeError(f"{name}{at}[{i}] must be an int, got {v!r} ({type(v).__name__})")
+            raise ArgumentTypeError(f"{name}[{i}] must be an int, got {v!r} ({type(v).__name__})")
         out.append(int(v))
     if not out and not allow_empty:
-        raise InputError(f"{name}{at} is empty")
+        raise InputError(f"{name} is empty")
     return out
 
 
@@ -126,11 +116,8 @@ def as_layer(value: Any, n_layers: int, name: str = "layer") -> int:
 
 def as_layers(value: Any, n_layers: int, name: str = "layers", *, allow_none: bool = True,
               allow_empty: bool = False) -> list[int]:
-    """A layer selection: an int or a sequence of ints (None means all layers when ``allow_none``).
-
-    Returns the sorted, de-duplicated valid indices. Strings, bools, floats and (unless allowed) None are
-    refused with an error naming ``name``; out-of-range indices raise :class:`LayerIndexError`.
-    """
+    """A layer selection (an int, a sequence of ints, None for all layers when ``allow_none``) as the sorted,
+    distinct valid indices; other types are refused naming ``name``, indices out of range raise LayerIndexError."""
     if value is None:
         if allow_none:
             return list(range(n_layers))
@@ -217,11 +204,7 @@ def as_device(value: Any, name: str = "device") -> torch.device:
 def same_device(actual: torch.device, wanted: torch.device) -> bool:
     """Whether a parameter on ``actual`` satisfies a request for ``wanted`` (``cuda`` matches ``cuda:0``...)."""
     actual, wanted = torch.device(actual), torch.device(wanted)
-    if actual.type != wanted.type:
-        return False
-    if wanted.index is None or actual.index is None:
-        return True
-    return actual.index == wanted.index
+    return actual.type == wanted.type and (None in (wanted.index, actual.index) or actual.index == wanted.index)
 
 
 def _site_of(param_name: str) -> str:

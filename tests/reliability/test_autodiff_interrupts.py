@@ -32,9 +32,10 @@ import pytest
 import torch
 
 import tl_steering as ts
-from tl_steering.backends import interrupts, ownership, weights_fingerprint
+from tl_steering.backends import interrupts, weights_fingerprint
 from tl_steering.backends.autodiff import autodiff_state
 
+from tests.helpers import claim_holder
 from tests.reliability import _inject
 from tests.reliability._calls import handler_installed, hook_state, owned_hooks
 
@@ -74,7 +75,7 @@ class _Setup:
         assert autodiff_state() == self.autodiff, f"{where}: torch's autodiff state {autodiff_state()}"
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
         assert not handler_installed(), f"{where}: our signal handler is still installed"
-        assert ownership.holder(m) is None, f"{where}: the model is still claimed"
+        assert claim_holder(m) is None, f"{where}: the model is still claimed"
         assert owned_hooks(m) == [], f"{where}: a hook of ours stayed attached: {owned_hooks(m)}"
         assert hook_state(m) == self.baseline, f"{where}: the hook state differs from the clean baseline"
         assert torch.is_grad_enabled(), f"{where}: autograd was left off"

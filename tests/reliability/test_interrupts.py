@@ -38,9 +38,10 @@ import torch
 
 import tl_steering as ts
 from tl_steering import hooks as H
-from tl_steering.backends import adapt, interrupts, ownership, weights_fingerprint
+from tl_steering.backends import adapt, interrupts, weights_fingerprint
 from tl_steering.backends.lifecycle import capture_site
 
+from tests.helpers import claim_holder
 from tests.reliability import _inject
 from tests.reliability._calls import handler_installed, hook_state, owned_hooks, public_calls
 
@@ -94,7 +95,7 @@ class _Model:
     def check_clean(self, where):
         m = self.m
         assert interrupts.registered() == 0, f"{where}: a scope of ours is still registered"
-        assert ownership.holder(m) is None, f"{where}: the model is still claimed by {ownership.holder(m).call}"
+        assert claim_holder(m) is None, f"{where}: the model is still claimed by {claim_holder(m).call}"
         assert not handler_installed(), f"{where}: our signal handler is still installed"
         assert signal.getsignal(signal.SIGINT) is self.sigint, f"{where}: the SIGINT handler was not put back"
         assert torch.is_grad_enabled(), f"{where}: autograd was left switched off for the process"

@@ -16,6 +16,8 @@ import tl_steering as ts
 from tl_steering.backends import adapt, hooked_available, ownership
 from tl_steering.errors import ModelBusyError, UserHooksWarning
 
+from tests.helpers import claim_holder
+
 from ._calls import hook_state, owned_hooks, public_calls, tokens_for
 
 BACKENDS = ["bridge", "hooked"] if hooked_available() else ["bridge"]
@@ -74,7 +76,7 @@ def test_second_thread_gets_clear_error_first_caller_right(model):
         reference = ts.ffn_ablation(model, tokens, n_bootstrap=20)
     busy: dict[str, str] = {}
     with held_by_thread(model, lambda: ts.ffn_ablation(model, tokens, n_bootstrap=20)) as out:
-        assert ownership.holder(model).call == "tl_steering.ffn_ablation"
+        assert claim_holder(model).call == "tl_steering.ffn_ablation"
         for name, call in CALLS.items():
             state = hook_state(model)
             with pytest.raises(ModelBusyError) as e:
@@ -92,7 +94,7 @@ def test_second_thread_gets_clear_error_first_caller_right(model):
     assert res.provenance.user_hooks and USER_POINT in res.provenance.user_hooks
     assert reference.provenance.user_hooks == []
     assert hook_state(model) == baseline and owned_hooks(model) == []
-    assert ownership.holder(model) is None
+    assert claim_holder(model) is None
 
 
 def test_refused_while_a_probe_is_open_on_another_thread(model):
@@ -117,7 +119,7 @@ def test_refused_while_a_probe_is_open_on_another_thread(model):
     th.join(60)
     assert len(errors) == 1 and "in use by tl_steering.probe on thread 'MainThread'" in errors[0]
     assert trace.result().n_forwards == 1
-    assert owned_hooks(model) == [] and ownership.holder(model) is None
+    assert owned_hooks(model) == [] and claim_holder(model) is None
 
 
 def test_reentrant_on_one_thread(model):
@@ -134,7 +136,7 @@ def test_reentrant_on_one_thread(model):
     assert len(user) == 1 and POINT in str(user[0].message)  # warned once for this set of hook points
     assert len(str(user[0].message)) < 400  # one short warning: how many, a few names, how to silence it
     assert trace.result().n_forwards > 0
-    assert ownership.holder(model) is None and owned_hooks(model) == []
+    assert claim_holder(model) is None and owned_hooks(model) == []
     plain = ts.angular_deficit(model, tokens, n_bootstrap=4)
     assert plain.provenance.user_hooks == []
     assert plain.summary() == r1.summary() | {k: v for k, v in plain.summary().items() if not isinstance(v, float)}
@@ -147,10 +149,10 @@ def test_claim_of_an_ended_thread_is_taken_over(model):
     th = threading.Thread(target=leak, name="worker-C")
     th.start()
     th.join(60)
-    assert ownership.holder(model) is None  # the thread ended: its claim does not count
+    assert claim_holder(model) is None  # the thread ended: its claim does not count
     res = ts.angular_deficit(model, tokens_for(model), n_bootstrap=4)
     assert res.provenance.user_hooks == []
-    assert ownership.holder(model) is None
+    assert claim_holder(model) is None
 
 
 def test_probe_records_the_users_hooks_seen_during_its_forwards(model):
@@ -182,4 +184,4 @@ def test_probe_records_the_users_hooks_seen_during_its_forwards(model):
     assert point in prov.user_hooks and prov.interventions == []
     user = [x for x in w if issubclass(x.category, UserHooksWarning)]
     assert len(user) == 1 and point in str(user[0].message) and "UserHooksWarning" in str(user[0].message)
-    assert owned_hooks(model) == [] and ownership.holder(model) is None
+    assert owned_hooks(model) == [] and claim_holder(model) is None

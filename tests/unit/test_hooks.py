@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers import assert_no_hooks
 from tl_steering import geometry as geo
-from tl_steering.backends import adapt
+from tl_steering.backends import adapt, hook_guard
 from tl_steering.errors import InputError
 from tl_steering.hooks import attention_gain, ffn_component, ffn_gate, parallel_blocks
 
@@ -151,7 +151,7 @@ def check_ffn_gate(model, tokens) -> None:
         assert torch.equal(out[layer], raw[layer] * g) if layer in gates else torch.equal(out[layer], raw[layer])
     # one gate per layer, as a tensor with a graph: gradients reach the gates
     g = torch.linspace(0.5, 1.5, ad.n_layers).requires_grad_(True)
-    with ad.hook_guard():
+    with hook_guard(ad.model):
         logits = model.run_with_hooks(tokens, fwd_hooks=ffn_gate(model, g))
     assert_no_hooks(model)
     # autograd.grad w.r.t. the gates only: .backward() would leave .grad on the (session-shared) model's weights

@@ -50,8 +50,8 @@ _current: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("tl_ste
 
 @contextlib.contextmanager
 def reporting(callback: Callable[[ForwardStats], None], min_interval: float = 0.5) -> Iterator[ForwardStats]:
-    """Report every forward pass run inside the block to ``callback`` (throttled to one call per
-    ``min_interval`` seconds, plus a last one at the end if anything ran). Yields the live :class:`ForwardStats`."""
+    """Report every forward pass run inside the block to ``callback``, yielding the live :class:`ForwardStats`
+    (docs/suite.md, "Progress")."""
     block = _Block(callback, min_interval, _current.get())
     token = _current.set(block)
     try:

@@ -20,9 +20,8 @@ def _blas() -> Any:
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
-    """Run torch on one intra-op thread, and numpy's BLAS on one thread (through threadpoolctl, whatever the library),
-    for the duration, restoring both (why: docs/probe.md). Both settings are process-wide: do not run other torch or
-    numpy work in parallel threads inside this block."""
+    """Run torch and numpy's BLAS (threadpoolctl) on one thread for the duration, restoring both (why: docs/probe.md,
+    "Cost"); process-wide: run no other torch or numpy work in parallel threads inside this block."""
     before = torch.get_num_threads()
     blas = _blas()
     with contextlib.ExitStack() as stack:  # undone in reverse order, also on an exception

@@ -50,15 +50,14 @@ def _call_seconds(fn: Callable[[], Any], device: torch.device) -> float:
 
 def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2,
                    repeats: int = 5) -> float:
-    """Median wall time in seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed calls: the one-function
-    case of :func:`alternating_seconds` (under ``torch.no_grad()``; CUDA events on CUDA, else ``time.perf_counter``)."""
+    """Median wall time in seconds of ``fn()``: the one-function case of :func:`alternating_seconds`."""
     return float(statistics.median(alternating_seconds([fn], device, warmup, repeats)[0]))
 
 
 def alternating_seconds(fns: Sequence[Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1,
                         rounds: int = 5) -> list[list[float]]:
-    """``times[i][r]``: seconds of ``fns[i]`` in round ``r``, after ``warmup`` untimed calls of each, the order
-    rotated per round, under ``torch.no_grad()`` (docs/statistics.md, "Timing")."""
+    """``times[i][r]``: seconds of ``fns[i]`` in round ``r``, the order rotated per round (docs/statistics.md,
+    "Timing")."""
     device = torch.device(device)
     n = len(fns)
     times: list[list[float]] = [[] for _ in range(n)]

@@ -14,14 +14,14 @@ from torch import Tensor
 
 from .. import validation
 from ..errors import (DeviceMismatchError, HookNotFoundError, InputError, ModelNotSupportedError, NonFiniteError,
-                      ParallelBlockError, ResidualIdentityError)
+                      ParallelBlockError, ResidualIdentityError, UserHooksWarning)
 from ..metrics import next_token_loss
 from . import lifecycle as _lifecycle
 from . import ownership as _ownership
-from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device
+from .detect import _SITE_HOOK, SITES, Backend, backend_of, parameter_device, tl_version
 from .hookbase import mark_owned
-from .lifecycle import hook_guard, hooks_silenced
-from .processing import WeightProcessing, weight_processing
+from .lifecycle import hooks_silenced
+from .processing import WeightProcessing, warn_if_processed, warn_once, weight_processing
 from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 
 
@@ -142,14 +142,6 @@ class ModelAdapter:
             )
         return name
 
-    def check_hook_name(self, name: str) -> str:
-        if name not in self.model.hook_dict:
-            raise HookNotFoundError(
-                f"no hook point named {name!r} on this model; see model.hook_dict for valid names "
-                "(e.g. 'blocks.0.hook_resid_pre')"
-            )
-        return name
-
     # -- pure sublayer callables -------------------------------------------------------------------------
     def sublayer_norms(self, layer: int) -> SublayerNorms:
         """The norms around block ``layer``'s sublayers, detected from the block's modules (see
@@ -241,10 +233,6 @@ class ModelAdapter:
         return logits
 
     # -- running -----------------------------------------------------------------------------------------
-    def hook_guard(self, call: str = "tl_steering.hook_guard") -> contextlib.AbstractContextManager[None]:
-        """:class:`.lifecycle.hook_guard` on this model (docs/hooks.md)."""
-        return hook_guard(self.model, call)
-
     def run_with_hooks(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = (),
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
         """Forward with hooks, every hook removed afterwards, also on error or interrupt (docs/hooks.md);
@@ -260,14 +248,14 @@ class ModelAdapter:
         logits = self.run_with_hooks(tokens, fwd_hooks, return_type="logits")
         return next_token_loss(logits, tokens)
 
-    def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = (),
-                       check_finite_acts: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+    def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = ()
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, collecting the activations at ``names`` (detached) with our own light hooks;
         :class:`NonFiniteError` naming the layer and site when one has NaN/Inf. Inside :func:`shared_clean_forwards`
         a hook-free forward of a token batch seen before is not run again."""
         memo = _shared(self.model)
         if memo is not None and not fwd_hooks:
-            return memo.forward(self, tokens, list(names), check_finite_acts)
+            return memo.forward(self, tokens, list(names))
         store: dict[str, Tensor] = {}
 
         def saver(name: str) -> Callable:
@@ -280,10 +268,9 @@ class ModelAdapter:
         missing = [n for n in names if n not in store]
         if missing:
             raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
-        if check_finite_acts:
-            for n in names:  # blocks.3.hook_x -> layer 3, site hook_x
-                m = re.fullmatch(r"blocks\.(\d+)\.(.+)", n)
-                check_finite(store[n], int(m[1]) if m else None, m[2] if m else n)
+        for n in names:  # blocks.3.hook_x -> layer 3, site hook_x
+            m = re.fullmatch(r"blocks\.(\d+)\.(.+)", n)
+            check_finite(store[n], int(m[1]) if m else None, m[2] if m else n)
         return logits, store
 
     # -- checks ------------------------------------------------------------------------------------------
@@ -357,11 +344,52 @@ class ModelAdapter:
     # -- provenance --------------------------------------------------------------------------------------
     def provenance(self, tokens: Tensor | None = None, corpus: str | None = None, seed: int | None = None,
                    **extra: Any):
-        """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``
-        (:func:`.provenance.model_provenance`)."""
-        from .provenance import model_provenance
+        """The :class:`~tl_steering.results.Provenance` of a result measured on this model with ``tokens``: model,
+        revision, TL version, backend, weight processing (docs/loading.md, "Weight processing"), the user's hook
+        points during the call (docs/hooks.md, "The user's own hooks"; ``user_hooks=`` / ``interventions=`` in
+        ``extra``: those a probe saw instead), corpus, seed, dtype, device, world size and ``extra`` options; warns
+        once per model on a processed residual stream and once per set of user hooks."""
+        from ..results import Provenance
 
-        return model_provenance(self, tokens, corpus, seed, extra)
+        proc = self.processing
+        info = self.info_with(proc)
+        warn_if_processed(self.model, proc)
+        # a probe passes the user's hook points and the hook factories' hooks it saw during its own forwards: those
+        # are the hooks its numbers were measured under (not the ones on the model when the result is read)
+        seen = extra.pop("user_hooks", None)
+        seen_interventions = extra.pop("interventions", None)
+        user_hooks = sorted(_ownership.active_user_hooks(self.model) if seen is None else set(seen))
+        interventions = sorted(_ownership.active_interventions(self.model) if seen_interventions is None
+                               else set(seen_interventions))
+        if user_hooks:
+            shown = ", ".join(user_hooks[:3]) + (", …" if len(user_hooks) > 3 else "")
+            warn_once(self.model, ("user_hooks", tuple(user_hooks)),
+                      f"{len(user_hooks)} hook point(s) carry hooks not made by tl_steering ({shown}): the result "
+                      "measures the model as they change it (recorded in provenance.user_hooks). Silence: "
+                      "warnings.filterwarnings('ignore', category=tl_steering.errors.UserHooksWarning).",
+                      stacklevel=3, category=UserHooksWarning)
+        # passed explicitly (corpus=, or a data.TokenWindows unpacked by the caller); tensors carry no tags
+        corpus = corpus or "caller's tokens (no corpus label: pass corpus= or a TokenWindows)"
+        world_size = (torch.distributed.get_world_size()
+                      if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
+        return Provenance(
+            model=info.name,
+            model_revision=info.revision,
+            tl_version=tl_version(),
+            backend=self.backend,
+            processing=proc.label,
+            processing_steps=list(proc.steps),
+            user_hooks=user_hooks,
+            interventions=interventions,
+            corpus=str(corpus),
+            n_sequences=int(tokens.shape[0]) if tokens is not None else 0,
+            n_tokens=int(tokens.numel()) if tokens is not None else 0,
+            seed=seed,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            world_size=world_size,
+            extra=extra,
+        )
 
 
 class _CleanForwards:
@@ -372,7 +400,7 @@ class _CleanForwards:
         self.model, self.left = model, max_bytes
         self.runs: dict[tuple, tuple[Tensor, dict[str, Tensor]]] = {}
 
-    def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str], check: bool) -> tuple[Tensor, dict]:
+    def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
         key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
         run = self.runs.get(key)
         if run is None or not set(names) <= run[1].keys():
@@ -381,8 +409,8 @@ class _CleanForwards:
             token = _SHARED.set(None)
             try:
                 if size > self.left:  # too big to keep: an ordinary forward
-                    return ad.run_with_cache(tokens, names, (), check)
-                run = self.runs[key] = ad.run_with_cache(tokens, wanted, (), check)
+                    return ad.run_with_cache(tokens, names)
+                run = self.runs[key] = ad.run_with_cache(tokens, wanted)
                 self.left -= size
             finally:
                 _SHARED.reset(token)

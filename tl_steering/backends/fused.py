@@ -237,7 +237,7 @@ def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv
 
 
 class _ParallelState(torch.nn.Module):
-    """Per-block state of a parallelized block (:mod:`.executor`, :mod:`.executor_bridge`): the fused weights (or
+    """Per-block state of a parallelized block (:mod:`.executor`): the fused weights (or
     None), the inner hook points, options."""
 
     def __init__(self, fused: FusedWeights | None, inner: list[Any], streams: bool):

@@ -17,7 +17,8 @@ from . import ownership as _ownership
 from .. import validation
 from ..errors import HookNotFoundError
 
-from .hookbase import _FLAG_DICTS, _HOOK_DICTS, _SILENCED, drop_hook, hook_points, is_owned, modules_of, shielded
+from .hookbase import (_FLAG_DICTS, _HOOK_DICTS, _SILENCED, add_hook_last, capture_site, drop_hook, hook_points,
+                       is_owned, modules_of, orphan_safe, refuse_meta_inputs, shielded)
 
 
 _EMPTY: dict = {}  # shared read-only "no hooks" record of the snapshots (never mutated)
@@ -258,9 +259,6 @@ def drop_identity_conversions(records: Sequence[dict]) -> None:
         for k in stale:
             state.pop(k, None)
 
-
-# hooks of ours on torch modules live in .captures (split for size); re-exported here, where callers import them
-from .captures import add_hook_last, capture_site, orphan_safe, refuse_meta_inputs  # noqa: E402
 
 __all__ = ["add_hook_last", "capture_site", "conversion_records", "drop_identity_conversions", "hook_guard",
            "hook_points", "hooks_silenced", "orphan_safe", "refuse_meta_inputs", "run_with_hooks", "shielded"]

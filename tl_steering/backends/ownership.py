@@ -61,14 +61,6 @@ def _key(model: Any) -> Any:
     return model.model if type(model).__name__ == "ModelAdapter" else model
 
 
-def holder(model: Any) -> _Claim | None:
-    """The live claim on ``model`` (None when no tl_steering call is using it)."""
-    c = _claims.get(_key(model))
-    if c is not None and not c.thread.is_alive():
-        return None
-    return c
-
-
 def _busy(model: Any, call: str, cur: _Claim) -> ModelBusyError:
     return ModelBusyError(
         f"{call}: this {type(model).__name__} is in use by {cur.describe()}. tl_steering runs one call per model at "
@@ -200,5 +192,5 @@ def active_user_hooks(model: Any) -> tuple[str, ...]:
     return user_hook_points(_key(model))
 
 
-__all__ = ["active_interventions", "active_user_hooks", "claim", "exclusive", "holder", "hooks_among",
+__all__ = ["active_interventions", "active_user_hooks", "claim", "exclusive", "hooks_among",
            "named_hook_points", "user_hook_points"]

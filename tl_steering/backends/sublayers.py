@@ -28,11 +28,6 @@ class SublayerNorms:
     pre_ffn: torch.nn.Module | None
     post_ffn: torch.nn.Module | None
 
-    @property
-    def sandwich(self) -> bool:
-        """Whether either sublayer normalizes its output before the residual add (Gemma 2/3, OLMo 2)."""
-        return self.post_attn is not None or self.post_ffn is not None
-
 
 def _child(blk: torch.nn.Module, name: str) -> torch.nn.Module | None:
     m = blk._modules.get(name)

@@ -1,6 +1,5 @@
 """Running a model over token batches: activation collection and the token-weighted mean loss
-(see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only.
-"""
+(see docs/metrics.md, "Mean loss over batches"). The model is reached through the backend adapter only."""
 
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,13 +19,9 @@ HookList = list[tuple[str, Callable[..., Any]]]
 def iter_batches(ad: ModelAdapter, tokens: Int[Tensor, "batch pos"], names: Sequence[str], batch_size: int,
                  fwd_hooks: HookList = (), first_names: Sequence[str] = (), rows: Sequence[slice] | None = None
                  ) -> Iterator[tuple[slice, Tensor, dict[str, Tensor]]]:
-    """Forward ``tokens`` in batches of ``batch_size`` sequences with :meth:`ModelAdapter.run_with_cache`.
-
-    Yields ``(rows, logits, cache)`` per batch, ``rows`` the slice of ``tokens`` it covers. ``first_names`` are
-    collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names` for the residual check).
-    Every hook is removed after each forward (``run_with_hooks`` runs inside ``hook_guard``). ``rows``: only
-    these batches (a rank's share, :func:`tl_steering.data.sharding.my_batches`); default every batch.
-    """
+    """``(rows, logits, cache)`` of :meth:`ModelAdapter.run_with_cache` (hooks removed after each forward) per batch
+    ``rows`` of ``tokens`` (default every batch of ``batch_size``; a rank's share: :func:`.sharding.my_batches`);
+    ``first_names`` are collected on the first batch only (e.g. :meth:`ModelAdapter.identity_names`)."""
     for sl in batch_slices(tokens.shape[0], batch_size) if rows is None else rows:
         wanted = list(dict.fromkeys(list(names) + (list(first_names) if sl.start == 0 else [])))
         logits, cache = ad.run_with_cache(tokens[sl], wanted, fwd_hooks=list(fwd_hooks))
@@ -43,35 +38,21 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
     n = tokens.shape[0]
     mine = my_batches(n, batch_size, world)
     per_row = torch.zeros(n, dtype=torch.float64)
-    for rows in mine:
-        per_row[rows] = loss_row_sums(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"),
-                                      tokens[rows])
+    for rows in mine:  # per window, the next-token CE summed over its predicted positions
+        lt = next_token_loss(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"), tokens[rows])
+        check_finite(lt, None, "next-token loss")
+        per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
     per_row = gather_rows({"s": per_row}, mine, world)["s"]
-    return token_mean(per_row, tokens)
-
-
-def loss_row_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """Per window, the next-token CE summed over its predicted positions: float64 ``[batch]`` on the CPU
-    (:func:`tl_steering.metrics.next_token_loss`). Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
-    lt = next_token_loss(logits, tokens)
-    check_finite(lt, None, "next-token loss")
-    return lt.to(torch.float64).sum(-1).cpu()
+    return float(per_row.sum()) / (n * (tokens.shape[1] - 1))
 
 
 def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
-    """Per window, the next-token CE summed over consecutive blocks of ``length`` predicted positions: float64
-    ``[batch, ceil((pos - 1) / length)]`` on the CPU (the last block shorter; :func:`tl_steering.stats.block_sums`),
-    the unit of the block bootstrap of plan losses (:func:`tl_steering.stats.cluster_bootstrap_ci`). Their sum over
-    blocks is :func:`loss_row_sums`. Raises :class:`~tl_steering.errors.NonFiniteError` on NaN/Inf."""
+    """Per window, the next-token CE summed over blocks of ``length`` predicted positions
+    (:func:`tl_steering.stats.block_sums`): float64 ``[batch, n_blocks]`` on the CPU, the unit of the plan losses'
+    bootstrap (:func:`tl_steering.stats.cluster_bootstrap_ci`); NonFiniteError on NaN/Inf."""
     lt = next_token_loss(logits, tokens)
     check_finite(lt, None, "next-token loss")
     return block_sums(lt.to(torch.float64).cpu(), length)
 
 
-def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
-    """The token-weighted mean CE from per-window sums ``per_row`` (:func:`loss_row_sums`) of ``tokens``:
-    ``sum / (windows x (pos - 1))``, every predicted token weighing the same."""
-    return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
-
-
-__all__ = ["HookList", "iter_batches", "loss_block_sums", "loss_row_sums", "mean_loss", "token_mean"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss"]

@@ -39,22 +39,17 @@ def world() -> World:
     return World()
 
 
-def rank_device(device: str | None, w: World | None = None) -> str | None:
+def rank_device(device: str | None) -> str | None:
     """The device this rank runs on: under a process group a CUDA request becomes the rank's own GPU (the one
     :func:`tl_steering.probing.scan.init_from_env` selected, ``cuda:LOCAL_RANK``); otherwise ``device`` unchanged."""
-    w = world() if w is None else w
-    if device is not None and str(device).startswith("cuda") and w.active:
+    if device is not None and str(device).startswith("cuda") and world().active:
         return f"cuda:{torch.cuda.current_device()}"
     return device
 
 
-def _w(w: World | None) -> World:
-    return World() if w is None else w
-
-
 def gather_objects(obj: Any, w: World | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``all_gather_object``; ``[obj]`` alone)."""
-    w = _w(w)
+    w = w or World()  # None: a single process
     if not w.active:
         return [obj]
     out: list[Any] = [None] * w.size
@@ -70,17 +65,14 @@ def batch_slices(n: int, batch_size: int) -> list[slice]:
 
 def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
     """The row slices (batches of ``batch_size`` consecutive windows of ``n``) this rank processes."""
-    w = _w(w)
+    w = w or World()
     return batch_slices(n, batch_size)[w.rank::w.size]
 
 
 def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:
-    """Complete per-window arrays (first dimension = window) from every rank's rows ``mine``.
-
-    ``arrays`` holds this rank's values in its rows (the other rows are placeholders); the result holds every
-    rank's values in their rows, the same on every rank. The arrays are moved to the CPU for the exchange.
-    """
-    w = _w(w)
+    """Complete per-window arrays (first dimension = window; this rank's values in its rows ``mine``, the others
+    placeholders) with every rank's rows, the same on every rank, on the CPU (docs/scale_out.md, "The sharded report")."""
+    w = w or World()
     if not w.active:
         return arrays
     keys = list(arrays)
@@ -95,7 +87,7 @@ def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None 
 
 def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None) -> list[Any]:
     """``[fn(x) for x in items]`` with item ``i`` computed on rank ``i % world_size``, the list on every rank."""
-    w = _w(w)
+    w = w or World()
     if not w.active:
         return [fn(x) for x in items]
     mine = {i: fn(x) for i, x in enumerate(items) if i % w.size == w.rank}
@@ -106,11 +98,9 @@ def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None
 
 
 def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
-    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``).
-
-    An exception on rank 0 is re-raised on every rank (the others would otherwise wait forever).
-    """
-    w = _w(w)
+    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``); an exception on
+    rank 0 is re-raised on every rank (the others would otherwise wait forever)."""
+    w = w or World()
     if not w.active:
         return fn()
     box: list[Any] = [None]
@@ -127,9 +117,8 @@ def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
 
 
 def p2p_group(w: World) -> Any:
-    """The group :func:`send_object` / :func:`recv_object` use: the default group under gloo, else one gloo group
-    made once per process (NCCL moves CUDA tensors only). Its first call is collective (``new_group``): every rank
-    calls it at the same point before the first send."""
+    """The group of :func:`send_object` / :func:`recv_object`: the default group under gloo, else one gloo group per
+    process (NCCL moves CUDA tensors only), made by a collective first call before the first send on every rank."""
     global _GLOO
     if w.backend == "gloo":
         return None
@@ -143,9 +132,8 @@ _GLOO: Any = None
 
 def send_object(obj: Any, dst: int, tag: int, w: World) -> Callable[[], None]:
     """Start sending ``obj`` (:func:`tl_steering.results.to_bytes`, or an exception's type and message) to rank
-    ``dst`` under ``tag`` without waiting; returns the call that
-    waits until it is sent. :func:`recv_object` with the same ``tag`` on ``dst`` receives it, in any order
-    relative to other tags (:func:`p2p_group`)."""
+    ``dst`` under ``tag``; returns the call that waits until it is sent (:func:`recv_object` with that ``tag``
+    receives it, in any order relative to other tags)."""
     group = p2p_group(w)
     data = torch.frombuffer(bytearray(_pack(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)

@@ -151,30 +151,26 @@ def text_chunks(spec: CorpusSpec, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Ite
         raise InputError(f"unknown corpus kind {spec.kind!r}")
 
 
-def _source_text(source: str) -> tuple[str, str]:
-    """The whole text of ``source`` (read by :mod:`.corpus`; an ``hf:`` source: its first 2000 non-empty records)."""
-    spec = parse_source(source)
-    if spec.kind != "hf":
-        return "".join(text_chunks(spec)), spec.label
-    ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
-    col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
-    return "\n\n".join(t for t in ds[col][:2000] if t and t.strip()), spec.label
-
-
 @functools.lru_cache(maxsize=8)
 def _token_stream(tokenizer_key: str, source: str, tokenizer: Any) -> tuple[list[int], str]:
-    text, label = _source_text(source)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids, label
+    """The token ids of the whole text of ``source`` (an ``hf:`` source: its first 2000 non-empty records), and
+    its label; ``tokenizer_key`` keys the cache."""
+    spec = parse_source(source)
+    if spec.kind != "hf":
+        text = "".join(text_chunks(spec))
+    else:
+        ds = datasets_module().load_dataset(spec.location, spec.config, split=spec.split)
+        col = spec.field or ("text" if "text" in ds.column_names else ds.column_names[0])
+        text = "\n\n".join(t for t in ds[col][:2000] if t and t.strip())
+    return tokenizer(text, add_special_tokens=False)["input_ids"], spec.label
 
 
 def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: int = 128,
                 seed: int = 0) -> Int[Tensor, "batch pos"]:
     """``[n_windows, length]`` long tensor (on the model's device) of deterministic windows of real text, tokenized
     for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline, or any source of
-    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. Where the model's convention is to
-    prepend BOS (GPT-2, Gemma) a window is ``[BOS] + length - 1`` text tokens; SmolLM2 (trained without BOS) gets
-    ``length`` text tokens."""
+    :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. A
+    window is ``[BOS] + length - 1`` text tokens where the model prepends BOS (GPT-2, Gemma), else ``length``."""
     from ..backends import adapt
 
     ad = adapt(model)
@@ -199,10 +195,8 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
 
 
 def corpus_label(source: str = "pydoc", n_windows: int = 8, length: int = 128, seed: int = 0) -> str:
-    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``: pass it as ``corpus=``.
-
-    Example: ``"pydoc:8x128:seed0"``; a file source is labelled by its file name (``"file:NAME:..."``).
-    """
+    """The provenance label of ``text_tokens(model, source, n_windows, length, seed)``, e.g. ``"pydoc:8x128:seed0"``
+    (a file source: ``"file:NAME:..."``); pass it as ``corpus=``."""
     label = source if source == "pydoc" or source.startswith("hf:") else f"file:{Path(source).name}"
     return f"{label}:{n_windows}x{length}:seed{seed}"
 
@@ -251,11 +245,8 @@ def text_windows(model: Any, source: str = "pydoc", n_windows: int = 8, length: 
 
 
 def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | None]:
-    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``.
-
-    An explicit ``corpus`` wins over a :class:`TokenWindows` label. The tensor is NOT validated here (the
-    adapter's ``validate_tokens`` does that); anything that is not a ``TokenWindows`` passes through as is.
-    """
+    """Unpack what a public call was given as ``tokens``: ``(tensor-or-input, corpus label or None)``, an explicit
+    ``corpus`` before a :class:`TokenWindows` label; not validated here (:func:`model_tokens` does that)."""
     if corpus is not None and not isinstance(corpus, str):
         raise InputError(f"corpus must be a str label (e.g. 'pydoc:8x128:seed0'), got {type(corpus).__name__}")
     if isinstance(tokens, TokenWindows):
@@ -264,11 +255,8 @@ def token_source(tokens: Any, corpus: str | None = None) -> tuple[Any, str | Non
 
 
 def model_tokens(model: Any, tokens: Any, corpus: str | None = None) -> tuple[Any, Tensor, str | None]:
-    """What every public call does first: ``(adapter, validated token tensor, corpus label or None)``.
-
-    ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`); the adapter's ``validate_tokens``
-    checks dtype, shape, range and length with errors that name the problem.
-    """
+    """What every public call does first: ``(adapter, token tensor checked by the adapter's validate_tokens, corpus
+    label or None)``; ``tokens`` may be a tensor or a :class:`TokenWindows` (:func:`token_source`)."""
     from ..backends import adapt
 
     ad = adapt(model)

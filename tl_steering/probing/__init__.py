@@ -7,11 +7,10 @@ from .._util.lazy import lazy_attributes
 
 # lazy (PEP 562): importing .kernels or .result alone does not import the probe and its backends
 _LAZY = {n: ".trace" for n in ("ALL_QUANTITIES", "METRICS", "QUANTITIES", "SITES3", "ProbeResult", "ProbeTrace",
-                               "bin_edges_for", "probe")}
+                               "probe")}
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
-    from .trace import (ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, ProbeResult, ProbeTrace,  # noqa: F401
-                        bin_edges_for, probe)
+    from .trace import ALL_QUANTITIES, METRICS, QUANTITIES, SITES3, ProbeResult, ProbeTrace, probe  # noqa: F401
 
 __all__ = sorted(_LAZY)

@@ -2,7 +2,6 @@
 docs/probe.md)."""
 
 import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,10 +19,8 @@ DIVERSITY_STATS = ("pairwise_cosine", "resultant_length", "effective_rank", "par
 
 
 def erank_from_eigvalsh(ev: Tensor) -> Tensor:
-    """Effective rank of unit-row matrices U from the eigenvalues ``[..., size]`` of their Gram matrix
-    (``torch.linalg.eigvalsh``), batched: sigma_k = sqrt(eig_k), numerical zeros dropped (docs/probe.md, "Choices").
-    NaN where the Gram matrix is 0 (no valid row); callers mask that.
-    """
+    """Effective rank of unit-row matrices from the eigenvalues ``[..., size]`` of their Gram matrix, batched
+    (docs/probe.md, "Choices"); NaN where the Gram matrix is 0 (callers mask that)."""
     size = ev.shape[-1]
     ev = ev.clamp_min(0.0)
     ev_max = ev.amax(-1, keepdim=True)
@@ -37,12 +34,7 @@ def erank_from_eigvalsh(ev: Tensor) -> Tensor:
 def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], parallel: bool, has_mid: bool,
                      has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
     """Every token quantity of one layer from the float64 dot products ``dot(site1, site2)`` ``[batch, pos]`` of its
-    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask).
-
-    Formulas of docs/probe.md, in dot products: with u = u(x), <u, a> = <x, a> / ||x||,
-    ||P_u a||^2 = ||a||^2 - <u, a>^2, Dx = z - x so <u, Dx> = (<x, z> - ||x||^2) / ||x|| and
-    ||P_u Dx||^2 = ||z||^2 - 2 <x, z> + ||x||^2 - <u, Dx>^2; a row is valid where every norm it divides by
-    exceeds ``EPS_NORM``."""
+    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask); docs/probe.md, "Metrics"."""
     names: list[str] = []
     values: list[Tensor] = []
     valid: list[Tensor] = []
@@ -101,10 +93,8 @@ def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], 
 
 
 def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
-    """Gram matrices ``T T^T`` (``[n, n]``; with ``cols``, ``T^T T``, ``[d, d]``) of every ``[b, n, d]`` tensor in
-    ``sets``, stacked set-major ``[len(sets) * b, size, size]`` (both triangles): on a CPU in float64 through
-    numpy's ``matmul`` (``dsyrk``; call it with numpy's BLAS on one thread when two threads call it at once),
-    elsewhere torch's (docs/probe.md, "Cost")."""
+    """Gram matrices ``T T^T`` (with ``cols``, ``T^T T``) of every ``[b, n, d]`` tensor in ``sets``, stacked set-major
+    ``[len(sets) * b, size, size]``: numpy's ``dsyrk`` on a CPU in float64 (docs/probe.md, "Cost"), else torch."""
     b, n, d = sets[0].shape
     size = d if cols else n
     t0 = sets[0]
@@ -119,22 +109,8 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-_HELPER: concurrent.futures.ThreadPoolExecutor | None = None
-_HELPER_LOCK = threading.Lock()
-
-
-def _helper() -> concurrent.futures.ThreadPoolExecutor:
-    """One helper thread per process (created on first use), for :func:`in_halves`."""
-    global _HELPER
-    with _HELPER_LOCK:
-        if _HELPER is None:
-            _HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
-        return _HELPER
-
-
-def _no_grad_call(fn: Callable[..., Any], *args: Any) -> Any:
-    with torch.no_grad():  # grad mode is per thread; the helper's default is on
-        return fn(*args)
+# one helper thread per process for in_halves (the executor starts it on the first submit)
+_HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
 
 
 def splits(device: torch.device) -> bool:
@@ -149,7 +125,7 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     if not split or n < 2:
         return [fn(0, n)]
     h = (n + 1) // 2
-    fut = _helper().submit(_no_grad_call, fn, h, n)
+    fut = _HELPER.submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
     try:
         first = fn(0, h)
     except BaseException:
@@ -159,9 +135,8 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
 
 
 def token_grams(groups: Sequence[Tensor], split: bool = False) -> list[Tensor]:
-    """Per-token Gram matrices of each group of slot vectors ``[slots, batch, pos, d]`` (a view of the probe's
-    buffer): ``[batch, pos, slots, slots]`` each; with ``split``, the two halves of the batch on two threads
-    (:func:`in_halves`; the same products). docs/probe.md, "Cost"."""
+    """Per-token Gram matrices ``[batch, pos, slots, slots]`` of each group of slot vectors ``[slots, batch, pos, d]``;
+    with ``split``, the halves of the batch on two threads (:func:`in_halves`; docs/probe.md, "Cost")."""
     Vs = [g.permute(1, 2, 0, 3) for g in groups]
     out = [V.new_empty((*V.shape[:-1], V.shape[-2])) for V in Vs]
 
@@ -182,10 +157,9 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
 
 def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio) of each sequence of each
-    ``[batch, n, d]`` set (``sq``: its rows' squared norms ``[batch, n]``), stacked set-major ``[len(sets) * batch]``,
-    from one Gram matrix per sequence (the smaller one); the effective rank (an ``eigvalsh`` of it) only with
-    ``spectrum``, else 0; the participation ratio ``tr(G)^2 / ||G||_F^2`` (either Gram: ``||U U^T||_F = ||U^T U||_F``)."""
+    """(||sum_j u_j||^2, valid-row count, effective rank or 0 without ``spectrum``, participation ratio) of each
+    sequence of each ``[batch, n, d]`` set (``sq``: squared row norms), stacked set-major, from the smaller Gram
+    matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
@@ -222,12 +196,9 @@ def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tenso
 
 def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
               sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Per sequence (pairwise cosine, resultant length, effective rank, participation ratio) of each
-    ``[batch, n, d]`` set: values and validity masks, each ``[len(sets), 4, batch]``; with ``split``, the two
-    halves of the batch on two threads. ``sq``: the squared row norms ``[batch, n]`` where the caller has them
-    (None computes them). ``spectrum`` (the effective rank: Gram matrices and one ``eigvalsh``) and ``gram``
-    (the participation ratio; default: ``spectrum``) need each sequence's Gram matrix; with neither, ``sum_j u_j``
-    directly (docs/probe.md, "Cost"); a statistic not computed is 0 and marked invalid."""
+    """Per sequence (pairwise cosine, resultant length, effective rank with ``spectrum``, participation ratio with
+    ``gram``, default ``spectrum``; else 0 and invalid) of each ``[batch, n, d]`` set (``sq``: squared row norms or
+    None): values and validity masks ``[len(sets), 4, batch]`` (docs/probe.md, "Cost")."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
@@ -254,7 +225,6 @@ class Accumulator:
 
     def __init__(self, token_q: list[str], seq_q: list[str], n_layers: int, n_bins: int,
                  device: torch.device):
-        self.token_q, self.seq_q = token_q, seq_q
         self.tq = {q: i for i, q in enumerate(token_q)}
         self.sq = {q: i for i, q in enumerate(seq_q)}
         self.t_sum = torch.zeros(len(token_q), n_layers, n_bins, dtype=F64, device=device)
@@ -276,8 +246,8 @@ class Accumulator:
 
     def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
                    bins: Tensor | None) -> None:
-        """Add ``values`` ``[q, batch, pos]`` (where ``valid``) to the sums of ``names`` at ``layer_row``,
-        binned by the position bins ``bins`` ``[pos]`` (None: one bin); invalid rows are counted as masked."""
+        """Add ``values`` ``[q, batch, pos]`` (where ``valid``; the others count as masked) to the sums of ``names``
+        at ``layer_row``, per position bin ``bins`` ``[pos]`` (None: one bin)."""
         q = self._rows(names, True)
         kept = torch.where(valid, values, torch.zeros_like(values))
         if bins is None:

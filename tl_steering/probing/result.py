@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..results import Result, register
+from ..stats import finite_mean
 
 METRICS: tuple[str, ...] = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed", "diversity",
                             "effective_rank", "participation_ratio")
@@ -30,21 +31,17 @@ SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")
 DEFAULT_METRICS: tuple[str, ...] = (*TOKEN_METRICS, "diversity")
 SEQUENCE_QUANTITIES: tuple[str, ...] = tuple(q for m in SEQUENCE_METRICS for q in QUANTITIES[m])
 ALL_QUANTITIES: tuple[str, ...] = tuple(q for m in METRICS for q in QUANTITIES[m])
-_F64 = torch.float64
 
 
 def _mean(s: Tensor, c: Tensor) -> Tensor:
-    c64 = c.to(_F64)
-    return torch.where(c > 0, s / c64.clamp_min(1.0), torch.full_like(s, math.nan))
+    return torch.where(c > 0, s / c.to(torch.float64).clamp_min(1.0), torch.full_like(s, math.nan))
 
 
 @register
 @dataclasses.dataclass(kw_only=True)
 class ProbeResult(Result):
-    """Per-layer geometry accumulated by :func:`probe`: float64 ``sums``, int64 ``counts`` and ``masked`` per
-    quantity, each ``[layer, n_bins]`` (``[layer, 1]`` for the per-sequence ones), and the probe's setup; means by
-    :meth:`get` or the attribute of the same name (``res.tangent_alignment``). Fields: docs/probe.md, "The result".
-    """
+    """Per-layer geometry accumulated by :func:`probe`: running sums, counts and masked counts per quantity and the
+    probe's setup; means by :meth:`get` or ``res.<quantity>``. Fields: docs/probe.md, "The result"."""
 
     metrics: list[str] = dataclasses.field(default_factory=list)
     layers: list[int] = dataclasses.field(default_factory=list)
@@ -103,10 +100,8 @@ class ProbeResult(Result):
         return self.masked[self._check(name)].sum(-1)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ALL_QUANTITIES:
-            sums = self.__dict__.get("sums", {})
-            if name in sums:
-                return self.get(name)
+        if name in ALL_QUANTITIES and name in self.__dict__.get("sums", {}):
+            return self.get(name)
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     def merge(self, other: "ProbeResult") -> "ProbeResult":
@@ -117,10 +112,8 @@ class ProbeResult(Result):
         if not same:
             raise InputError("can only merge results of the same probe setup (layers, metrics, positions, bins)")
         return dataclasses.replace(
-            self,
-            sums={q: self.sums[q] + other.sums[q] for q in self.sums},
-            counts={q: self.counts[q] + other.counts[q] for q in self.counts},
-            masked={q: self.masked[q] + other.masked[q] for q in self.masked},
+            self, **{f: {q: getattr(self, f)[q] + getattr(other, f)[q] for q in self.sums}
+                     for f in ("sums", "counts", "masked")},
             n_tokens=self.n_tokens + other.n_tokens, n_sequences=self.n_sequences + other.n_sequences,
             n_forwards=self.n_forwards + other.n_forwards,
             provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
@@ -128,14 +121,10 @@ class ProbeResult(Result):
         )
 
     def summary(self) -> dict[str, Any]:
-        """Mean over probed layers (NaN layers skipped) of every quantity, plus token counts."""
-        out: dict[str, Any] = {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences,
-                               "n_forwards": self.n_forwards}
-        for q in self.quantities:
-            v = self.get(q)
-            v = v[~torch.isnan(v)]
-            out[q] = float(v.mean()) if v.numel() else math.nan
-        return out
+        """Mean over probed layers (NaN layers skipped: :func:`tl_steering.stats.finite_mean`) of every quantity, plus
+        token counts."""
+        return {"n_tokens": self.n_tokens, "n_sequences": self.n_sequences, "n_forwards": self.n_forwards,
+                **{q: finite_mean(self.get(q)) for q in self.quantities}}
 
     def plot(self):
         """Per-layer curves, one panel per metric group (plotly Figure)."""

@@ -62,13 +62,9 @@ def scan(
     resume: bool = False,
     progress: bool = False,
 ) -> ProbeResult:
-    """Probe ``n_windows`` windows of ``length`` tokens of a streamed corpus (``source``: see
-    :func:`tl_steering.data.corpus.parse_source`), split over the ranks of the process group in shards of
-    ``shard_windows`` windows (batches of ``batch_size``); ``metrics``, ``layers``, ``exclude_positions`` as for
-    :func:`tl_steering.probe`. With ``out_dir`` the shards and the result are written there and ``resume``
-    continues a killed run of the same settings; ``progress``: a tqdm bar on rank 0. Returns the merged
-    :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N processes").
-    """
+    """Probe ``n_windows`` windows of ``length`` tokens of a streamed corpus over the ranks of the process group, in
+    shards of ``shard_windows`` windows, written to ``out_dir`` and resumable there (``resume``); the merged
+    :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N processes")."""
     for name, v, lo in (("n_windows", n_windows, 1), ("length", length, 2), ("shard_windows", shard_windows, 1),
                         ("batch_size", batch_size, 1)):
         as_int(v, name, minimum=lo, where="scan")
@@ -202,8 +198,7 @@ def _merge_shards(results: dict[int, ProbeResult], n_shards: int, w: World) -> P
 
 
 def _resumed_metrics(metrics: Sequence[str] | str | None, shard_dir: Path) -> Sequence[str] | str | None:
-    """The metrics every remaining shard measures on resume: those of the shards written so far when ``metrics``
-    is None or a subset of theirs, else as asked, so that the shards always merge (docs/scale_out.md)."""
+    """The metrics the remaining shards measure on resume, so that the shards always merge (docs/scale_out.md)."""
     first = next(iter(sorted(shard_dir.glob("shard-*.json"))), None)
     if first is None:
         return metrics

@@ -17,13 +17,12 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import DIVERSITY_STATS, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
+from .kernels import DIVERSITY_STATS, F64, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
-_F64 = torch.float64
 
 
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
@@ -38,12 +37,6 @@ def _sites_needed(metrics: Sequence[str]) -> set[str]:
     return need
 
 
-def bin_edges_for(n_ctx: int) -> Tensor:
-    """Log-spaced position-bin edges ``[0, 1, 2, 4, ..., 2^k]`` with ``2^k >= n_ctx`` (int64;
-    :func:`tl_steering.stats.position_bin_edges`)."""
-    return torch.tensor(position_bin_edges(n_ctx), dtype=torch.int64)
-
-
 class ProbeTrace:
     """A live probe (see :func:`probe`): a context manager that accumulates while it is entered (possibly several
     times); :meth:`result` reads the numbers at any time, also inside the block."""
@@ -54,14 +47,14 @@ class ProbeTrace:
         self.ad = adapt(model)
         self.model = self.ad.model
         metrics = DEFAULT_METRICS if metrics is None else METRICS if metrics == "all" else metrics
-        metrics = validation.as_choices(metrics, "probe metric", METRICS)  # None: DEFAULT_METRICS; "all": every one
+        metrics = validation.as_choices(metrics, "probe metric", METRICS)
         self.metrics = [m for m in METRICS if m in metrics]
         self.layers = self.ad.layers(layers)
         self.exclude_positions = validation.as_positions(exclude_positions, "exclude_positions")
         self.position_bins = validation.as_bool(position_bins, "position_bins")
         self.corpus = corpus
         n_ctx = int(getattr(self.ad.cfg, "n_ctx", 0) or 2048)
-        self.bin_edges = bin_edges_for(n_ctx) if self.position_bins else torch.tensor([0, n_ctx])
+        self.bin_edges = torch.tensor(position_bin_edges(n_ctx) if self.position_bins else [0, n_ctx])
         n_bins = len(self.bin_edges) - 1
         token_q = [q for m in self.metrics if m in TOKEN_METRICS for q in QUANTITIES[m]]
         seq_q = [q for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]]
@@ -80,7 +73,6 @@ class ProbeTrace:
         self._entered = False
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
-        self._n_diversity_sets = 0
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
@@ -90,7 +82,7 @@ class ProbeTrace:
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
         self._points = named_hook_points(self.model, hook_dict)  # the hooks seen during forwards: provenance
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
-        slot_sites = {s_ for layer in self.layers for s_, _ in self._layer_sites(layer)}
+        slot_sites = {s_ for layer in self.layers for s_, _ in self._sites_of[layer]}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
         # the buffer slot of each site for the layer being filled (swapped when resid_pre reuses resid_post)
         self._cur = dict(self._slots)
@@ -98,9 +90,8 @@ class ProbeTrace:
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _slot_copy(self, act: Tensor, site: str) -> Tensor:
-        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site`` (the copy converts the
-        dtype); the slot-major buffer ``[n_slots, batch, kept_pos, d_model]`` is the probe's only activation-sized
-        memory (docs/probe.md, "Cost")."""
+        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site``, converting the dtype
+        (``[n_slots, batch, kept_pos, d_model]``, docs/probe.md, "Cost")."""
         idx, _ = self._positions(act.shape[-2], act.device)
         src = act.detach()
         if isinstance(idx, slice):
@@ -111,7 +102,7 @@ class ProbeTrace:
         # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            buf = self._buf = torch.empty(shape, dtype=_F64, device=src.device)  # every slot read is written first
+            buf = self._buf = torch.empty(shape, dtype=F64, device=src.device)  # every slot read is written first
         out = buf[self._cur[site]]
         out.copy_(src)
         return out
@@ -137,11 +128,8 @@ class ProbeTrace:
             self._pos_cache[key] = (idx, bins)
         return self._pos_cache[key]
 
-    def _layer_sites(self, layer: int) -> list[tuple[str, str]]:
-        """(site, hook name) pairs this probe reads at ``layer``, in forward order."""
-        return self._sites_of[layer]
-
     def _find_sites(self, layer: int, hook_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """(site, hook name) pairs this probe reads at ``layer``, in forward order."""
         ad = self.ad
         sites = set(self._sites)
         if ad.is_parallel(layer):
@@ -187,7 +175,7 @@ class ProbeTrace:
         state: dict[str, Any] = {}
         first = layer == self.layers[0]
         hooks: list[tuple[str, Callable]] = []
-        for site, name in self._layer_sites(layer):
+        for site, name in self._sites_of[layer]:
             if site == "resid_pre":
                 def fn(act: Tensor, hook: Any, state: dict = state, first: bool = first,
                        layer: int = layer) -> None:
@@ -267,10 +255,10 @@ class ProbeTrace:
     # SIGINT handler (backends/interrupts.py); a finalizer would restore a stale snapshot inside a later call.
 
     def add_cache(self, cache: Mapping[str, Tensor]) -> "ProbeTrace":
-        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``: the probed layers' sites
-        under their legacy hook names) to the sums, with the same arithmetic as the hooks."""
+        """Add the activations of a finished forward (``model.run_with_cache(tokens)[1]``) to the sums, with the same
+        arithmetic as the hooks."""
         for layer in self.layers:
-            sites = self._layer_sites(layer)
+            sites = self._sites_of[layer]
             missing = [name for _, name in sites if name not in cache]
             if missing:
                 raise InputError(f"the cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}; cache "
@@ -291,11 +279,10 @@ class ProbeTrace:
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
         """All metrics of one layer from the float64 buffer, on one torch thread (docs/probe.md, "Cost")."""
-        split = splits(self.ad.device)
-        with single_threaded():
-            self._update_layer(layer, st, split)
+        self._update_layer(layer, st, splits(self.ad.device))  # read before single_threaded sets one thread
 
-    def _update_layer(self, layer: int, st: dict[str, Any], split: bool = False) -> None:
+    @single_threaded()
+    def _update_layer(self, layer: int, st: dict[str, Any], split: bool) -> None:
         acc, row = self._acc, self._row[layer]
         parallel = self.ad.is_parallel(layer)
         buf = self._buf  # [slots, batch, n, d]
@@ -324,8 +311,13 @@ class ProbeTrace:
 
         # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
         if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
-            self._raise_non_finite(layer, {s_: dot(s_, s_) for pos in at for s_ in pos})
-        if acc.token_q:
+            sites = dict.fromkeys(s_ for pos in at for s_ in pos)
+            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(s_, s_)).all())]
+            raise NonFiniteError(
+                f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
+                "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
+                "hooks of yours on that point; in float16 try float32 or bfloat16.")
+        if acc.tq:
             names, values, valid = token_quantities(dot, self.metrics, parallel, has_mid, "attn_out" in st,
                                                     "mlp_out" in st)
             if names:
@@ -334,7 +326,6 @@ class ProbeTrace:
             which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
             reuse = st.get("_div_pre") is not None
             todo = [_SITE_OF[w] for w in which if not (w == "pre" and reuse)]
-            self._n_diversity_sets += len(todo)
             values, valid = diversity([buf[k[s_]] for s_ in todo], split, spectrum="effective_rank" in self.metrics,
                                       gram="participation_ratio" in self.metrics,
                                       sq=[dot(s_, s_) for s_ in todo])  # [sets, 4, batch]
@@ -347,13 +338,6 @@ class ProbeTrace:
             keep = self._div_stats
             acc.add_sequences(row, names, values[:, keep].flatten(0, 1), valid[:, keep].flatten(0, 1))
 
-    def _raise_non_finite(self, layer: int, sq: dict[str, Tensor]) -> None:
-        bad = [site for site, v in sq.items() if not bool(torch.isfinite(v).all())]
-        raise NonFiniteError(
-            f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
-            "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
-            "hooks of yours on that point; in float16 try float32 or bfloat16.")
-
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:
         """Bytes held by the accumulators (constant: it does not grow with the number of forwards)."""
@@ -361,10 +345,8 @@ class ProbeTrace:
         return sum(t.numel() * t.element_size() for t in (a.t_sum, a.t_cnt, a.t_msk, a.s_sum, a.s_cnt, a.s_msk))
 
     def result(self) -> "ProbeResult":
-        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running).
-
-        Raises :class:`InputError` when no forward pass ran inside the probe (nothing was measured: every
-        number would be NaN)."""
+        """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running);
+        :class:`InputError` when no forward pass ran inside the probe."""
         if self.n_forwards == 0:
             raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
                              "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "
@@ -400,15 +382,10 @@ def _version(t: Tensor) -> int | None:
 def probe(model: Any, metrics: Sequence[str] | str | None = None, layers: Sequence[int] | int | None = None,
           exclude_positions: Sequence[int] = (0,), position_bins: bool = False,
           corpus: str | None = None) -> ProbeTrace:
-    """Streaming geometry probe: ``with probe(model) as trace: model(tokens)``; then ``trace.result()``.
-
-    ``metrics``: names of :data:`~tl_steering.probing.result.METRICS`, None (``DEFAULT_METRICS``) or ``"all"``;
-    ``layers``: None for all; ``exclude_positions`` (negative ones count from the end); ``position_bins``: also
-    per log-spaced position bin; ``corpus``: a provenance label. Returns a :class:`ProbeTrace` (a context manager;
-    several forwards, and several entries, add to the same sums). Definitions and cost: docs/probe.md.
-    """
+    """Streaming geometry probe: ``with probe(model) as trace: model(tokens)``; then ``trace.result()``. Returns a
+    :class:`ProbeTrace`; arguments, definitions and cost: docs/probe.md."""
     return ProbeTrace(model, metrics=metrics, layers=layers, exclude_positions=exclude_positions,
                       position_bins=position_bins, corpus=corpus)
 
 
-__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "SITES3", "ProbeResult", "ProbeTrace", "bin_edges_for", "probe"]
+__all__ = ["ALL_QUANTITIES", "METRICS", "QUANTITIES", "SITES3", "ProbeResult", "ProbeTrace", "probe"]

@@ -1,11 +1,8 @@
 """The critical-point section's per-layer table: points, labels and the claim's reading for every layer covered."""
 
-import html
 from typing import Any
 
-
-def _e(x: Any) -> str:
-    return html.escape(str(x), quote=True)
+from .figures import esc as _e
 
 
 def tried(r: Any) -> str:

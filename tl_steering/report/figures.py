@@ -8,9 +8,14 @@ from typing import Any
 from ..suite import SuiteResult
 
 
+def esc(x: Any) -> str:
+    """``x`` as escaped HTML text: the report's one escape of user-supplied text (model names, corpus, arguments)."""
+    return html.escape(str(x), quote=True)
+
+
 def figures(suite: SuiteResult) -> dict[str, Any]:
     """Every figure of the page, titled by us (user-supplied names escaped); stages not run have none."""
-    mn = html.escape(suite.model.name)
+    mn = esc(suite.model.name)
     figs: dict[str, Any] = {}
     d, a, v, c, g, cr, p = (suite.deficit, suite.ablation, suite.diversity, suite.defect, suite.gates,
                              suite.critical, suite.prefix)
@@ -45,27 +50,21 @@ def figures(suite: SuiteResult) -> dict[str, Any]:
         if key != "critical":
             figs[f"{key}_counts"] = summ.plot(title=f"Critical points of the FFN field, {label} (biased to stable "
                                                     f"points; {mn})")
-        best = max(range(len(summ.results)), key=lambda i: summ.results[i].n_points) if summ.results else None
-        if best is not None and summ.results[best].n_points:
-            r = summ.results[best]
+        best = max(range(len(summ.results)), key=lambda i: summ.results[i].n_points, default=None)
+        if best is not None and (r := summ.results[best]).n_points:
             figs[f"{key}_spectra"] = r.plot(title=f"Tangent spectra at layer {summ.layers[best]}, {label} "
                                                   f"({r.n_points} equilibria; {mn})")
     return figs
 
 
-def write_figures(figs: dict[str, Any], fig_dir: Path) -> dict[str, dict[str, str]]:
-    """Write each figure as ``NAME.json`` (``plotly.io.from_json``) and ``NAME.html``; ``{name: {json, html}}``."""
+def write_figures(figs: dict[str, Any], fig_dir: Path) -> None:
+    """Write each figure as ``NAME.json`` (``plotly.io.from_json``) and ``NAME.html``."""
     fig_dir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    first = True
-    for name, fig in figs.items():
+    for i, (name, fig) in enumerate(figs.items()):
         (fig_dir / f"{name}.json").write_text(fig.to_json(), encoding="utf-8")
         # the first standalone page copies plotly.min.js next to itself; the others reference it
-        fig.write_html(str(fig_dir / f"{name}.html"), include_plotlyjs="directory" if first else "plotly.min.js",
+        fig.write_html(str(fig_dir / f"{name}.html"), include_plotlyjs="plotly.min.js" if i else "directory",
                        full_html=True)
-        first = False
-        out[name] = {"json": f"{fig_dir.name}/{name}.json", "html": f"{fig_dir.name}/{name}.html"}
-    return out
 
 
 def figure_html(fig: Any, name: str) -> str:
@@ -73,7 +72,7 @@ def figure_html(fig: Any, name: str) -> str:
     height = fig.layout.height or 480
     div = fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{name}", default_width="100%",
                       default_height=f"{int(height)}px", config={"displaylogo": False, "responsive": True})
-    return f"<div class='fig' id='figure-{html.escape(name, quote=True)}'>{div}</div>"
+    return f"<div class='fig' id='figure-{esc(name)}'>{div}</div>"
 
 
 __all__ = ["figure_html", "figures", "write_figures"]

@@ -3,7 +3,6 @@ from ``style.css``), rendered from a :class:`~tl_steering.suite.SuiteResult` alo
 (model names, corpus labels, arguments) is always escaped."""
 
 import dataclasses
-import html
 import json
 import math
 from functools import lru_cache
@@ -17,19 +16,14 @@ from ..suite import SuiteResult
 from ..suite.claims import timing_claim
 from .comparison import comparison_rows
 from .critical_table import critical_layer_table
-from .figures import figure_html
+from .figures import esc as _esc, figure_html
 from .labels import labelled
-from .plan_table import plan_table
 
 
 @lru_cache(maxsize=1)
 def css() -> str:
     """The page's style sheet (``tl_steering/report/style.css``, shipped in the wheel)."""
     return resources.files(__package__).joinpath("style.css").read_text(encoding="utf-8")
-
-
-def _esc(x: Any) -> str:
-    return html.escape(str(x), quote=True)
 
 
 def _fmt(x: Any) -> str:
@@ -185,7 +179,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         if key == "plan_choice":
             summ = {k: _layers_text(v) if k in ("chosen layers", "lowest-C plan") else v for k, v in summ.items()}
         parts.append(_numbers(summ))
-        if key == "plan_choice":  # every strategy at equal k, uncorrected and corrected (report.plan_table)
+        if key == "plan_choice":  # every strategy at equal k, uncorrected and corrected
             parts.append(plan_table(getattr(result, "plan", None)))
         if key == "critical" and getattr(result, "results", None):
             parts.append(critical_layer_table(result))
@@ -309,6 +303,45 @@ def _executor_rows(ex: Any) -> dict[str, Any]:
                      "parallel forward: median (s)": ex.t_forward_parallel_s})
     rows["speedup, sequential / parallel: verdict"] = timing_claim(ex).why
     return rows
+
+
+def _num(v: float) -> str:
+    return f"{v:+.3f}" if isinstance(v, float) and math.isfinite(v) else "—"
+
+
+def plan_table(plan: Any) -> str:
+    """HTML table of a ``ParallelPlan``: every strategy of the ``plan_choice`` stage at every k, held-out dCE without
+    and with the fitted correction, and the passes each needed (docs/parallel.md "Planners against the field");
+    empty without curves."""
+    if plan is None or not getattr(plan, "held_out_curves", None):
+        return ""
+    unc = getattr(plan, "held_out_curves_uncorrected", {}) or {}
+    ks = list(plan.k_values)
+    cols = [j for j, k in enumerate(ks) if k > 0]  # k = 0 is the clean model: zero everywhere
+    refit = _esc(plan.refit)
+    head = "".join(f"<th>k = {ks[j]}: none</th><th>k = {ks[j]}: {refit}</th>" for j in cols)
+    rows = []
+    for s in plan.strategies:
+        cells = []
+        for j in cols:
+            u = float(unc[s][j]) if s in unc else math.nan
+            c = float(plan.held_out_curves[s][j])
+            cells.append(f"<td>{_num(u if plan.refit != 'none' else c)}</td><td>{_num(c)}</td>")
+        cost = plan.strategy_costs.get(s, {})
+        name = f"<b>{_esc(s)}</b>" if s == plan.strategy else _esc(s)
+        rows.append(f"<tr><td>{name}</td>{''.join(cells)}<td>{cost.get('forward', 0):.0f} + "
+                    f"{cost.get('backward', 0):.0f}</td></tr>")
+    total = plan.total_cost
+    return (
+        "<h3 id='plan_table'>Every compared strategy at equal k (held-out ΔCE, nats)</h3>"
+        f"<p>Plans chosen on the {plan.n_calibration} calibration windows, measured on the {plan.n_held_out} "
+        f"held-out windows without correction and with the {refit} correction fitted on the calibration windows; "
+        "passes: forwards + backwards over the calibration windows each strategy needed to choose (the peers' "
+        "scores, ShortGPT's block influence, the angular distance of Gromov et al. and FFN Fusion's dependency, "
+        f"share C's forward). The chosen one in bold. Whole comparison: {total.get('forward', 0):.0f} forwards + "
+        f"{total.get('backward', 0):.0f} backwards.</p>"
+        f"<table><tr><th>strategy</th>{head}<th>passes (fwd + bwd)</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def parallel_section(suite: SuiteResult, verdict: Claim | None = None) -> str:

@@ -7,7 +7,6 @@ import tl_steering as ts
 from tests.helpers import assert_no_hooks
 from tl_steering.backends import adapt, hook_guard, hooked_available, weights_fingerprint
 from tl_steering.errors import (
-    HookNotFoundError,
     InputError,
     LayerIndexError,
     ModelNotSupportedError,
@@ -169,8 +168,6 @@ def test_bad_inputs(tiny):
         ad.hook_name(5, "resid_pre")
     with pytest.raises(InputError, match="unknown site"):
         ad.hook_name(0, "resid_middle")
-    with pytest.raises(HookNotFoundError, match="no hook point named"):
-        ad.check_hook_name("blocks.0.hook_nothing")
     with pytest.raises(InputError, match="empty batch"):
         ad.validate_tokens(torch.zeros(0, 5, dtype=torch.long))
     with pytest.raises(InputError, match="too short"):

@@ -5,7 +5,7 @@ backend; it turns itself off where it would be wrong (a hook of the user's on th
 import pytest
 import torch
 
-from tl_steering.backends import adapt
+from tl_steering.backends import adapt, hook_guard
 from tl_steering.parallel import gold
 from tl_steering.parallel.gold import PlanLoss
 from tl_steering.parallel.refit import FittedLoss, RefitLoss
@@ -48,7 +48,7 @@ def test_a_user_hook_turns_sharing_off(tiny):
     ad = adapt(tiny)
     name = ad.hook_name(0, "resid_pre")
     toks = _tokens()
-    with ad.hook_guard():  # removes the hook again on exit
+    with hook_guard(ad.model):  # removes the hook again on exit
         tiny.add_hook(name, lambda act, hook: act * 0.5)
         pl = PlanLoss(tiny, toks, batch_size=2)
         with_hook = pl([1])

@@ -379,7 +379,7 @@ def test_an_offloaded_model_scans_like_the_model_in_memory(corpus, tmp_path):
 
     from tl_steering.backends import adapt, tl_version, weights_fingerprint
     from tl_steering.backends.loading import tiny_hf_model
-    from tl_steering.backends.wrapping import wrap_hf
+    from tl_steering.backends import wrap_hf
 
     hf, tok = tiny_hf_model("llama")
     state = {k: v.clone() for k, v in hf.state_dict().items()}

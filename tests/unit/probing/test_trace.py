@@ -20,7 +20,8 @@ from tl_steering import geometry as geo
 from tl_steering.backends import adapt, backend_of
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_component
-from tl_steering.probing.trace import ALL_QUANTITIES, QUANTITIES, ProbeResult, bin_edges_for, probe
+from tl_steering.probing.trace import ALL_QUANTITIES, QUANTITIES, ProbeResult, probe
+from tl_steering.stats import position_bin_edges
 
 F64 = torch.float64
 TOL = 1e-6
@@ -68,7 +69,7 @@ def reference_metrics(model, cache, layers=None, exclude_positions=(0,), bins=Fa
     for p in exclude_positions:
         keep[p] = False
     pos = torch.arange(n_pos)[keep]
-    n_bins = len(bin_edges_for(int(ad.cfg.n_ctx))) - 1 if bins else 1
+    n_bins = len(position_bin_edges(int(ad.cfg.n_ctx))) - 1 if bins else 1
     pos_bin = torch.tensor([_bin_of(int(p)) for p in pos]) if bins else torch.zeros(len(pos), dtype=torch.long)
     out = {q: torch.full((len(layers), n_bins) if bins else (len(layers),), math.nan, dtype=F64)
            for q in ALL_QUANTITIES}
@@ -344,13 +345,22 @@ def test_add_cache_equals_hooks(tiny, tiny_tokens):
         probe(tiny).add_cache({})
 
 
-def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens):
+def test_resid_post_reused_as_next_resid_pre(tiny, tiny_tokens, monkeypatch):
     """Layer l+1's resid_pre is layer l's resid_post: its diversity statistics are computed once."""
+    import tl_steering.probing.trace as trace_mod
+
     ad = adapt(tiny)
+    n_sets, real = [], trace_mod.diversity
+
+    def counted(sets, *args, **kw):
+        n_sets.append(len(sets))
+        return real(sets, *args, **kw)
+
+    monkeypatch.setattr(trace_mod, "diversity", counted)
     with probe(tiny, metrics="diversity") as trace:
         tiny(tiny_tokens)
     per_layer = 2 if ad.is_parallel(0) else 3
-    assert trace._n_diversity_sets == per_layer * ad.n_layers - (ad.n_layers - 1)
+    assert sum(n_sets) == per_layer * ad.n_layers - (ad.n_layers - 1)
     assert_matches(trace.result(), reference_metrics(tiny, cache_for(tiny, tiny_tokens)))
 
 
