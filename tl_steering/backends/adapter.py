@@ -1,6 +1,8 @@
 """The one place that knows TransformerLens's model classes: :class:`ModelAdapter`, through which the rest of
 tl_steering talks to a model (what it guarantees: docs/architecture.md, "Rules that keep the rooms apart")."""
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -235,6 +237,8 @@ class ModelAdapter:
                        return_type: str | None = "logits", grad: bool = False, **kwargs: Any) -> Any:
         """Forward with hooks, every hook removed afterwards, also on error or interrupt (docs/hooks.md);
         ``grad=True`` keeps autograd on (gradients w.r.t. hooked activations)."""
+        if not fwd_hooks and return_type == "logits" and not grad and not kwargs and _shared(self.model):
+            return self.run_with_cache(tokens, [])[0]
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
                                          **kwargs)
 
@@ -247,7 +251,11 @@ class ModelAdapter:
     def run_with_cache(self, tokens: Tensor, names: Sequence[str], fwd_hooks: list[tuple[Any, Callable]] = ()
                        ) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward, collecting the activations at ``names`` (detached) with our own light hooks;
-        :class:`NonFiniteError` naming the layer and site when one has NaN/Inf."""
+        :class:`NonFiniteError` naming the layer and site when one has NaN/Inf. Inside :func:`shared_clean_forwards`
+        a hook-free forward of a token batch seen before is not run again."""
+        memo = _shared(self.model)
+        if memo is not None and not fwd_hooks:
+            return memo.forward(self, tokens, list(names))
         store: dict[str, Tensor] = {}
 
         def saver(name: str) -> Callable:
@@ -384,6 +392,50 @@ class ModelAdapter:
         )
 
 
+class _CleanForwards:
+    """The hook-free forwards of one model inside :func:`shared_clean_forwards`: per token batch, its logits and
+    its activations at :meth:`ModelAdapter.identity_names` (and any other name asked for), up to ``max_bytes``."""
+
+    def __init__(self, model: Any, max_bytes: int):
+        self.model, self.left = model, max_bytes
+        self.runs: dict[tuple, tuple[Tensor, dict[str, Tensor]]] = {}
+
+    def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
+        key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
+        run = self.runs.get(key)
+        if run is None or not set(names) <= run[1].keys():
+            wanted = list(dict.fromkeys(names + ad.identity_names()))
+            size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
+            token = _SHARED.set(None)
+            try:
+                if size > self.left:  # too big to keep: an ordinary forward
+                    return ad.run_with_cache(tokens, names)
+                run = self.runs[key] = ad.run_with_cache(tokens, wanted)
+                self.left -= size
+            finally:
+                _SHARED.reset(token)
+        return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets
+
+
+_SHARED: contextvars.ContextVar[_CleanForwards | None] = contextvars.ContextVar("tl_steering_clean", default=None)
+
+
+def _shared(model: Any) -> _CleanForwards | None:
+    memo = _SHARED.get()
+    return memo if memo is not None and memo.model is model else None
+
+
+@contextlib.contextmanager
+def shared_clean_forwards(model: Any, max_bytes: int = 1 << 30) -> Any:
+    """Inside the block, the hook-free forwards of ``model`` run once per token batch: a later one returns a copy of
+    the first one's logits and activations (the same numbers; docs/suite.md, "Stages")."""
+    token = _SHARED.set(_CleanForwards(model, max_bytes))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def adapt(model: Any) -> ModelAdapter:
     """The :class:`ModelAdapter` for ``model`` (validates that it is a TransformerLens model)."""
     if isinstance(model, ModelAdapter):
@@ -391,4 +443,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "shared_clean_forwards"]

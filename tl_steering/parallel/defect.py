@@ -284,7 +284,7 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
         attn, phi = ad.attention(lay), ad.ffn(lay)
         t_attn.append(median_seconds(lambda: attn(x), x.device, 1, repeats))
         t_ffn.append(median_seconds(lambda: phi(y), x.device, 1, repeats))
-    t_forward = median_seconds(lambda: ad.run_with_hooks(tokens, [], return_type="logits"), ad.device, 1,
+    t_forward = median_seconds(lambda: ad.model(tokens, return_type="logits"), ad.device, 1,
                                max(3, repeats // 2))
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
     return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),

@@ -221,7 +221,9 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
     clean = _collect(ad, tokens, layer_list, pmask, batch_size, [], world)
     runs = {name: _collect(ad, tokens, layer_list, pmask, batch_size, ffn_component(model, keep=name, seed=seed),
                            world) for name in ablations}
-    swept = [_collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), world) for g in gain_list]
+    # a * 1.0 == a: gain 1 is the clean forward
+    swept = [clean if g == 1.0 else _collect(ad, tokens, [], pmask, batch_size, attention_gain(model, g), world)
+             for g in gain_list]
     sweep = {"final_pairwise_cosine": [finite_mean(r[("final", "pairwise_cosine")]) for r in swept],
              "final_effective_rank": [finite_mean(r[("final", "effective_rank")]) for r in swept],
              "entropy": [float(r["entropy"].mean()) for r in swept], "loss": [float(r["loss"].mean()) for r in swept]}

@@ -59,15 +59,10 @@ class Environment:
     def here(cls, tl_version: str) -> "Environment":
         from .._util import __version__
 
-        return cls(
-            tl_steering=__version__,
-            transformer_lens=tl_version,
-            torch=torch.__version__,
-            python=platform.python_version(),
-            platform=platform.platform(terse=True),
-            torch_threads=torch.get_num_threads(),
-            cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        )
+        return cls(tl_steering=__version__, transformer_lens=tl_version, torch=torch.__version__,
+                   python=platform.python_version(), platform=platform.platform(terse=True),
+                   torch_threads=torch.get_num_threads(),
+                   cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
 @register
@@ -237,8 +232,9 @@ class PlanChoice:
 @dataclasses.dataclass
 class StageTiming:
     """Wall and CPU seconds of one stage, and the forward passes it ran (this process): ``forwards`` counts every
-    model forward (hooked or cached, any batch) and every run of a plan from a shared clean prefix
-    (``parallel.gold.PlanLoss``), ``tokens`` their tokens (-1: not recorded by an older file)."""
+    model forward through the adapter (hooked or cached, any batch; not a clean forward an earlier stage ran, nor
+    a timed one) and every run of a plan from a shared clean prefix (``parallel.gold.PlanLoss``), ``tokens``
+    their tokens (-1: not recorded by an older file)."""
 
     kind: ClassVar[str] = "suite_stage_timing"
     added_fields: ClassVar[tuple[str, ...]] = ("forwards", "tokens")  # older files read -1
@@ -331,12 +327,9 @@ class SuiteResult(Result):
                        max_residual_identity_error=self.checks.max_residual_identity_error)
         if self.deficit is not None:
             d = self.deficit
-            out.update(
-                deficit_mean=d.mean,
-                deficit_mean_ci=list(d.mean_ci),
-                deficit_mean_excluding_first=d.mean_excluding_first,
-                ffn_contribution_mean=d.ffn_contribution_mean,
-            )
+            out.update(deficit_mean=d.mean, deficit_mean_ci=list(d.mean_ci),
+                       deficit_mean_excluding_first=d.mean_excluding_first,
+                       ffn_contribution_mean=d.ffn_contribution_mean)
         if self.ablation is not None:
             out.update({f"ablation_delta_loss_{k}": self.ablation.delta_loss.get(k, math.nan)
                         for k in ("tangential", "radial", *self.ablation.delta_loss)})
@@ -352,11 +345,8 @@ class SuiteResult(Result):
             )
         if self.defect is not None:
             cs = self.defect.summary()
-            out.update(
-                defect_C_min=cs.get("C_min", math.nan),
-                defect_C_max=cs.get("C_max", math.nan),
-                defect_spearman_C=self.defect.spearman.get("C", math.nan),
-            )
+            out.update(defect_C_min=cs.get("C_min", math.nan), defect_C_max=cs.get("C_max", math.nan),
+                       defect_spearman_C=self.defect.spearman.get("C", math.nan))
         if self.plan is not None:
             out.update(plan_k=self.plan.k, plan_layers=self.plan.layers, plan_delta_ce=self.plan.delta_ce_lowest,
                        plan_high_over_low=self.plan.high_over_low)
@@ -364,27 +354,19 @@ class SuiteResult(Result):
             out.update(speedup_estimate=self.speedup.speedup,
                        speedup_estimate_with_other=self.speedup.speedup_with_other)
         if self.executor is not None:
-            out.update(
-                parallel_measured_speedup=self.executor.measured_speedup,
-                parallel_executor_delta_ce=self.executor.delta_ce,
-            )
+            out.update(parallel_measured_speedup=self.executor.measured_speedup,
+                       parallel_executor_delta_ce=self.executor.delta_ce)
         if self.gates is not None:
             gs = self.gates.summary()
-            out.update(
-                gates_delta_ce_base_heldout=gs["delta_ce_base_heldout"],
-                gates_delta_ce_gated_heldout=gs["delta_ce_gated_heldout"],
-            )
+            out.update(gates_delta_ce_base_heldout=gs["delta_ce_base_heldout"],
+                       gates_delta_ce_gated_heldout=gs["delta_ce_gated_heldout"])
         if self.critical is not None:
             cr = self.critical
-            out.update(
-                critical_n_points=int(cr.n_points.sum()),
-                critical_saddle_fraction=cr.saddle_fraction(),
-                critical_rotational_points=int(cr.rotational.sum()),
-                critical_converged_starts=int(cr.n_converged.sum()),
-            )
-        out["critical_fixed_point_counts"] = (
-            self.critical_fixed_point.totals() if self.critical_fixed_point is not None else None
-        )
+            out.update(critical_n_points=int(cr.n_points.sum()), critical_saddle_fraction=cr.saddle_fraction(),
+                       critical_rotational_points=int(cr.rotational.sum()),
+                       critical_converged_starts=int(cr.n_converged.sum()))
+        fp = self.critical_fixed_point
+        out["critical_fixed_point_counts"] = fp.totals() if fp is not None else None
         if self.prefix is not None:
             out.update(prefix_max_angle=self.prefix.prefix_max_angle,
                        prefix_bitwise_equal=self.prefix.prefix_bitwise_equal)
@@ -410,16 +392,5 @@ class SuiteResult(Result):
         return out
 
 
-__all__ = [
-    "Checks",
-    "DistributedRun",
-    "Environment",
-    "ExecutorTiming",
-    "ModelSummary",
-    "PlanChoice",
-    "PlanLosses",
-    "RunArguments",
-    "SpeedupEstimate",
-    "StageTiming",
-    "SuiteResult",
-]
+__all__ = ["Checks", "DistributedRun", "Environment", "ExecutorTiming", "ModelSummary", "PlanChoice", "PlanLosses",
+           "RunArguments", "SpeedupEstimate", "StageTiming", "SuiteResult"]

@@ -14,24 +14,15 @@ from torch import Tensor
 
 from .._util import progress as _progress
 from ..backends import adapt, tl_version
+from ..backends.adapter import shared_clean_forwards
 from ..data.batching import mean_loss
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
 from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
 from .schedule import Exchange, assign_stages
 from .._util.timing import alternating_seconds, timed
-from .result import (
-    Checks,
-    DistributedRun,
-    Environment,
-    ExecutorTiming,
-    ModelSummary,
-    PlanChoice,
-    PlanLosses,
-    SpeedupEstimate,
-    StageTiming,
-    SuiteResult,
-)
+from .result import (Checks, DistributedRun, Environment, ExecutorTiming, ModelSummary, PlanChoice, PlanLosses,
+                     SpeedupEstimate, StageTiming, SuiteResult)
 from .checkpoint import resume, run_key
 from .progress import Progress, Tick, TqdmProgress
 from .settings import STAGES, SuiteSettings
@@ -96,30 +87,14 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..parallel.defect import parallel_defect
 
     s = c.s
-    defect = parallel_defect(
-        c.model,
-        c.tokens,
-        evaluate=s.defect_evaluate,
-        k_values=s.defect_k_values,
-        n_random=s.defect_n_random,
-        brackets=s.defect_brackets,
-        timing=s.defect_timing,
-        timing_repeats=s.timing_repeats,
-        **c.common(),
-    )
+    defect = parallel_defect(c.model, c.tokens, evaluate=s.defect_evaluate, k_values=s.defect_k_values,
+                             n_random=s.defect_n_random, brackets=s.defect_brackets, timing=s.defect_timing,
+                             timing_repeats=s.timing_repeats, **c.common())
     res.defect = defect
     tick("scores")
     if s.defect_gold_layers is not None:
-        res.defect_gold = parallel_defect(
-            c.model,
-            c.tokens,
-            layers=s.defect_gold_layers,
-            evaluate=True,
-            k_values=s.defect_gold_k_values,
-            n_random=0,
-            timing=False,
-            **c.common(),
-        )
+        res.defect_gold = parallel_defect(c.model, c.tokens, layers=s.defect_gold_layers, evaluate=True,
+                                          k_values=s.defect_gold_k_values, n_random=0, timing=False, **c.common())
     # the plan: the k lowest-C layers (PLANNER.reference), or settings.plan_strategy's (kept in res.planner)
     k = min(s.plan_k, len(defect.candidates))
     if s.plan_strategy == PLANNER.reference:
@@ -156,16 +131,9 @@ def _plan_losses(c: _Ctx, res: SuiteResult, k: int, layers: list[int], strategy:
     from ..hooks import parallel_blocks
 
     defect = res.defect
-    high = sorted(
-        sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k]
-    )
-    out = PlanLosses(
-        k=k,
-        layers=list(layers),
-        strategy=strategy,
-        n_candidates=len(defect.candidates),
-        highest_layers=high,
-    )
+    high = sorted(sorted(defect.candidates, key=lambda lay: -float(defect.score[defect.layers.index(lay)]))[:k])
+    out = PlanLosses(k=k, layers=list(layers), strategy=strategy, n_candidates=len(defect.candidates),
+                     highest_layers=high)
     if strategy == PLANNER.reference and defect.evaluated and k in defect.k_values:
         j = defect.k_values.index(k)
         out.delta_ce_lowest = float(defect.curves["lowest"][j])
@@ -283,16 +251,8 @@ def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.gates import calibrate_gates
 
     plan = res.plan.layers if res.plan is not None else []
-    res.gates = calibrate_gates(
-        c.model,
-        c.tokens,
-        method=c.s.gate_method,
-        plan=plan,
-        seed=c.seed,
-        steps=c.s.gate_steps,
-        batch_size=c.s.batch_size,
-        corpus=c.corpus,
-    )
+    res.gates = calibrate_gates(c.model, c.tokens, method=c.s.gate_method, plan=plan, seed=c.seed,
+                                steps=c.s.gate_steps, batch_size=c.s.batch_size, corpus=c.corpus)
 
 
 def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
@@ -303,31 +263,16 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     if not s.critical_layers:
         return
     tokens = c.tokens if s.critical_max_windows is None else c.tokens[: s.critical_max_windows]
-    res.critical = critical_points(
-        c.model,
-        layers=list(s.critical_layers),
-        field="ffn",
-        tokens=tokens,
-        n_starts=s.critical_n_starts,
-        seed=c.seed,
-        corpus=c.corpus,
-    )
+    res.critical = critical_points(c.model, layers=list(s.critical_layers), field="ffn", tokens=tokens,
+                                   n_starts=s.critical_n_starts, seed=c.seed, corpus=c.corpus)
     tick(f"{s.critical_methods[0]}: {int(res.critical.n_points.sum())} points")
 
 
 def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     from ..protocols.prefix import prefix_sensitivity
 
-    res.prefix = prefix_sensitivity(
-        c.model,
-        c.tokens,
-        layer=c.s.prefix_layer,
-        position=c.s.prefix_positions,
-        eps=c.s.prefix_eps,
-        mode="noise",
-        seed=c.seed,
-        corpus=c.corpus,
-    )
+    res.prefix = prefix_sensitivity(c.model, c.tokens, layer=c.s.prefix_layer, position=c.s.prefix_positions,
+                                    eps=c.s.prefix_eps, mode="noise", seed=c.seed, corpus=c.corpus)
 
 
 #: stage name -> (function, number of progress ticks)
@@ -346,17 +291,9 @@ STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], int]
 
 
 def _model_summary(ad: Any) -> ModelSummary:
-    return ModelSummary(
-        name=ad.info.name,
-        revision=ad.info.revision,
-        n_layers=ad.n_layers,
-        d_model=ad.d_model,
-        backend=ad.backend,
-        processing=ad.info.processing,
-        dtype=str(ad.dtype).removeprefix("torch."),
-        device=str(ad.device),
-        prepend_bos=ad.info.prepend_bos,
-    )
+    return ModelSummary(name=ad.info.name, revision=ad.info.revision, n_layers=ad.n_layers, d_model=ad.d_model,
+                        backend=ad.backend, processing=ad.info.processing, dtype=str(ad.dtype).removeprefix("torch."),
+                        device=str(ad.device), prepend_bos=ad.info.prepend_bos)
 
 
 @exclusive
@@ -400,16 +337,11 @@ def run_suite(
             progress = False  # progress on rank 0 only
     prog: Progress = TqdmProgress(progress) if isinstance(progress, bool) else progress
     t_start = time.perf_counter()
-    res = SuiteResult(
-        provenance=ad.provenance(
-            tokens, corpus=corpus, seed=seed, protocol="run_suite", stages=list(settings.stages)
-        ),
-        settings=settings,
-        seed=seed,
-        model=_model_summary(ad),
-        environment=Environment.here(tl_version()),
-        started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    )
+    res = SuiteResult(provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="run_suite",
+                                              stages=list(settings.stages)),
+                      settings=settings, seed=seed, model=_model_summary(ad),
+                      environment=Environment.here(tl_version()),
+                      started=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     extra = res.provenance.extra if key is None else {**res.provenance.extra, "run_key": key}
     res.provenance = dataclasses.replace(res.provenance, world_size=w.size, extra=extra)
     ctx = _Ctx(model, tokens, corpus, settings, seed, w)
@@ -419,30 +351,28 @@ def run_suite(
         res, done = resume(Path(checkpoint), key, res, ran)
     todo = [name for name in ran if name not in done]
     plan = broadcast_from_rank0(lambda: assign_stages(todo, settings, *tokens.shape, w.size), w)
-    res.distributed = DistributedRun(
-        world_size=w.size,
-        backend=w.backend,
-        sharded_stages=[n for n in todo if len(plan[n]) > 1],
-        rank0_stages=[n for n in todo if plan[n] == (0,)] if w.active else [],
-        stage_ranks={n: list(plan[n]) for n in todo} if w.active else {},
-    )
+    res.distributed = DistributedRun(world_size=w.size, backend=w.backend,
+                                     sharded_stages=[n for n in todo if len(plan[n]) > 1],
+                                     rank0_stages=[n for n in todo if plan[n] == (0,)] if w.active else [],
+                                     stage_ranks={n: list(plan[n]) for n in todo} if w.active else {})
     ex = Exchange(w, plan)
     alone = _Ctx(model, tokens, corpus, settings, seed, World()) if w.active else ctx  # a stage one rank runs
-    for name in todo:
-        if not ex.runs_here(name):
-            continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
-        fn, total = STAGE_FUNCTIONS[name]
-        with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
-                prog.stage(name, total=total) as tick:
-            try:
-                fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
-            except BaseException as e:  # the ranks that wait for this stage raise it too
-                ex.publish(name, res, error=e)
-                raise
-        res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
-        ex.publish(name, res)
-        if checkpoint is not None and w.rank == 0:
-            res.save(checkpoint)
+    with shared_clean_forwards(model):  # one hook-free forward per token batch, shared by the stages
+        for name in todo:
+            if not ex.runs_here(name):
+                continue  # another rank runs it; its fields arrive when a stage here reads them, or at the end
+            fn, total = STAGE_FUNCTIONS[name]
+            with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
+                    prog.stage(name, total=total) as tick:
+                try:
+                    fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+                except BaseException as e:  # the ranks that wait for this stage raise it too
+                    ex.publish(name, res, error=e)
+                    raise
+            res.timings[name] = StageTiming(wall_s=sw.wall_s, cpu_s=sw.cpu_s, forwards=fw.forwards, tokens=fw.tokens)
+            ex.publish(name, res)
+            if checkpoint is not None and w.rank == 0:
+                res.save(checkpoint)
     ex.finish(res)
     if checkpoint is not None and w.rank == 0 and w.active:
         res.save(checkpoint)

@@ -158,7 +158,7 @@ def default_settings(
         defect_n_random=0 if quick else 1,
         defect_brackets=not quick,
         defect_evaluate=not quick,
-        timing_repeats=3,
+        timing_repeats=1 if quick else 3,  # quick: the sub-modules timed once each after a warm-up
         plan_k=half,
         parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
         parallel_timing_windows=1 if quick else 2,  # 4 forwards a round of 1 x 64 / 2 x 128 tokens
