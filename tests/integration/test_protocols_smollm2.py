@@ -30,7 +30,9 @@ import torch
 
 from tl_steering.protocols import angular_deficit, diversity, ffn_ablation
 
-pytestmark = pytest.mark.integration
+# One line: these numbers on TL 3.9's HookedTransformer are checked by tests/published/test_smollm2_pinned.py (every
+# protocol, on that line) and its agreement with the bridge on the same weights by test_foundation_smollm2.py.
+pytestmark = [pytest.mark.integration, pytest.mark.one_line("tl4")]
 
 DEF = 2e-3  # absolute, deficits / cosines / angles
 REL = 0.02  # relative, losses and KLs

@@ -43,7 +43,12 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
         check_finite(lt, None, "next-token loss")
         per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
     per_row = gather_rows({"s": per_row}, mine, world)["s"]
-    return float(per_row.sum()) / (n * (tokens.shape[1] - 1))
+    return token_mean(per_row, tokens)
+
+
+def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
+    """The token-weighted mean CE from per-window sums ``per_row`` of ``tokens``: ``sum / (windows x (pos - 1))``."""
+    return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
 def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
@@ -55,4 +60,4 @@ def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: in
     return block_sums(lt.to(torch.float64).cpu(), length)
 
 
-__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss", "token_mean"]
