@@ -52,7 +52,7 @@ def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     return torch.log(rp + DEFLATION_SHIFT).sum(-1), (coef[..., None] * diff).sum(-2)
 
 
-def _newton_steps(u: Tensor, f: Tensor, jacs: list[Tensor], known: Tensor) -> tuple[Tensor, Tensor]:
+def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     """The deflated Newton step of each row (ambient tangent vectors, capped at ``MAX_STEP``) from the Jacobians
     ``jacs`` (DF at the row or near it) and F(u) = ``f``; and which rows got a finite step."""
     steps, ok = torch.zeros_like(u), torch.ones(u.shape[0], dtype=torch.bool)
@@ -121,9 +121,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         idx = (status < 0).nonzero().flatten()
         if idx.numel() == 0:
             break
-        jacs = [jac if jac is not None else fld.jacobian(x) for jac, x in zip(fld.jacobians(u[idx]), u[idx])]
         n_jac += idx.numel()
-        steps, finite = _newton_steps(u[idx], f[idx], [j.detach() for j in jacs], known)
+        steps, finite = _newton_steps(u[idx], f[idx], fld.jacobians(u[idx]), known)
         status[idx[~finite]] = 2
         idx, steps = idx[finite], steps[finite]
         u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(fld, u[idx], steps, rel[idx], merit[idx], known)

@@ -82,6 +82,13 @@ class CriticalField:
                 return self(u)
         return self.block.ffn_no_grad(self.radius * u)
 
+    def jacobian_no_grad(self, u: Float[Tensor, "n d"]) -> Float[Tensor, "n d d"] | None:
+        """DF at the rows of ``u`` from the block's structured FFN Jacobian
+        (:meth:`~tl_steering.backends.field64.Float64Block.ffn_jacobian`); None for the other fields or an MLP of
+        another form (the finder then differentiates the field by autograd)."""
+        jac = self.block.ffn_jacobian(self.radius * u) if self.kind == "ffn" else None
+        return None if jac is None else self.radius * jac
+
 
 def _default_tokens(model: Any) -> Any:
     """The windows a call without ``tokens`` draws, with their corpus label (so its provenance names them)."""
