@@ -2,9 +2,11 @@
 
 Prints, per layer: starts, converged starts (relative residual <= 1e-10), distinct equilibria, label counts,
 rotational points / pairs, Morse index histogram, seconds, and the "mostly saddles" verdict with its exact
-Clopper-Pearson interval; then the pooled verdict.
+Clopper-Pearson interval; then the pooled verdict. ``--forwards``: each layer's call is also timed in plain forwards
+(one forward of 8 x 128 pydoc tokens in this process), the CPU and wall seconds of the call over the median of 3
+plain forwards run before it and 3 after it (interleaved, so a shared machine's load changes both alike).
 
-    .venv-tl4/bin/python benchmarks/critical_points.py [--layers 0 5 10] [--n-starts 16] [--threads 2]
+    .venv-tl4/bin/python benchmarks/critical_points.py [--layers 0 5 10] [--n-starts 16] [--threads 2] [--forwards]
 """
 
 import argparse
@@ -26,6 +28,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-iter", type=int, default=None, help="LM iterations per start (default: the finder's)")
     p.add_argument("--json", default=None, help="write the CriticalPointsResult here (.json / .safetensors)")
+    p.add_argument("--forwards", action="store_true", help="also each layer's CPU and wall time in plain forwards")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
@@ -35,10 +38,30 @@ def main() -> None:
     layers = a.layers if a.layers else list(range(ts.adapt(model).n_layers))
     print("layer | starts | converged | distinct | attr rep saddle degen | rot pts/pairs | Morse index hist | "
           "s/layer | saddle frac [95% CI] verdict", flush=True)
+    plain_tokens = ts.text_tokens(model, n_windows=8, length=128)
+
+    def clocks() -> tuple[float, float]:
+        return time.process_time(), time.perf_counter()
+
+    def plain() -> list[float]:
+        c0, w0 = clocks()
+        with torch.no_grad():
+            model(plain_tokens)
+        c1, w1 = clocks()
+        return [c1 - c0, w1 - w0]
+
     results = []
     for layer in layers:
         extra = {} if a.max_iter is None else {"max_iter": a.max_iter}
+        before = [plain() for _ in range(3)] if a.forwards else []
+        c0, w0 = clocks()
         r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, options=extra or None)
+        c1, w1 = clocks()
+        if a.forwards:
+            runs = before + [plain() for _ in range(3)]
+            med = [sorted(x[k] for x in runs)[len(runs) // 2] for k in (0, 1)]
+            print(f"layer {layer}: {(c1 - c0) / med[0]:.1f} plain forwards of CPU, {(w1 - w0) / med[1]:.1f} of wall "
+                  f"(plain forward {med[0]:.2f} CPU s, {med[1]:.2f} s; the call {c1 - c0:.1f} CPU s)", flush=True)
         results.append(r)
         e = r.results[0]
         c = e.counts()

@@ -163,27 +163,43 @@ class Float64Block:
 
     def ffn_jacobian(self, x: Tensor) -> Tensor | None:
         """DPhi at each row of ``x`` (``[n, d] -> [n, d, d]``, float64) from the MLP's own matrices:
-        W_down (diag(act'(g) v) W_gate + diag(act(g)) W_up) composed with the norms' Jacobians (docs/critical_points.md,
-        "Structured Jacobian"); None where the MLP has no gated or plain form this knows, or where that form fails
-        its check against a JVP of :meth:`ffn`."""
+        W_down (diag(act'(g) v) W_gate + diag(act(g)) W_up) composed with the norms' Jacobians, an RMS pre-norm's
+        weight folded into W_gate and W_up (docs/critical_points.md, "Structured Jacobian"); None where the MLP has
+        no gated or plain form this knows, or where that form fails its check against a JVP of :meth:`ffn`."""
         if self._parts is None:
             self._parts = _mlp_parts(self.blk.mlp)
+            if self._parts:
+                rms = _rms_form(self.norms.pre_ffn, x.new_ones(2, self.d_model).cumsum(-1))
+                if rms is not None:
+                    wg, bg, wu, bu, wd, act = self._parts
+                    self._parts = (wg * rms[0], bg, None if wu is None else wu * rms[0], bu, wd, act, rms[1])
             self._parts = self._parts if self._parts and self._jac_agrees(x.device) else False
         if self._parts is False:
             return None
-        wg, bg, wu, bu, wd, act = self._parts
+        wg, bg, wu, bu, wd, act, *eps = self._parts
         x = x.to(torch.float64)
         with torch.no_grad(), float64_compute():
-            n, jac_pre = self._norm_jac(self.norms.pre_ffn, x)
+            if eps:  # RMS pre-norm: n = w x / r, Dn = diag(w) (I - x xᵀ / (d r²)) / r
+                r2 = (x * x).mean(-1, keepdim=True) + eps[0]
+                n, jac_pre = x / r2.sqrt(), None
+            else:
+                n, jac_pre = self._norm_jac(self.norms.pre_ffn, x)
             g = torch.nn.functional.linear(n, wg, bg)
             a, da = autodiff.jvp(act, (g,), (torch.ones_like(g),))  # act elementwise: act(g), act'(g)
-            if wu is None:
-                inner = da[..., None] * wg
-            else:
-                inner = (da * torch.nn.functional.linear(n, wu, bu))[..., None] * wg + a[..., None] * wu
-            jac = wd @ inner if jac_pre is None else wd @ inner @ jac_pre
+            c = da if wu is None else da * torch.nn.functional.linear(n, wu, bu)
+            jac, buf = x.new_empty(x.shape[0], self.d_model, self.d_model), torch.empty_like(wg)
+            for k in range(x.shape[0]):  # one row at a time: the [d_mlp, d] product stays in cache
+                torch.mul(wg, c[k, :, None], out=buf)
+                if wu is not None:
+                    buf.addcmul_(wu, a[k, :, None])
+                torch.matmul(wd, buf, out=jac[k])
+            if eps:
+                jac = (jac - (jac @ x[..., None]) * (x / (self.d_model * r2))[:, None, :]) / r2.sqrt()[..., None]
+            elif jac_pre is not None:
+                jac = jac @ jac_pre
             if self.norms.post_ffn is not None:
-                jac = self._norm_jac(self.norms.post_ffn, _apply(self.blk.mlp, n[None])[0])[1] @ jac
+                mlp_out = _apply(self.blk.mlp, _apply(self.norms.pre_ffn, x[None]))[0]
+                jac = self._norm_jac(self.norms.post_ffn, mlp_out)[1] @ jac
         return jac
 
     @staticmethod
@@ -229,6 +245,22 @@ def _mlp_parts(mlp: torch.nn.Module) -> tuple | None:
     if w_gate is None:
         return w_in.T, mlp.b_in, None, None, w_out.T, mlp.act_fn
     return w_gate.T, None, w_in.T, None, w_out.T, mlp.act_fn
+
+
+def _rms_form(norm: torch.nn.Module | None, x: Tensor) -> tuple[Tensor, float] | None:
+    """(w, eps) when ``norm`` computes w x / sqrt(mean(x²) + eps) at the probe rows ``x`` (its weight, or 1 + it as in
+    Gemma), else None."""
+    hf = unwrap(norm)
+    eps = getattr(hf, "variance_epsilon", getattr(hf, "eps", None))
+    weight = next((p for p in hf.parameters() if p.shape == x.shape[-1:]), None) if norm is not None else None
+    if weight is None or not isinstance(eps, float):
+        return None
+    with torch.no_grad(), float64_compute():
+        y = _apply(norm, x[None].to(weight))[0]
+        for w in (weight, 1 + weight):
+            if torch.allclose(y, w * x / ((x * x).mean(-1, keepdim=True) + eps).sqrt(), rtol=1e-12, atol=0):
+                return w, eps
+    return None
 
 
 __all__ = ["Float64Block", "float64_compute"]
