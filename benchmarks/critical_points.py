@@ -12,11 +12,39 @@ plain forwards run before it and 3 after it (interleaved, so a shared machine's 
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import tl_steering as ts
 from tl_steering.critical import CriticalPointsResult
+
+
+def in_forwards(model: Any, call: Callable[[], Any], what: str) -> Any:
+    """``call()``, printing its CPU and wall seconds over the median of 3 plain forwards (8 x 128 pydoc tokens)
+    run before it and 3 after it in this process."""
+    tokens = ts.text_tokens(model, n_windows=8, length=128)
+
+    def clocks() -> tuple[float, float]:
+        return time.process_time(), time.perf_counter()
+
+    def plain() -> list[float]:
+        c0, w0 = clocks()
+        with torch.no_grad():
+            model(tokens)
+        c1, w1 = clocks()
+        return [c1 - c0, w1 - w0]
+
+    before = [plain() for _ in range(3)]
+    c0, w0 = clocks()
+    out = call()
+    c1, w1 = clocks()
+    runs = before + [plain() for _ in range(3)]
+    med = [sorted(x[k] for x in runs)[len(runs) // 2] for k in (0, 1)]
+    print(f"{what}: {(c1 - c0) / med[0]:.1f} plain forwards of CPU, {(w1 - w0) / med[1]:.1f} of wall (plain forward "
+          f"{med[0]:.2f} CPU s, {med[1]:.2f} s; the call {c1 - c0:.1f} CPU s)", flush=True)
+    return out
 
 
 def main() -> None:
@@ -38,30 +66,12 @@ def main() -> None:
     layers = a.layers if a.layers else list(range(ts.adapt(model).n_layers))
     print("layer | starts | converged | distinct | attr rep saddle degen | rot pts/pairs | Morse index hist | "
           "s/layer | saddle frac [95% CI] verdict", flush=True)
-    plain_tokens = ts.text_tokens(model, n_windows=8, length=128)
-
-    def clocks() -> tuple[float, float]:
-        return time.process_time(), time.perf_counter()
-
-    def plain() -> list[float]:
-        c0, w0 = clocks()
-        with torch.no_grad():
-            model(plain_tokens)
-        c1, w1 = clocks()
-        return [c1 - c0, w1 - w0]
-
     results = []
     for layer in layers:
         extra = {} if a.max_iter is None else {"max_iter": a.max_iter}
-        before = [plain() for _ in range(3)] if a.forwards else []
-        c0, w0 = clocks()
-        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, options=extra or None)
-        c1, w1 = clocks()
-        if a.forwards:
-            runs = before + [plain() for _ in range(3)]
-            med = [sorted(x[k] for x in runs)[len(runs) // 2] for k in (0, 1)]
-            print(f"layer {layer}: {(c1 - c0) / med[0]:.1f} plain forwards of CPU, {(w1 - w0) / med[1]:.1f} of wall "
-                  f"(plain forward {med[0]:.2f} CPU s, {med[1]:.2f} s; the call {c1 - c0:.1f} CPU s)", flush=True)
+        run = lambda: ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts,  # noqa: E731
+                                         options=extra or None)
+        r = in_forwards(model, run, f"layer {layer}") if a.forwards else run()
         results.append(r)
         e = r.results[0]
         c = e.counts()
