@@ -280,8 +280,8 @@ def critical_points(
         corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
         options: :class:`~tl_steering.critical.options.FinderOptions` (or a dict of some of its fields) of the one
             finder, :func:`find_equilibria`'s (docs/critical_points.md, "The one way in"); None: ``DEFAULT_OPTIONS``,
-            whose landscape phase runs at most 32 Newton solves per layer (about 3 s each on one core for
-            d = 576).
+            whose landscape phase runs at most 32 Newton solves per layer (cost: docs/critical_points.md section 1,
+            "Structured Jacobian").
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
