@@ -16,6 +16,7 @@ import time
 
 import torch
 
+import _common  # noqa: F401 - puts this checkout first on sys.path
 import tl_steering as ts
 from tl_steering.critical import critical_census, critical_field, relative_residual
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import _common  # noqa: F401 - puts this checkout first on sys.path
 import tl_steering as ts
 from tl_steering.critical import CriticalPointsResult
 
