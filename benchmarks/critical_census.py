@@ -4,7 +4,8 @@ section 11).
 Per layer: ``critical_census(model, layer)`` (random starts, power iteration of F and -F, then the landscape
 phase), the attractors and repellers found with their Chao1 estimate and upper bound, the saddles found (a lower
 bound) with their Morse indices, the lower bound on the share of saddles and the verdict; every point re-verified
-on a fresh float64 field. ``--json`` keeps the points.
+on a fresh float64 field. ``--json`` keeps the points; ``--forwards`` also times each layer's census in plain forwards
+(as ``critical_points.py --forwards``).
 
     python benchmarks/critical_census.py --models smollm2-135m --layers 15 25 --n-starts 64 --solves 256
 """
@@ -15,8 +16,11 @@ import time
 
 import torch
 
+import _common  # noqa: F401 - puts this checkout first on sys.path
 import tl_steering as ts
 from tl_steering.critical import critical_census, critical_field, relative_residual
+
+from critical_points import in_forwards  # noqa: E402 - benchmarks/ is the script's directory
 
 
 def main() -> None:
@@ -28,6 +32,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--forwards", action="store_true", help="also each layer's CPU and wall time in plain forwards")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     out: dict = {}
@@ -40,7 +45,9 @@ def main() -> None:
               "rebuilt residual | s")
         for layer in layers:
             t0 = time.perf_counter()
-            c = critical_census(model, layer, n_starts=a.n_starts, seed=a.seed, landscape_solves=a.solves)
+            run = lambda: critical_census(model, layer, n_starts=a.n_starts, seed=a.seed,  # noqa: E731
+                                          landscape_solves=a.solves)
+            c = in_forwards(model, run, f"{name} layer {layer}") if a.forwards else run()
             secs = time.perf_counter() - t0
             r = c.equilibria
             worst = 0.0

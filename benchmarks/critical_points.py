@@ -2,19 +2,50 @@
 
 Prints, per layer: starts, converged starts (relative residual <= 1e-10), distinct equilibria, label counts,
 rotational points / pairs, Morse index histogram, seconds, and the "mostly saddles" verdict with its exact
-Clopper-Pearson interval; then the pooled verdict.
+Clopper-Pearson interval; then the pooled verdict. ``--forwards``: each layer's call is also timed in plain forwards
+(one forward of 8 x 128 pydoc tokens in this process), the CPU and wall seconds of the call over the median of 3
+plain forwards run before it and 3 after it (interleaved, so a shared machine's load changes both alike).
 
-    .venv-tl4/bin/python benchmarks/critical_points.py [--layers 0 5 10] [--n-starts 16] [--threads 2]
+    .venv-tl4/bin/python benchmarks/critical_points.py [--layers 0 5 10] [--n-starts 16] [--threads 2] [--forwards]
 """
 
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+import _common  # noqa: F401 - puts this checkout first on sys.path
 import tl_steering as ts
 from tl_steering.critical import CriticalPointsResult
+
+
+def in_forwards(model: Any, call: Callable[[], Any], what: str) -> Any:
+    """``call()``, printing its CPU and wall seconds over the median of 3 plain forwards (8 x 128 pydoc tokens)
+    run before it and 3 after it in this process."""
+    tokens = ts.text_tokens(model, n_windows=8, length=128)
+
+    def clocks() -> tuple[float, float]:
+        return time.process_time(), time.perf_counter()
+
+    def plain() -> list[float]:
+        c0, w0 = clocks()
+        with torch.no_grad():
+            model(tokens)
+        c1, w1 = clocks()
+        return [c1 - c0, w1 - w0]
+
+    before = [plain() for _ in range(3)]
+    c0, w0 = clocks()
+    out = call()
+    c1, w1 = clocks()
+    runs = before + [plain() for _ in range(3)]
+    med = [sorted(x[k] for x in runs)[len(runs) // 2] for k in (0, 1)]
+    print(f"{what}: {(c1 - c0) / med[0]:.1f} plain forwards of CPU, {(w1 - w0) / med[1]:.1f} of wall (plain forward "
+          f"{med[0]:.2f} CPU s, {med[1]:.2f} s; the call {c1 - c0:.1f} CPU s)", flush=True)
+    return out
 
 
 def main() -> None:
@@ -26,6 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-iter", type=int, default=None, help="LM iterations per start (default: the finder's)")
     p.add_argument("--json", default=None, help="write the CriticalPointsResult here (.json / .safetensors)")
+    p.add_argument("--forwards", action="store_true", help="also each layer's CPU and wall time in plain forwards")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
@@ -38,7 +70,9 @@ def main() -> None:
     results = []
     for layer in layers:
         extra = {} if a.max_iter is None else {"max_iter": a.max_iter}
-        r = ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts, options=extra or None)
+        run = lambda: ts.critical_points(model, [layer], tokens=tokens, n_starts=a.n_starts,  # noqa: E731
+                                         options=extra or None)
+        r = in_forwards(model, run, f"layer {layer}") if a.forwards else run()
         results.append(r)
         e = r.results[0]
         c = e.counts()

@@ -14,7 +14,8 @@ from .adapter import ModelAdapter
 from .copying import deepcopy_module
 from .lifecycle import _SILENCED, hook_points, hooks_silenced
 from .interrupts import deferred_signals
-from .sublayers import attention_apply, ffn_apply, sublayer_norms
+from .sublayers import _apply, attention_apply, ffn_apply, sublayer_norms, unwrap
+from . import autodiff
 
 _LOW = (torch.float32, torch.float16, torch.bfloat16)
 _CAST_METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
@@ -108,6 +109,7 @@ class Float64Block:
         self.norms = sublayer_norms(self.blk)
         self.d_model = ad.d_model
         self._traced: Any = None  # None: not built yet; False: tracing failed its check (use ffn)
+        self._parts: Any = None  # the same for the MLP's matrices of ffn_jacobian
 
     @property
     def has_post_ffn_norm(self) -> bool:
@@ -159,6 +161,65 @@ class Float64Block:
             return False
         return traced
 
+    def ffn_jacobian(self, x: Tensor) -> Tensor | None:
+        """DPhi at each row of ``x`` (``[n, d] -> [n, d, d]``, float64) from the MLP's own matrices:
+        W_down (diag(act'(g) v) W_gate + diag(act(g)) W_up) composed with the norms' Jacobians, an RMS pre-norm's
+        weight folded into W_gate and W_up (docs/critical_points.md, "Structured Jacobian"); None where the MLP has
+        no gated or plain form this knows, or where that form fails its check against a JVP of :meth:`ffn`."""
+        if self._parts is None:
+            self._parts = _mlp_parts(self.blk.mlp)
+            if self._parts:
+                rms = _rms_form(self.norms.pre_ffn, x.new_ones(2, self.d_model).cumsum(-1))
+                if rms is not None:
+                    wg, bg, wu, bu, wd, act = self._parts
+                    self._parts = (wg * rms[0], bg, None if wu is None else wu * rms[0], bu, wd, act, rms[1])
+            self._parts = self._parts if self._parts and self._jac_agrees(x.device) else False
+        if self._parts is False:
+            return None
+        wg, bg, wu, bu, wd, act, *eps = self._parts
+        x = x.to(torch.float64)
+        with torch.no_grad(), float64_compute():
+            if eps:  # RMS pre-norm: n = w x / r, Dn = diag(w) (I - x xᵀ / (d r²)) / r
+                r2 = (x * x).mean(-1, keepdim=True) + eps[0]
+                n, jac_pre = x / r2.sqrt(), None
+            else:
+                n, jac_pre = self._norm_jac(self.norms.pre_ffn, x)
+            g = torch.nn.functional.linear(n, wg, bg)
+            a, da = autodiff.jvp(act, (g,), (torch.ones_like(g),))  # act elementwise: act(g), act'(g)
+            c = da if wu is None else da * torch.nn.functional.linear(n, wu, bu)
+            jac, buf = x.new_empty(x.shape[0], self.d_model, self.d_model), torch.empty_like(wg)
+            for k in range(x.shape[0]):  # one row at a time: the [d_mlp, d] product stays in cache
+                torch.mul(wg, c[k, :, None], out=buf)
+                if wu is not None:
+                    buf.addcmul_(wu, a[k, :, None])
+                torch.matmul(wd, buf, out=jac[k])
+            if eps:
+                jac = (jac - (jac @ x[..., None]) * (x / (self.d_model * r2))[:, None, :]) / r2.sqrt()[..., None]
+            elif jac_pre is not None:
+                jac = jac @ jac_pre
+            if self.norms.post_ffn is not None:
+                mlp_out = _apply(self.blk.mlp, _apply(self.norms.pre_ffn, x[None]))[0]
+                jac = self._norm_jac(self.norms.post_ffn, mlp_out)[1] @ jac
+        return jac
+
+    @staticmethod
+    def _norm_jac(norm: torch.nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(norm(x), its Jacobian per row) for ``[n, d]`` rows; (x, None) for an absent norm."""
+        if norm is None:
+            return x, None
+        one = lambda z: _apply(norm, z[None, None])[0, 0]  # noqa: E731
+        return _apply(norm, x[None])[0], autodiff.vmap(autodiff.jacrev(one))(x)
+
+    def _jac_agrees(self, device: torch.device) -> bool:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x, t = (torch.randn(2, self.d_model, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
+        try:
+            got = (self.ffn_jacobian(x) @ t[..., None])[..., 0]
+            want = torch.autograd.functional.jvp(self.ffn, x, t)[1]
+        except Exception:  # noqa: BLE001 - a form this does not know: autograd stays correct
+            return False
+        return bool(float((got - want).abs().max()) <= 1e-10 * float(want.abs().max()))
+
     def attention(self, x: Tensor) -> Tensor:
         """A(X) for ``[batch, pos, d]`` input (cast to float64)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -168,6 +229,38 @@ class Float64Block:
         silence = hooks_silenced(rotary) if isinstance(rotary, torch.nn.Module) else contextlib.nullcontext()
         with silence, float64_compute():
             return attention_apply(model, self.blk, self.norms, self.backend, x.to(torch.float64))
+
+
+def _mlp_parts(mlp: torch.nn.Module) -> tuple | None:
+    """(W_gate, b_gate, W_up, b_up, W_down, act) of a gated MLP, act(x W_gate + b_gate) * (x W_up + b_up) ->
+    W_down (W_up None for a plain MLP act(x W + b)), as [out, in] matrices; None for any other form."""
+    hf = unwrap(mlp)
+    g, u, d = (unwrap(getattr(hf, k, None)) for k in ("gate_proj", "up_proj", "down_proj"))
+    if all(isinstance(m, torch.nn.Linear) for m in (g, u, d)):
+        return g.weight, g.bias, u.weight, u.bias, d.weight, hf.act_fn
+    w_in, w_out = (mlp._parameters.get(k) for k in ("W_in", "W_out"))  # HookedTransformer's MLP / GatedMLP
+    if w_in is None or w_out is None or not callable(getattr(mlp, "act_fn", None)):
+        return None
+    w_gate = mlp._parameters.get("W_gate")
+    if w_gate is None:
+        return w_in.T, mlp.b_in, None, None, w_out.T, mlp.act_fn
+    return w_gate.T, None, w_in.T, None, w_out.T, mlp.act_fn
+
+
+def _rms_form(norm: torch.nn.Module | None, x: Tensor) -> tuple[Tensor, float] | None:
+    """(w, eps) when ``norm`` computes w x / sqrt(mean(x²) + eps) at the probe rows ``x`` (its weight, or 1 + it as in
+    Gemma), else None."""
+    hf = unwrap(norm)
+    eps = getattr(hf, "variance_epsilon", getattr(hf, "eps", None))
+    weight = next((p for p in hf.parameters() if p.shape == x.shape[-1:]), None) if norm is not None else None
+    if weight is None or not isinstance(eps, float):
+        return None
+    with torch.no_grad(), float64_compute():
+        y = _apply(norm, x[None].to(weight))[0]
+        for w in (weight, 1 + weight):
+            if torch.allclose(y, w * x / ((x * x).mean(-1, keepdim=True) + eps).sqrt(), rtol=1e-12, atol=0):
+                return w, eps
+    return None
 
 
 __all__ = ["Float64Block", "float64_compute"]

@@ -72,7 +72,7 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
         n_starts: independent seeded Gaussian starts (the power iteration of F and of -F from each).
         seed: their seed.
         landscape_solves: Newton solves of the landscape phase (the saddle search; every one found raises the lower
-            bound, so the default is find_equilibria's full budget: about 3 s a solve on one core for d = 576).
+            bound, so the default is find_equilibria's full budget).
         level: level of the upper bounds on attractors and repellers.
         options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
             every entry point uses); ``landscape_solves`` replaces its budget.

@@ -179,19 +179,22 @@ class _FieldAdapter:
         with torch.no_grad():
             return self.many(u)
 
-    def jacobians(self, u: Tensor, chunk: int = 8) -> list[Tensor | None]:
-        """DF at each row of ``u`` by one vmapped reverse-mode call per ``chunk`` rows; None for the rows of a
-        chunk the field cannot be vmapped on (the caller then uses :meth:`jacobian`)."""
-        out: list[Tensor | None] = []
+    def jacobians(self, u: Tensor, chunk: int = 8) -> Tensor:
+        """DF at each row of ``u`` ([n, d, d]): the field's own ``jacobian_no_grad`` where it has one and it answers
+        (e.g. the FFN fields of :func:`tl_steering.critical.critical_field`), else one vmapped reverse-mode call per
+        ``chunk`` rows, else :meth:`jacobian` per row (a field torch.func cannot vmap)."""
         self.n_jacobians += u.shape[0]
-        for lo in range(0, u.shape[0], chunk):
-            part = u[lo:lo + chunk]
-            try:
-                jac = autodiff.vmap(autodiff.jacrev(self.one))(part).to(self.dtype).detach()
-                out.extend(jac[i] for i in range(part.shape[0]))
-            except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
-                out.extend([None] * part.shape[0])
-        return out
+        fast = getattr(self.field, "jacobian_no_grad", None) if self.mode == "batched" else None
+        out = []
+        for part in u.split(chunk):
+            jac = fast(part) if callable(fast) else None
+            if jac is None:
+                try:
+                    jac = autodiff.vmap(autodiff.jacrev(self.one))(part)
+                except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
+                    jac = torch.stack([self.jacobian(x) for x in part])
+            out.append(jac.to(self.dtype).detach())
+        return torch.cat(out) if out else u.new_zeros(0, self.dim, self.dim)
 
     def point_jacobians(self, points: Tensor) -> list[Tensor]:
         """DF at each row of ``points``, computed once per point (cached in :attr:`point_cache`; rows missing from
@@ -200,7 +203,7 @@ class _FieldAdapter:
         missing = [i for i, e in enumerate(entries) if "jac" not in e]
         if missing:
             for i, jac in zip(missing, self.jacobians(points[missing])):
-                entries[i]["jac"] = jac if jac is not None else self.jacobian(points[i]).detach()
+                entries[i]["jac"] = jac
         return [e["jac"] for e in entries]
 
     def jacobian(self, u: Tensor) -> Tensor:

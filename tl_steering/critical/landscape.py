@@ -28,17 +28,6 @@ DEFLATION_SHIFT = 1.0
 EXPLAINED_COS = 0.99
 
 
-def tangent_jacobian(u: Tensor, f: Tensor, jac: Tensor) -> tuple[_Householder, Tensor, Tensor]:
-    """(Q, A, Qᵀ W) at a unit u with F(u) = ``f`` and DF(u) = ``jac``: the Newton system of W = P_u F / ||F|| in
-    tangent coordinates (module docstring)."""
-    h = _Householder(u)
-    fn = f.norm().clamp_min(_EPS)
-    fh = f / fn
-    dh = (jac - torch.outer(fh, fh @ jac)) / fn  # (I - F̂F̂ᵀ) DF / ||F||
-    a = h.conjugate(dh)[1:, 1:] - float(u @ fh) * torch.eye(u.shape[0] - 1, dtype=u.dtype, device=u.device)
-    return h, a, h.qt(_tangential_part(fh, u))
-
-
 def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     """(log m(u), ∇ log m(u)) per row of ``u`` ([..., d] -> [...], [..., d]) for the deflation
     m(u) = prod_i (||u - u_i||^-p + σ) of the ``known`` points (p = ``DEFLATION_POWER``, σ = ``DEFLATION_SHIFT``);
@@ -52,25 +41,30 @@ def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     return torch.log(rp + DEFLATION_SHIFT).sum(-1), (coef[..., None] * diff).sum(-2)
 
 
-def _newton_steps(u: Tensor, f: Tensor, jacs: list[Tensor], known: Tensor) -> tuple[Tensor, Tensor]:
+def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     """The deflated Newton step of each row (ambient tangent vectors, capped at ``MAX_STEP``) from the Jacobians
-    ``jacs`` (DF at the row or near it) and F(u) = ``f``; and which rows got a finite step."""
-    steps, ok = torch.zeros_like(u), torch.ones(u.shape[0], dtype=torch.bool)
-    for k in range(u.shape[0]):
-        h, a, w = tangent_jacobian(u[k], f[k], jacs[k])
-        try:
-            s = -torch.linalg.solve(a, w)
-        except RuntimeError:
-            s = -torch.linalg.lstsq(a, w[:, None]).solution[:, 0]
-        if not bool(torch.isfinite(s).all()):
-            ok[k] = False
-            continue
-        denom = 1.0 - float(h.qt(_deflation(u[k], known)[1]) @ s)
-        if known.shape[0] and abs(denom) > 1e-12:
-            s = s / denom
-        norm = float(s.norm())
-        steps[k] = h.q(s * (MAX_STEP / norm) if norm > MAX_STEP else s)
-    return steps, ok
+    ``jacs`` (DF at the row) and F(u) = ``f``; and which rows got a finite step. The Newton system of
+    W = P_u F / ||F|| in the tangent space is solved bordered by u (no basis): (I - F̂F̂ᵀ) DF t / ||F|| - <u, F̂> t
+    + μ u = -P_u F̂, uᵀ t = 0."""
+    n, d = u.shape
+    fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+    fh = f / fn
+    k = u.new_zeros(n, d + 1, d + 1)
+    k[:, :d, :d] = (jacs - fh[:, :, None] * (fh[:, None, :] @ jacs)) / fn[..., None]
+    k[:, :d, :d].diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
+    k[:, :d, d], k[:, d, :d] = u, u
+    rhs = torch.cat([-_tangential_part(fh, u), u.new_zeros(n, 1)], dim=-1)
+    sol, info = torch.linalg.solve_ex(k, rhs)
+    for i in (info != 0).nonzero().flatten().tolist():
+        sol[i] = torch.linalg.lstsq(k[i], rhs[i][:, None]).solution[:, 0]
+    t = sol[:, :d]
+    ok = torch.isfinite(t).all(-1)
+    if known.shape[0]:
+        denom = 1.0 - (_deflation(u, known)[1] * t).sum(-1, keepdim=True)
+        t = torch.where(denom.abs() > 1e-12, t / denom, t)
+    norm = t.norm(dim=-1, keepdim=True)
+    t = torch.where(norm > MAX_STEP, t * (MAX_STEP / norm), t)
+    return torch.where(ok[:, None], t, torch.zeros_like(t)), ok.cpu()
 
 
 def _line_search(fld: _FieldAdapter, u: Tensor, steps: Tensor, rel: Tensor, merit: Tensor, known: Tensor
@@ -121,9 +115,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         idx = (status < 0).nonzero().flatten()
         if idx.numel() == 0:
             break
-        jacs = [jac if jac is not None else fld.jacobian(x) for jac, x in zip(fld.jacobians(u[idx]), u[idx])]
         n_jac += idx.numel()
-        steps, finite = _newton_steps(u[idx], f[idx], [j.detach() for j in jacs], known)
+        steps, finite = _newton_steps(u[idx], f[idx], fld.jacobians(u[idx]), known)
         status[idx[~finite]] = 2
         idx, steps = idx[finite], steps[finite]
         u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(fld, u[idx], steps, rel[idx], merit[idx], known)
@@ -245,4 +238,4 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
 
 
 __all__ = ["DELTA", "EXPLAINED_COS", "MAX_STEP", "eigen_directions", "explained", "landscape_phase",
-           "newton_solve", "tangent_jacobian"]
+           "newton_solve"]

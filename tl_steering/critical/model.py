@@ -82,6 +82,13 @@ class CriticalField:
                 return self(u)
         return self.block.ffn_no_grad(self.radius * u)
 
+    def jacobian_no_grad(self, u: Float[Tensor, "n d"]) -> Float[Tensor, "n d d"] | None:
+        """DF at the rows of ``u`` from the block's structured FFN Jacobian
+        (:meth:`~tl_steering.backends.field64.Float64Block.ffn_jacobian`); None for the other fields or an MLP of
+        another form (the finder then differentiates the field by autograd)."""
+        jac = self.block.ffn_jacobian(self.radius * u) if self.kind == "ffn" else None
+        return None if jac is None else self.radius * jac
+
 
 def _default_tokens(model: Any) -> Any:
     """The windows a call without ``tokens`` draws, with their corpus label (so its provenance names them)."""
@@ -273,8 +280,8 @@ def critical_points(
         corpus: the corpus label recorded in the provenance (wins over a TokenWindows label).
         options: :class:`~tl_steering.critical.options.FinderOptions` (or a dict of some of its fields) of the one
             finder, :func:`find_equilibria`'s (docs/critical_points.md, "The one way in"); None: ``DEFAULT_OPTIONS``,
-            whose landscape phase runs at most 32 Newton solves per layer (about 3 s each on one core for
-            d = 576).
+            whose landscape phase runs at most 32 Newton solves per layer (cost: docs/critical_points.md section 1,
+            "Structured Jacobian").
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.

@@ -6,7 +6,6 @@ import math
 import torch
 from torch import Tensor
 
-from ..backends import autodiff
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .fields import _EPS, _FieldAdapter, relative_residual
 
@@ -21,7 +20,6 @@ class _Merit:
 
     def __init__(self, fld: _FieldAdapter) -> None:
         self.fld = fld
-        self._jac_mode: str | None = None
 
     def rows(self, u: Tensor) -> tuple[Tensor, Tensor]:
         """(r [n, d], relative residual [n]) without autograd; r is inf where the residual is."""
@@ -31,34 +29,18 @@ class _Merit:
             r = _tangential_part(f, u) / f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
         return torch.where(torch.isfinite(rel)[:, None], r, torch.full_like(r, math.inf)), rel
 
-    def one(self, u: Tensor) -> Tensor:
-        f = self.fld.one(u)
-        return _tangential_part(f, u) / f.norm().clamp_min(_EPS)
-
     def jacobian(self, u: Tensor) -> Tensor:
-        """Dr(u) per row, [n, d, d]: vmapped reverse mode, else a loop (reverse, then forward, then autograd)."""
-        modes: list[str] = [self._jac_mode] if self._jac_mode else ["vmap", "loop_rev", "loop_fwd", "autograd"]
-        if self.fld.mode == "loop" and not self._jac_mode:
-            modes = ["autograd"]
-        err: Exception | None = None
-        self.fld.n_jacobians += u.shape[0]
-        for mode in modes:
-            try:
-                jac = self._jac(mode, u)
-                self._jac_mode = mode
-                return jac
-            except Exception as exc:  # noqa: BLE001 - a field may not support a transform
-                err = exc
-        raise RuntimeError(f"could not differentiate the field: {err!r}") from err
-
-    def _jac(self, mode: str, u: Tensor) -> Tensor:
-        if mode == "vmap":
-            return autodiff.vmap(autodiff.jacrev(self.one))(u)
-        if mode == "loop_rev":
-            return torch.stack([autodiff.jacrev(self.one)(x) for x in u])
-        if mode == "loop_fwd":
-            return torch.stack([autodiff.jacfwd(self.one)(x) for x in u])
-        return torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in u])
+        """Dr(u) per row, [n, d, d], from DF (:meth:`_FieldAdapter.jacobians`) at unit rows:
+        ((I - u uᵀ) DF - u Fᵀ - <u, F> I) / ||F|| - r (F̂ᵀ DF) / ||F||."""
+        jac = self.fld.jacobians(u)
+        with torch.no_grad():
+            f = self.fld.many(u)
+        fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+        uf = (u * f).sum(-1, keepdim=True)
+        r = (f - uf * u) / fn
+        eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
+        dg = jac - u[:, :, None] * (u[:, None, :] @ jac) - u[:, :, None] * f[:, None, :] - uf[..., None] * eye
+        return dg / fn[..., None] - r[:, :, None] * ((f / fn)[:, None, :] @ jac) / fn[..., None]
 
 
 def _damped_solve(h: Tensor, g: Tensor, u: Tensor, scale: Tensor, mu: Tensor) -> Tensor:
