@@ -10,7 +10,7 @@
 #
 # Set-up: the two lines install at the same time. Tests: the two lines run at the same time, one CPU thread each
 # (OMP_NUM_THREADS=1): most of a test's time is Python (TransformerLens's hook machinery, small matrices), which one
-# process cannot spread over two cores. The kernel pass runs after the TL 4.x line, the shorter one. Each line's
+# process cannot spread over two cores. Each line then runs its share of the kernel pass. Each line's
 # output goes to .test-logs/<line>.log and is printed when that line ends. TL_STEERING_SERIAL=1 runs the lines one
 # after the other (with torch's default threads) instead.
 set -euo pipefail
@@ -41,8 +41,11 @@ echo "=== both lines set up in $(( $(date +%s) - start ))s"
 # solvers, the protocols, the planner), run again under AVX2-only kernels. Not test_scan.py: it checks how shards
 # and processes split and resume (its numbers are compared within one kernel path), in child processes; not the
 # d = 576 planted landscape (30 s; its d = 12-32 siblings and the d = 576 flow tests run here).
-KERNEL_ROOMS=(tests/unit/probing tests/unit/critical tests/unit/parallel tests/unit/protocols
-              tests/unit/test_geometry.py tests/unit/test_metrics.py tests/unit/test_stats.py)
+# The rooms are split over the two lines, each pass after its line's suite, so that the two lines end together:
+# critical/ and the statistics (most of their tests run on TL 4.x only) after TL 4.x, the rest after TL 3.9.
+declare -A KERNEL_ROOMS=(
+  [tl4]="tests/unit/critical tests/unit/test_geometry.py tests/unit/test_metrics.py tests/unit/test_stats.py"
+  [tl3]="tests/unit/probing tests/unit/parallel tests/unit/protocols")
 KERNEL_ENV=(MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2)
 
 run_line() {  # run_line LINE [pytest args...]: the suite on one line; its exit status
@@ -61,18 +64,19 @@ run_line() {  # run_line LINE [pytest args...]: the suite on one line; its exit 
 }
 
 run_kernel_pass() {  # run_kernel_pass LINE: the sensitive rooms under AVX2-only dispatch; its exit status
-  local line="$1" t0 rc=0
+  local line="$1" t0 rc=0 rooms
+  read -r -a rooms <<< "${KERNEL_ROOMS[$line]}"
   if [ "$#" -gt 1 ] || { [ "${extra_args:-0}" = 1 ] && [ "${TL_STEERING_KERNEL_PASS:-0}" != 1 ]; }; then
     echo "=== [$line, AVX2 kernels] skipped (pytest arguments given; TL_STEERING_KERNEL_PASS=1 runs it)"
     return 0
   fi
   t0=$(date +%s)
-  echo "=== [$line, AVX2 kernels] ${KERNEL_ENV[*]}: ${KERNEL_ROOMS[*]}"
+  echo "=== [$line, AVX2 kernels] ${KERNEL_ENV[*]}: ${rooms[*]}"
   env "${KERNEL_ENV[@]}" ".venv-$line/bin/python" -c \
     "import torch; c = torch.backends.cpu.get_cpu_capability(); print('ATen CPU capability:', c); assert c in ('AVX2', 'DEFAULT'), c" \
     || return 1
   env "${KERNEL_ENV[@]}" ".venv-$line/bin/python" -m pytest -m "not slow" -p no:cacheprovider -q \
-    --ignore=tests/unit/probing/test_scan.py "${KERNEL_ROOMS[@]}" \
+    --ignore=tests/unit/probing/test_scan.py "${rooms[@]}" \
     --deselect tests/unit/critical/test_landscape.py::test_default_finder_finds_every_planted_equilibrium_d576 || rc=$?
   if [ "$rc" = 0 ]; then
     echo "=== [$line, AVX2 kernels] passed in $(( $(date +%s) - t0 ))s"
@@ -88,7 +92,7 @@ status=0
 t_tests=$(date +%s)
 if [ "${TL_STEERING_SERIAL:-0}" = 1 ]; then
   for line in tl4 tl3; do run_line "$line" "$@" || status=1; done
-  run_kernel_pass tl4 || status=1
+  for line in tl4 tl3; do run_kernel_pass "$line" || status=1; done
 else
   declare -A pids
   for line in tl4 tl3; do
@@ -97,7 +101,7 @@ else
       export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
       rc=0
       run_line "$line" "$@" || rc=1
-      if [ "$line" = tl4 ]; then run_kernel_pass "$line" || rc=1; fi
+      run_kernel_pass "$line" || rc=1
       exit "$rc"
     ) > ".test-logs/$line.log" 2>&1 &
     pids[$line]=$!

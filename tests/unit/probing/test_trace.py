@@ -153,7 +153,11 @@ def test_probe_equals_cache_route(tiny, tiny_tokens):
     res = trace.result()
     assert res.n_forwards == 2 and res.n_sequences == 3 and res.n_tokens == tiny_tokens.numel()
     assert set(res.quantities) == set(ALL_QUANTITIES)
-    ref = reference_metrics(tiny, cache_for(tiny, tiny_tokens))
+    # the reference caches the same two forwards (batch shapes 1 and 2): one forward of all 3 rows may round
+    # differently in float32 under another kernel path (CONTRIBUTING.md, "Kernel paths and tolerances"), and this
+    # test is about the probe's float64 accumulation over forwards, compared at float64 precision
+    parts = [cache_for(tiny, tiny_tokens[:1]), cache_for(tiny, tiny_tokens[1:])]
+    ref = reference_metrics(tiny, {n: torch.cat([c[n] for c in parts]) for n in parts[0]})
     assert_matches(res, ref)
     ad = adapt(tiny)
     for q in ("resid_norm_mid", "pairwise_cosine_mid", "effective_rank_mid"):
