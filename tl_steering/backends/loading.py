@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -340,6 +340,7 @@ TinyArch = Literal["gpt2", "llama", "neox", "gemma3", "gemma2"]
 def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
                   n_heads: int = 4, d_mlp: int | None = None, n_ctx: int = 128) -> tuple[Any, Any]:
     """A random-init Hugging Face model of a real architecture, plus the byte tokenizer."""
+    validation.as_choice(arch, "arch", get_args(TinyArch))
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                               LlamaForCausalLM, PreTrainedTokenizerFast)
 
@@ -362,8 +363,6 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
         cls = GPTNeoXForCausalLM
     elif arch in ("gemma3", "gemma2"):  # sandwich norms, QK-norm (3), softcapping (2), local/global, GQA
         cfg, cls = _tiny_gemma_config(arch, n_layers, d_model, n_heads, d_mlp, n_ctx, common)
-    else:
-        raise InputError(f"arch must be 'gpt2', 'llama', 'neox', 'gemma3' or 'gemma2', got {arch!r}")
     cfg.architectures = [cls.__name__]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
