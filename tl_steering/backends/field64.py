@@ -54,30 +54,13 @@ class _KeepFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class float64_compute:  # noqa: N801 - used like a function: ``with float64_compute(): ...``
+@contextlib.contextmanager
+def float64_compute() -> Any:
     """Context manager: inside it, float64 tensors are not downcast by ``.to(float32)``, ``.float()``, ``.half()``,
     ``.type(float32)``, ``.type_as(float32 tensor)`` or ``softmax(..., dtype=float32)``; thread-local; signals held
     (docs/hooks.md, "Interrupts")."""
-
-    def __init__(self) -> None:
-        self._hold = deferred_signals()
-        self._mode = _KeepFloat64()
-
-    def __enter__(self) -> "float64_compute":
-        self._hold.__enter__()
-        try:
-            self._mode.__enter__()
-        except BaseException:
-            self._hold.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._mode.__exit__(*exc)
-        finally:
-            self._hold.__exit__()
-        return None
+    with deferred_signals(), _KeepFloat64():
+        yield
 
 
 def _private_copy(module: torch.nn.Module) -> torch.nn.Module:

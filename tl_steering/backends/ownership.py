@@ -45,7 +45,6 @@ class _Token:
     def __init__(self, model: Any):
         self.model = model
         self.claim: _Claim | None = None
-        self.interrupted = False
 
     def restore(self) -> None:
         claim = self.claim
