@@ -162,13 +162,10 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
             for i, lay in enumerate(sel):
                 _layer_sums(ad, cache, lay, i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
             del cache
-    if world is not None and world.active:  # the other ranks' windows, in window order
-        keys = sorted(sums.v)
-        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows,
-                           **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
-        phi_rows = got.pop("__phi_check")
-        peer_sums = {k: got.pop("__peer_" + k) for k in list(peer_sums)}
-        sums.v = got
+    got = gather_rows({**{k: sums.v[k] for k in sorted(sums.v)}, "__phi_check": phi_rows,  # the other ranks' rows
+                       **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
+    phi_rows, peer_sums = got.pop("__phi_check"), {k: got.pop("__peer_" + k) for k in PEER_SCORES}
+    sums.v = got
     return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)
 
 
