@@ -109,7 +109,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, res, k, layers, strategy)
     if s.defect_timing:
-        res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
+        res.speedup = SpeedupEstimate(**defect.speedup_estimate(layers))
     tick("plan")
 
 
@@ -306,22 +306,8 @@ def run_suite(
     corpus: str | None = None,
     checkpoint: str | Path | None = None,
 ) -> SuiteResult:
-    """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
-        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.windows.TokenWindows` (its corpus label
-            goes into every result's provenance; ``corpus=`` wins).
-        settings: :class:`SuiteSettings` (:func:`~tl_steering.suite.default_settings` sizes them for a model).
-        progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
-        seed: seed of bootstraps, random controls, gate splits, critical-point starts and perturbations.
-        corpus: the corpus label recorded in the provenance (e.g. ``corpus_label("pydoc", 8, 128, 0)``).
-        checkpoint: a ``.json`` path written after every finished stage; a run given one that exists resumes
-            from it (same weights, tokens, settings and seed; docs/suite.md, "Resuming").
-
-    Returns:
-        The :class:`SuiteResult`; the fields of stages not run are None.
-    """
+    """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``; the fields
+    of stages not run are None (every argument: docs/suite.md)."""
     if not isinstance(settings, SuiteSettings):
         raise InputError(f"run_suite: settings must be a SuiteSettings, got {type(settings).__name__}")
     settings.check()
