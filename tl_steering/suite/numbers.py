@@ -18,16 +18,7 @@ Getter = Callable[[SuiteResult], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Number:
-    """One named number of a :class:`SuiteResult`.
-
-    Attributes:
-        key: the number's name in ``SuiteResult.summary()`` (the headline names each of its numbers once), or, for
-            what the headline leaves out (per-layer values, losses), a getter of the result.
-        note: how ours was measured (shown beside the value in the report).
-        tol: the pinned tolerance group (None for a published number).
-        cast: applied to the headline value (the pinned file holds plain floats, bools and lists).
-        needs: a headline key whose falsy value makes the number None (no equilibrium found: no fraction).
-    """
+    """One named number of a :class:`SuiteResult` (its fields: docs/suite.md, "One map of named numbers")."""
 
     key: str | Getter
     note: Callable[[SuiteResult], str] = lambda r: ""
