@@ -102,8 +102,7 @@ def parallel_defect(
     n_random = as_int(n_random, "n_random", minimum=0)
     timing_repeats = as_int(timing_repeats, "timing_repeats", minimum=1)
     parallel = [ad.is_parallel(lay) for lay in sel]
-    candidates = [lay for lay, par in zip(sel, parallel) if not par]
-    ks = _k_values(k_values, len(candidates))
+    ks = _k_values(k_values, parallel.count(False))  # k counts the sequential (candidate) layers
     keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
     sums, peer_sums, phi_check = _collect(ad, tokens, sel, parallel, keep, brackets, batch_size, world)
     n_tokens = int(tokens.shape[0] * keep.sum())

@@ -61,10 +61,6 @@ def _saddle_note(r: SuiteResult) -> str:
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the {method} finder converged on layers {cr.layers}"
 
 
-def _speedup_note(r: SuiteResult) -> str:
-    return f"k = {r.plan.k}; timed on {r.speedup.device or '?'} (the paper: GPU sub-module times)"
-
-
 def _cosines_note(r: SuiteResult) -> str:
     s = r.summary()
     return (f"final pairwise cosine: clean {s['diversity_final_pairwise_cosine']:.3f}, tangential-only "
@@ -102,7 +98,9 @@ PUBLISHED: dict[str, Number] = {
     "parallel_gpt2_large_high_defect_degrades": Number(
         key="plan_high_over_low", note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"
     ),
-    "parallel_gpt2_large_speedup": Number(key="speedup_estimate", note=_speedup_note),
+    "parallel_gpt2_large_speedup": Number(
+        key="speedup_estimate",
+        note=lambda r: f"k = {r.plan.k}; timed on {r.speedup.device or '?'} (the paper: GPU sub-module times)"),
     "critical_mostly_saddles": Number(key="critical_saddle_fraction", needs="critical_n_points", note=_saddle_note),
     "critical_rotational_modes": Number(
         key="critical_rotational_points", needs="critical_n_points",
