@@ -284,8 +284,7 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
                                max(3, repeats // 2))
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
     return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),
-            "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape],
-            "timing_device": str(ad.device)}
+            "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape]}
 
 
 __all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",
