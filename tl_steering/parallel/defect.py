@@ -102,8 +102,7 @@ def parallel_defect(
     n_random = as_int(n_random, "n_random", minimum=0)
     timing_repeats = as_int(timing_repeats, "timing_repeats", minimum=1)
     parallel = [ad.is_parallel(lay) for lay in sel]
-    candidates = [lay for lay, par in zip(sel, parallel) if not par]
-    ks = _k_values(k_values, len(candidates))
+    ks = _k_values(k_values, parallel.count(False))  # k counts the sequential (candidate) layers
     keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
     sums, peer_sums, phi_check = _collect(ad, tokens, sel, parallel, keep, brackets, batch_size, world)
     n_tokens = int(tokens.shape[0] * keep.sum())
@@ -162,13 +161,10 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
             for i, lay in enumerate(sel):
                 _layer_sums(ad, cache, lay, i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
             del cache
-    if world is not None and world.active:  # the other ranks' windows, in window order
-        keys = sorted(sums.v)
-        got = gather_rows({**{k: sums.v[k] for k in keys}, "__phi_check": phi_rows,
-                           **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
-        phi_rows = got.pop("__phi_check")
-        peer_sums = {k: got.pop("__peer_" + k) for k in list(peer_sums)}
-        sums.v = got
+    got = gather_rows({**{k: sums.v[k] for k in sorted(sums.v)}, "__phi_check": phi_rows,  # the other ranks' rows
+                       **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
+    phi_rows, peer_sums = got.pop("__phi_check"), {k: got.pop("__peer_" + k) for k in PEER_SCORES}
+    sums.v = got
     return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)
 
 
@@ -288,8 +284,7 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
                                max(3, repeats // 2))
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
     return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),
-            "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape],
-            "timing_device": str(ad.device)}
+            "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape]}
 
 
 __all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",

@@ -20,10 +20,6 @@ def tried(r: Any) -> str:
     return f"{r.method} from the starts"
 
 
-def _none_found(r: Any) -> str:
-    return f"no equilibrium found from {r.options.get('n_starts', r.n_starts)} starts ({r.n_starts} rows): {tried(r)}"
-
-
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
     rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
@@ -39,11 +35,13 @@ def critical_layer_table(result: Any) -> str:
         v = claim["per_layer"][int(layer)]
         hist = ", ".join(f"{k}: {n}" for k, n in sorted(r.morse_histogram().items())) or "-"
         frac = "-" if not v["n"] else f"{v['fraction']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
+        none = (f"no equilibrium found from {r.options.get('n_starts', r.n_starts)} starts ({r.n_starts} rows): "
+                f"{tried(r)}")
         rows.append(
             f"<tr><td>{int(layer)}</td><td>{_e(r.method)}</td><td>{r.n_starts}</td><td>{r.n_converged}</td>"
             f"<td>{r.n_points}</td><td>{c['attractor']}</td><td>{c['repeller']}</td><td>{c['saddle']}</td>"
             f"<td>{c['rotational']}</td><td>{_e(hist)}</td><td>{float(result.seconds[i]):.1f}</td>"
-            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else _none_found(r))}</td></tr>")
+            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else none)}</td></tr>")
     p = claim["pooled"]
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")

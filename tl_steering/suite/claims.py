@@ -13,12 +13,9 @@ _TIMING_VERDICTS = {"faster": "holds", "slower": "does not hold", "within noise"
 
 
 def timing_claim(ex: Any) -> Claim:
-    """Ours: the plan's whole parallel forward is faster than the original's (an ``ExecutorTiming``).
-
-    ``parts["status"]``: "within noise" (undecided) when the speedup's interval holds 1 or overlaps the A/A control's
-    (the original timed against itself the same way), else "faster" (holds) or "slower" (does not hold); "not judged"
-    with fewer than 3 rounds, no finite interval or no run. ``parts["speedup"]``: the speedup and interval as text.
-    """
+    """Ours: the plan's whole parallel forward is faster than the original's (an ``ExecutorTiming``; docs/suite.md,
+    "Verdicts"). ``parts["status"]``: "faster", "slower", "within noise" or "not judged" (fewer than 3 rounds, no
+    finite interval or no run); ``parts["speedup"]``: the speedup and its interval as text."""
     s = as_number(ex.measured_speedup)
     lo, hi = (as_number(x) for x in ex.speedup_interval)
     clo, chi = (as_number(x) for x in ex.speedup_control_interval)

@@ -18,16 +18,7 @@ Getter = Callable[[SuiteResult], Any]
 
 @dataclasses.dataclass(frozen=True)
 class Number:
-    """One named number of a :class:`SuiteResult`.
-
-    Attributes:
-        key: the number's name in ``SuiteResult.summary()`` (the headline names each of its numbers once), or, for
-            what the headline leaves out (per-layer values, losses), a getter of the result.
-        note: how ours was measured (shown beside the value in the report).
-        tol: the pinned tolerance group (None for a published number).
-        cast: applied to the headline value (the pinned file holds plain floats, bools and lists).
-        needs: a headline key whose falsy value makes the number None (no equilibrium found: no fraction).
-    """
+    """One named number of a :class:`SuiteResult` (its fields: docs/suite.md, "One map of named numbers")."""
 
     key: str | Getter
     note: Callable[[SuiteResult], str] = lambda r: ""
@@ -70,10 +61,6 @@ def _saddle_note(r: SuiteResult) -> str:
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the {method} finder converged on layers {cr.layers}"
 
 
-def _speedup_note(r: SuiteResult) -> str:
-    return f"k = {r.plan.k}; timed on {r.speedup.device or '?'} (the paper: GPU sub-module times)"
-
-
 def _cosines_note(r: SuiteResult) -> str:
     s = r.summary()
     return (f"final pairwise cosine: clean {s['diversity_final_pairwise_cosine']:.3f}, tangential-only "
@@ -111,7 +98,9 @@ PUBLISHED: dict[str, Number] = {
     "parallel_gpt2_large_high_defect_degrades": Number(
         key="plan_high_over_low", note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"
     ),
-    "parallel_gpt2_large_speedup": Number(key="speedup_estimate", note=_speedup_note),
+    "parallel_gpt2_large_speedup": Number(
+        key="speedup_estimate",
+        note=lambda r: f"k = {r.plan.k}; timed on {r.speedup.device or '?'} (the paper: GPU sub-module times)"),
     "critical_mostly_saddles": Number(key="critical_saddle_fraction", needs="critical_n_points", note=_saddle_note),
     "critical_rotational_modes": Number(
         key="critical_rotational_points", needs="critical_n_points",

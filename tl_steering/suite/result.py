@@ -104,7 +104,8 @@ class PlanLosses:
 @register
 @dataclasses.dataclass
 class SpeedupEstimate:
-    """The critical-path speedup estimate of the plan from the sub-module times (``DefectResult.speedup_estimate``)."""
+    """The critical-path speedup estimate of the plan from the sub-module times (``DefectResult.speedup_estimate``'s
+    fields, one for one)."""
 
     kind: ClassVar[str] = "suite_speedup"
 
@@ -119,25 +120,16 @@ class SpeedupEstimate:
     timing_shape: list[int] = dataclasses.field(default_factory=list)
     device: str = ""
 
-    @classmethod
-    def from_estimate(cls, est: dict[str, Any]) -> "SpeedupEstimate":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in est.items() if k in names})
-
 
 @register
 @dataclasses.dataclass
 class ExecutorTiming:
-    """The plan run by the real parallel executor: its loss and its whole-forward time against the original.
+    """The plan run by the real parallel executor: its loss and its whole-forward time against the original (the
+    timing fields and older files without rounds: docs/suite.md, "Verdicts").
 
     ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why). ``strategy``
     and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
     ``g_l Phi(x) + b_l`` folded into the fused weights).
-
-    The timing fields (``rounds`` alternating rounds of the original, ``timing_sequential_s``, the A/A control,
-    ``timing_control_s``, and the copy, ``timing_parallel_s``; ``measured_speedup`` and ``speedup_control`` with
-    their intervals; ``t_forward_*_s`` the median times): docs/suite.md, "Verdicts". Older files hold one median
-    per model and no rounds (``rounds = 0``: no interval, no verdict).
     """
 
     kind: ClassVar[str] = "suite_executor"

@@ -19,7 +19,7 @@ from ..data.batching import mean_loss
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
 from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
-from .schedule import Exchange, assign_stages
+from .schedule import Exchange, StageView, assign_stages
 from .._util.timing import alternating_seconds, timed
 from .result import (Checks, DistributedRun, Environment, ExecutorTiming, ModelSummary, PlanChoice, PlanLosses,
                      SpeedupEstimate, StageTiming, SuiteResult)
@@ -109,7 +109,7 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         layers, strategy = list(res.planner.layers), res.planner.strategy
     res.plan = _plan_losses(c, res, k, layers, strategy)
     if s.defect_timing:
-        res.speedup = SpeedupEstimate.from_estimate(defect.speedup_estimate(layers))
+        res.speedup = SpeedupEstimate(**defect.speedup_estimate(layers))
     tick("plan")
 
 
@@ -177,9 +177,7 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == PLANNER.reference else \
             list(res.defect.plan(min(k, len(res.defect.candidates))))
         loss = mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
-        out.lowest_c_layers = low
-        out.lowest_c_held_out_delta_ce = loss - plan.clean_loss_held_out
-        d = out.lowest_c_held_out_delta_ce
+        out.lowest_c_layers, out.lowest_c_held_out_delta_ce = low, (d := loss - plan.clean_loss_held_out)
         out.ratio_to_lowest_c = plan.held_out_delta_ce / d if d != 0 else math.nan
     res.plan_choice = out
     tick("lowest-C on held-out")
@@ -202,11 +200,7 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     copies = [(info, par) for info, par in runs if par is not None]
     if copies:
         sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
-
-        def forward(mdl: Any) -> Callable[[], Any]:
-            return lambda: mdl(sl, return_type="logits")
-
-        fns = [forward(c.model), forward(c.model)] + [forward(par) for _, par in copies]
+        fns = [lambda m=m: m(sl, return_type="logits") for m in [c.model, c.model] + [par for _, par in copies]]
         times = alternating_seconds(fns, c.ad.device, warmup=1, rounds=c.s.parallel_repeats)
         clean = _clean_loss(c, res)
         for (info, par), t_par in zip(copies, times[2:]):
@@ -306,22 +300,8 @@ def run_suite(
     corpus: str | None = None,
     checkpoint: str | Path | None = None,
 ) -> SuiteResult:
-    """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge); never changed, no hook left.
-        tokens: ``[windows, pos]`` token ids, or a :class:`~tl_steering.data.windows.TokenWindows` (its corpus label
-            goes into every result's provenance; ``corpus=`` wins).
-        settings: :class:`SuiteSettings` (:func:`~tl_steering.suite.default_settings` sizes them for a model).
-        progress: True for a tqdm bar per stage on stderr, False for none, or a :class:`Progress`.
-        seed: seed of bootstraps, random controls, gate splits, critical-point starts and perturbations.
-        corpus: the corpus label recorded in the provenance (e.g. ``corpus_label("pydoc", 8, 128, 0)``).
-        checkpoint: a ``.json`` path written after every finished stage; a run given one that exists resumes
-            from it (same weights, tokens, settings and seed; docs/suite.md, "Resuming").
-
-    Returns:
-        The :class:`SuiteResult`; the fields of stages not run are None.
-    """
+    """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``; the fields
+    of stages not run are None (every argument: docs/suite.md)."""
     if not isinstance(settings, SuiteSettings):
         raise InputError(f"run_suite: settings must be a SuiteSettings, got {type(settings).__name__}")
     settings.check()
@@ -365,7 +345,7 @@ def run_suite(
             with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
                     prog.stage(name, total=total) as tick:
                 try:
-                    fn(ctx if len(plan[name]) > 1 else alone, ex.view(res), tick)
+                    fn(ctx if len(plan[name]) > 1 else alone, StageView(res, ex), tick)
                 except BaseException as e:  # the ranks that wait for this stage raise it too
                     ex.publish(name, res, error=e)
                     raise

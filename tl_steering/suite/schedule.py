@@ -125,7 +125,7 @@ def assign_stages(names: list[str], s: SuiteSettings, n_windows: int, length: in
 class Exchange:
     """The stages' results between the ranks: a rank sends a stage it ran alone to every other rank as soon as it
     ends (:func:`~tl_steering.data.sharding.send_object`, not waiting), and receives another rank's stage when one
-    of its own stages first reads its fields (:meth:`view`) or at the end (:meth:`finish`)."""
+    of its own stages first reads its fields (through a :class:`StageView`) or at the end (:meth:`finish`)."""
 
     def __init__(self, w: World, plan: dict[str, tuple[int, ...]]):
         self.w, self.plan = w, plan
@@ -160,9 +160,6 @@ class Exchange:
         res.timings[name] = timing
         self.got.add(name)
 
-    def view(self, res: Any) -> "_View":
-        return _View(res, self)
-
     def finish(self, res: Any) -> None:
         """Receive every stage run elsewhere and wait until this rank's sends are done."""
         for name in self.plan:
@@ -172,7 +169,7 @@ class Exchange:
         self.sends = []
 
 
-class _View:
+class StageView:
     """The result as a stage sees it: reading a field that another rank's stage fills waits for that stage."""
 
     __slots__ = ("_res", "_ex")

@@ -123,12 +123,10 @@ class SuiteSettings:
 
 def check_windows_length(windows: int | None, length: int | None) -> None:
     """The report's limits on ``--windows`` / ``--length`` (None: the default); raises :class:`InputError`."""
-    if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 2):
-        raise InputError(
-            f"--windows must be an int >= 2 (one window is held out for the gates), got {windows!r}"
-        )
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 16):
-        raise InputError(f"--length must be an int >= 16, got {length!r}")
+    if windows is not None:
+        as_int(windows, "--windows (one window is held out for the gates)", minimum=2)
+    if length is not None:
+        as_int(length, "--length", minimum=16)
 
 
 def default_settings(

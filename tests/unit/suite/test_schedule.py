@@ -8,8 +8,8 @@ import math
 import pytest
 
 from tl_steering.suite import STAGES, SuiteResult, default_settings
-from tl_steering.suite.schedule import READS, STAGE_FIELDS, WINDOW_STAGES, Exchange, _finish_times, assign_stages, \
-    stage_costs
+from tl_steering.suite.schedule import READS, STAGE_FIELDS, WINDOW_STAGES, Exchange, StageView, _finish_times, \
+    assign_stages, stage_costs
 from tl_steering.data.sharding import World
 
 _META = {"provenance", "settings", "seed", "model", "environment", "started", "timings", "total_wall_s", "arguments",
@@ -87,7 +87,7 @@ def test_a_stage_reads_another_ranks_result_when_it_needs_it(monkeypatch):
     monkeypatch.setattr("tl_steering.suite.schedule.p2p_group", lambda w: None)
     res = SuiteResult()
     ex = _Recorder({"checks": (1,), "defect": (1,), "plan_choice": (0,)}, {"defect": {"plan": "P", "defect": "D"}})
-    view = ex.view(res)
+    view = StageView(res, ex)
     assert view.plan_choice is None and view.seed == res.seed and ex.calls == []
     assert view.plan == "P" and view.defect == "D" and ex.calls == ["defect"]
     view.plan_choice = "C"
@@ -111,5 +111,5 @@ def test_a_stage_that_fails_on_one_rank_fails_on_the_others(monkeypatch):
     one.publish("defect", SuiteResult(), error=InputError("no sequential layer"))
     zero = Exchange(World(rank=0, size=2, backend="gloo"), plan)
     with pytest.raises(InputError, match="no sequential layer"):
-        zero.view(SuiteResult()).plan
+        StageView(SuiteResult(), zero).plan
     assert not mailbox
