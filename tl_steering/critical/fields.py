@@ -110,9 +110,7 @@ class _FieldAdapter:
         single_err: Exception | None = None
         try:
             single = [self._check(self.field(u[i]), (d,), "a [d] input") for i in range(u.shape[0])]
-        except InputError as exc:
-            single_err = exc
-        except Exception as exc:  # noqa: BLE001 - the user's callable may raise anything
+        except Exception as exc:  # noqa: BLE001 - the user's callable may raise anything (InputError included)
             single_err = exc
         batched: Tensor | None = None
         batched_err: Exception | None = None
