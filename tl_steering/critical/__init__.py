@@ -4,7 +4,7 @@
 One finder (:data:`DEFAULT_FINDER`) with one set of settings (:data:`DEFAULT_OPTIONS`, a :class:`FinderOptions`)
 is the default of every entry point:
 
-* :mod:`.fields`: calling conventions of a field, relative residual, tangent basis;
+* :mod:`.fields`: calling conventions of a field, relative residual, Householder tangent basis;
 * :mod:`.dynamics`: the flow phase (power iteration, edge tracking); :mod:`.solver`: its Levenberg-Marquardt end
   game; :mod:`.landscape`: the solution-landscape phase (deflated Newton);
 * :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
