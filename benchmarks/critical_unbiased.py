@@ -25,11 +25,13 @@ import time
 
 import torch
 
+import _common  # noqa: F401 - puts this checkout first on sys.path (tests.planted)
+
 import tl_steering as ts
 from tl_steering.critical import clopper_pearson, critical_field, find_equilibria, saddle_verdict
 from tl_steering.critical.fields import relative_residual
 from tl_steering.critical.model import _activations, _token_starts
-from tl_steering.critical.planted import planted_field, symmetric_field
+from tests.planted import planted_field, symmetric_field
 
 
 def _last_new_row(r) -> int:

@@ -4,7 +4,7 @@
 One finder (:data:`DEFAULT_FINDER`) with one set of settings (:data:`DEFAULT_OPTIONS`, a :class:`FinderOptions`)
 is the default of every entry point:
 
-* :mod:`.fields`: calling conventions of a field, relative residual, tangent basis;
+* :mod:`.fields`: calling conventions of a field, relative residual, Householder tangent basis;
 * :mod:`.dynamics`: the flow phase (power iteration, edge tracking); :mod:`.solver`: its Levenberg-Marquardt end
   game; :mod:`.landscape`: the solution-landscape phase (deflated Newton);
 * :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
@@ -20,7 +20,7 @@ from .._util.lazy import lazy_attributes
 # lazy (PEP 562): the suite's settings (read by the CLI before it imports torch or TransformerLens) import .options
 _LAZY = {
     **{n: ".census" for n in ("CensusResult",)},  # census(): tl_steering.critical.census.census (module name)
-    **{n: ".fields" for n in ("relative_residual", "tangent_basis")},
+    **{n: ".fields" for n in ("relative_residual",)},
     **{n: ".finder" for n in ("classify_point", "find_equilibria")},
     **{n: ".model" for n in ("FIELDS", "CriticalField", "critical_census", "critical_field", "critical_points")},
     **{n: ".options" for n in ("DEFAULT_FINDER", "DEFAULT_OPTIONS", "METHODS", "FinderOptions")},
@@ -32,7 +32,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
     from .census import CensusResult  # noqa: F401
-    from .fields import relative_residual, tangent_basis  # noqa: F401
+    from .fields import relative_residual  # noqa: F401
     from .finder import classify_point, find_equilibria  # noqa: F401
     from .model import FIELDS, CriticalField, critical_census, critical_field, critical_points  # noqa: F401
     from .options import DEFAULT_FINDER, DEFAULT_OPTIONS, METHODS, FinderOptions  # noqa: F401
@@ -61,5 +61,4 @@ __all__ = [
     "find_equilibria",
     "relative_residual",
     "saddle_verdict",
-    "tangent_basis",
 ]

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..backends import autodiff
 from ..errors import InputError
-from ..geometry import EPS_NORM, _normalize, _tangential_part, angle
+from ..geometry import _tangential_part, angle
 
 Field = Callable[[Tensor], Tensor]
 
@@ -69,20 +69,12 @@ class _Householder:
         return a - b * torch.outer(w, wa) - b * torch.outer(aw, w) + (b * b * waw) * torch.outer(w, w)
 
 
-def tangent_basis(u: Float[Tensor, " d"]) -> Float[Tensor, "d d_minus_1"]:
-    """An orthonormal basis of the tangent space at unit u, as columns (the last d-1 columns of a Householder
-    reflector that maps u to ∓e_1)."""
-    h = _Householder(_normalize(u, EPS_NORM))
-    eye = torch.eye(u.shape[0], dtype=u.dtype, device=u.device)
-    return (eye - h.beta * torch.outer(h.w, h.w))[:, 1:]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # the field, made callable on one point and on a batch
 
 
 class _FieldAdapter:
-    """Wraps the user's callable so that ``one([d])``, ``many([n, d])``, ``jacobian(u)`` and ``linearize(u)`` all
+    """Wraps the user's callable so that ``one([d])``, ``many([n, d])``, ``jacobians(u)`` and ``linearize(u)`` all
     work, whichever calling convention the callable follows."""
 
     def __init__(self, field: Field, dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -94,7 +86,6 @@ class _FieldAdapter:
         self.dtype = dtype
         self.device = device
         self.mode: Literal["batched", "vmap", "loop"] = "loop"
-        self._jac_mode: Literal["forward", "reverse"] | None = None
         self._jvp_mode: Literal["forward", "reverse"] | None = None
         #: per point (its bytes): DF there and the eigen-decomposition of its tangent matrix, each computed once
         self.point_cache: dict[bytes, dict[str, Any]] = {}
@@ -119,9 +110,7 @@ class _FieldAdapter:
         single_err: Exception | None = None
         try:
             single = [self._check(self.field(u[i]), (d,), "a [d] input") for i in range(u.shape[0])]
-        except InputError as exc:
-            single_err = exc
-        except Exception as exc:  # noqa: BLE001 - the user's callable may raise anything
+        except Exception as exc:  # noqa: BLE001 - the user's callable may raise anything (InputError included)
             single_err = exc
         batched: Tensor | None = None
         batched_err: Exception | None = None
@@ -182,7 +171,7 @@ class _FieldAdapter:
     def jacobians(self, u: Tensor, chunk: int = 8) -> Tensor:
         """DF at each row of ``u`` ([n, d, d]): the field's own ``jacobian_no_grad`` where it has one and it answers
         (e.g. the FFN fields of :func:`tl_steering.critical.critical_field`), else one vmapped reverse-mode call per
-        ``chunk`` rows, else :meth:`jacobian` per row (a field torch.func cannot vmap)."""
+        ``chunk`` rows, else torch.autograd per row (a field torch.func cannot vmap)."""
         self.n_jacobians += u.shape[0]
         fast = getattr(self.field, "jacobian_no_grad", None) if self.mode == "batched" else None
         out = []
@@ -192,7 +181,7 @@ class _FieldAdapter:
                 try:
                     jac = autodiff.vmap(autodiff.jacrev(self.one))(part)
                 except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
-                    jac = torch.stack([self.jacobian(x) for x in part])
+                    jac = torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in part])
             out.append(jac.to(self.dtype).detach())
         return torch.cat(out) if out else u.new_zeros(0, self.dim, self.dim)
 
@@ -205,19 +194,6 @@ class _FieldAdapter:
             for i, jac in zip(missing, self.jacobians(points[missing])):
                 entries[i]["jac"] = jac
         return [e["jac"] for e in entries]
-
-    def jacobian(self, u: Tensor) -> Tensor:
-        """DF(u), d × d (row i = output i)."""
-        if self._jac_mode in (None, "forward"):
-            try:
-                jac = autodiff.jacfwd(self.one)(u)
-                self._jac_mode = "forward"
-                return jac.to(self.dtype)
-            except Exception:  # noqa: BLE001 - forward AD or vmap unsupported by the field
-                if self._jac_mode == "forward":
-                    raise
-                self._jac_mode = "reverse"
-        return torch.autograd.functional.jacobian(self.one, u, vectorize=False).to(self.dtype)
 
     def linearize(self, u: Tensor) -> Callable[[Tensor], Tensor]:
         """v ↦ DF(u) v, reusing the linearisation across calls (for ARPACK / GMRES)."""

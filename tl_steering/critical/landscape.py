@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..geometry import EPS_NORM, _normalize, _tangential_part
-from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, FinderOptions
+from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, PATIENCE, FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
 from .spectrum import point_eig
 
@@ -92,13 +92,13 @@ def _line_search(fld: _FieldAdapter, u: Tensor, steps: Tensor, rel: Tensor, meri
     return u, f, rel, merit, accepted
 
 
-def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int, patience: int = 8
+def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_iter: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """Deflated Newton on the sphere from the rows of ``u0`` (module docstring), rows batched per iteration: one
     vmapped Jacobian call, the steps, one batched backtracking search (:func:`_line_search`).
 
     Returns ``(u, rel, iterations, status, jacobians)``; status as :func:`tl_steering.critical.solver.lm_solve`
-    (0 converged to ``tol``, 1 merit stalled over ``patience`` iterations, 2 no step decreased the merit,
+    (0 converged to ``tol``, 1 merit stalled over ``PATIENCE`` iterations, 2 no step decreased the merit,
     3 iteration limit); ``jacobians`` counts the dense Jacobians of F evaluated.
     """
     n = u0.shape[0]
@@ -125,8 +125,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         status[miss] = torch.where((rel[miss] <= tol).cpu(), 0, 2)
         history.append(merit.clone())
         status[((status < 0) & (rel <= tol * 1e-3).cpu())] = 0
-        if len(history) > patience:  # log merit: "not halved" = not decreased by log 2
-            stalled = (status < 0) & (merit > history[-1 - patience] - math.log(2)).cpu() & (rel > tol * 1e-3).cpu()
+        if len(history) > PATIENCE:  # log merit: "not halved" = not decreased by log 2
+            stalled = (status < 0) & (merit > history[-1 - PATIENCE] - math.log(2)).cpu() & (rel > tol * 1e-3).cpu()
             status[stalled] = 1
     status[status < 0] = 3
     status[(status != 0) & (rel <= tol).cpu()] = 0

@@ -16,7 +16,7 @@ from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
 from ..data.windows import token_source
 from ..errors import InputError
-from ..validation import as_choice
+from ..validation import as_choice, as_int
 from .census import CensusResult, census
 from .finder import ROW_KEYS, find_equilibria, polish_points
 from .options import CENSUS_LANDSCAPE_SOLVES, DEFAULT_FINDER, DEFAULT_N_STARTS, FinderOptions, finder_options
@@ -141,15 +141,10 @@ def _build_field(ad: ModelAdapter, layer: int, kind: str, radius: Any, acts: Ten
     block = Float64Block(ad, layer)
     if kind == "ffn":
         return CriticalField(block, kind, rho), mode
-    n_seq, n_pos = acts.shape[0], acts.shape[1]
-    if isinstance(sequence, bool) or not isinstance(sequence, int) or not -n_seq <= sequence < n_seq:
-        raise InputError(f"sequence must be an int in [0, {n_seq}), got {sequence!r}")
-    sequence %= n_seq
-    i = n_pos - 1 if token_index is None else token_index
-    if isinstance(i, bool) or not isinstance(i, int) or not -n_pos <= i < n_pos:
-        raise InputError(f"token_index must be an int in [0, {n_pos}) for sequences of length {n_pos}, "
-                         f"got {token_index!r}")
-    i %= n_pos
+    n_seq, n_pos = acts.shape[0], acts.shape[1]  # negative indices count from the end, as in Python
+    sequence = as_int(sequence, "sequence", minimum=-n_seq, maximum=n_seq - 1) % n_seq
+    i = as_int(n_pos - 1 if token_index is None else token_index, "token_index", minimum=-n_pos,
+               maximum=n_pos - 1) % n_pos
     prefix = acts[sequence, :i].clone()
     return CriticalField(block, kind, rho, prefix=prefix, token_index=i, sequence=sequence), mode
 
@@ -291,8 +286,7 @@ def critical_points(
     scales = _check_scales(radius_scales)
     sel = ad.layers(layers)
     ad.require_resident(sel, "critical_points (a float64 copy of the block)")
-    if isinstance(n_starts, bool) or not isinstance(n_starts, int) or n_starts < 1:
-        raise InputError(f"n_starts must be an int >= 1, got {n_starts!r}")
+    n_starts = as_int(n_starts, "n_starts", minimum=1)
     opts = finder_options(options)
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)

@@ -105,7 +105,6 @@ class EquilibriaResult(Result):
 
     def rotational_pairs(self) -> list[int]:
         """Per point, the number of complex-conjugate pairs that are rotational (|Im| > rot_ratio·|Re|, Im > 0)."""
-        ratio = float(self.options.get("rot_ratio", ROT_RATIO))
         out = []
         for k in range(self.n_points):
             ev = self.eigenvalues[k]
@@ -113,8 +112,8 @@ class EquilibriaResult(Result):
             if ev.numel() == 0:
                 out.append(0)
                 continue
-            tol = float(self.options.get("label_tol", LABEL_TOL)) * float(ev.abs().max())
-            rot = (ev.imag > torch.clamp(ratio * ev.real.abs(), min=tol))
+            tol = LABEL_TOL * float(ev.abs().max())
+            rot = (ev.imag > torch.clamp(ROT_RATIO * ev.real.abs(), min=tol))
             out.append(int(rot.sum()))
         return out
 

@@ -8,11 +8,14 @@ from torch import Tensor
 
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .fields import _EPS, _FieldAdapter, relative_residual
+from .options import PATIENCE
 
 #: Converged starts are polished to ``POLISH * tol`` where steps still decrease the residual.
 POLISH = 1e-3
 #: Below this relative residual a pure Gauss-Newton step is tried first.
 GAUSS_NEWTON_BELOW = 1e-4
+#: initial Levenberg-Marquardt damping μ (relative to the largest diagonal entry of JᵀJ)
+MU0 = 1e-3
 
 
 class _Merit:
@@ -56,8 +59,7 @@ def _damped_solve(h: Tensor, g: Tensor, u: Tensor, scale: Tensor, mu: Tensor) ->
     return delta
 
 
-def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, patience: int = 8, mu0: float = 1e-3
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched Levenberg-Marquardt from the rows of ``u0`` (unit).
 
     Rows are iterated until the relative residual is below ``POLISH * tol`` or no step decreases it; a row
@@ -70,7 +72,7 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, patience
     u = u0.clone()
     r, rel = merit.rows(u)
     c = r.norm(dim=-1)
-    mu = torch.full((n,), mu0, dtype=u.dtype, device=u.device)
+    mu = torch.full((n,), MU0, dtype=u.dtype, device=u.device)
     nu = torch.full((n,), 2.0, dtype=u.dtype, device=u.device)
     status = torch.full((n,), -1, dtype=torch.long, device=u.device)
     iters = torch.zeros(n, dtype=torch.long, device=u.device)
@@ -121,8 +123,8 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int, patience
         history.append(c.clone())
         conv = (status < 0) & (rel <= target)
         status[conv] = 0
-        if len(history) > patience:
-            stalled = (status < 0) & (c > 0.5 * history[-1 - patience]) & (rel > target)
+        if len(history) > PATIENCE:
+            stalled = (status < 0) & (c > 0.5 * history[-1 - PATIENCE]) & (rel > target)
             status[stalled] = 1
     status[status < 0] = 3
     status[(status != 0) & (rel <= tol)] = 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tl_steering.critical.census import CensusResult, census
-from tl_steering.critical.planted import planted_field
+from tests.planted import planted_field
 from tl_steering.errors import InputError
 from tl_steering.stats import chao1
 

@@ -6,7 +6,7 @@ import torch
 
 from tl_steering.critical import classify_point, find_equilibria
 from tl_steering.critical.landscape import explained
-from tl_steering.critical.planted import planted_field, symmetric_field
+from tests.planted import planted_field, symmetric_field
 
 #: the budget of the coverage measurements (docs/critical_points.md section 9)
 FULL = {"landscape_solves": 256}

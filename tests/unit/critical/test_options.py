@@ -11,7 +11,7 @@ import tl_steering as ts
 from tl_steering.critical import DEFAULT_FINDER, DEFAULT_OPTIONS, METHODS, FinderOptions, critical_census
 from tl_steering.critical.census import census
 from tl_steering.critical.options import DEFAULT_N_STARTS, finder_options
-from tl_steering.critical.planted import planted_field
+from tests.planted import planted_field
 from tl_steering.errors import InputError
 from tl_steering.suite import SuiteSettings, default_settings
 from tl_steering.suite.settings import CRITICAL_METHODS

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tl_steering.critical import CriticalPointsResult, find_equilibria
-from tl_steering.critical.planted import planted_field
+from tests.planted import planted_field
 
 pytestmark = pytest.mark.one_line("tl4")  # pure torch, no TransformerLens: the same computation on both lines
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from tl_steering.errors import InputError
 
 
 @dataclasses.dataclass
