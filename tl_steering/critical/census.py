@@ -7,7 +7,9 @@ import dataclasses
 import math
 from typing import Any
 
+from .._util.claims import Claim, pct
 from ..errors import InputError
+from ..reference import paper_statement
 from ..results import Result, register
 from ..stats import chao1
 from .finder import find_equilibria
@@ -54,6 +56,23 @@ class CensusResult(Result):
                 "repellers_estimate": self.repellers.get("estimate"), "repellers_high": self.repellers.get("ci_high"),
                 "degenerate": self.degenerate, "non_saddles_high": self.non_saddles_high,
                 "share_low": self.share_low, "verdict": self.verdict, "level": self.level}
+
+    def claim(self) -> Claim:
+        """The paper's claim judged by the census: "mostly saddles" holds when the saddles found outnumber the upper
+        bound on every other equilibrium; any attractor found contradicts "not attractors" (then "partly holds")."""
+        n_attr = int(self.attractors.get("observed", 0))
+        if self.equilibria.n_points == 0:
+            return Claim(paper_statement("critical"), "not judged", "no equilibrium was found: not judged",
+                         parts=self.summary())
+        bound = (f"{self.saddles} saddles found, at most {self.non_saddles_high:.1f} attractors, repellers and "
+                 f"degenerate points ({self.level:.0%} upper bound): saddles are at least {pct(self.share_low)}")
+        if self.verdict != "supported":
+            verdict, why = "undecided", f"'mostly saddles' is not decided: {bound}"
+        else:
+            verdict = "partly holds" if n_attr else "holds"
+            why = f"'mostly saddles' holds: {bound}" + (f"; but {n_attr} attractors were found" if n_attr else "")
+        return Claim(paper_statement("critical"), verdict, why, value=self.share_low, interval=(self.share_low, 1.0),
+                     parts=self.summary())
 
 
 ASSUMPTIONS = ("independent uniform starts sample the basins of the power map of F and -F with replacement; every "

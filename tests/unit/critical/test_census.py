@@ -43,6 +43,10 @@ def test_census_supports_mostly_saddles_on_the_planted_field():
     assert 4.0 <= out.non_saddles_high < 4.01
     assert out.verdict == "supported" and out.share_low == pytest.approx(12 / (12 + out.non_saddles_high))
     assert out.summary()["verdict"] == "supported"
+    # the claim: mostly saddles holds, but the 2 attractors contradict "not attractors"
+    c = out.claim()
+    assert c.verdict == "partly holds" and c.value == out.share_low and c.interval == (out.share_low, 1.0)
+    assert "12 saddles found" in c.why and "2 attractors were found" in c.why
 
 
 def test_census_does_not_decide_when_saddles_are_few():
@@ -53,6 +57,7 @@ def test_census_does_not_decide_when_saddles_are_few():
     out = census(lambda u: u @ a.T, 3, n_starts=24, seed=0)
     assert out.saddles == 2 and out.attractors["observed"] == 2 and out.repellers["observed"] == 2
     assert out.verdict == "not decided" and out.share_low < 0.5
+    assert out.claim().verdict == "undecided" and "not decided" in out.claim().why
 
 
 def test_census_runs_the_one_finder_and_checks_its_arguments():
