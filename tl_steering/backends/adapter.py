@@ -399,6 +399,7 @@ class _CleanForwards:
     def __init__(self, model: Any, max_bytes: int):
         self.model, self.left = model, max_bytes
         self.runs: dict[tuple, tuple[Tensor, dict[str, Tensor]]] = {}
+        self.sizes: dict[tuple, int] = {}  # bytes each kept run counts against max_bytes
 
     def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
         key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
@@ -406,12 +407,14 @@ class _CleanForwards:
         if run is None or not set(names) <= run[1].keys():
             wanted = list(dict.fromkeys(names + ad.identity_names()))
             size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
+            freed = self.sizes.get(key, 0)  # a run with fewer names is replaced: its bytes come back
             token = _SHARED.set(None)
             try:
-                if size > self.left:  # too big to keep: an ordinary forward
+                if size > self.left + freed:  # too big to keep: an ordinary forward
                     return ad.run_with_cache(tokens, names)
                 run = self.runs[key] = ad.run_with_cache(tokens, wanted)
-                self.left -= size
+                self.left += freed - size
+                self.sizes[key] = size
             finally:
                 _SHARED.reset(token)
         return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets

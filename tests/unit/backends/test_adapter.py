@@ -244,3 +244,23 @@ def test_shared_clean_forwards_run_once_and_give_the_same_numbers(tiny, tiny_tok
         assert fw.forwards == runs
         assert torch.equal(again, fresh_logits) and torch.equal(cache[name], fresh[name])
     assert_no_hooks(tiny)
+
+
+def test_shared_clean_forwards_budget_counts_a_replaced_run_once(tiny, tiny_tokens):
+    """A batch asked again for a name its kept run lacks is run again and replaces that run: the replaced run's bytes
+    come back to the budget, so a budget that holds the larger run alone keeps it (2 forwards for 4 calls)."""
+    from tl_steering._util.progress import reporting
+    from tl_steering.backends.adapter import shared_clean_forwards
+
+    ad = adapt(tiny)
+    extra = "ln_final.hook_normalized"  # not among the identity names every kept run holds
+    assert extra in tiny.hook_dict and extra not in ad.identity_names()
+    bits = torch.finfo(ad.dtype).bits
+    bigger = tiny_tokens.numel() * (int(ad.cfg.d_vocab) + (len(ad.identity_names()) + 1) * ad.d_model) * bits // 8
+    with shared_clean_forwards(tiny, max_bytes=bigger), reporting(lambda _: None) as fw:
+        ad.run_with_hooks(tiny_tokens, [])  # kept: the identity names
+        _, first = ad.run_with_cache(tiny_tokens, [extra])  # replaces it, with the extra name
+        _, second = ad.run_with_cache(tiny_tokens, [extra])  # shared
+        ad.run_with_hooks(tiny_tokens, [])  # shared
+    assert fw.forwards == 2
+    assert torch.equal(first[extra], second[extra])
