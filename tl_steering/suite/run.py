@@ -330,7 +330,8 @@ def run_suite(
     if checkpoint is not None and Path(checkpoint).exists():
         res, done = resume(Path(checkpoint), key, res, ran)
     todo = [name for name in ran if name not in done]
-    plan = broadcast_from_rank0(lambda: assign_stages(todo, settings, *tokens.shape, w.size), w)
+    dims = (ad.n_layers, ad.d_model, int(ad.cfg.d_mlp), int(ad.cfg.d_vocab))
+    plan = broadcast_from_rank0(lambda: assign_stages(todo, settings, *tokens.shape, w.size, dims), w)
     res.distributed = DistributedRun(world_size=w.size, backend=w.backend,
                                      sharded_stages=[n for n in todo if len(plan[n]) > 1],
                                      rank0_stages=[n for n in todo if plan[n] == (0,)] if w.active else [],

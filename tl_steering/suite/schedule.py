@@ -36,10 +36,19 @@ READS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
 
 
-def stage_costs(s: SuiteSettings, n_windows: int, length: int) -> dict[str, tuple[float, float, float]]:
+#: (layers, d_model, d_mlp, d_vocab) of SmolLM2-135M, the model the weights below were measured on
+SMOLLM2_DIMS = (30, 576, 1536, 49152)
+#: a layer's critical points cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the
+#: set-up term: the landscape rows, the power and edge phases, which do not grow with the starts)
+CRITICAL_WEIGHT, CRITICAL_SETUP = 38.9, 30
+
+
+def stage_costs(s: SuiteSettings, n_windows: int, length: int,
+                dims: tuple[int, int, int, int] = SMOLLM2_DIMS) -> dict[str, tuple[float, float, float]]:
     """A rough cost of each stage of ``s`` in forwards over all the windows: ``(part that splits over the batches
-    of windows, part that splits over measured plans, part that does not split)``. Only the ratios matter (they
-    weigh :func:`assign_stages`); docs/scale_out.md."""
+    of windows, part that splits over measured plans, part that does not split)``, for a model of ``dims``
+    (layers, d_model, d_mlp, d_vocab). Only the ratios matter (they weigh :func:`assign_stages`);
+    docs/scale_out.md, "The sharded report"."""
     n_var = len(set(s.ablation_variants) | {"zero"}) + 1  # the random-tangent control
     plans = 0.0  # the gold standard's plans, one pass over the windows each (split_map over the ranks)
     if s.defect_evaluate:
@@ -62,9 +71,18 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int) -> dict[str, tupl
         "plan_choice": (0.0, 0.0, choice),
         "parallel": (0.0, 0.0, (3.4 * fixed + 1.2) * copies + 1.2 * timed),
         "gates": (0.0, 0.0, 4.5),
-        "critical": (0.0, 0.0, 0.9 * fixed * s.critical_n_starts * len(s.critical_layers) * len(s.critical_methods)),
+        "critical": (0.0, 0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
+                     * jacobian_per_forward(dims) / max(1, n_windows * length)),
         "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions))),
     }
+
+
+def jacobian_per_forward(dims: tuple[int, int, int, int]) -> float:
+    """One float64 Jacobian of a layer's FFN field (d_model^2 d_mlp multiply-adds) in forwards of one token
+    (layers x (4 d_model^2 + 3 d_model d_mlp) + d_model d_vocab): what a critical-point search costs per solve,
+    against a forward, grows with the width, not with the tokens."""
+    n_layers, d, d_mlp, vocab = dims
+    return d * d * d_mlp / (n_layers * (4 * d * d + 3 * d * d_mlp) + d * vocab)
 
 
 def _finish_times(plan: dict[str, tuple[int, ...]], cost: dict[str, float], size: int) -> dict[str, float]:
@@ -85,8 +103,8 @@ def _finish_times(plan: dict[str, tuple[int, ...]], cost: dict[str, float], size
     return end
 
 
-def assign_stages(names: list[str], s: SuiteSettings, n_windows: int, length: int,
-                  size: int) -> dict[str, tuple[int, ...]]:
+def assign_stages(names: list[str], s: SuiteSettings, n_windows: int, length: int, size: int,
+                  dims: tuple[int, int, int, int] = SMOLLM2_DIMS) -> dict[str, tuple[int, ...]]:
     """The ranks that run each stage of ``names`` (one rank, or all of them for a window stage with at least
     ``size`` batches or plans to split): a greedy placement by cost, then single moves while the last rank
     finishes sooner."""
@@ -96,7 +114,7 @@ def assign_stages(names: list[str], s: SuiteSettings, n_windows: int, length: in
     share = math.ceil(n_batches / size) / n_batches
     cost: dict[str, float] = {}
     options: dict[str, list[tuple[int, ...]]] = {}
-    for name, (windows, plans, fixed) in stage_costs(s, n_windows, length).items():
+    for name, (windows, plans, fixed) in stage_costs(s, n_windows, length, dims).items():
         cost[f"{name}@1"], cost[f"{name}@{size}"] = windows + plans + fixed, windows * share + plans / size + fixed
         options[name] = [(r,) for r in range(size)]
         if name in WINDOW_STAGES and (n_batches >= size or plans > 0):
@@ -188,4 +206,4 @@ class StageView:
         setattr(object.__getattribute__(self, "_res"), name, value)
 
 
-__all__ = ["Exchange", "READS", "STAGE_FIELDS", "WINDOW_STAGES", "assign_stages", "stage_costs"]
+__all__ = ["Exchange", "READS", "SMOLLM2_DIMS", "STAGE_FIELDS", "WINDOW_STAGES", "assign_stages", "stage_costs"]

@@ -18,6 +18,7 @@ from tl_steering.errors import InputError, ModelNotSupportedError
 from tl_steering.probing.trace import ProbeResult
 from tl_steering.probing import scan as scale
 from tl_steering.probing.scan import check_agreement, scan
+from tl_steering.suite.schedule import WINDOW_STAGES
 
 LINE = "Residual streams move on a sphere while attention aggregates and the FFN steers.\n"
 ROOT = Path(__file__).resolve().parents[3]
@@ -201,6 +202,10 @@ from tl_steering.probing.scan import init_from_env
 from tl_steering.data.sharding import world
 from tl_steering.suite import run_suite
 init_from_env()
+if len(sys.argv) > 3:  # a fixed placement: the ranks' code paths, whatever the cost model says
+    import tl_steering.suite.run as run
+    placed = json.loads(sys.argv[3])
+    run.assign_stages = lambda names, *a: {n: tuple(placed[n]) for n in names}
 model, tokens, s = _suite_inputs(*json.loads(sys.argv[1]))
 res = run_suite(model, tokens, s, progress=False, seed=0)
 if world().rank == 0:
@@ -209,15 +214,11 @@ torch.distributed.destroy_process_group()
 """
 
 
-def _assert_stages_split(two, stages, former_rank0):
-    """Both ranks ran stages, as :func:`tl_steering.suite.schedule.assign_stages` placed them, and the stages that
-    once ran on rank 0 alone are no longer all there."""
-    from tl_steering.suite.schedule import assign_stages
-
+def _assert_stages_split(two, stages, former_rank0, want):
+    """Both ranks ran stages, as placed (``want``: stage -> ranks), and the stages that once ran on rank 0 alone
+    are no longer all there."""
     ranks = two.distributed.stage_ranks
-    s = two.settings
-    want = assign_stages(list(stages), s, s.windows, s.length, 2)  # the settings' windows are the tokens' here
-    assert ranks == {n: list(r) for n, r in want.items()}
+    assert ranks == {n: list(want[n]) for n in stages}
     assert {r for rs in ranks.values() for r in rs} == {0, 1}, ranks
     assert any(ranks[n] != [0] for n in former_rank0), ranks
     assert two.distributed.rank0_stages == [n for n in stages if ranks[n] == [0]]
@@ -225,14 +226,16 @@ def _assert_stages_split(two, stages, former_rank0):
     assert set(two.timings) == set(stages)  # every stage's timing reached rank 0, wherever it ran
 
 
-def _two_ranks_vs_one(tmp_path, inputs, model=None):
-    """Run the suite on 2 gloo ranks (torchrun) and in this process; both results, the second from torchrun."""
+def _two_ranks_vs_one(tmp_path, inputs, model=None, placed=None):
+    """Run the suite on 2 gloo ranks (torchrun; ``placed``: stage -> ranks instead of the schedule's placement)
+    and in this process; both results, the second from torchrun."""
     from tl_steering.suite import SuiteResult, run_suite
 
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
     two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                json.dumps(inputs), str(tmp_path / "two.json")], env_extra={"PYTHONPATH": str(ROOT)}, timeout=600)
+                json.dumps(inputs), str(tmp_path / "two.json"), *([json.dumps(placed)] if placed else [])],
+               env_extra={"PYTHONPATH": str(ROOT)}, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     m, tokens, s = _suite_inputs(*inputs, model=model)
     one = run_suite(m, tokens, s, progress=False, seed=0)
@@ -247,14 +250,20 @@ _ALL = ["checks", "deficit", "ablation", "diversity", "defect", "plan_choice", "
 def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
     """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2; plan_strategy="best": every planner)
     gives the same numbers as one process: every field of every protocol, the bootstrap intervals, the plan.
-    Every stage: the schedule puts plan_choice and parallel on rank 0, the other stages on rank 1 (plan_choice
-    waits for rank 1's defect at its end, parallel for checks, defect and plan_choice). Without plan_choice
-    ("mixed"): the window stages split their batches over both ranks (rank 0 runs batches 0 and 2, rank 1 batch
-    1), the other stages run on one rank each. Cost: ~80 s each on 2 loaded cores (mostly the ranks' start-up)."""
-    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best"])
+    The placement is fixed here (on the tiny model the schedule puts its costly critical points alone on one
+    rank; tests/unit/suite/test_schedule.py tests the schedule). Every stage: plan_choice and parallel on rank 0,
+    the other stages on rank 1 (plan_choice waits for rank 1's defect at its end, parallel for checks, defect and
+    plan_choice). Without plan_choice ("mixed"): the window stages split their batches over both ranks (rank 0
+    runs batches 0 and 2, rank 1 batch 1), the other stages run on one rank each. Cost: ~80 s each on 2 loaded
+    cores (mostly the ranks' start-up)."""
+    if "plan_choice" in stages:
+        placed = {n: [0] if n in ("plan_choice", "parallel") else [1] for n in stages}
+    else:
+        placed = {n: [0, 1] if n in WINDOW_STAGES else [0] if n in ("parallel", "gates") else [1] for n in stages}
+    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best"], placed=placed)
     assert (one.distributed.world_size, one.distributed.backend) == (1, "none")
     assert (two.distributed.world_size, two.distributed.backend) == (2, "gloo") and two.provenance.world_size == 2
-    _assert_stages_split(two, stages, ["parallel", "gates", "critical", "prefix"])
+    _assert_stages_split(two, stages, ["parallel", "gates", "critical", "prefix"], placed)
     ranks = two.distributed.stage_ranks
     if "plan_choice" in stages:  # a stage that reads another rank's stage (the late read of the defect plan)
         assert len(ranks["plan_choice"]) == len(ranks["defect"]) == 1 and ranks["plan_choice"] != ranks["defect"]

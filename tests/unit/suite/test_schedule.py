@@ -8,8 +8,8 @@ import math
 import pytest
 
 from tl_steering.suite import STAGES, SuiteResult, default_settings
-from tl_steering.suite.schedule import READS, STAGE_FIELDS, WINDOW_STAGES, Exchange, StageView, _finish_times, \
-    assign_stages, stage_costs
+from tl_steering.suite.schedule import READS, SMOLLM2_DIMS, STAGE_FIELDS, WINDOW_STAGES, Exchange, StageView, \
+    _finish_times, assign_stages, jacobian_per_forward, stage_costs
 from tl_steering.data.sharding import World
 
 _META = {"provenance", "settings", "seed", "model", "environment", "started", "timings", "total_wall_s", "arguments",
@@ -63,6 +63,21 @@ def test_window_stages_split_when_there_are_batches_for_every_rank():
     plan, _ = _ratio(dataclasses.replace(s, defect_evaluate=False), 8, 128, 2)
     assert all(len(plan[n]) == 1 for n in WINDOW_STAGES), plan
     assert stage_costs(s, 8, 128)["defect"][1] > 0 and stage_costs(default_settings(30, True), 4, 64)["defect"][1] == 0
+
+
+def test_critical_points_weigh_by_the_model_width():
+    """The critical stage costs float64 FFN Jacobians, not forwards of the run's tokens: per token it falls with
+    the tokens and grows with the width faster than a forward does. On the tiny model (d_model 64, 6 x 16
+    tokens) it outweighs every other stage together, so it runs alone on one rank."""
+    s = dataclasses.replace(default_settings(2, quick=True, windows=6, length=16), batch_size=2, critical_n_starts=2)
+    tiny = (2, 64, 256, 257)
+    plan = assign_stages(list(STAGES), s, 6, 16, 2, tiny)
+    assert [n for n in STAGES if plan[n] == plan["critical"]] == ["critical"], plan
+    crit = {k: stage_costs(s, n, length, SMOLLM2_DIMS)["critical"][2] for k, (n, length) in
+            {"small": (4, 64), "large": (8, 128)}.items()}
+    assert crit["large"] == pytest.approx(crit["small"] / 4, rel=1e-12)
+    wider = (30, 2 * 576, 2 * 1536, 49152)  # a Jacobian costs 8x, a forward between 2x and 4x
+    assert 2.0 < jacobian_per_forward(wider) / jacobian_per_forward(SMOLLM2_DIMS) < 4.0
 
 
 class _Recorder(Exchange):
