@@ -2,6 +2,7 @@
 docs/probe.md)."""
 
 import concurrent.futures
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,8 +110,8 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-# one helper thread per process for in_halves (the executor starts it on the first submit)
-_HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
+# one helper thread per process for in_halves and the probe's deferred updates (started on the first submit)
+HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
 
 
 def splits(device: torch.device) -> bool:
@@ -119,13 +120,22 @@ def splits(device: torch.device) -> bool:
     return torch.get_num_threads() >= 2 and device.type == "cpu"
 
 
+def defers(device: torch.device) -> bool:
+    """Whether the probe's per-layer work goes to :data:`HELPER` while the forward goes on: torch runs on one
+    intra-op thread and this process may use another CPU core (docs/probe.md, "Cost")."""
+    if device.type != "cpu" or torch.get_num_threads() != 1:
+        return False
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(cores) >= 2
+
+
 def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
     helper thread while this thread runs the first; both are finished when this returns, also when one raises."""
     if not split or n < 2:
         return [fn(0, n)]
     h = (n + 1) // 2
-    fut = _HELPER.submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
+    fut = HELPER.submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
     try:
         first = fn(0, h)
     except BaseException:

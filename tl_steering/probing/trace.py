@@ -1,6 +1,8 @@
 """The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
+import collections
+import concurrent.futures
 import contextlib
 import math
 import sys
@@ -17,7 +19,8 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import DIVERSITY_STATS, F64, SLOT_ORDER, Accumulator, diversity, splits, token_grams, token_quantities
+from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, diversity, splits, token_grams,
+                      token_quantities)
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -73,6 +76,8 @@ class ProbeTrace:
         self._entered = False
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
+        self._spare: list[Tensor] = []  # buffers the helper thread is done with (deferred updates)
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
@@ -102,7 +107,10 @@ class ProbeTrace:
         # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            buf = self._buf = torch.empty(shape, dtype=F64, device=src.device)  # every slot read is written first
+            spare = self._spare.pop() if self._spare else None
+            ok = spare is not None and tuple(spare.shape) == shape and spare.device == src.device
+            # every slot read is written first
+            buf = self._buf = spare if ok else torch.empty(shape, dtype=F64, device=src.device)
         out = buf[self._cur[site]]
         out.copy_(src)
         return out
@@ -183,11 +191,15 @@ class ProbeTrace:
                     carry, self._carry = self._carry, None
                     if carry is not None and carry["layer"] == layer and carry["src"] is act \
                             and _version(act) is not None and _version(act) == carry["version"]:
-                        # this resid_pre is the previous layer's resid_post, untouched: its float64 copy is in
-                        # the buffer already (swap the two slots) and its diversity was measured
-                        cur = self._cur
-                        cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
-                        state["_div_pre"] = carry["div"]
+                        # this resid_pre is the previous layer's resid_post, untouched: its diversity was
+                        # measured, and its float64 copy is in the buffer already (swap the two slots) unless
+                        # that buffer went to the helper thread
+                        if self._buf is None:
+                            self._slot_copy(act, "resid_pre")
+                        else:
+                            cur = self._cur
+                            cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
+                        state["_div_from"] = carry["st"]
                     else:
                         self._slot_copy(act, "resid_pre")
                     state["resid_pre"] = True
@@ -199,12 +211,14 @@ class ProbeTrace:
                     try:
                         if "resid_pre" in state:
                             self._slot_copy(act, "resid_post")
-                            self._update(layer, state)
+                            st = dict(state)
+                            self._update(layer, st)
                             if layer + 1 in self._row:
-                                self._carry = {"layer": layer + 1, "src": act, "version": _version(act),
-                                               "div": state.get("_div_post")}
+                                self._carry = {"layer": layer + 1, "src": act, "version": _version(act), "st": st}
                             elif layer == self._last_layer:  # done with this forward (docs/probe.md, "Cost")
+                                self._drain()
                                 self._buf = None
+                                self._spare.clear()
                                 drop_identity_conversions(self._conversions)
                     finally:
                         state.clear()
@@ -240,7 +254,14 @@ class ProbeTrace:
 
     def _detach(self, *exc: Any) -> None:
         self._carry = None
+        try:
+            self._drain(raise_errors=exc[0] is None)  # an error in flight is not masked by a deferred one
+        finally:
+            self._close(exc)
+
+    def _close(self, exc: tuple) -> None:
         self._buf = None
+        self._spare.clear()
         self._cur = dict(self._slots)
         drop_identity_conversions(self._conversions)
         stack, self._stack = self._stack, None
@@ -272,23 +293,51 @@ class ProbeTrace:
             if layer == self.layers[0]:
                 self._count_forward(pre)
             self._update(layer, st)
+        self._drain()
         if not self._entered:
             self._buf = None
+            self._spare.clear()
         return self
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
-        """All metrics of one layer from the float64 buffer, on one torch thread (docs/probe.md, "Cost")."""
-        self._update_layer(layer, st, splits(self.ad.device))  # read before single_threaded sets one thread
+        """All metrics of one layer from the float64 buffer, on one torch thread: here, or with torch on one
+        thread of a CPU with a core to spare, on the helper thread while the forward goes on (the buffer goes
+        with it; at most one layer in flight); docs/probe.md, "Cost"."""
+        device = self.ad.device
+        if not defers(device):
+            self._update_layer(layer, st, splits(device), self._buf, self._cur)  # splits: before single_threaded
+            return
+        buf, self._buf = self._buf, None
+        self._drain(keep=1)
+        self._pending.append(HELPER.submit(self._deferred, layer, st, buf, dict(self._cur)))
+
+    def _deferred(self, layer: int, st: dict[str, Any], buf: Tensor | None, cur: dict[str, int]) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                self._update_layer(layer, st, False, buf, cur)
+        finally:
+            if buf is not None:
+                self._spare.append(buf)
+
+    def _drain(self, keep: int = 0, raise_errors: bool = True) -> None:
+        """Wait until at most ``keep`` deferred layer updates are in flight; raise the first one's error."""
+        while len(self._pending) > keep:
+            error = self._pending.popleft().exception()  # waits for it
+            if error is not None:
+                concurrent.futures.wait(self._pending)
+                self._pending.clear()
+                if raise_errors:
+                    raise error
 
     @single_threaded()
-    def _update_layer(self, layer: int, st: dict[str, Any], split: bool) -> None:
+    def _update_layer(self, layer: int, st: dict[str, Any], split: bool, buf: Tensor | None,
+                      k: dict[str, int]) -> None:
         acc, row = self._acc, self._row[layer]
+        div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity
         parallel = self.ad.is_parallel(layer)
-        buf = self._buf  # [slots, batch, n, d]
         if buf is None or buf.shape[2] == 0:  # every position excluded
             return
-        k = self._cur
         has_mid = not parallel and "resid_mid" in st
         # every dot product a token needs, in two per-token Gram products: (x, a, z) and (f, phi), f the FFN input
         groups = [["resid_pre", *(["attn_out"] if "attn_out" in st else []), "resid_post"]]
@@ -324,14 +373,15 @@ class ProbeTrace:
                 acc.add_tokens(row, names, values, valid, st["bins"])
         if self._div_stats:
             which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
-            reuse = st.get("_div_pre") is not None
+            div_pre = div_from.get("_div_post")
+            reuse = div_pre is not None
             todo = [_SITE_OF[w] for w in which if not (w == "pre" and reuse)]
             values, valid = diversity([buf[k[s_]] for s_ in todo], split, spectrum="effective_rank" in self.metrics,
                                       gram="participation_ratio" in self.metrics,
                                       sq=[dot(s_, s_) for s_ in todo])  # [sets, 4, batch]
             if reuse:
-                values = torch.cat([st["_div_pre"][0], values])
-                valid = torch.cat([st["_div_pre"][1], valid])
+                values = torch.cat([div_pre[0], values])
+                valid = torch.cat([div_pre[1], valid])
             post = which.index("post")
             st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
             names = self._div_names[has_mid]
@@ -347,6 +397,7 @@ class ProbeTrace:
     def result(self) -> "ProbeResult":
         """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running);
         :class:`InputError` when no forward pass ran inside the probe."""
+        self._drain()
         if self.n_forwards == 0:
             raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
                              "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "

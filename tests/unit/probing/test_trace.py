@@ -306,9 +306,9 @@ def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
         with probe(tiny, layers=layers) as trace:
             tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(0, "resid_post"),
                                                          lambda act, hook: seen.append(trace._buf is not None))])
-            assert trace._buf is None
+            assert trace._buf is None and not trace._spare and not trace._pending
             tiny(tiny_tokens)
-            assert trace._buf is None
+            assert trace._buf is None and not trace._spare and not trace._pending
         assert seen == [True]
         alone = probe(tiny, layers=layers)
         with alone:
@@ -316,6 +316,38 @@ def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
         two, one = trace.result(), alone.result()
         for q in two.quantities:
             assert torch.allclose(two.get(q), one.get(q), rtol=1e-12, atol=1e-12, equal_nan=True), q
+
+
+def test_deferred_layer_updates_equal_updates_in_the_hooks(tiny, tiny_tokens, monkeypatch):
+    """With torch on one thread and a core to spare, each layer's metrics run on the helper thread while the
+    forward goes on: the same sums, bit for bit, as in the hooks (every metric; the cache route too); a
+    non-finite activation still raises from the forward, naming its layer, and leaves no hook or pending work."""
+    import tl_steering.probing.trace as trace_mod
+    from tl_steering.errors import NonFiniteError
+
+    ad = adapt(tiny)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the deferred path's condition, and the same kernels on both paths
+    try:
+        runs = {}
+        for deferred in (False, True):
+            monkeypatch.setattr(trace_mod, "defers", lambda device, d=deferred: d)
+            with probe(tiny, metrics="all", position_bins=True) as trace:
+                tiny(tiny_tokens)
+                tiny(tiny_tokens[:1])
+            runs[deferred] = (trace.result(), probe(tiny, metrics="all").add_cache(cache_for(tiny, tiny_tokens)).result())
+        for a, b in zip(*runs.values()):
+            assert a.quantities == b.quantities and a.n_forwards == b.n_forwards
+            for q in a.quantities:
+                assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.sums[q], b.sums[q]), q
+        bad = [(ad.hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
+        with pytest.raises(NonFiniteError, match="layer 1"):
+            with probe(tiny) as trace:
+                tiny.run_with_hooks(tiny_tokens, fwd_hooks=bad)
+        assert not trace._pending and trace._buf is None
+        assert_no_hooks(tiny)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_result_roundtrip_and_plot(tiny, tiny_tokens, tmp_path):
