@@ -50,8 +50,8 @@ def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Te
     fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
     fh = f / fn
     k = u.new_zeros(n, d + 1, d + 1)
-    k[:, :d, :d] = (jacs - fh[:, :, None] * (fh[:, None, :] @ jacs)) / fn[..., None]
-    k[:, :d, :d].diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
+    torch.baddbmm(jacs, fh[:, :, None], fh[:, None, :] @ jacs, alpha=-1, out=k[:, :d, :d])
+    k[:, :d, :d].div_(fn[..., None]).diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
     k[:, :d, d], k[:, d, :d] = u, u
     rhs = torch.cat([-_tangential_part(fh, u), u.new_zeros(n, 1)], dim=-1)
     sol, info = torch.linalg.solve_ex(k, rhs)
@@ -67,12 +67,12 @@ def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Te
     return torch.where(ok[:, None], t, torch.zeros_like(t)), ok.cpu()
 
 
-def _line_search(fld: _FieldAdapter, u: Tensor, steps: Tensor, rel: Tensor, merit: Tensor, known: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backtracking on the deflated merit, all rows at once: a row takes its full step below
+def _line_search(fld: _FieldAdapter, u: Tensor, f: Tensor, steps: Tensor, rel: Tensor, merit: Tensor,
+                 known: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backtracking on the deflated merit, all rows at once (``f`` = F(u)): a row takes its full step below
     ``FULL_STEP_BELOW`` (when F is finite there), else the first of 12 halvings that lowers the merit. Returns
     (u, F(u), rel, merit, accepted) after the search (unchanged rows where no step was accepted)."""
-    u, f, rel, merit = u.clone(), fld.many_no_grad(u), rel.clone(), merit.clone()
+    u, f, rel, merit = u.clone(), f.clone(), rel.clone(), merit.clone()
     accepted = torch.zeros(u.shape[0], dtype=torch.bool)
     full = (rel < FULL_STEP_BELOW).cpu()
     todo = torch.arange(u.shape[0])
@@ -119,7 +119,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         steps, finite = _newton_steps(u[idx], f[idx], fld.jacobians(u[idx]), known)
         status[idx[~finite]] = 2
         idx, steps = idx[finite], steps[finite]
-        u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(fld, u[idx], steps, rel[idx], merit[idx], known)
+        u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(
+            fld, u[idx], f[idx], steps, rel[idx], merit[idx], known)
         iters[idx] += 1
         miss = idx[~acc]
         status[miss] = torch.where((rel[miss] <= tol).cpu(), 0, 2)
@@ -169,8 +170,8 @@ def explained(x: Tensor, w: Tensor, known: Tensor, cos: float = EXPLAINED_COS) -
 
 def _choose(pending: deque, deferred: deque, queue: list, expand, known: Tensor, room: int, cos: float,
             counts: dict) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
-    """The next batch of at most ``room`` starts: unexplained pending starts first (expanding the queued points
-    when no start is pending; explained ones go to ``deferred``), else the deferred ones in order."""
+    """The next batch of at most ``room`` starts: unexplained pending starts first (expanding the next queued
+    point when no start is pending; explained ones go to ``deferred``), else the deferred ones in order."""
     chosen: list[tuple[Tensor, Tensor, Tensor]] = []
     while len(chosen) < room:
         if not pending and queue:
@@ -206,12 +207,10 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
     counts = {"landscape_deferred": 0, "landscape_deferred_run": 0}
     solves, jac_before = 0, fld.n_jacobians
 
-    def expand() -> None:
-        fld.point_jacobians(torch.stack(queue))  # the new points' Jacobians in one batch
-        for x in queue:
-            for w in eigen_directions(fld, x, LANDSCAPE_DIRS):
-                pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
-        queue.clear()
+    def expand() -> None:  # the next queued point only: a point never expanded needs no eigenvectors
+        x = queue.pop(0)
+        for w in eigen_directions(fld, x, LANDSCAPE_DIRS):
+            pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
 
     while solves < opts.landscape_solves:
         chosen, kind = _choose(pending, deferred, queue, expand, known, min(batch, opts.landscape_solves - solves),
