@@ -87,7 +87,7 @@ class _FieldAdapter:
         self.device = device
         self.mode: Literal["batched", "vmap", "loop"] = "loop"
         self._jvp_mode: Literal["forward", "reverse"] | None = None
-        #: per point (its bytes): DF there and the eigen-decomposition of its tangent matrix, each computed once
+        #: per point (its bytes): DF there and the eigenvalues of its tangent matrix, each computed once
         self.point_cache: dict[bytes, dict[str, Any]] = {}
         #: dense Jacobians of F evaluated so far
         self.n_jacobians = 0

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, PATIENCE, FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
-from .spectrum import point_eig
+from .spectrum import point_eig, real_eigvecs
 
 #: Newton steps are capped at this many radians
 MAX_STEP = 0.5
@@ -136,22 +136,21 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
 
 def eigen_directions(fld: _FieldAdapter, x: Tensor, dirs: int) -> list[Tensor]:
     """Ambient unit tangent vectors Q v at the point ``x`` for the real eigenvectors v of its tangent matrix
-    (:func:`tl_steering.critical.spectrum.point_eig`) whose eigenvalues are the ``dirs`` nearest zero below it and
-    the ``dirs`` nearest zero above it."""
+    (:func:`tl_steering.critical.spectrum.real_eigvecs`) whose eigenvalues are the ``dirs`` nearest zero below it
+    and the ``dirs`` nearest zero above it."""
     with torch.no_grad():
         lam = float(x @ fld.one(x))
-    vals_t, vecs_t = point_eig(fld, x, lam, vectors=True)
-    vals, vecs = vals_t.numpy(), vecs_t.numpy()
+    vals = point_eig(fld, x, lam).numpy()
     scale = float(np.abs(vals).max()) if vals.size else 0.0
     real = np.abs(vals.imag) <= 1e-12 * max(scale, 1e-300)
     picks: list[int] = []
     for side in (vals.real < 0, vals.real >= 0):
         cand = np.nonzero(real & side)[0]
         picks += cand[np.argsort(np.abs(vals.real[cand]), kind="stable")][:dirs].tolist()
+    vecs = real_eigvecs(fld, x, lam, [float(vals.real[j]) for j in picks])
     h, out = _Householder(x), []
-    for j in picks:
-        v = torch.as_tensor(vecs[:, j].real.copy(), dtype=x.dtype, device=x.device)
-        w = h.q(v / v.norm().clamp_min(_EPS))
+    for k in range(len(picks)):
+        w = h.q(vecs[:, k].to(dtype=x.dtype, device=x.device))
         out.append(w / w.norm().clamp_min(_EPS))
     return out
 
