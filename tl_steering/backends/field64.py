@@ -176,7 +176,7 @@ class Float64Block:
                 if wu is not None:
                     buf.addcmul_(wu, a[k, :, None])
                 torch.matmul(wd, buf, out=jac[k])
-            if eps:  # in place: each [n, d, d] temporary costs about as much as the product's bookkeeping
+            if eps:  # in place: no [n, d, d] temporary
                 jac.baddbmm_(jac @ x[..., None], (x / (self.d_model * r2))[:, None, :], alpha=-1)
                 jac.div_(r2.sqrt()[..., None])
             elif jac_pre is not None:
