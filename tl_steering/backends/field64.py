@@ -176,8 +176,9 @@ class Float64Block:
                 if wu is not None:
                     buf.addcmul_(wu, a[k, :, None])
                 torch.matmul(wd, buf, out=jac[k])
-            if eps:
-                jac = (jac - (jac @ x[..., None]) * (x / (self.d_model * r2))[:, None, :]) / r2.sqrt()[..., None]
+            if eps:  # in place: no [n, d, d] temporary
+                jac.baddbmm_(jac @ x[..., None], (x / (self.d_model * r2))[:, None, :], alpha=-1)
+                jac.div_(r2.sqrt()[..., None])
             elif jac_pre is not None:
                 jac = jac @ jac_pre
             if self.norms.post_ffn is not None:

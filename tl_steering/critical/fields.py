@@ -87,7 +87,7 @@ class _FieldAdapter:
         self.device = device
         self.mode: Literal["batched", "vmap", "loop"] = "loop"
         self._jvp_mode: Literal["forward", "reverse"] | None = None
-        #: per point (its bytes): DF there and the eigen-decomposition of its tangent matrix, each computed once
+        #: per point (its bytes): DF there and the eigenvalues of its tangent matrix, each computed once
         self.point_cache: dict[bytes, dict[str, Any]] = {}
         #: dense Jacobians of F evaluated so far
         self.n_jacobians = 0
@@ -183,7 +183,7 @@ class _FieldAdapter:
                 except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
                     jac = torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in part])
             out.append(jac.to(self.dtype).detach())
-        return torch.cat(out) if out else u.new_zeros(0, self.dim, self.dim)
+        return (out[0] if len(out) == 1 else torch.cat(out)) if out else u.new_zeros(0, self.dim, self.dim)
 
     def point_jacobians(self, points: Tensor) -> list[Tensor]:
         """DF at each row of ``points``, computed once per point (cached in :attr:`point_cache`; rows missing from

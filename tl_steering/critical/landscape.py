@@ -13,7 +13,7 @@ from torch import Tensor
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, PATIENCE, FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
-from .spectrum import point_eig
+from .spectrum import point_eig, real_eigvecs
 
 #: Newton steps are capped at this many radians
 MAX_STEP = 0.5
@@ -50,8 +50,8 @@ def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Te
     fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
     fh = f / fn
     k = u.new_zeros(n, d + 1, d + 1)
-    k[:, :d, :d] = (jacs - fh[:, :, None] * (fh[:, None, :] @ jacs)) / fn[..., None]
-    k[:, :d, :d].diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
+    torch.baddbmm(jacs, fh[:, :, None], fh[:, None, :] @ jacs, alpha=-1, out=k[:, :d, :d])
+    k[:, :d, :d].div_(fn[..., None]).diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
     k[:, :d, d], k[:, d, :d] = u, u
     rhs = torch.cat([-_tangential_part(fh, u), u.new_zeros(n, 1)], dim=-1)
     sol, info = torch.linalg.solve_ex(k, rhs)
@@ -67,12 +67,12 @@ def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Te
     return torch.where(ok[:, None], t, torch.zeros_like(t)), ok.cpu()
 
 
-def _line_search(fld: _FieldAdapter, u: Tensor, steps: Tensor, rel: Tensor, merit: Tensor, known: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backtracking on the deflated merit, all rows at once: a row takes its full step below
+def _line_search(fld: _FieldAdapter, u: Tensor, f: Tensor, steps: Tensor, rel: Tensor, merit: Tensor,
+                 known: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backtracking on the deflated merit, all rows at once (``f`` = F(u)): a row takes its full step below
     ``FULL_STEP_BELOW`` (when F is finite there), else the first of 12 halvings that lowers the merit. Returns
     (u, F(u), rel, merit, accepted) after the search (unchanged rows where no step was accepted)."""
-    u, f, rel, merit = u.clone(), fld.many_no_grad(u), rel.clone(), merit.clone()
+    u, f, rel, merit = u.clone(), f.clone(), rel.clone(), merit.clone()
     accepted = torch.zeros(u.shape[0], dtype=torch.bool)
     full = (rel < FULL_STEP_BELOW).cpu()
     todo = torch.arange(u.shape[0])
@@ -119,7 +119,8 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         steps, finite = _newton_steps(u[idx], f[idx], fld.jacobians(u[idx]), known)
         status[idx[~finite]] = 2
         idx, steps = idx[finite], steps[finite]
-        u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(fld, u[idx], steps, rel[idx], merit[idx], known)
+        u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(
+            fld, u[idx], f[idx], steps, rel[idx], merit[idx], known)
         iters[idx] += 1
         miss = idx[~acc]
         status[miss] = torch.where((rel[miss] <= tol).cpu(), 0, 2)
@@ -135,22 +136,21 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
 
 def eigen_directions(fld: _FieldAdapter, x: Tensor, dirs: int) -> list[Tensor]:
     """Ambient unit tangent vectors Q v at the point ``x`` for the real eigenvectors v of its tangent matrix
-    (:func:`tl_steering.critical.spectrum.point_eig`) whose eigenvalues are the ``dirs`` nearest zero below it and
-    the ``dirs`` nearest zero above it."""
+    (:func:`tl_steering.critical.spectrum.real_eigvecs`) whose eigenvalues are the ``dirs`` nearest zero below it
+    and the ``dirs`` nearest zero above it."""
     with torch.no_grad():
         lam = float(x @ fld.one(x))
-    vals_t, vecs_t = point_eig(fld, x, lam, vectors=True)
-    vals, vecs = vals_t.numpy(), vecs_t.numpy()
+    vals = point_eig(fld, x, lam).numpy()
     scale = float(np.abs(vals).max()) if vals.size else 0.0
     real = np.abs(vals.imag) <= 1e-12 * max(scale, 1e-300)
     picks: list[int] = []
     for side in (vals.real < 0, vals.real >= 0):
         cand = np.nonzero(real & side)[0]
         picks += cand[np.argsort(np.abs(vals.real[cand]), kind="stable")][:dirs].tolist()
+    vecs = real_eigvecs(fld, x, lam, [float(vals.real[j]) for j in picks])
     h, out = _Householder(x), []
-    for j in picks:
-        v = torch.as_tensor(vecs[:, j].real.copy(), dtype=x.dtype, device=x.device)
-        w = h.q(v / v.norm().clamp_min(_EPS))
+    for k in range(len(picks)):
+        w = h.q(vecs[:, k].to(dtype=x.dtype, device=x.device))
         out.append(w / w.norm().clamp_min(_EPS))
     return out
 
@@ -169,8 +169,8 @@ def explained(x: Tensor, w: Tensor, known: Tensor, cos: float = EXPLAINED_COS) -
 
 def _choose(pending: deque, deferred: deque, queue: list, expand, known: Tensor, room: int, cos: float,
             counts: dict) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
-    """The next batch of at most ``room`` starts: unexplained pending starts first (expanding the queued points
-    when no start is pending; explained ones go to ``deferred``), else the deferred ones in order."""
+    """The next batch of at most ``room`` starts: unexplained pending starts first (expanding the next queued
+    point when no start is pending; explained ones go to ``deferred``), else the deferred ones in order."""
     chosen: list[tuple[Tensor, Tensor, Tensor]] = []
     while len(chosen) < room:
         if not pending and queue:
@@ -206,12 +206,10 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
     counts = {"landscape_deferred": 0, "landscape_deferred_run": 0}
     solves, jac_before = 0, fld.n_jacobians
 
-    def expand() -> None:
-        fld.point_jacobians(torch.stack(queue))  # the new points' Jacobians in one batch
-        for x in queue:
-            for w in eigen_directions(fld, x, LANDSCAPE_DIRS):
-                pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
-        queue.clear()
+    def expand() -> None:  # the next queued point only: a point never expanded needs no eigenvectors
+        x = queue.pop(0)
+        for w in eigen_directions(fld, x, LANDSCAPE_DIRS):
+            pending.extend((x, sw, _normalize(x + DELTA * sw, EPS_NORM)) for sw in (w, -w))
 
     while solves < opts.landscape_solves:
         chosen, kind = _choose(pending, deferred, queue, expand, known, min(batch, opts.landscape_solves - solves),

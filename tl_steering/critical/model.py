@@ -87,7 +87,7 @@ class CriticalField:
         (:meth:`~tl_steering.backends.field64.Float64Block.ffn_jacobian`); None for the other fields or an MLP of
         another form (the finder then differentiates the field by autograd)."""
         jac = self.block.ffn_jacobian(self.radius * u) if self.kind == "ffn" else None
-        return None if jac is None else self.radius * jac
+        return None if jac is None else jac.mul_(self.radius)
 
 
 def _default_tokens(model: Any) -> Any:

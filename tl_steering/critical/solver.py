@@ -41,9 +41,10 @@ class _Merit:
         fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
         uf = (u * f).sum(-1, keepdim=True)
         r = (f - uf * u) / fn
-        eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
-        dg = jac - u[:, :, None] * (u[:, None, :] @ jac) - u[:, :, None] * f[:, None, :] - uf[..., None] * eye
-        return dg / fn[..., None] - r[:, :, None] * ((f / fn)[:, None, :] @ jac) / fn[..., None]
+        fj = (f / fn)[:, None, :] @ jac / fn[..., None]
+        dg = jac.baddbmm_(u[:, :, None], u[:, None, :] @ jac + f[:, None, :], alpha=-1)  # in place: DF is ours
+        dg.diagonal(dim1=1, dim2=2).sub_(uf)
+        return dg.div_(fn[..., None]).baddbmm_(r[:, :, None], fj, alpha=-1)
 
 
 def _damped_solve(h: Tensor, g: Tensor, u: Tensor, scale: Tensor, mu: Tensor) -> Tensor:
@@ -85,7 +86,7 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int) -> tuple
             break
         ua, ra, ca = u[idx], r[idx], c[idx]
         jac = merit.jacobian(ua).detach()
-        a = jac - (jac @ ua[:, :, None]) @ ua[:, None, :]  # J P_u
+        a = jac.baddbmm_(jac @ ua[:, :, None], ua[:, None, :], alpha=-1)  # J P_u, in place
         g = (a.transpose(1, 2) @ ra[:, :, None])[..., 0]
         h = a.transpose(1, 2) @ a
         scale = h.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)

@@ -70,19 +70,41 @@ def _label_spectrum(eigs: Tensor) -> _Spectrum:
     )
 
 
-def point_eig(fld: _FieldAdapter, u: Tensor, lam: float, vectors: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Eigenvalues (complex128) and, with ``vectors``, eigenvectors (columns) of the tangent matrix
-    M = Qᵀ DF(u) Q - λ I at a point u, Q the Householder basis of u: computed once per point and kept in the
-    adapter's point cache with DF(u) (the classification and the landscape phase read the same decomposition)."""
+def point_eig(fld: _FieldAdapter, u: Tensor, lam: float) -> Tensor:
+    """Eigenvalues (complex128) of the tangent matrix M = Qᵀ DF(u) Q - λ I at a point u, Q the Householder basis of
+    u: computed once per point and kept in the adapter's point cache with DF(u) (the classification and the landscape
+    phase read the same eigenvalues)."""
     entry = fld.point_cache.setdefault(key(u), {})
-    if "vals" not in entry or (vectors and "vecs" not in entry):
+    if "vals" not in entry:
         jac = fld.point_jacobians(u[None])[0]
-        m = tangent_matrix(u, jac, lam).detach().cpu().to(torch.float64)
-        if vectors:
-            entry["vals"], entry["vecs"] = torch.linalg.eig(m)
-        else:
-            entry["vals"] = torch.linalg.eigvals(m)
-    return entry["vals"], entry.get("vecs")
+        entry["vals"] = torch.linalg.eigvals(tangent_matrix(u, jac, lam).detach().cpu().to(torch.float64))
+    return entry["vals"]
+
+
+def real_eigvecs(fld: _FieldAdapter, u: Tensor, lam: float, mus: list[float]) -> Tensor:
+    """Unit eigenvectors (columns, float64) of the tangent matrix M at u for its real eigenvalues ``mus`` (from
+    :func:`point_eig`), by inverse iteration: two solves with the LU of M - (μ + δ) I, δ = 1e-10 max|M|, each
+    (docs/critical_points.md section 9). Where two of ``mus`` lie within 1e-8 max|M| of each other or a vector's
+    residual |M v - μ v| exceeds 1e-8 max|M|, the eigenvectors of all of M (LAPACK) instead."""
+    m = tangent_matrix(u, fld.point_jacobians(u[None])[0], lam).detach().cpu().to(torch.float64)
+    scale = float(m.abs().max()) or 1.0
+    gaps = [abs(a - b) for i, a in enumerate(mus) for b in mus[i + 1:]]
+    out = []
+    if min(gaps, default=math.inf) > 1e-8 * scale:
+        eye = torch.eye(m.shape[0], dtype=m.dtype)
+        for mu in mus:
+            lu, piv, _ = torch.linalg.lu_factor_ex(m - (mu + 1e-10 * scale) * eye)
+            v = torch.ones(m.shape[0], 1, dtype=m.dtype)
+            for _ in range(2):
+                v = torch.linalg.lu_solve(lu, piv, v)
+                v = v / v.norm()
+            out.append(v[:, 0])
+    vecs = torch.stack(out, dim=1) if out else m[:, :0]
+    if len(out) < len(mus) or not bool(((m @ vecs - vecs * torch.tensor(mus, dtype=m.dtype)).norm(dim=0)
+                                        <= 1e-8 * scale).all()):
+        vals, full = torch.linalg.eig(m)
+        vecs = torch.stack([full[:, int((vals - mu).abs().argmin())].real for mu in mus], dim=1) if mus else vecs
+    return vecs / vecs.norm(dim=0).clamp_min(1e-300)
 
 
 def tangent_matrix(u: Tensor, jac: Tensor, lam: float) -> Tensor:
@@ -156,7 +178,7 @@ def _classify(fld: _FieldAdapter, u: Tensor, solver: str, n_eigs: int) -> tuple[
     lam = float(u @ f)
     res = float(relative_residual(u, f))
     if solver == "dense":
-        eigs = point_eig(fld, u, lam)[0]
+        eigs = point_eig(fld, u, lam)
     else:
         eigs = _arpack_extremes(_tangent_operator(fld, u, lam), n_eigs)
     return _label_spectrum(eigs), lam, res

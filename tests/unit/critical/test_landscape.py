@@ -101,3 +101,36 @@ def test_explained_start_is_a_known_point_along_its_direction():
     off = torch.nn.functional.normalize(q[:, 4] + 0.2 * q[:, 5], dim=0)  # cosine 0.98 with w: below 0.99
     assert not explained(x, w, off[None]) and explained(x, w, off[None], cos=0.95)
 
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_real_eigvecs_are_the_tangent_eigenvectors(close):
+    """On a symmetric linear field at q_j the tangent matrix has the eigenvalues μ_i - μ_j with eigenvectors Qᵀ q_i:
+    inverse iteration returns them (1 - |cos| <= 1e-12, residual <= 1e-10 max|M|); with two picked eigenvalues 1e-13
+    apart (μ_2 = μ_1 + 1e-13), the LAPACK path returns unit eigenvectors of M instead (residual <= 1e-10 max|M|)."""
+    from tl_steering.critical.fields import _FieldAdapter, _Householder
+    from tl_steering.critical.spectrum import point_eig, real_eigvecs, tangent_matrix
+
+    q = symmetric_field(8, 0).points[:8].T  # columns q_i
+    mu = torch.tensor([-3.0, -1.0, -0.5, 0.2, 0.7, 1.5, 2.0, 3.0], dtype=torch.float64)
+    if close:
+        mu[2] = mu[1] + 1e-13
+    a = q @ torch.diag(mu) @ q.T
+    fld = _FieldAdapter(lambda u: u @ a.T, 8, torch.float64, torch.device("cpu"))
+    x = q[:, 4]
+    fld.probe(torch.stack([x, -x]))
+    lam = float(x @ fld.one(x))
+    vals = point_eig(fld, x, lam)
+    picks = [1, 2, 5, 6]
+    mus = [float(mu[i] - mu[4]) for i in picks]
+    assert torch.allclose(torch.sort(vals.real).values, torch.sort(torch.cat([mu[:4], mu[5:]]) - mu[4]).values,
+                          atol=1e-12)
+    vecs = real_eigvecs(fld, x, lam, mus)
+    m = tangent_matrix(x, fld.point_jacobians(x[None])[0], lam)
+    scale = float(m.abs().max())
+    assert float((m @ vecs - vecs * torch.tensor(mus, dtype=torch.float64)).norm(dim=0).max()) <= 1e-10 * scale
+    assert torch.allclose(vecs.norm(dim=0), torch.ones(4, dtype=torch.float64), atol=1e-14)
+    if not close:
+        want = torch.stack([_Householder(x).qt(q[:, i]) for i in picks], dim=1)  # Qᵀ q_i
+        cos = (want * vecs).sum(0).abs() / want.norm(dim=0)
+        assert float((1 - cos).abs().max()) <= 1e-12
