@@ -41,24 +41,8 @@ if TYPE_CHECKING:
     from .spectrum import DENSE_MAX_DIM, LABELS  # noqa: F401
 
 __all__ = [
-    "DEFAULT_FINDER",
-    "DEFAULT_OPTIONS",
-    "DENSE_MAX_DIM",
-    "FIELDS",
-    "LABELS",
-    "METHODS",
-    "CensusResult",
-    "CriticalField",
-    "CriticalPointsResult",
-    "EquilibriaResult",
-    "FinderOptions",
-    "PointClassification",
-        "classify_point",
-    "clopper_pearson",
-    "critical_census",
-    "critical_field",
-    "critical_points",
-    "find_equilibria",
-    "relative_residual",
-    "saddle_verdict",
+    "DEFAULT_FINDER", "DEFAULT_OPTIONS", "DENSE_MAX_DIM", "FIELDS", "LABELS", "METHODS", "CensusResult",
+    "CriticalField", "CriticalPointsResult", "EquilibriaResult", "FinderOptions", "PointClassification",
+    "classify_point", "clopper_pearson", "critical_census", "critical_field", "critical_points",
+    "find_equilibria", "relative_residual", "saddle_verdict"
 ]

@@ -1,7 +1,6 @@
 """The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
-import collections
 import concurrent.futures
 import contextlib
 import math
@@ -77,7 +76,7 @@ class ProbeTrace:
         self._carry: dict[str, Any] | None = None
         self._buf: Tensor | None = None
         self._spare: list[Tensor] = []  # buffers the helper thread is done with (deferred updates)
-        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._pending: concurrent.futures.Future | None = None  # the deferred update of the last layer
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
@@ -107,9 +106,8 @@ class ProbeTrace:
         # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
         buf = self._buf
         if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            spare = self._spare.pop() if self._spare else None
+            spare = self._spare.pop() if self._spare else None  # every slot read is written first
             ok = spare is not None and tuple(spare.shape) == shape and spare.device == src.device
-            # every slot read is written first
             buf = self._buf = spare if ok else torch.empty(shape, dtype=F64, device=src.device)
         out = buf[self._cur[site]]
         out.copy_(src)
@@ -257,16 +255,13 @@ class ProbeTrace:
         try:
             self._drain(raise_errors=exc[0] is None)  # an error in flight is not masked by a deferred one
         finally:
-            self._close(exc)
-
-    def _close(self, exc: tuple) -> None:
-        self._buf = None
-        self._spare.clear()
-        self._cur = dict(self._slots)
-        drop_identity_conversions(self._conversions)
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.__exit__(*exc)
+            self._buf = None
+            self._spare.clear()
+            self._cur = dict(self._slots)
+            drop_identity_conversions(self._conversions)
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                stack.__exit__(*exc)
 
     def __exit__(self, *exc: Any) -> None:
         self._entered = False
@@ -309,8 +304,8 @@ class ProbeTrace:
             self._update_layer(layer, st, splits(device), self._buf, self._cur)  # splits: before single_threaded
             return
         buf, self._buf = self._buf, None
-        self._drain(keep=1)
-        self._pending.append(HELPER.submit(self._deferred, layer, st, buf, dict(self._cur)))
+        self._drain()
+        self._pending = HELPER.submit(self._deferred, layer, st, buf, dict(self._cur))
 
     def _deferred(self, layer: int, st: dict[str, Any], buf: Tensor | None, cur: dict[str, int]) -> None:
         try:
@@ -320,15 +315,12 @@ class ProbeTrace:
             if buf is not None:
                 self._spare.append(buf)
 
-    def _drain(self, keep: int = 0, raise_errors: bool = True) -> None:
-        """Wait until at most ``keep`` deferred layer updates are in flight; raise the first one's error."""
-        while len(self._pending) > keep:
-            error = self._pending.popleft().exception()  # waits for it
-            if error is not None:
-                concurrent.futures.wait(self._pending)
-                self._pending.clear()
-                if raise_errors:
-                    raise error
+    def _drain(self, raise_errors: bool = True) -> None:
+        """Wait for the deferred layer update in flight, if any; raise its error."""
+        fut, self._pending = self._pending, None
+        error = fut.exception() if fut is not None else None
+        if error is not None and raise_errors:
+            raise error
 
     @single_threaded()
     def _update_layer(self, layer: int, st: dict[str, Any], split: bool, buf: Tensor | None,

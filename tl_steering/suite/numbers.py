@@ -222,11 +222,5 @@ def compute_pinned(
 
 
 __all__ = [
-    "NUMBERS",
-    "PINNED",
-    "PUBLISHED",
-    "Number",
-    "compute_pinned",
-    "pinned_values",
-    "published_value",
+    "NUMBERS", "PINNED", "PUBLISHED", "Number", "compute_pinned", "pinned_values", "published_value"
 ]

@@ -306,9 +306,9 @@ def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
         with probe(tiny, layers=layers) as trace:
             tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(0, "resid_post"),
                                                          lambda act, hook: seen.append(trace._buf is not None))])
-            assert trace._buf is None and not trace._spare and not trace._pending
+            assert trace._buf is None and not trace._spare and trace._pending is None
             tiny(tiny_tokens)
-            assert trace._buf is None and not trace._spare and not trace._pending
+            assert trace._buf is None and not trace._spare and trace._pending is None
         assert seen == [True]
         alone = probe(tiny, layers=layers)
         with alone:
@@ -344,7 +344,7 @@ def test_deferred_layer_updates_equal_updates_in_the_hooks(tiny, tiny_tokens, mo
         with pytest.raises(NonFiniteError, match="layer 1"):
             with probe(tiny) as trace:
                 tiny.run_with_hooks(tiny_tokens, fwd_hooks=bad)
-        assert not trace._pending and trace._buf is None
+        assert trace._pending is None and trace._buf is None
         assert_no_hooks(tiny)
     finally:
         torch.set_num_threads(before)
