@@ -60,6 +60,7 @@ class ModelAdapter:
         # HookedTransformer and bridges build hook_resid_mid only on sequential blocks (a bridge: alias of ln2.hook_in)
         self._parallel = [type(blk).__name__ == "ParallelBlockBridge" or not hasattr(blk, "hook_resid_mid")
                           for blk in model.blocks]
+        self._hook_names: frozenset[str] | None = None  # model.hook_dict's names, taken once (like the layout above)
 
     # -- identity ----------------------------------------------------------------------------------------
     @property
@@ -123,7 +124,8 @@ class ModelAdapter:
 
     def hook_name(self, layer: int, site: str, hook_dict: Mapping[str, Any] | None = None) -> str:
         """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them); ``"ffn_input"``
-        resolves per block. ``hook_dict``: a snapshot of ``model.hook_dict`` (a bridge rebuilds it on every access)."""
+        resolves per block. ``hook_dict``: a snapshot of ``model.hook_dict`` (a bridge rebuilds it on every access;
+        without one, the adapter reads it once)."""
         layer = self.check_layer(layer)
         if site == "ffn_input":
             site = self.ffn_input_site(layer)
@@ -135,7 +137,9 @@ class ModelAdapter:
                 "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'."
             )
         name = f"blocks.{layer}.{_SITE_HOOK[site]}"
-        if name not in (self.model.hook_dict if hook_dict is None else hook_dict):
+        if hook_dict is None and self._hook_names is None:
+            self._hook_names = frozenset(self.model.hook_dict)
+        if name not in (self._hook_names if hook_dict is None else hook_dict):
             raise HookNotFoundError(
                 f"hook {name!r} does not exist on this {type(self.model).__name__}"
                 + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else "")
@@ -220,8 +224,9 @@ class ModelAdapter:
                     x = x + a + ffn_apply(blk, norms, x)
                 elif lay in chosen:
                     par = ffn_apply(blk, norms, x)
-                    if write is not None:
-                        par = write(lay, ffn_apply(blk, norms, x + a), par, a)
+                    if write is not None:  # the sequential write only for a write that reads it
+                        seq = ffn_apply(blk, norms, x + a) if getattr(write, "reads_sequential", True) else par
+                        par = write(lay, seq, par, a)
                     x = x + a + par
                 else:
                     y = x + a
