@@ -208,7 +208,8 @@ class ModelAdapter:
         ``start..L-1`` through the adapter's sublayers, the final norm, the unembedding (docs/defect.md, "Prefix
         sharing"). No hook fires. A block in ``parallel`` (or parallel already) computes x + A(x) + Phi(x), the
         surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer, sequential_write, parallel_write,
-        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks`."""
+        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks` (a ``write``
+        whose ``reads_sequential`` is False gets Phi(x) as its sequential write: that FFN is not run)."""
         start = self.check_layer(start, "start")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
