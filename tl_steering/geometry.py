@@ -7,6 +7,7 @@ from jaxtyping import Bool, Float, Float64, Shaped
 from torch import Tensor
 
 from tl_steering.errors import InputError
+from tl_steering.validation import all_finite
 
 EPS_NORM: float = 1e-12
 """Floor of a norm in a denominator (float64), docs/geometry.md."""
@@ -29,9 +30,8 @@ def _checked(name: str, x: Tensor, min_ndim: int = 1) -> Tensor:
     if x.numel() == 0:
         raise InputError(f"{name} is empty (shape {tuple(x.shape)}); pass at least one vector, d_model > 0.")
     x64 = x.to(torch.float64)
-    finite = torch.isfinite(x64)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
+    if not all_finite(x64):
+        bad = int((~torch.isfinite(x64)).sum())
         raise InputError(
             f"{name} contains NaN or Inf ({bad} of {x.numel()} entries); "
             "clean or mask the activations before computing geometry."

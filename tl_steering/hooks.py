@@ -206,6 +206,7 @@ def corrected_write(ad: Any, chosen: Sequence[int], gates: Mapping[int, float] |
             return par.to(act.dtype)
         return corrected_ffn_write(par, g_of.get(layer, 1.0), b_of.get(layer), w_of.get(layer), attn, act.dtype)
 
+    write.reads_sequential = False  # act gives only its dtype: run_blocks may pass Phi(x) instead
     return write
 
 

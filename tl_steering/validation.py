@@ -216,6 +216,11 @@ def _site_of(param_name: str) -> str:
     return "block"
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite (a NaN or Inf makes the sum non-finite: one fast reduction decides)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
 def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = None, where: str = "") -> None:
     """Raise :class:`~tl_steering.errors.NonFiniteError` naming the layer, the site (attention, FFN, norm) and
     the parameter when a weight of the chosen blocks (all when ``layers`` is None) holds NaN or Inf."""
@@ -227,7 +232,7 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
         for pname, p in blocks[layer].named_parameters():
             if p.device.type == "meta":  # offloaded by accelerate: loaded (and used) only inside the forward
                 continue
-            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            if p.is_floating_point() and not all_finite(p):
                 n_nan = int(torch.isnan(p).sum())
                 n_inf = int(torch.isinf(p).sum())
                 at = f"{where}: " if where else ""
@@ -238,6 +243,7 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
 
 
 __all__ = [
+    "all_finite",
     "as_bool", "as_choice", "as_choices", "as_device", "as_float", "as_int", "as_int_list", "as_layer",
     "as_layers", "as_positions", "check_length", "check_weights_finite", "same_device"
 ]

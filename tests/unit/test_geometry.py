@@ -461,3 +461,16 @@ def test_degenerate_mask_drops_zero_and_tiny_norms_of_the_valid_positions():
     x = norms[..., None] * torch.tensor([0.6, 0.8], dtype=torch.float64)
     valid = base & ~g.degenerate_mask(x, base)  # the protocols' rule
     assert valid.tolist() == [[False, True, False, False, True, True, True]]
+
+
+def test_all_finite_decides_by_the_sum_and_falls_back_when_the_sum_overflows():
+    """validation.all_finite (geometry's input check, check_finite, check_weights_finite): a NaN or an Inf of either
+    sign makes it False; finite entries whose float32 sum overflows are still finite (the entrywise fallback)."""
+    from tl_steering.validation import all_finite
+
+    big = torch.tensor([3e38, 3e38], dtype=torch.float32)
+    assert torch.isinf(big.sum()) and all_finite(big)
+    assert all_finite(torch.zeros(0)) and all_finite(torch.randn(4, 5, dtype=torch.float64))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not all_finite(torch.tensor([1.0, bad, 2.0]))
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # their sum is NaN

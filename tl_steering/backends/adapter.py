@@ -27,7 +27,7 @@ from .sublayers import SublayerNorms, attention_apply, ffn_apply, sublayer_norms
 
 def check_finite(x: Tensor, layer: int | None, site: str) -> None:
     """Raise :class:`NonFiniteError` naming the layer and site when ``x`` has NaN or Inf."""
-    if not torch.isfinite(x).all():
+    if not validation.all_finite(x):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         where = f"layer {layer}, {site}" if layer is not None else site
@@ -60,6 +60,7 @@ class ModelAdapter:
         # HookedTransformer and bridges build hook_resid_mid only on sequential blocks (a bridge: alias of ln2.hook_in)
         self._parallel = [type(blk).__name__ == "ParallelBlockBridge" or not hasattr(blk, "hook_resid_mid")
                           for blk in model.blocks]
+        self._hook_names: frozenset[str] | None = None  # model.hook_dict's names, taken once (like the layout above)
 
     # -- identity ----------------------------------------------------------------------------------------
     @property
@@ -123,7 +124,8 @@ class ModelAdapter:
 
     def hook_name(self, layer: int, site: str, hook_dict: Mapping[str, Any] | None = None) -> str:
         """TransformerLens hook name for ``site`` of block ``layer`` (legacy names; bridges alias them); ``"ffn_input"``
-        resolves per block. ``hook_dict``: a snapshot of ``model.hook_dict`` (a bridge rebuilds it on every access)."""
+        resolves per block. ``hook_dict``: a snapshot of ``model.hook_dict`` (a bridge rebuilds it on every access;
+        without one, the adapter reads it once)."""
         layer = self.check_layer(layer)
         if site == "ffn_input":
             site = self.ffn_input_site(layer)
@@ -135,7 +137,9 @@ class ModelAdapter:
                 "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'."
             )
         name = f"blocks.{layer}.{_SITE_HOOK[site]}"
-        if name not in (self.model.hook_dict if hook_dict is None else hook_dict):
+        if hook_dict is None and self._hook_names is None:
+            self._hook_names = frozenset(self.model.hook_dict)
+        if name not in (self._hook_names if hook_dict is None else hook_dict):
             raise HookNotFoundError(
                 f"hook {name!r} does not exist on this {type(self.model).__name__}"
                 + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else "")
@@ -204,7 +208,8 @@ class ModelAdapter:
         ``start..L-1`` through the adapter's sublayers, the final norm, the unembedding (docs/defect.md, "Prefix
         sharing"). No hook fires. A block in ``parallel`` (or parallel already) computes x + A(x) + Phi(x), the
         surrogate of :func:`tl_steering.hooks.parallel_blocks`; ``write(layer, sequential_write, parallel_write,
-        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks`."""
+        attn_write)`` replaces a chosen block's FFN write as in :func:`tl_steering.hooks.parallel_hooks` (a ``write``
+        whose ``reads_sequential`` is False gets Phi(x) as its sequential write: that FFN is not run)."""
         start = self.check_layer(start, "start")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise InputError(f"run_blocks expects the residual [batch, pos, d_model={self.d_model}], got shape "
@@ -220,8 +225,9 @@ class ModelAdapter:
                     x = x + a + ffn_apply(blk, norms, x)
                 elif lay in chosen:
                     par = ffn_apply(blk, norms, x)
-                    if write is not None:
-                        par = write(lay, ffn_apply(blk, norms, x + a), par, a)
+                    if write is not None:  # the sequential write only for a write that reads it
+                        seq = ffn_apply(blk, norms, x + a) if getattr(write, "reads_sequential", True) else par
+                        par = write(lay, seq, par, a)
                     x = x + a + par
                 else:
                     y = x + a
@@ -404,6 +410,8 @@ class _CleanForwards:
     def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
         key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
         run = self.runs.get(key)
+        if run is None and (part := self._rows(tokens, names)) is not None:
+            return part
         if run is None or not set(names) <= run[1].keys():
             wanted = list(dict.fromkeys(names + ad.identity_names()))
             size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
@@ -418,6 +426,18 @@ class _CleanForwards:
             finally:
                 _SHARED.reset(token)
         return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets
+
+    def _rows(self, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict] | None:
+        """The rows of a kept run that holds ``tokens`` as consecutive windows (a window's forward does not depend on
+        the other windows of its batch), else None."""
+        n, want = int(tokens.shape[0]), tokens.cpu().numpy().tobytes()
+        for (shape, device, raw), (logits, cache) in self.runs.items():
+            row = len(want) // n
+            if shape[1:] == tuple(tokens.shape[1:]) and device == str(tokens.device) and len(raw) == shape[0] * row \
+                    and set(names) <= cache.keys():
+                for i in (i for i in range(shape[0] - n + 1) if raw[i * row:(i + n) * row] == want):
+                    return logits[i:i + n].clone(), {m: cache[m][i:i + n].clone() for m in names}
+        return None
 
 
 _SHARED: contextvars.ContextVar[_CleanForwards | None] = contextvars.ContextVar("tl_steering_clean", default=None)

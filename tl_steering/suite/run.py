@@ -200,7 +200,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     copies = [(info, par) for info, par in runs if par is not None]
     if copies:
         sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
-        fns = [lambda m=m: m(sl, return_type="logits") for m in [c.model, c.model] + [par for _, par in copies]]
+        fns = [lambda m=m: m(sl, return_type="logits") for m in [c.model] + [par for _, par in copies]]
+        fns.insert(1, fns[0])  # the A/A control: the original again
         times = alternating_seconds(fns, c.ad.device, warmup=1, rounds=c.s.parallel_repeats)
         clean = _clean_loss(c, res)
         for (info, par), t_par in zip(copies, times[2:]):

@@ -225,7 +225,8 @@ def test_tiny_model_is_deterministic():
 
 def test_shared_clean_forwards_run_once_and_give_the_same_numbers(tiny, tiny_tokens):
     """Inside shared_clean_forwards a hook-free forward of a batch seen before runs no forward and returns copies of
-    the first one's logits and activations, equal to a fresh forward's; hooked forwards and other models run; a
+    the first one's logits and activations, equal to a fresh forward's; a batch of consecutive windows of a kept
+    run is cut from it (equal to its own forward up to float32 rounding); hooked forwards and other batches run; a
     batch over the budget runs as an ordinary forward each time."""
     from tl_steering._util.progress import reporting
     from tl_steering.backends.adapter import shared_clean_forwards
@@ -234,15 +235,20 @@ def test_shared_clean_forwards_run_once_and_give_the_same_numbers(tiny, tiny_tok
     ad = adapt(tiny)
     name = ad.hook_name(1, "resid_post")
     fresh_logits, fresh = ad.run_with_cache(tiny_tokens, [name])
-    for budget, runs in ((1 << 30, 3), (0, 4)):
+    fresh_row, fresh_part = ad.run_with_cache(tiny_tokens[1:2], [name])
+    assert tiny_tokens.shape[0] > 2
+    for budget, runs in ((1 << 30, 3), (0, 5)):
         with shared_clean_forwards(tiny, max_bytes=budget), reporting(lambda _: None) as fw:
             logits = ad.run_with_hooks(tiny_tokens, [])
             logits[:] = 0  # a caller writing into its copy changes nothing shared
             again, cache = ad.run_with_cache(tiny_tokens, [name])
             ad.run_with_hooks(tiny_tokens, attention_gain(tiny, 2.0))
-            ad.run_with_cache(tiny_tokens[:1], [name])
+            row, part = ad.run_with_cache(tiny_tokens[1:2], [name])
+            ad.run_with_cache(tiny_tokens.flip(-1), [name])
         assert fw.forwards == runs
         assert torch.equal(again, fresh_logits) and torch.equal(cache[name], fresh[name])
+        torch.testing.assert_close(row, fresh_row)
+        torch.testing.assert_close(part[name], fresh_part[name])
     assert_no_hooks(tiny)
 
 
