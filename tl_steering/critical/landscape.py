@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._util.threads import single_threaded
 from ..geometry import EPS_NORM, _normalize, _tangential_part
 from .options import DEDUP_ANGLE, LANDSCAPE_DIRS, PATIENCE, FinderOptions
 from .fields import _EPS, _add_distinct, _FieldAdapter, _Householder, _match_point, relative_residual
@@ -54,7 +55,8 @@ def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Te
     k[:, :d, :d].div_(fn[..., None]).diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
     k[:, :d, d], k[:, d, :d] = u, u
     rhs = torch.cat([-_tangential_part(fh, u), u.new_zeros(n, 1)], dim=-1)
-    sol, info = torch.linalg.solve_ex(k, rhs)
+    with single_threaded():  # torch's batched CPU LU inside its own threads hangs MKL's dgetrf (docs section 2)
+        sol, info = torch.linalg.solve_ex(k, rhs)
     for i in (info != 0).nonzero().flatten().tolist():
         sol[i] = torch.linalg.lstsq(k[i], rhs[i][:, None]).solution[:, 0]
     t = sol[:, :d]

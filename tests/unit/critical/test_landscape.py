@@ -134,3 +134,37 @@ def test_real_eigvecs_are_the_tangent_eigenvectors(close):
         want = torch.stack([_Householder(x).qt(q[:, i]) for i in picks], dim=1)  # Qᵀ q_i
         cos = (want * vecs).sum(0).abs() / want.norm(dim=0)
         assert float((1 - cos).abs().max()) <= 1e-12
+
+
+_TWO_THREADS = """
+import torch
+from tl_steering.critical.landscape import _newton_steps
+gen = torch.Generator().manual_seed(0)
+n, d = 3, 576
+u = torch.randn(n, d, generator=gen, dtype=torch.float64)
+u = u / u.norm(dim=-1, keepdim=True)
+f = torch.randn(n, d, generator=gen, dtype=torch.float64)
+jacs = torch.randn(n, d, d, generator=gen, dtype=torch.float64)
+known = torch.randn(2, d, generator=gen, dtype=torch.float64)
+torch.set_num_threads(1)
+one = _newton_steps(u, f, jacs, known)[0]
+torch.set_num_threads(2)
+two = _newton_steps(u, f, jacs, known)[0]
+assert torch.get_num_threads() == 2
+print(float((one - two).abs().max() / one.abs().max()))
+"""
+
+
+def test_batched_newton_solve_returns_on_two_threads():
+    """The landscape's batched Newton solve (577 x 577 bordered systems) returns on two torch threads with the
+    one-thread steps: torch's batched CPU LU on two threads hangs inside MKL (docs/critical_points.md section 2),
+    so it runs on one intra-op thread. A subprocess with a time limit, so that a hang fails instead of waiting."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _TWO_THREADS], capture_output=True, text=True, timeout=120,
+                         cwd=root, env={**__import__("os").environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+    assert out.returncode == 0 and "DLASWP" not in out.stderr, out.stderr[-2000:]
+    assert float(out.stdout.strip().splitlines()[-1]) == 0.0  # the same kernels: one thread either way
