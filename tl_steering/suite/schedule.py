@@ -40,7 +40,7 @@ WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
 SMOLLM2_DIMS = (30, 576, 1536, 49152)
 #: a layer's critical points cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the
 #: set-up term: the landscape rows, the power and edge phases, which do not grow with the starts)
-CRITICAL_WEIGHT, CRITICAL_SETUP = 38.9, 30
+CRITICAL_WEIGHT, CRITICAL_SETUP = 33.7, 30
 
 
 def stage_costs(s: SuiteSettings, n_windows: int, length: int,
@@ -63,13 +63,13 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
     fixed = 256.0 / max(1, n_windows * length)  # work that does not grow with the tokens, in forwards of them
     return {
         "checks": (1.0, 0.0, 1.0 / n_windows),
-        "deficit": (2.5, 0.0, 0.0),
+        "deficit": (1.0, 0.0, 0.0),
         "ablation": (1.25 * (1 + n_var), 0.0, 0.0),
-        "diversity": (1.1 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
-        "defect": (3.0 + 1.5 * s.defect_brackets + 2.0 * (not s.defect_evaluate), plans + gold,
+        "diversity": (1.3 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
+        "defect": (3.0 + 1.5 * s.defect_brackets + 4.3 * (not s.defect_evaluate), plans + gold,
                    3.0 * s.timing_repeats * s.defect_timing),
         "plan_choice": (0.0, 0.0, choice),
-        "parallel": (0.0, 0.0, (3.4 * fixed + 1.2) * copies + 1.2 * timed),
+        "parallel": (0.0, 0.0, (2.4 * fixed + 0.85) * copies + 0.85 * timed),
         "gates": (0.0, 0.0, 4.5),
         "critical": (0.0, 0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
                      * jacobian_per_forward(dims) / max(1, n_windows * length)),
