@@ -123,10 +123,8 @@ def splits(device: torch.device) -> bool:
 def defers(device: torch.device) -> bool:
     """Whether the probe's per-layer work goes to :data:`HELPER` while the forward goes on: torch runs on one
     intra-op thread and this process may use another CPU core (docs/probe.md, "Cost")."""
-    if device.type != "cpu" or torch.get_num_threads() != 1:
-        return False
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return len(cores) >= 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return device.type == "cpu" and torch.get_num_threads() == 1 and cores >= 2
 
 
 def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:

@@ -189,9 +189,8 @@ class ProbeTrace:
                     carry, self._carry = self._carry, None
                     if carry is not None and carry["layer"] == layer and carry["src"] is act \
                             and _version(act) is not None and _version(act) == carry["version"]:
-                        # this resid_pre is the previous layer's resid_post, untouched: its diversity was
-                        # measured, and its float64 copy is in the buffer already (swap the two slots) unless
-                        # that buffer went to the helper thread
+                        # the previous layer's resid_post, untouched: its diversity was measured, and its
+                        # float64 copy is in the buffer (swap the slots) unless that went to the helper thread
                         if self._buf is None:
                             self._slot_copy(act, "resid_pre")
                         else:
@@ -296,9 +295,8 @@ class ProbeTrace:
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
-        """All metrics of one layer from the float64 buffer, on one torch thread: here, or with torch on one
-        thread of a CPU with a core to spare, on the helper thread while the forward goes on (the buffer goes
-        with it; at most one layer in flight); docs/probe.md, "Cost"."""
+        """All metrics of one layer from the float64 buffer, on one torch thread: here, or on the helper thread
+        while the forward goes on (:func:`defers`; docs/probe.md, "Cost")."""
         device = self.ad.device
         if not defers(device):
             self._update_layer(layer, st, splits(device), self._buf, self._cur)  # splits: before single_threaded
@@ -308,12 +306,11 @@ class ProbeTrace:
         self._pending = HELPER.submit(self._deferred, layer, st, buf, dict(self._cur))
 
     def _deferred(self, layer: int, st: dict[str, Any], buf: Tensor | None, cur: dict[str, int]) -> None:
-        try:
+        try:  # the buffer goes back to the spares when done
             with torch.no_grad():  # grad mode is per thread
                 self._update_layer(layer, st, False, buf, cur)
         finally:
-            if buf is not None:
-                self._spare.append(buf)
+            self._spare += [buf] if buf is not None else []
 
     def _drain(self, raise_errors: bool = True) -> None:
         """Wait for the deferred layer update in flight, if any; raise its error."""

@@ -36,19 +36,16 @@ READS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
 
 
-#: (layers, d_model, d_mlp, d_vocab) of SmolLM2-135M, the model the weights below were measured on
-SMOLLM2_DIMS = (30, 576, 1536, 49152)
-#: a layer's critical points cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the
-#: set-up term: the landscape rows, the power and edge phases, which do not grow with the starts)
-CRITICAL_WEIGHT, CRITICAL_SETUP = 33.7, 30
+#: (layers, d_model, d_mlp, d_vocab) of SmolLM2-135M, where the weights were measured; a layer's critical points
+#: cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the set-up: landscape, power, edges)
+SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 33.7, 30
 
 
 def stage_costs(s: SuiteSettings, n_windows: int, length: int,
                 dims: tuple[int, int, int, int] = SMOLLM2_DIMS) -> dict[str, tuple[float, float, float]]:
-    """A rough cost of each stage of ``s`` in forwards over all the windows: ``(part that splits over the batches
-    of windows, part that splits over measured plans, part that does not split)``, for a model of ``dims``
-    (layers, d_model, d_mlp, d_vocab). Only the ratios matter (they weigh :func:`assign_stages`);
-    docs/scale_out.md, "The sharded report"."""
+    """A rough cost of each stage of ``s`` in forwards over all the windows for a model of ``dims``: ``(part that
+    splits over the batches of windows, part that splits over measured plans, part that does not split)``. Only the
+    ratios matter (they weigh :func:`assign_stages`); docs/scale_out.md, "The sharded report"."""
     n_var = len(set(s.ablation_variants) | {"zero"}) + 1  # the random-tangent control
     plans = 0.0  # the gold standard's plans, one pass over the windows each (split_map over the ranks)
     if s.defect_evaluate:
@@ -79,8 +76,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
 
 def jacobian_per_forward(dims: tuple[int, int, int, int]) -> float:
     """One float64 Jacobian of a layer's FFN field (d_model^2 d_mlp multiply-adds) in forwards of one token
-    (layers x (4 d_model^2 + 3 d_model d_mlp) + d_model d_vocab): what a critical-point search costs per solve,
-    against a forward, grows with the width, not with the tokens."""
+    (layers x (4 d_model^2 + 3 d_model d_mlp) + d_model d_vocab): it grows with the width, not the tokens."""
     n_layers, d, d_mlp, vocab = dims
     return d * d * d_mlp / (n_layers * (4 * d * d + 3 * d * d_mlp) + d * vocab)
 
