@@ -410,7 +410,7 @@ class _CleanForwards:
     def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
         key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
         run = self.runs.get(key)
-        if run is None and (part := self._rows(tokens, names)) is not None:
+        if run is None and (part := self._rows(key, names)) is not None:
             return part
         if run is None or not set(names) <= run[1].keys():
             wanted = list(dict.fromkeys(names + ad.identity_names()))
@@ -427,16 +427,17 @@ class _CleanForwards:
                 _SHARED.reset(token)
         return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets
 
-    def _rows(self, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict] | None:
-        """The rows of a kept run that holds ``tokens`` as consecutive windows (a window's forward does not depend on
-        the other windows of its batch), else None."""
-        n, want = int(tokens.shape[0]), tokens.cpu().numpy().tobytes()
+    def _rows(self, key: tuple, names: list[str]) -> tuple[Tensor, dict] | None:
+        """The rows of a kept run that holds the tokens of ``key`` (shape, device, bytes) as consecutive windows (a
+        window's forward does not depend on the other windows of its batch), else None."""
+        want_shape, want_device, want = key
+        n, row = want_shape[0], len(want) // max(1, want_shape[0])  # windows, bytes per window
         for (shape, device, raw), (logits, cache) in self.runs.items():
-            row = len(want) // n
-            if shape[1:] == tuple(tokens.shape[1:]) and device == str(tokens.device) and len(raw) == shape[0] * row \
+            if shape[1:] == want_shape[1:] and device == want_device and len(raw) == shape[0] * row \
                     and set(names) <= cache.keys():
-                for i in (i for i in range(shape[0] - n + 1) if raw[i * row:(i + n) * row] == want):
-                    return logits[i:i + n].clone(), {m: cache[m][i:i + n].clone() for m in names}
+                for i in range(shape[0] - n + 1):
+                    if raw[i * row:(i + n) * row] == want:
+                        return logits[i:i + n].clone(), {m: cache[m][i:i + n].clone() for m in names}
         return None
 
 

@@ -187,16 +187,15 @@ class ProbeTrace:
                        layer: int = layer) -> None:
                     state.clear()
                     carry, self._carry = self._carry, None
-                    if carry is not None and carry["layer"] == layer and carry["src"] is act \
-                            and _version(act) is not None and _version(act) == carry["version"]:
-                        # the previous layer's resid_post, untouched: its diversity was measured, and its
-                        # float64 copy is in the buffer (swap the slots) unless that went to the helper thread
-                        if self._buf is None:
-                            self._slot_copy(act, "resid_pre")
-                        else:
-                            cur = self._cur
-                            cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
+                    # the previous layer's resid_post, untouched: its diversity was measured, and its float64
+                    # copy is in the buffer (swap the slots) unless that buffer went to the helper thread
+                    same = carry is not None and carry["layer"] == layer and carry["src"] is act \
+                        and _version(act) is not None and _version(act) == carry["version"]
+                    if same:
                         state["_div_from"] = carry["st"]
+                    if same and self._buf is not None:
+                        cur = self._cur
+                        cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
                     else:
                         self._slot_copy(act, "resid_pre")
                     state["resid_pre"] = True

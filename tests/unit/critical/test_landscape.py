@@ -159,12 +159,13 @@ def test_batched_newton_solve_returns_on_two_threads():
     """The landscape's batched Newton solve (577 x 577 bordered systems) returns on two torch threads with the
     one-thread steps: torch's batched CPU LU on two threads hangs inside MKL (docs/critical_points.md section 2),
     so it runs on one intra-op thread. A subprocess with a time limit, so that a hang fails instead of waiting."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", _TWO_THREADS], capture_output=True, text=True, timeout=120,
-                         cwd=root, env={**__import__("os").environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+                         cwd=root, env={**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
     assert out.returncode == 0 and "DLASWP" not in out.stderr, out.stderr[-2000:]
     assert float(out.stdout.strip().splitlines()[-1]) == 0.0  # the same kernels: one thread either way
