@@ -151,6 +151,15 @@ def autodiff_kind(code) -> int:  # noqa: ANN001 - a code object
     return 2 if any(s in fn for s in _AUTODIFF) else 0
 
 
+_GRAD_MODE = f"{_SEP}torch{_SEP}autograd{_SEP}grad_mode.py"
+
+
+def grad_mode_kind(code) -> int:  # noqa: ANN001 - a code object
+    """A :func:`_kind` for ``kind=``: bytecode events in torch's grad-mode switches (``torch.no_grad()``,
+    ``torch.enable_grad()``, ``torch.set_grad_enabled``: their entries and exits), nothing else."""
+    return 2 if _GRAD_MODE in code.co_filename else 0
+
+
 class _Counter:
     def __init__(self, at: int | None, marks: list[int] | None = None, sig: int = signal.SIGINT,
                  kind: Callable = _kind):

@@ -123,6 +123,28 @@ def test_sigint_inside_autodiff_transforms_of_parallel_defect(setup):
     assert landed == len(pts), f"{len(missed)} interrupts did not come out as KeyboardInterrupt: {missed}"
 
 
+def test_sigint_inside_grad_mode_switches_of_parallel_defect(setup):
+    """A SIGINT at a bytecode of torch's ``no_grad`` / ``enable_grad`` entries and exits (the CI timer's failure:
+    one landing inside a ``torch.no_grad().__exit__`` that no hook guard covered, before it switched autograd back
+    on, left it off for the process): KeyboardInterrupt out, autograd as at the call's entry, the next call clean."""
+    fn = setup.fn
+    n = _inject.count(fn, kind=_inject.grad_mode_kind)
+    assert n > 100, f"only {n} grad-mode events: does parallel_defect still switch autograd off?"
+    setup.check("after the counting run")
+    rng = np.random.default_rng([SEED, zlib.crc32(b"grad_mode")])
+    edges = np.linspace(1, n + 1, N_DRAWN + 1).astype(int)
+    pts = set(range(1, N_ENDS + 1)) | set(range(n - N_ENDS + 1, n + 1))
+    pts |= {int(rng.integers(lo, hi)) for lo, hi in zip(edges[:-1], edges[1:])}
+    for k in sorted(pts):
+        try:
+            hit = _inject.interrupt(fn, k, kind=_inject.grad_mode_kind)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"SIGINT at grad-mode event {k} of {n} ({_inject.site[0]}) came out as {e!r}")
+        where = f"SIGINT at grad-mode event {k} of {n} in {_inject.site[0]}"
+        assert hit, f"{where} did not come out as KeyboardInterrupt"
+        setup.check(where)
+
+
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="signal.setitimer is POSIX-only")
 def test_timer_keyboard_interrupts_at_random_moments_of_parallel_defect(setup):
     """The issue's repro: a SIGALRM timer whose handler raises KeyboardInterrupt, after a random delay within one

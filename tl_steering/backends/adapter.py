@@ -378,24 +378,13 @@ class ModelAdapter:
         corpus = corpus or "caller's tokens (no corpus label: pass corpus= or a TokenWindows)"
         world_size = (torch.distributed.get_world_size()
                       if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
+        n_seq, n_tok = (int(tokens.shape[0]), int(tokens.numel())) if tokens is not None else (0, 0)
         return Provenance(
-            model=info.name,
-            model_revision=info.revision,
-            tl_version=tl_version(),
-            backend=self.backend,
-            processing=proc.label,
-            processing_steps=list(proc.steps),
-            user_hooks=user_hooks,
-            interventions=interventions,
-            corpus=str(corpus),
-            n_sequences=int(tokens.shape[0]) if tokens is not None else 0,
-            n_tokens=int(tokens.numel()) if tokens is not None else 0,
-            seed=seed,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            world_size=world_size,
-            extra=extra,
-        )
+            model=info.name, model_revision=info.revision, tl_version=tl_version(), backend=self.backend,
+            processing=proc.label, processing_steps=list(proc.steps), user_hooks=user_hooks,
+            interventions=interventions, corpus=str(corpus), n_sequences=n_seq, n_tokens=n_tok, seed=seed,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), world_size=world_size,
+            extra=extra)
 
 
 class _CleanForwards:

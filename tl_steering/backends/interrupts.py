@@ -48,9 +48,9 @@ def _on_signal(signum: int, frame: Any) -> None:
     except BaseException:
         reg = _registry()
         for r in reversed(list(reg)):
+            r.interrupted = True  # first: a restore may undo more after an interrupt (ownership._Token)
             with contextlib.suppress(BaseException):  # a nested handler call restored everything itself
                 shielded(r.restore)
-            r.interrupted = True
         reg.clear()
         _uninstall()
         raise

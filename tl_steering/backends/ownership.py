@@ -9,6 +9,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from . import interrupts as _interrupts
 from .hookbase import _SILENCED, hook_points, intervention_of, is_ours
 from ..errors import ModelBusyError
@@ -38,15 +40,20 @@ class _Claim:
 
 
 class _Token:
-    """One outermost claim, registered with the interrupt registry: ``restore`` releases it (idempotent)."""
+    """One outermost claim, registered with the interrupt registry: ``restore`` releases it (idempotent), and after an
+    interrupt puts autograd back as at entry (docs/hooks.md, "Interrupts")."""
 
-    __slots__ = ("model", "claim", "interrupted")
+    __slots__ = ("model", "claim", "interrupted", "grad")
 
     def __init__(self, model: Any):
         self.model = model
         self.claim: _Claim | None = None
+        self.interrupted = False
+        self.grad = torch.is_grad_enabled()
 
     def restore(self) -> None:
+        if self.interrupted:
+            torch.set_grad_enabled(self.grad)
         claim = self.claim
         if claim is None:
             return
