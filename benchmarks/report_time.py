@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--nprocs", default=None, help="e.g. 1,2: interleaved runs on 1 and 2 processes, their ratio")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--report-nprocs", default="auto", help="the report's own --nprocs (default auto: 2 local ranks "
+                    "on a 2+ core CPU for the offline models)")
     ap.add_argument("--plain", action="store_true",
                     help="also time a plain 8 x 128 forward (median of 3, a subprocess) before and after the report, "
                          "and give the command's time in those forwards")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         return _scaling(args, [int(n) for n in args.nprocs.split(",")])
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tlsteering-report-time-"))
     cmd = [sys.executable, "-m", "tl_steering", "report", "--model", args.model, "--text", args.text,
-           "--out", str(out), "--no-progress"] + (["--quick"] if args.quick else [])
+           "--out", str(out), "--no-progress", "--nprocs", args.report_nprocs] + (["--quick"] if args.quick else [])
     plain = [_plain_forward(args.model, args.text)] if args.plain else []
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))

@@ -2,8 +2,7 @@
 
 The public surface is :data:`PUBLIC` (listed in docs/index.md): the functions a user calls, the objects a user
 passes back in, and :class:`Result`, whose ``load`` reads any saved result. Result classes are imported from their
-rooms (``from tl_steering.protocols.deficit import DeficitResult``); the rooms: docs/architecture.md.
-"""
+rooms (``from tl_steering.protocols.deficit import DeficitResult``); the rooms: docs/architecture.md."""
 
 from typing import TYPE_CHECKING
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    r.add_argument("--nprocs", default="auto", help="local ranks (torchrun, gloo) the stages split over; auto: 2 for "
+                   "the offline models on a CPU with 2+ cores for torch, else 1 (docs/scale_out.md)")
     sub.add_parser("scan", add_help=False,
                    help="resumable probe scan of a streamed corpus, data parallel under torchrun "
                         "(tl-steering scan --help; docs/scale_out.md)")
@@ -66,6 +68,8 @@ def check_report_args(args: argparse.Namespace) -> None:
     if getattr(args, "batch_size", None) is not None:
         as_int(args.batch_size, "--batch-size", minimum=1)
     as_device(args.device, "--device")
+    if getattr(args, "nprocs", "auto") != "auto" and not (str(args.nprocs).isdigit() and int(args.nprocs) >= 1):
+        raise InputError(f"--nprocs must be auto or a positive integer, got {args.nprocs!r}")
     check_out_dir(args.out)
 
 
@@ -118,8 +122,7 @@ def run_report(model: Any = "smollm2-135m", backend: str = "bridge", text: str =
                resume: bool = False) -> Path:
     """Load ``model`` (unless given), run the suite, save ``out/results.json``, render ``out/index.html``.
 
-    Arguments: docs/suite.md, "Arguments of run_report".
-    """
+    Arguments: docs/suite.md, "Arguments of run_report"."""
     import dataclasses
     import time
 
@@ -175,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             check_report_args(args)
+            n, threads = local_ranks(args)
+            if n > 1:
+                return _launch_ranks(argv, n, threads)
             path, rank = _distributed_report(args)
             if rank != 0:
                 return 0
@@ -191,6 +197,38 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     print(f"report written to {path}")
     return 0
+
+
+def local_ranks(args: argparse.Namespace) -> tuple[int, int]:
+    """``(ranks, torch threads per rank)`` of ``report --nprocs`` (docs/scale_out.md, "The report on every core")."""
+    import os
+
+    from .hub import OFFLINE_MODELS
+
+    env, affinity = os.environ.get("OMP_NUM_THREADS", ""), getattr(os, "sched_getaffinity", None)
+    cores = int(env) if env.isdigit() and int(env) > 0 else (len(affinity(0)) if affinity else os.cpu_count() or 1)
+    small = args.model.lower() in OFFLINE_MODELS and args.device in (None, "cpu") and os.name == "posix"
+    n = (min(2, cores) if small else 1) if args.nprocs == "auto" else int(args.nprocs)
+    return (1, cores) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else (n, max(1, cores // n))
+
+
+def _launch_ranks(argv: list[str], n: int, threads: int) -> int:
+    """This ``report`` command as ``n`` local torchrun ranks of ``threads`` torch threads; their exit code. A Ctrl-C
+    reaches torchrun too, which stops its ranks (then ``--resume``)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                          "-m", "tl_steering", *argv], env=env)
+    try:
+        return p.wait()
+    except KeyboardInterrupt:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+        return 130
 
 
 def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
@@ -214,4 +252,4 @@ def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:
     return path, rank
 
 
-__all__ = ["build_parser", "check_report_args", "check_text_source", "main", "run_report"]
+__all__ = ["build_parser", "check_report_args", "check_text_source", "local_ranks", "main", "run_report"]

@@ -1,8 +1,7 @@
 """One error hierarchy for tl_steering.
 
 Every message says what is wrong and what to do about it. Each class also derives from the closest builtin
-exception so that ``except ValueError`` style code written against TransformerLens keeps working.
-"""
+exception so that ``except ValueError`` style code written against TransformerLens keeps working."""
 
 
 class TLSteeringError(Exception):

@@ -35,6 +35,7 @@ def _bad_args(tmp_path: Path) -> dict[str, list[str]]:
         "out": ["--out", str(afile)],
         "backend": ["--backend", "nope"],
         "windows_type": ["--windows", "four"],
+        "nprocs": ["--nprocs", "0"],
     }
 
 
@@ -49,6 +50,25 @@ def test_cli_checks_arguments_before_loading(tmp_path):
         with pytest.raises(ts.errors.InputError):
             check_report_args(parser.parse_args(argv))
         assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {"OMP_NUM_THREADS": "2"}, (2, 1)),  # the offline model on 2 cores: 2 ranks of one thread
+    ([], {"OMP_NUM_THREADS": "8"}, (2, 4)),
+    ([], {"OMP_NUM_THREADS": "1"}, (1, 1)),  # one core for torch: one process
+    (["--model", "tiny-gpt2"], {"OMP_NUM_THREADS": "2"}, (1, 2)),  # a test model: start-up would cost more
+    (["--device", "cuda"], {"OMP_NUM_THREADS": "2"}, (1, 2)),
+    (["--nprocs", "3"], {"OMP_NUM_THREADS": "6"}, (3, 2)),
+    (["--nprocs", "2"], {"OMP_NUM_THREADS": "2", "WORLD_SIZE": "2"}, (1, 2)),  # a torchrun rank already
+])
+def test_report_ranks(monkeypatch, argv, env, expected):
+    """``report --nprocs``: how many local ranks and torch threads each (docs/scale_out.md)."""
+    from tl_steering.cli import local_ranks
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert local_ranks(build_parser().parse_args(["report", *argv])) == expected
 
 
 # Run as ``python -m tl_steering``, then report which heavy libraries the failed call imported.

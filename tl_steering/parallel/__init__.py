@@ -1,8 +1,7 @@
 """Parallel blocks: the sequential-to-parallel defect (:mod:`.defect`, docs/defect.md), which blocks to make
 parallel (:mod:`.plan`, the one planner; :mod:`.strategies`, its registry and default :data:`PLANNER`; :mod:`.gold`,
 the measured loss of a plan; :mod:`.refit`, the closed-form corrections; :mod:`.scores`, every per-layer score;
-docs/parallel.md "Planning") and making them parallel for real (:func:`parallelize`, docs/parallel.md).
-"""
+docs/parallel.md "Planning") and making them parallel for real (:func:`parallelize`, docs/parallel.md)."""
 
 from typing import TYPE_CHECKING
 

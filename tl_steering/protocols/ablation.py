@@ -140,8 +140,7 @@ def ffn_ablation(model: Any, tokens: Tensor, keep: Sequence[str] | str = ("tange
 ) -> AblationResult:
     """Loss, KL and top-1 agreement when each FFN write keeps only its tangential or radial part (docs/ablation.md).
 
-    Arguments: docs/ablation.md, "Arguments of ffn_ablation".
-    """
+    Arguments: docs/ablation.md, "Arguments of ffn_ablation"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     seed = as_int(seed, "seed")

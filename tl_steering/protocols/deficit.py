@@ -206,8 +206,7 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
                     corpus: str | None = None, batch_size: int = 8, world: World | None = None) -> DeficitResult:
     """Angular deficit of the attention-only update against the real block update (docs/deficit.md).
 
-    Arguments: docs/deficit.md, "Arguments of angular_deficit".
-    """
+    Arguments: docs/deficit.md, "Arguments of angular_deficit"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)

@@ -204,8 +204,7 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
     """Direction diversity at resid_pre / resid_mid / resid_post per layer, clean, under all-layer FFN-component
     ablations, and under an attention-gain sweep (docs/diversity.md).
 
-    Arguments: docs/diversity.md, "Arguments of diversity".
-    """
+    Arguments: docs/diversity.md, "Arguments of diversity"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     layer_list = ad.layers(layers)
     excl = check_exclude_positions(exclude_positions)

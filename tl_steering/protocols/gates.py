@@ -212,8 +212,7 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Literal["loss", "closed_
                     plan: Sequence[int] | None = None, batch_size: int = 8) -> GateResult:
     """Fit one scalar FFN gate per layer on top of ``base_hooks`` (docs/gates.md).
 
-    Arguments: docs/gates.md, "Arguments of calibrate_gates".
-    """
+    Arguments: docs/gates.md, "Arguments of calibrate_gates"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     method = as_choice(method, "method", ("loss", "closed_form"))
     seed = as_int(seed, "seed")

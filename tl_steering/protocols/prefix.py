@@ -137,8 +137,7 @@ def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int,
                        corpus: str | None = None) -> PrefixSensitivityResult:
     """Perturb position j and measure the change at positions i >= j (and check i < j is unchanged), docs/prefix.md.
 
-    Arguments: docs/prefix.md, "Arguments of prefix_sensitivity".
-    """
+    Arguments: docs/prefix.md, "Arguments of prefix_sensitivity"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     mode = as_choice(mode, "mode", ("noise", "token"))
     seed = as_int(seed, "seed")
@@ -253,8 +252,7 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
                       corpus: str | None = None) -> PrefixStatisticsResult:
     """Diversity of every prefix set U_{≤t} per layer, averaged over sequences (docs/prefix.md).
 
-    Arguments: docs/prefix.md, "Arguments of prefix_statistics".
-    """
+    Arguments: docs/prefix.md, "Arguments of prefix_statistics"."""
     ad, tokens, corpus = model_tokens(model, tokens, corpus)
     sel = ad.layers(layers)
     stats = as_choices(stats, "stats", STATS)

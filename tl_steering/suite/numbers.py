@@ -189,8 +189,7 @@ def compute_pinned(
 
     The names and the SuiteResult fields they read are :data:`tl_steering.suite.numbers.PINNED` (the one map
     of named numbers). Values are floats, lists of floats, ints, bools or lists of ints (layer lists).
-    Timing-dependent quantities are never pinned.
-    """
+    Timing-dependent quantities are never pinned."""
     from ..data.windows import text_windows
     from .run import run_suite
 
@@ -201,15 +200,10 @@ def compute_pinned(
         )
     pinned = SuiteSettings(
         stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
-        windows=s["windows"],
-        length=s["length"],
-        n_bootstrap=0,
+        windows=s["windows"], length=s["length"], n_bootstrap=0,
         ablation_variants=list(s["ablation_variants"]),
         diversity_ablations=list(s["diversity_ablations"]),
-        diversity_gains=[],
-        defect_evaluate=False,
-        defect_brackets=False,
-        defect_timing=False,
+        diversity_gains=[], defect_evaluate=False, defect_brackets=False, defect_timing=False,
         defect_gold_layers=list(s["defect_gold_layers"]),
         defect_gold_k_values=[0, 2],
         plan_k=s["defect_k"],

@@ -30,15 +30,8 @@ class TqdmProgress:
         from tqdm.auto import tqdm
 
         i = STAGES.index(name) + 1 if name in STAGES else 0
-        bar = tqdm(
-            total=total,
-            desc=f"[{i}/{len(STAGES)}] {name:<9}",
-            unit="step",
-            leave=True,
-            file=sys.stderr,
-            disable=not self.enabled,
-            dynamic_ncols=True,
-        )
+        bar = tqdm(total=total, desc=f"[{i}/{len(STAGES)}] {name:<9}", unit="step", leave=True, file=sys.stderr,
+                   disable=not self.enabled, dynamic_ncols=True)
         t0 = time.perf_counter()
         notes = {"step": "", "fwd": ""}
 

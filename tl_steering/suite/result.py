@@ -129,8 +129,7 @@ class ExecutorTiming:
 
     ``status`` is ``"ok"``, ``"skipped"`` (empty plan) or ``"not supported"`` (``reason`` says why). ``strategy``
     and ``correction`` say which plan ran (the lowest-C plan uncorrected, or the chosen plan with its fitted
-    ``g_l Phi(x) + b_l`` folded into the fused weights).
-    """
+    ``g_l Phi(x) + b_l`` folded into the fused weights)."""
 
     kind: ClassVar[str] = "suite_executor"
     # fields older files lack: they ran the lowest-C plan uncorrected (the defaults say so) with no rounds and

@@ -126,8 +126,7 @@ def _clean_loss(c: _Ctx, res: SuiteResult) -> float:
 def _plan_losses(c: _Ctx, res: SuiteResult, k: int, layers: list[int], strategy: str) -> PlanLosses:
     """dCE with the plan and with the k highest-C layers made parallel (the surrogate hooks of docs/defect.md).
 
-    Taken from the defect curves when they hold k, else measured (two hooked forwards over the tokens).
-    """
+    Taken from the defect curves when they hold k, else measured (two hooked forwards over the tokens)."""
     from ..hooks import parallel_blocks
 
     defect = res.defect

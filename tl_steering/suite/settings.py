@@ -1,8 +1,7 @@
 """Every knob of a suite run (:class:`SuiteSettings`) and the default sizes for a model of a given depth.
 
 The settings are recorded in the :class:`~tl_steering.suite.result.SuiteResult` (and so in ``results.json``).
-See docs/suite.md (stages, fields, the published-number map).
-"""
+See docs/suite.md (stages, fields, the published-number map)."""
 
 import dataclasses
 from typing import ClassVar
@@ -43,8 +42,7 @@ class SuiteSettings:
     Defaults are sized for about 10 minutes on 2 CPU cores with SmolLM2-135M (:func:`default_settings` sizes
     them for a model's depth; ``quick`` for about 2 minutes).
 
-    Each field: docs/suite.md, "Settings".
-    """
+    Each field: docs/suite.md, "Settings"."""
 
     kind: ClassVar[str] = "suite_settings"
     # fields that older files lack (they load with the defaults; parallel_timing_windows with 2, the batch size
@@ -147,24 +145,14 @@ def default_settings(
         crit = sorted({L // 4, half, (3 * L) // 4})
         positions = sorted({length // 8, length // 4, length // 2})
     return SuiteSettings(
-        quick=quick,
-        windows=windows,
-        length=length,
-        n_bootstrap=200 if quick else 1000,
-        diversity_gains=[1.0, 2.0] if quick else [0.5, 1.0, 2.0],
-        defect_k_values=ks,
-        defect_n_random=0 if quick else 1,
-        defect_brackets=not quick,
-        defect_evaluate=not quick,
+        quick=quick, windows=windows, length=length, n_bootstrap=200 if quick else 1000,
+        diversity_gains=[1.0, 2.0] if quick else [0.5, 1.0, 2.0], defect_k_values=ks,
+        defect_n_random=0 if quick else 1, defect_brackets=not quick, defect_evaluate=not quick,
         timing_repeats=1 if quick else 3,  # quick: the sub-modules timed once each after a warm-up
-        plan_k=half,
-        parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
+        plan_k=half, parallel_repeats=7,  # alternating rounds: the interval is [min, max] (98.4% coverage)
         parallel_timing_windows=1 if quick else 2,  # 4 forwards a round of 1 x 64 / 2 x 128 tokens
-        critical_layers=crit,
-        critical_n_starts=4 if quick else 8,
-        prefix_layer=L // 2,
-        prefix_positions=[p for p in positions if 0 < p < length],
-    )
+        critical_layers=crit, critical_n_starts=4 if quick else 8, prefix_layer=L // 2,
+        prefix_positions=[p for p in positions if 0 < p < length])
 
 
 __all__ = ["CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length", "default_settings"]

@@ -297,17 +297,17 @@ def test_suite_on_two_processes_equals_one_process_smollm2(smollm2, tmp_path):
             assert two.summary()[k] == pytest.approx(v, rel=1e-6, abs=0.0), k
 
 
-@pytest.mark.slow
+@pytest.mark.one_line("tl4")  # the launcher and the ranks' agreement: the same on both lines (about 20 s)
 def test_report_command_on_two_processes_equals_one_process(tmp_path):
-    """``torchrun -m tl_steering report`` end to end: rank 0 alone writes results.json and index.html, with the
-    one-process numbers. Slow (-m slow, ~90 s on 2 loaded cores: two start-ups, the quick suite, two renders)."""
+    """``tl-steering report --nprocs 2`` end to end (it runs itself as 2 torchrun ranks): rank 0 alone writes
+    results.json and index.html, with the one-process numbers."""
     from tl_steering.cli import run_report
     from tl_steering.suite import SuiteResult
 
     args = ["--model", "tiny-gpt2", "--quick", "--windows", "6", "--length", "16", "--batch-size", "2",
             "--no-progress"]
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "tl_steering", "report", *args, "--out", str(tmp_path / "two")], timeout=600)
+    two = _run([sys.executable, "-m", "tl_steering", "report", *args, "--nprocs", "2", "--out", str(tmp_path / "two")],
+               timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert (tmp_path / "two" / "index.html").is_file() and two.stdout.count("report written") == 1
     run_report(model="tiny-gpt2", quick=True, windows=6, length=16, batch_size=2, out=tmp_path / "one",
