@@ -65,8 +65,7 @@ def _newton_steps(fld: _FieldAdapter, u: Tensor, f: Tensor, rel: Tensor, known: 
         for i in (info != 0).nonzero().flatten().tolist():
             part[i] = torch.linalg.lstsq(k[i], br[i][:, None]).solution[:, 0]
         sol[rows] = part.to(sol)
-    t = sol[:, :d]
-    ok = torch.isfinite(t).all(-1)
+    t, ok = sol[:, :d], torch.isfinite(sol[:, :d]).all(-1)
     if known.shape[0]:
         denom = 1.0 - (_deflation(u, known)[1] * t).sum(-1, keepdim=True)
         t = torch.where(denom.abs() > 1e-12, t / denom, t)
@@ -225,10 +224,8 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
             if _match_point(known, x, DEDUP_ANGLE) < 0:
                 known = _add_distinct(known, x[None], DEDUP_ANGLE)
                 queue.append(x)
-    u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else None for k in range(4))
-    if u is None:
-        u, rel, it, st = points.new_zeros(0, points.shape[-1]), points.new_zeros(0), *(
-            torch.zeros(0, dtype=torch.long),) * 2
+    empty = (points.new_zeros(0, points.shape[-1]), points.new_zeros(0), *(torch.zeros(0, dtype=torch.long),) * 2)
+    u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else empty[k] for k in range(4))
     info = {"landscape_rows": solves, "landscape_converged": int((st == 0).sum()),
             "landscape_new_points": int(known.shape[0] - points.shape[0]),
             "landscape_jacobians": fld.n_jacobians - jac_before,
