@@ -93,6 +93,7 @@ class Float64Block:
         self.d_model = ad.d_model
         self._traced: Any = None  # None: not built yet; False: tracing failed its check (use ffn)
         self._parts: Any = None  # the same for the MLP's matrices of ffn_jacobian
+        self._cast: dict[torch.dtype, tuple] = {}  # those matrices in the dtypes asked of ffn_jacobian
 
     @property
     def has_post_ffn_norm(self) -> bool:
@@ -144,11 +145,11 @@ class Float64Block:
             return False
         return traced
 
-    def ffn_jacobian(self, x: Tensor) -> Tensor | None:
-        """DPhi at each row of ``x`` (``[n, d] -> [n, d, d]``, float64) from the MLP's own matrices:
-        W_down (diag(act'(g) v) W_gate + diag(act(g)) W_up) composed with the norms' Jacobians, an RMS pre-norm's
-        weight folded into W_gate and W_up (docs/critical_points.md, "Structured Jacobian"); None where the MLP has
-        no gated or plain form this knows, or where that form fails its check against a JVP of :meth:`ffn`."""
+    def ffn_jacobian(self, x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor | None:
+        """DPhi at each row of ``x`` (``[n, d] -> [n, d, d]`` in ``dtype``) from the MLP's own matrices: W_down
+        (diag(act'(g) v) W_gate + diag(act(g)) W_up) composed with the norms' Jacobians, an RMS pre-norm's weight
+        folded into W_gate and W_up, activations in float64 (docs/critical_points.md, "Structured Jacobian"); None
+        where the MLP has no gated or plain form this knows, or where that form fails its check against a JVP."""
         if self._parts is None:
             self._parts = _mlp_parts(self.blk.mlp)
             if self._parts:
@@ -170,21 +171,25 @@ class Float64Block:
             g = torch.nn.functional.linear(n, wg, bg)
             a, da = autodiff.jvp(act, (g,), (torch.ones_like(g),))  # act elementwise: act(g), act'(g)
             c = da if wu is None else da * torch.nn.functional.linear(n, wu, bu)
-            jac, buf = x.new_empty(x.shape[0], self.d_model, self.d_model), torch.empty_like(wg)
+            post = None if self.norms.post_ffn is None else self._norm_jac(self.norms.post_ffn, _apply(
+                self.blk.mlp, _apply(self.norms.pre_ffn, x[None]))[0])[1]
+        wg, wu, wd = self._cast.get(dtype) or self._cast.setdefault(dtype, tuple(
+            None if w is None else w.to(dtype) for w in (wg, wu, wd)))  # outside float64_compute: casts happen
+        with torch.no_grad():
+            a, c = a.to(dtype), c.to(dtype)
+            jac, buf = wg.new_empty(x.shape[0], self.d_model, self.d_model), torch.empty_like(wg)
             for k in range(x.shape[0]):  # one row at a time: the [d_mlp, d] product stays in cache
                 torch.mul(wg, c[k, :, None], out=buf)
                 if wu is not None:
                     buf.addcmul_(wu, a[k, :, None])
                 torch.matmul(wd, buf, out=jac[k])
             if eps:  # in place: no [n, d, d] temporary
+                x, r2 = x.to(dtype), r2.to(dtype)
                 jac.baddbmm_(jac @ x[..., None], (x / (self.d_model * r2))[:, None, :], alpha=-1)
                 jac.div_(r2.sqrt()[..., None])
             elif jac_pre is not None:
-                jac = jac @ jac_pre
-            if self.norms.post_ffn is not None:
-                mlp_out = _apply(self.blk.mlp, _apply(self.norms.pre_ffn, x[None]))[0]
-                jac = self._norm_jac(self.norms.post_ffn, mlp_out)[1] @ jac
-        return jac
+                jac = jac @ jac_pre.to(dtype)
+            return jac if post is None else post.to(dtype) @ jac
 
     @staticmethod
     def _norm_jac(norm: torch.nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -168,21 +168,21 @@ class _FieldAdapter:
         with torch.no_grad():
             return self.many(u)
 
-    def jacobians(self, u: Tensor, chunk: int = 8) -> Tensor:
-        """DF at each row of ``u`` ([n, d, d]): the field's own ``jacobian_no_grad`` where it has one and it answers
-        (e.g. the FFN fields of :func:`tl_steering.critical.critical_field`), else one vmapped reverse-mode call per
-        ``chunk`` rows, else torch.autograd per row (a field torch.func cannot vmap)."""
+    def jacobians(self, u: Tensor, chunk: int = 8, dtype: torch.dtype | None = None) -> Tensor:
+        """DF at each row of ``u`` ([n, d, d] in ``dtype``, default the adapter's): the field's ``jacobian_no_grad``
+        where it answers (e.g. the FFN fields of :func:`tl_steering.critical.critical_field`), else one vmapped
+        reverse-mode call per ``chunk`` rows, else torch.autograd per row (a field torch.func cannot vmap)."""
         self.n_jacobians += u.shape[0]
         fast = getattr(self.field, "jacobian_no_grad", None) if self.mode == "batched" else None
-        out = []
+        out, dtype = [], dtype or self.dtype
         for part in u.split(chunk):
-            jac = fast(part) if callable(fast) else None
+            jac = fast(part, dtype) if callable(fast) else None
             if jac is None:
                 try:
                     jac = autodiff.vmap(autodiff.jacrev(self.one))(part)
                 except Exception:  # noqa: BLE001 - a field torch.func cannot vmap
                     jac = torch.stack([torch.autograd.functional.jacobian(self.one, x) for x in part])
-            out.append(jac.to(self.dtype).detach())
+            out.append(jac.to(dtype).detach())
         return (out[0] if len(out) == 1 else torch.cat(out)) if out else u.new_zeros(0, self.dim, self.dim)
 
     def point_jacobians(self, points: Tensor) -> list[Tensor]:

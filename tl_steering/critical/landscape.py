@@ -42,30 +42,34 @@ def _deflation(u: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     return torch.log(rp + DEFLATION_SHIFT).sum(-1), (coef[..., None] * diff).sum(-2)
 
 
-def _newton_steps(u: Tensor, f: Tensor, jacs: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
-    """The deflated Newton step of each row (ambient tangent vectors, capped at ``MAX_STEP``) from the Jacobians
-    ``jacs`` (DF at the row) and F(u) = ``f``; and which rows got a finite step. The Newton system of
-    W = P_u F / ||F|| in the tangent space is solved bordered by u (no basis): (I - F̂F̂ᵀ) DF t / ||F|| - <u, F̂> t
-    + μ u = -P_u F̂, uᵀ t = 0."""
+def _newton_steps(fld: _FieldAdapter, u: Tensor, f: Tensor, rel: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
+    """The deflated Newton step of each row (ambient tangent vectors, capped at ``MAX_STEP``) from DF at the row and
+    F(u) = ``f``; and which rows got a finite step. The Newton system of W = P_u F / ||F|| in the tangent space is
+    solved bordered by u (no basis): (I - F̂F̂ᵀ) DF t / ||F|| - <u, F̂> t + μ u = -P_u F̂, uᵀ t = 0; in float32
+    (DF and the solve) for the rows whose relative residual ``rel`` is >= ``FULL_STEP_BELOW``, where the step is
+    backtracked anyway, in the field's dtype for the others (docs/critical_points.md section 9)."""
     n, d = u.shape
     fn = f.norm(dim=-1, keepdim=True).clamp_min(_EPS)
     fh = f / fn
-    k = u.new_zeros(n, d + 1, d + 1)
-    torch.baddbmm(jacs, fh[:, :, None], fh[:, None, :] @ jacs, alpha=-1, out=k[:, :d, :d])
-    k[:, :d, :d].div_(fn[..., None]).diagonal(dim1=1, dim2=2).sub_((u * fh).sum(-1, keepdim=True))
-    k[:, :d, d], k[:, d, :d] = u, u
     rhs = torch.cat([-_tangential_part(fh, u), u.new_zeros(n, 1)], dim=-1)
-    with single_threaded():  # torch's batched CPU LU inside its own threads hangs MKL's dgetrf (docs section 2)
-        sol, info = torch.linalg.solve_ex(k, rhs)
-    for i in (info != 0).nonzero().flatten().tolist():
-        sol[i] = torch.linalg.lstsq(k[i], rhs[i][:, None]).solution[:, 0]
-    t = sol[:, :d]
-    ok = torch.isfinite(t).all(-1)
+    low, sol = (rel >= FULL_STEP_BELOW).cpu(), torch.zeros_like(rhs)
+    for rows in (r for r in (low, ~low) if bool(r.any())):
+        jacs = fld.jacobians(u[rows], dtype=torch.float32 if rows is low else u.dtype)
+        fr, ur, br, fnr = (x[rows].to(jacs.dtype) for x in (fh, u, rhs, fn))
+        k = jacs.new_zeros(ur.shape[0], d + 1, d + 1)
+        torch.baddbmm(jacs, fr[:, :, None], fr[:, None, :] @ jacs, alpha=-1, out=k[:, :d, :d])
+        k[:, :d, :d].div_(fnr[..., None]).diagonal(dim1=1, dim2=2).sub_((ur * fr).sum(-1, keepdim=True))
+        k[:, :d, d], k[:, d, :d] = ur, ur
+        with single_threaded():  # torch's batched CPU LU inside its own threads hangs MKL's dgetrf (docs section 2)
+            part, info = torch.linalg.solve_ex(k, br)
+        for i in (info != 0).nonzero().flatten().tolist():
+            part[i] = torch.linalg.lstsq(k[i], br[i][:, None]).solution[:, 0]
+        sol[rows] = part.to(sol)
+    t, ok = sol[:, :d], torch.isfinite(sol[:, :d]).all(-1)
     if known.shape[0]:
         denom = 1.0 - (_deflation(u, known)[1] * t).sum(-1, keepdim=True)
         t = torch.where(denom.abs() > 1e-12, t / denom, t)
-    norm = t.norm(dim=-1, keepdim=True)
-    t = torch.where(norm > MAX_STEP, t * (MAX_STEP / norm), t)
+    t = t * (MAX_STEP / t.norm(dim=-1, keepdim=True)).clamp(max=1.0)
     return torch.where(ok[:, None], t, torch.zeros_like(t)), ok.cpu()
 
 
@@ -74,10 +78,8 @@ def _line_search(fld: _FieldAdapter, u: Tensor, f: Tensor, steps: Tensor, rel: T
     """Backtracking on the deflated merit, all rows at once (``f`` = F(u)): a row takes its full step below
     ``FULL_STEP_BELOW`` (when F is finite there), else the first of 12 halvings that lowers the merit. Returns
     (u, F(u), rel, merit, accepted) after the search (unchanged rows where no step was accepted)."""
-    u, f, rel, merit = u.clone(), f.clone(), rel.clone(), merit.clone()
-    accepted = torch.zeros(u.shape[0], dtype=torch.bool)
-    full = (rel < FULL_STEP_BELOW).cpu()
-    todo = torch.arange(u.shape[0])
+    u, f, rel, merit, n = u.clone(), f.clone(), rel.clone(), merit.clone(), u.shape[0]
+    accepted, full, todo = torch.zeros(n, dtype=torch.bool), (rel < FULL_STEP_BELOW).cpu(), torch.arange(n)
     for _ in range(12):
         cand = _normalize(u[todo] + steps[todo], EPS_NORM)
         fc = fld.many_no_grad(cand)
@@ -107,8 +109,7 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
     u = _normalize(u0.clone(), EPS_NORM)
     f = fld.many_no_grad(u)
     rel = relative_residual(u, f)
-    status = torch.full((n,), -1, dtype=torch.long)
-    iters = torch.zeros(n, dtype=torch.long)
+    status, iters = torch.full((n,), -1, dtype=torch.long), torch.zeros(n, dtype=torch.long)
     status[(rel <= tol * 1e-3).cpu()] = 0
     merit = torch.log(rel.clamp_min(1e-300)) + _deflation(u, known)[0]
     history = [merit.clone()]
@@ -118,7 +119,7 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
         if idx.numel() == 0:
             break
         n_jac += idx.numel()
-        steps, finite = _newton_steps(u[idx], f[idx], fld.jacobians(u[idx]), known)
+        steps, finite = _newton_steps(fld, u[idx], f[idx], rel[idx], known)
         status[idx[~finite]] = 2
         idx, steps = idx[finite], steps[finite]
         u[idx], f[idx], rel[idx], merit[idx], acc = _line_search(
@@ -150,11 +151,8 @@ def eigen_directions(fld: _FieldAdapter, x: Tensor, dirs: int) -> list[Tensor]:
         cand = np.nonzero(real & side)[0]
         picks += cand[np.argsort(np.abs(vals.real[cand]), kind="stable")][:dirs].tolist()
     vecs = real_eigvecs(fld, x, lam, [float(vals.real[j]) for j in picks])
-    h, out = _Householder(x), []
-    for k in range(len(picks)):
-        w = h.q(vecs[:, k].to(dtype=x.dtype, device=x.device))
-        out.append(w / w.norm().clamp_min(_EPS))
-    return out
+    h = _Householder(x)
+    return [w / w.norm().clamp_min(_EPS) for w in (h.q(vecs[:, k].to(x)) for k in range(len(picks)))]
 
 
 def explained(x: Tensor, w: Tensor, known: Tensor, cos: float = EXPLAINED_COS) -> bool:
@@ -226,10 +224,8 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
             if _match_point(known, x, DEDUP_ANGLE) < 0:
                 known = _add_distinct(known, x[None], DEDUP_ANGLE)
                 queue.append(x)
-    u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else None for k in range(4))
-    if u is None:
-        u, rel, it, st = points.new_zeros(0, points.shape[-1]), points.new_zeros(0), *(
-            torch.zeros(0, dtype=torch.long),) * 2
+    empty = (points.new_zeros(0, points.shape[-1]), points.new_zeros(0), *(torch.zeros(0, dtype=torch.long),) * 2)
+    u, rel, it, st = (torch.cat([p[k] for p in parts]) if parts else empty[k] for k in range(4))
     info = {"landscape_rows": solves, "landscape_converged": int((st == 0).sum()),
             "landscape_new_points": int(known.shape[0] - points.shape[0]),
             "landscape_jacobians": fld.n_jacobians - jac_before,

@@ -82,11 +82,11 @@ class CriticalField:
                 return self(u)
         return self.block.ffn_no_grad(self.radius * u)
 
-    def jacobian_no_grad(self, u: Float[Tensor, "n d"]) -> Float[Tensor, "n d d"] | None:
-        """DF at the rows of ``u`` from the block's structured FFN Jacobian
+    def jacobian_no_grad(self, u: Float[Tensor, "n d"], dtype: torch.dtype = torch.float64) -> Tensor | None:
+        """DF at the rows of ``u`` in ``dtype`` from the block's structured FFN Jacobian
         (:meth:`~tl_steering.backends.field64.Float64Block.ffn_jacobian`); None for the other fields or an MLP of
         another form (the finder then differentiates the field by autograd)."""
-        jac = self.block.ffn_jacobian(self.radius * u) if self.kind == "ffn" else None
+        jac = self.block.ffn_jacobian(self.radius * u, dtype) if self.kind == "ffn" else None
         return None if jac is None else jac.mul_(self.radius)
 
 

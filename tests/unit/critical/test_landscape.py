@@ -140,16 +140,24 @@ _TWO_THREADS = """
 import torch
 from tl_steering.critical.landscape import _newton_steps
 gen = torch.Generator().manual_seed(0)
-n, d = 3, 576
+n, d = 4, 576
 u = torch.randn(n, d, generator=gen, dtype=torch.float64)
 u = u / u.norm(dim=-1, keepdim=True)
 f = torch.randn(n, d, generator=gen, dtype=torch.float64)
-jacs = torch.randn(n, d, d, generator=gen, dtype=torch.float64)
+base = torch.randn(d, d, generator=gen, dtype=torch.float64)
 known = torch.randn(2, d, generator=gen, dtype=torch.float64)
+rel = torch.tensor([0.5, 1e-5, 0.5, 1e-5], dtype=torch.float64)  # two float32 rows, two float64 rows
+
+
+class Field:
+    def jacobians(self, x, dtype=None):
+        return (base + x[:, :, None] * x[:, None, :]).to(dtype)
+
+
 torch.set_num_threads(1)
-one = _newton_steps(u, f, jacs, known)[0]
+one = _newton_steps(Field(), u, f, rel, known)[0]
 torch.set_num_threads(2)
-two = _newton_steps(u, f, jacs, known)[0]
+two = _newton_steps(Field(), u, f, rel, known)[0]
 assert torch.get_num_threads() == 2
 print(float((one - two).abs().max() / one.abs().max()))
 """

@@ -65,7 +65,7 @@ def test_float64_block_reproduces_the_model_and_is_exact(tiny):
 def _structured_against_jacrev(model, expect_structured: bool) -> None:
     """Float64Block.ffn_jacobian (the MLP's own matrices) against torch.func.jacrev of the float64 FFN, both float64
     at 3 random points: equal to 1e-12 relative (measured ~1e-15); the finder's Jacobians (_FieldAdapter.jacobians,
-    structured or autograd) equal jacrev of the field to the same tolerance."""
+    structured or autograd) equal jacrev of the field to the same tolerance, and in float32 to float32 rounding."""
     from tl_steering.critical.fields import _FieldAdapter
 
     blk = Float64Block(adapt(model), 0)
@@ -80,6 +80,9 @@ def _structured_against_jacrev(model, expect_structured: bool) -> None:
     ad.probe(x[:2] / 4.0)
     want = torch.func.vmap(torch.func.jacrev(fld))(x / 4.0)
     assert float((ad.jacobians(x / 4.0) - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    low = ad.jacobians(x / 4.0, dtype=torch.float32)  # float32 (the landscape's early Newton steps): within the
+    bound = model.cfg.d_mlp * 2.0 ** -24 * float(want.abs().max())  # rounding bound of a d_mlp-term float32 sum
+    assert low.dtype == torch.float32 and float((low.double() - want).abs().max()) <= bound  # measured <= 6e-7 rel
 
 
 def test_structured_ffn_jacobian(tiny):
