@@ -68,11 +68,14 @@ def test_window_stages_split_when_there_are_batches_for_every_rank():
 def test_critical_points_weigh_by_the_model_width():
     """The critical stage costs float64 FFN Jacobians, not forwards of the run's tokens: per token it falls with
     the tokens and grows with the width faster than a forward does. On the tiny model (d_model 64, 6 x 16
-    tokens) it outweighs every other stage together, so it runs alone on one rank."""
+    tokens) it outweighs any two other stages together, so its rank runs only light stages beside it."""
     s = dataclasses.replace(default_settings(2, quick=True, windows=6, length=16), batch_size=2, critical_n_starts=2)
     tiny = (2, 64, 256, 257)
+    cost = {n: sum(c) for n, c in stage_costs(s, 6, 16, tiny).items()}
+    assert cost["critical"] > sum(sorted(v for n, v in cost.items() if n != "critical")[-2:]), cost
     plan = assign_stages(list(STAGES), s, 6, 16, 2, tiny)
-    assert [n for n in STAGES if plan[n] == plan["critical"]] == ["critical"], plan
+    beside = [n for n in STAGES if plan[n] == plan["critical"] and n != "critical"]
+    assert sum(cost[n] for n in beside) < cost["critical"] / 4, plan
     crit = {k: stage_costs(s, n, length, SMOLLM2_DIMS)["critical"][2] for k, (n, length) in
             {"small": (4, 64), "large": (8, 128)}.items()}
     assert crit["large"] == pytest.approx(crit["small"] / 4, rel=1e-12)
