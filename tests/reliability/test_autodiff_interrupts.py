@@ -98,15 +98,20 @@ def setup():
     return _Setup()
 
 
+def _points(n: int, label: bytes) -> set[int]:
+    """The events interrupted among ``n``: the first and last ``N_ENDS``, and one drawn (seeded) per equal stratum."""
+    rng = np.random.default_rng([SEED, zlib.crc32(label)])
+    edges = np.linspace(1, n + 1, N_DRAWN + 1).astype(int)
+    pts = set(range(1, N_ENDS + 1)) | set(range(n - N_ENDS + 1, n + 1))
+    return pts | {int(rng.integers(lo, hi)) for lo, hi in zip(edges[:-1], edges[1:])}
+
+
 def test_sigint_inside_autodiff_transforms_of_parallel_defect(setup):
     fn = setup.fn
     n = _inject.count(fn, kind=_inject.autodiff_kind)
     assert n > 1000, f"only {n} autodiff events: the JVPs no longer run through torch.func?"
     setup.check("after the counting run")
-    rng = np.random.default_rng([SEED, zlib.crc32(b"parallel_defect")])
-    edges = np.linspace(1, n + 1, N_DRAWN + 1).astype(int)
-    pts = set(range(1, N_ENDS + 1)) | set(range(n - N_ENDS + 1, n + 1))
-    pts |= {int(rng.integers(lo, hi)) for lo, hi in zip(edges[:-1], edges[1:])}
+    pts = _points(n, b"parallel_defect")
     landed, missed = 0, []
     for k in sorted(pts):
         try:
@@ -131,10 +136,7 @@ def test_sigint_inside_grad_mode_switches_of_parallel_defect(setup):
     n = _inject.count(fn, kind=_inject.grad_mode_kind)
     assert n > 100, f"only {n} grad-mode events: does parallel_defect still switch autograd off?"
     setup.check("after the counting run")
-    rng = np.random.default_rng([SEED, zlib.crc32(b"grad_mode")])
-    edges = np.linspace(1, n + 1, N_DRAWN + 1).astype(int)
-    pts = set(range(1, N_ENDS + 1)) | set(range(n - N_ENDS + 1, n + 1))
-    pts |= {int(rng.integers(lo, hi)) for lo, hi in zip(edges[:-1], edges[1:])}
+    pts = _points(n, b"grad_mode")
     for k in sorted(pts):
         try:
             hit = _inject.interrupt(fn, k, kind=_inject.grad_mode_kind)
