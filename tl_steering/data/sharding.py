@@ -71,18 +71,22 @@ def my_batches(n: int, batch_size: int, w: World | None = None) -> list[slice]:
 
 def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None = None) -> dict[K, Tensor]:
     """Complete per-window arrays (first dimension = window; this rank's values in its rows ``mine``, the others
-    placeholders) with every rank's rows, the same on every rank, on the CPU (docs/scale_out.md, "The sharded report")."""
+    placeholders) with every rank's rows, the same keys on every rank in rank order of first appearance (a rank
+    without a batch may hold none of them), on the CPU (docs/scale_out.md, "The sharded report")."""
     w = w or World()
     if not w.active:
         return arrays
-    keys = list(arrays)
-    mine_payload = [(s.start, s.stop, [arrays[k][s].detach().cpu() for k in keys]) for s in mine]
+    payload = {k: (tuple(v.shape), v.dtype, [(s.start, s.stop, v[s].detach().cpu()) for s in mine])
+               for k, v in arrays.items()}
     out = {k: v.detach().cpu().clone() for k, v in arrays.items()}
-    for part in gather_objects(mine_payload, w):
-        for start, stop, vals in part:
-            for k, v in zip(keys, vals):
+    parts = gather_objects(payload, w)
+    for part in parts:
+        for k, (shape, dtype, rows) in part.items():
+            if k not in out:
+                out[k] = torch.zeros(shape, dtype=dtype)
+            for start, stop, v in rows:
                 out[k][start:stop] = v
-    return out
+    return {k: out[k] for k in dict.fromkeys(k for part in parts for k in part)}
 
 
 def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None) -> list[Any]:
