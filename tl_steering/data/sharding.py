@@ -78,14 +78,11 @@ def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None 
         return arrays
     payload = {k: (tuple(v.shape), v.dtype, [(s.start, s.stop, v[s].detach().cpu()) for s in mine])
                for k, v in arrays.items()}
-    out = {k: v.detach().cpu().clone() for k, v in arrays.items()}
-    parts = gather_objects(payload, w)
-    for part in parts:
-        for k, (shape, dtype, rows) in part.items():
-            if k not in out:
-                out[k] = torch.zeros(shape, dtype=dtype)
-            for start, stop, v in rows:
-                out[k][start:stop] = v
+    out, parts = {k: v.detach().cpu().clone() for k, v in arrays.items()}, gather_objects(payload, w)
+    for k, (shape, dtype, rows) in ((k, p) for part in parts for k, p in part.items()):
+        dest = out[k] if k in out else out.setdefault(k, torch.zeros(shape, dtype=dtype))
+        for start, stop, v in rows:
+            dest[start:stop] = v
     return {k: out[k] for k in dict.fromkeys(k for part in parts for k in part)}
 
 
