@@ -203,10 +203,11 @@ def local_ranks(args: argparse.Namespace) -> tuple[int, int]:
     """``(ranks, torch threads per rank)`` of ``report --nprocs`` (docs/scale_out.md, "The report on every core")."""
     import os
 
+    from ._util.threads import usable_cores
     from .hub import OFFLINE_MODELS
 
-    env, affinity = os.environ.get("OMP_NUM_THREADS", ""), getattr(os, "sched_getaffinity", None)
-    cores = int(env) if env.isdigit() and int(env) > 0 else (len(affinity(0)) if affinity else os.cpu_count() or 1)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    cores = int(env) if env.isdigit() and int(env) > 0 else usable_cores()
     small = args.model.lower() in OFFLINE_MODELS and args.device in (None, "cpu") and os.name == "posix"
     n = (min(2, cores) if small else 1) if args.nprocs == "auto" else int(args.nprocs)
     return (1, cores) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else (n, max(1, cores // n))

@@ -1,6 +1,7 @@
-"""Thread caps for small batched linear algebra: :func:`single_threaded`."""
+"""Thread caps for small batched linear algebra (:func:`single_threaded`) and the cores a process may use."""
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,4 +34,9 @@ def single_threaded() -> Iterator[None]:
         yield
 
 
-__all__ = ["single_threaded"]
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity where the OS has one, else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+__all__ = ["single_threaded", "usable_cores"]

@@ -10,8 +10,7 @@ is the default of every entry point:
 * :mod:`.spectrum`: tangent spectra and labels; :mod:`.results`: result classes and the claim test;
 * :mod:`.finder`: :func:`find_equilibria`, :func:`classify_point` for any torch field;
 * :mod:`.model`: :func:`critical_points` / :func:`critical_field` / :func:`critical_census` for TransformerLens models;
-* :mod:`.census`: :func:`~.census.census`, the bounds that can decide "mostly saddles" for all equilibria of a field.
-"""
+* :mod:`.census`: :func:`~.census.census`, the bounds that can decide "mostly saddles" for all equilibria of a field."""
 
 from typing import TYPE_CHECKING
 

@@ -94,8 +94,7 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
             bound, so the default is find_equilibria's full budget).
         level: level of the upper bounds on attractors and repellers.
         options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
-            every entry point uses); ``landscape_solves`` replaces its budget.
-    """
+            every entry point uses); ``landscape_solves`` replaces its budget."""
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
         raise InputError(f"level must be in (0, 1), got {level!r}")
     opts = dataclasses.replace(finder_options(options), landscape_solves=landscape_solves)

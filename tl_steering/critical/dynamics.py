@@ -27,8 +27,7 @@ def power_iterate(fld: _FieldAdapter, u: Tensor, sign: Tensor, n_iter: int, swit
     ``shift`` (σ per row, in the field's units; None: 0) makes the map the explicit Euler step of the flow
     u' = s·P_u F(u) with step 1/(sλ + σ): a flow attractor (s = +1; repeller for s = -1) with tangent eigenvalues
     μ is a stable fixed point of it once sλ + σ > max |μ|² / (2 |Re μ|), which σ = 0 misses where rotation is strong.
-    Returns ``(u, rel)``: final rows and their relative residuals (inf where F is not finite).
-    """
+    Returns ``(u, rel)``: final rows and their relative residuals (inf where F is not finite)."""
     u = u.clone()
     s = sign.to(u.dtype)[:, None]
     sh = None if shift is None else shift.to(u.dtype)[:, None]

@@ -2,8 +2,7 @@
 
 A field is any torch callable F: R^d -> R^d that accepts a batch ``[n, d]`` or a single vector ``[d]``; the
 adapter probes which and uses, in this order, the batched call, ``torch.func.vmap`` of the single call, or a
-Python loop. See docs/critical_points.md.
-"""
+Python loop. See docs/critical_points.md."""
 
 import math
 import warnings
@@ -40,8 +39,7 @@ class _Householder:
 
     This Q is the one a QR of [u, I] gives up to an orthogonal change of basis of the tangent space (the spectrum
     of M = Qᵀ DF Q - λ I does not depend on that choice), and it is applied in O(d) without forming a d × d matrix,
-    which the matrix-free (ARPACK) path needs. ``u`` is one unit vector ``[d]``.
-    """
+    which the matrix-free (ARPACK) path needs. ``u`` is one unit vector ``[d]``."""
 
     def __init__(self, u: Tensor) -> None:
         w = u.clone()

@@ -3,8 +3,7 @@
 Pure tensor math: it knows nothing of TransformerLens; :func:`tl_steering.critical_points` builds the model's field
 and hands it here. There is one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`): the flow phase of
 :mod:`tl_steering.critical.dynamics` (power iteration of F and -F, edge tracking between basins, Levenberg-Marquardt
-end game), then the solution-landscape phase of :mod:`tl_steering.critical.landscape`.
-"""
+end game), then the solution-landscape phase of :mod:`tl_steering.critical.landscape`."""
 
 import math
 import time

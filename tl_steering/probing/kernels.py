@@ -2,7 +2,6 @@
 docs/probe.md)."""
 
 import concurrent.futures
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._util.threads import usable_cores
 from ..geometry import EPS_NORM, SINGULAR_REL
 
 F64 = torch.float64
@@ -123,8 +123,7 @@ def splits(device: torch.device) -> bool:
 def defers(device: torch.device) -> bool:
     """Whether the probe's per-layer work goes to :data:`HELPER` while the forward goes on: torch runs on one
     intra-op thread and this process may use another CPU core (docs/probe.md, "Cost")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return device.type == "cpu" and torch.get_num_threads() == 1 and cores >= 2
+    return device.type == "cpu" and torch.get_num_threads() == 1 and usable_cores() >= 2
 
 
 def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
