@@ -13,8 +13,8 @@
 2. ``--probe``: runs ``benchmarks/probe_overhead.py --repeats 5 --model MODEL`` (a subprocess of its own) and
    prints its probe / plain-forward ratios.
 
-3. ``--nprocs 1,2``: the same command on each number of processes in turn (``torchrun --standalone
-   --nproc_per_node=N`` for N > 1, one torch thread per process), ``--rounds`` times interleaved, and each N's
+3. ``--nprocs 1,2``: the same command on each number of processes in turn (its own ``--nprocs N``, one torch
+   thread per process), ``--rounds`` times interleaved, and each N's
    median whole-command time over N = 1's; with the stage -> ranks placement of the last N-process run.
 
 Measure on idle cores: every figure is a wall time.
@@ -131,16 +131,15 @@ def _scaling(args: argparse.Namespace, nprocs: list[int]) -> dict:
 
     from tl_steering.suite import SuiteResult
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     walls: dict[int, list[float]] = {n: [] for n in nprocs}
     placement: dict = {}
     for _ in range(args.rounds):
         for n in nprocs:
             out = Path(tempfile.mkdtemp(prefix=f"tlsteering-report-{n}p-"))
-            head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-                                       if n > 1 else [])
-            cmd = head + ["-m", "tl_steering", "report", "--model", args.model, "--text", args.text, "--out",
-                          str(out), "--no-progress"] + (["--quick"] if args.quick else [])
+            # the command's own --nprocs N: N ranks of OMP_NUM_THREADS / N = one thread each
+            env = {**os.environ, "OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+            cmd = [sys.executable, "-m", "tl_steering", "report", "--model", args.model, "--text", args.text, "--out",
+                   str(out), "--no-progress", "--nprocs", str(n)] + (["--quick"] if args.quick else [])
             t0 = time.perf_counter()
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             walls[n].append(time.perf_counter() - t0)

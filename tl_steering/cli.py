@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quick", action="store_true", help="small settings (about 2 minutes on 2 CPU cores)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    r.add_argument("--nprocs", default="auto", help="local ranks (torchrun, gloo) the stages split over; auto: 2 for "
+    r.add_argument("--nprocs", default="auto", help="local gloo ranks the stages split over; auto: 2 for "
                    "the offline models on a CPU with 2+ cores for torch, else 1 (docs/scale_out.md)")
     sub.add_parser("scan", add_help=False,
                    help="resumable probe scan of a streamed corpus, data parallel under torchrun "
@@ -214,22 +214,31 @@ def local_ranks(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _launch_ranks(argv: list[str], n: int, threads: int) -> int:
-    """This ``report`` command as ``n`` local torchrun ranks of ``threads`` torch threads; their exit code. A Ctrl-C
-    reaches torchrun too, which stops its ranks (then ``--resume``)."""
+    """This ``report`` as ``n`` local gloo ranks of ``threads`` threads (torchrun's environment, a free port);
+    the first rank to fail stops the others and gives the exit code; a Ctrl-C reaches every rank: 30 s, then 130."""
+    import math
     import os
+    import socket
     import subprocess
+    import time
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                          "-m", "tl_steering", *argv], env=env)
-    try:
-        return p.wait()
-    except KeyboardInterrupt:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "WORLD_SIZE": str(n),
+               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
+    cmd = [sys.executable, "-m", "tl_steering", *argv]
+    ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
+    code, until = 0, math.inf
+    while None in (codes := [p.poll() for p in ranks]) and (code or not any(codes)) and time.monotonic() < until:
         try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+            time.sleep(0.05)
+        except KeyboardInterrupt:  # every rank has it too: they save what they finished and stop
+            code, until = 130, time.monotonic() + 30
+    for p in ranks:
+        if p.poll() is None:
             p.terminate()
-        return 130
+    codes = [p.wait() for p in ranks]
+    return code or next((c for c in codes if c > 0), 1 if any(codes) else 0)  # a rank's own error first
 
 
 def _distributed_report(args: argparse.Namespace) -> tuple[Path, int]:

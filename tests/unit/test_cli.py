@@ -71,6 +71,22 @@ def test_report_ranks(monkeypatch, argv, env, expected):
     assert local_ranks(build_parser().parse_args(["report", *argv])) == expected
 
 
+def test_a_failed_rank_stops_the_others(monkeypatch):
+    """``report --nprocs N`` starts its ranks itself: the first to fail stops the others at once (none waits for a
+    collective that never comes) and its exit code is the command's; each rank sees torchrun's environment."""
+    import subprocess
+    import time
+
+    from tl_steering.cli import _launch_ranks
+
+    rank = "import os, sys, time; e = os.environ; time.sleep(120) if e['RANK'] == '0' else sys.exit(3 + int(e['WORLD_SIZE']) * (e['MASTER_ADDR'] == '127.0.0.1'))"
+    real = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, env: real([sys.executable, "-c", rank], env=env))
+    t0 = time.monotonic()
+    assert _launch_ranks(["report"], 2, 1) == 5
+    assert time.monotonic() - t0 < 60
+
+
 # Run as ``python -m tl_steering``, then report which heavy libraries the failed call imported.
 _CHILD = (
     "import runpy, sys\n"

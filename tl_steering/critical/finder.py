@@ -124,8 +124,7 @@ def find_equilibria(
 
     Raises:
         InputError: dim < 2, n_starts < 1, unknown options or eigensolver, bad starts or tolerances, a field that
-            returns the wrong shape or a non-finite value at a start.
-    """
+            returns the wrong shape or a non-finite value at a start."""
     t0 = time.perf_counter()
     opts = finder_options(options)
     dim, solver, device = _setup(dim, n_starts, eigensolver, opts, dtype, device, starts)
@@ -242,8 +241,7 @@ def classify_point(
             from JVPs only) or "auto" (dense for d <= 1024).
         n_eigs: eigenvalues per end for ARPACK.
         dtype: compute dtype.
-        device: compute device (default: that of u).
-    """
+        device: compute device (default: that of u)."""
     t0 = time.perf_counter()
     if not isinstance(u, Tensor):
         u = torch.as_tensor(np.asarray(u))

@@ -103,8 +103,7 @@ def newton_solve(fld: _FieldAdapter, u0: Tensor, known: Tensor, tol: float, max_
 
     Returns ``(u, rel, iterations, status, jacobians)``; status as :func:`tl_steering.critical.solver.lm_solve`
     (0 converged to ``tol``, 1 merit stalled over ``PATIENCE`` iterations, 2 no step decreased the merit,
-    3 iteration limit); ``jacobians`` counts the dense Jacobians of F evaluated.
-    """
+    3 iteration limit); ``jacobians`` counts the dense Jacobians of F evaluated."""
     n = u0.shape[0]
     u = _normalize(u0.clone(), EPS_NORM)
     f = fld.many_no_grad(u)

@@ -39,8 +39,7 @@ class CriticalField:
         radius: ρ.
         dim: d_model.
         prefix: for attention/block, the frozen clean rows ``resid_pre[sequence, :token_index]`` (float64).
-        token_index, sequence: the token whose field this is (attention/block).
-    """
+        token_index, sequence: the token whose field this is (attention/block)."""
 
     def __init__(self, block: Float64Block, kind: str, radius: float, prefix: Tensor | None = None,
                  token_index: int | None = None, sequence: int | None = None) -> None:
@@ -155,8 +154,7 @@ def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str
                    ) -> CriticalField:
     """The float64 field of :func:`critical_points` as a callable ``[n, d] -> [n, d]`` (or ``[d] -> [d]``).
 
-    Args: as :func:`critical_points`. Tokens default to ``text_tokens(model, n_windows=4, length=64)``.
-    """
+    Args: as :func:`critical_points`. Tokens default to ``text_tokens(model, n_windows=4, length=64)``."""
     return _layer_field(model, layer, field, radius, tokens, None, token_index, sequence)[3]
 
 
@@ -279,8 +277,7 @@ def critical_points(
             "Structured Jacobian").
 
     Returns:
-        A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`.
-    """
+        A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`."""
     ad = adapt(model)
     kind = as_choice(field, "field", FIELDS)
     scales = _check_scales(radius_scales)

@@ -40,8 +40,7 @@ class FinderOptions:
         pre_iter: power-iteration steps per row and sign.
         edge_pairs: pairs of basins whose boundary saddle is tracked (half per sign).
         landscape_solves: most deflated Newton rows of the landscape phase (0: the flow finder alone).
-        n_eigs: eigenvalues per end with ARPACK (eigensolver "arpack").
-    """
+        n_eigs: eigenvalues per end with ARPACK (eigensolver "arpack")."""
 
     tol: float = 1e-10
     max_iter: int = 60

@@ -65,8 +65,7 @@ def lm_solve(fld: _FieldAdapter, u0: Tensor, tol: float, max_iter: int) -> tuple
 
     Rows are iterated until the relative residual is below ``POLISH * tol`` or no step decreases it; a row
     counts as converged when its final relative residual is <= ``tol``. Returns ``(u, rel, iterations, status)``: final points, relative residuals, iterations per row, and
-    status per row (0 converged, 1 merit stalled, 2 no damped step decreased it, 3 iteration limit).
-    """
+    status per row (0 converged, 1 merit stalled, 2 no damped step decreased it, 3 iteration limit)."""
     merit = _Merit(fld)
     target = tol * POLISH  # iterate past tol while it still pays: one more quadratic step costs one Jacobian
     n = u0.shape[0]

@@ -3,8 +3,7 @@
 At an equilibrium u* (F(u*) = λ u*) the projected flow du/dt = P_u F(u) is linearised by the tangent Jacobian
 J_T = P DF(u*) P - λ P, written in an orthonormal tangent basis Q as M = Qᵀ DF(u*) Q - λ I_{d-1}. Its spectrum gives
 the label (attractor / repeller / saddle / degenerate), the Morse index (number of eigenvalues with Re > tol) and the
-rotational modes (|Im| > ROT_RATIO·|Re|).
-"""
+rotational modes (|Im| > ROT_RATIO·|Re|)."""
 
 import dataclasses
 import math
