@@ -77,5 +77,4 @@ class UserHooksWarning(UserWarning):
 __all__ = [
     "TLSteeringError", "UserHooksWarning", "ModelNotSupportedError", "ModelLoadError", "HookNotFoundError",
     "ParallelBlockError", "LayerIndexError", "InputError", "ArgumentTypeError", "DeviceMismatchError",
-    "DeviceUnavailableError", "ResultFileError", "ModelBusyError", "NonFiniteError", "ResidualIdentityError"
-]
+    "DeviceUnavailableError", "ResultFileError", "ModelBusyError", "NonFiniteError", "ResidualIdentityError"]

@@ -34,8 +34,7 @@ def _checked(name: str, x: Tensor, min_ndim: int = 1) -> Tensor:
         bad = int((~torch.isfinite(x64)).sum())
         raise InputError(
             f"{name} contains NaN or Inf ({bad} of {x.numel()} entries); "
-            "clean or mask the activations before computing geometry."
-        )
+            "clean or mask the activations before computing geometry.")
     return x64
 
 
@@ -65,8 +64,7 @@ def _prepared_set(U: Tensor, mask: Tensor | None, center: bool = False) -> tuple
         if mask.shape != U64.shape[:-1]:
             raise InputError(
                 f"mask must have shape U.shape[:-1] = {tuple(U64.shape[:-1])} ([*batch, n]), "
-                f"got {tuple(mask.shape)}."
-            )
+                f"got {tuple(mask.shape)}.")
         valid = mask.to(device=U64.device, dtype=torch.float64)
     unit = _normalize(U64, EPS_NORM) * valid.unsqueeze(-1)
     return (_centered(unit, valid) if center else unit), valid
@@ -336,5 +334,4 @@ __all__ = [
     "tangential_part", "safe_cosine", "cosine_radial", "tangent_alignment", "tangential_speed", "angle",
     "degenerate_mask", "mean_pairwise_cosine", "mean_resultant_length", "effective_rank",
     "participation_ratio", "diversity_stats", "prefix_mean_pairwise_cosine", "prefix_mean_resultant_length",
-    "prefix_effective_rank", "prefix_participation_ratio"
-]
+    "prefix_effective_rank", "prefix_participation_ratio"]

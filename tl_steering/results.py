@@ -89,8 +89,7 @@ class Provenance:
     torch_version: str = dataclasses.field(default_factory=lambda: torch.__version__)
     python_version: str = dataclasses.field(default_factory=platform.python_version)
     created: str = dataclasses.field(
-        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    )
+        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

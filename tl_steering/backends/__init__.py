@@ -12,5 +12,4 @@ __all__ = [
     "ModelAdapter", "ModelInfo", "adapt", "backend_of", "cache_routing", "check_finite", "decode_step",
     "freeze_kv_cache", "hook_guard", "hooked_available", "hooks_silenced", "kv_cache", "kv_cache_length",
     "load_model", "smollm2_gguf_path", "tiny_hf_model", "tiny_model", "tl_version", "weights_fingerprint",
-    "wrap_hf"
-]
+    "wrap_hf"]

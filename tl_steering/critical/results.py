@@ -15,7 +15,7 @@ from .._util.claims import Claim, pct, plural
 from ..errors import InputError
 from ..reference import paper_statement
 from ..results import Result, register
-from ..stats import clopper_pearson, proportion_verdict
+from ..stats import chao1, clopper_pearson, proportion_verdict
 from .options import DEFAULT_FINDER, LABEL_TOL, ROT_RATIO
 from .spectrum import LABELS
 
@@ -217,6 +217,88 @@ def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:
     return proportion_verdict(k, n, level, count_key="saddles")
 
 
+def _abundance(res: EquilibriaResult, label: str) -> list[int]:
+    """Per point of ``label``, the power-iteration rows of its sign from random starts (F for attractors, -F for
+    repellers: the samples of that map's basins) that reached it; a point found only otherwise (the other sign's
+    rows, token starts, the landscape) counts once, as a singleton (which raises the estimate)."""
+    kinds, rows = res.options.get("row_kind", []), res.options.get("row_point", [])
+    tag = "random/power+" if label == "attractor" else "random/power-"
+    hits = [0] * res.n_points
+    for kind, p in zip(kinds, rows):
+        if p >= 0 and kind == tag:
+            hits[p] += 1
+    return [max(1, hits[i]) for i, lab in enumerate(res.labels) if lab == label]
+
+
+@register
+@dataclasses.dataclass
+class CensusResult(Result):
+    """The census of one field (:func:`~tl_steering.critical.census.census`, :func:`census_of`; fields:
+    docs/critical_points.md section 11, "Result fields")."""
+
+    equilibria: EquilibriaResult = dataclasses.field(default_factory=EquilibriaResult)
+    attractors: dict[str, float] = dataclasses.field(default_factory=dict)
+    repellers: dict[str, float] = dataclasses.field(default_factory=dict)
+    saddles: int = 0
+    degenerate: int = 0
+    non_saddles_high: float = math.nan
+    share_low: float = math.nan
+    verdict: str = "no equilibria"
+    level: float = 0.95
+    assumptions: str = ""
+
+    kind = "census"
+
+    def summary(self) -> dict[str, Any]:
+        return {"points": self.equilibria.n_points, "saddles_found": self.saddles,
+                "attractors_found": int(self.attractors.get("observed", 0)),
+                "attractors_estimate": self.attractors.get("estimate"), "attractors_high": self.attractors.get("ci_high"),
+                "repellers_found": int(self.repellers.get("observed", 0)),
+                "repellers_estimate": self.repellers.get("estimate"), "repellers_high": self.repellers.get("ci_high"),
+                "degenerate": self.degenerate, "non_saddles_high": self.non_saddles_high,
+                "share_low": self.share_low, "verdict": self.verdict, "level": self.level}
+
+    def claim(self) -> Claim:
+        """The paper's claim judged by the census: "mostly saddles" holds when the saddles found outnumber the upper
+        bound on every other equilibrium; any attractor found contradicts "not attractors" (then "partly holds")."""
+        n_attr = int(self.attractors.get("observed", 0))
+        if self.equilibria.n_points == 0:
+            return Claim(paper_statement("critical"), "not judged", "no equilibrium was found: not judged",
+                         parts=self.summary())
+        bound = (f"{self.saddles} saddles found, at most {self.non_saddles_high:.1f} attractors, repellers and "
+                 f"degenerate points ({self.level:.0%} upper bound): saddles are at least {pct(self.share_low)}")
+        if self.verdict != "supported":
+            verdict, why = "undecided", f"'mostly saddles' is not decided: {bound}"
+        else:
+            verdict = "partly holds" if n_attr else "holds"
+            why = f"'mostly saddles' holds: {bound}" + (f"; but {n_attr} attractors were found" if n_attr else "")
+        return Claim(paper_statement("critical"), verdict, why, value=self.share_low, interval=(self.share_low, 1.0),
+                     parts=self.summary())
+
+
+ASSUMPTIONS = ("independent uniform starts sample the basins of the power map of F and -F with replacement; every "
+               "attractor and repeller is a stable fixed point of that map (the shifted map where the plain one "
+               "rotates) and has a basin; stable points whose basins the starts cannot sample are covered only "
+               "statistically by the upper bound; the saddles are those found")
+
+
+def census_of(res: EquilibriaResult, level: float = 0.95) -> CensusResult:
+    """The census's bounds and verdict from one run of the finder (:func:`census`'s, or ``critical_points``' with
+    its budget: only the power rows from random starts sample the basins)."""
+    att, rep = chao1(_abundance(res, "attractor"), level), chao1(_abundance(res, "repeller"), level)
+    saddles, degenerate = res.labels.count("saddle"), res.labels.count("degenerate")
+    high = att["ci_high"] + rep["ci_high"] + degenerate
+    share = saddles / (saddles + high) if saddles + high > 0 else math.nan
+    verdict = "no equilibria" if res.n_points == 0 else "supported" if saddles > high else "not decided"
+    return CensusResult(provenance=res.provenance, equilibria=res, attractors=att, repellers=rep, saddles=saddles,
+                        degenerate=degenerate, non_saddles_high=high, share_low=share, verdict=verdict,
+                        level=float(level), assumptions=ASSUMPTIONS)
+
+
+#: what the claim keeps of each layer's census
+CENSUS_KEYS = ("saddles_found", "non_saddles_high", "share_low", "verdict")
+
+
 @register
 @dataclasses.dataclass(kw_only=True)
 class CriticalPointsResult(Result):
@@ -302,7 +384,10 @@ class CriticalPointsResult(Result):
         rm = proportion_verdict(int(self.rotational.sum()), n, level, count_key="rotational")
         why_undecided = "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods)
         parity, miss = self.parity(), self.parity()["missing_at_least"]
-        parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": False,
+        census = {layer: {k: v for k, v in c.summary().items() if k in CENSUS_KEYS} for layer, c in self.census(level).items()}
+        held = [layer for layer, c in census.items() if c["verdict"] == "supported"]
+        parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": bool(held),
+                 "census": census,
                  "why_undecided": why_undecided,
                  "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
                                     "n_layers": len(self.layers),
@@ -320,8 +405,14 @@ class CriticalPointsResult(Result):
         return Claim(paper_statement("critical"), "does not hold" if n_attr else "undecided",
                      f"{attr}; rotational modes: {rm['rotational']} of {n} points ({ci[0]}: {rm['verdict']}); 'mostly "
                      f"saddles' is not decided by this sample: {p['saddles']} of {n} found are saddles ({ci[1]}), but "
-                     f"{why_undecided}{par}",
+                     f"{why_undecided}{par}; the census bound from its random starts (critical_census) "
+                     + (f"supports it on layers {held}" if held else "decides it on no layer"),
                      value=p["fraction"], interval=(p["ci_low"], p["ci_high"]), parts=parts)
+
+    def census(self, level: float = 0.95) -> dict[int, Any]:
+        """Per layer, the census of this run (:func:`~tl_steering.critical.census.census_of`: bounds from the rows of
+        its random starts; with few, the bound on the non-saddles is loose: ``critical_census`` runs 64)."""
+        return {int(layer): census_of(r, level) for layer, r in zip(self.layers, self.results)}
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers pooled over the layers, one type per key (docs/critical_points.md, "Summary keys"):

@@ -7,5 +7,4 @@ from .diversity import DiversityResult, diversity
 
 __all__ = [
     "AblationResult", "DeficitResult", "DiversityResult", "VARIANTS", "angular_deficit", "diversity",
-    "ffn_ablation"
-]
+    "ffn_ablation"]

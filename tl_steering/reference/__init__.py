@@ -104,5 +104,4 @@ def pinned_values(model: str = "smollm2-135m") -> dict[str, Any]:
 
 __all__ = [
     "band_check", "paper_statement", "PINNED_FILE", "PINNED_FILES", "PUBLISHED_FILE", "pinned_values",
-    "published_data", "published_number", "published_numbers"
-]
+    "published_data", "published_number", "published_numbers"]

@@ -87,8 +87,7 @@ def compare(
                 where = f"[{i}]" if isinstance(want, list) else ""
                 problems.append(
                     f"{name}{where}: got {x:.6g}, pinned {y:.6g} (|diff| {abs(x - y):.2g} > {bound:.2g}, "
-                    f"tolerance group {group!r})"
-                )
+                    f"tolerance group {group!r})")
     return problems
 
 
@@ -106,5 +105,4 @@ def as_pinned(measured: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 
 __all__ = [
     "BACKEND_TOLERANCES", "group_problems", "GEMMA_PINNED_SETTINGS", "PINNED_MODELS", "PINNED_SETTINGS",
-    "TOLERANCES", "as_pinned", "compare"
-]
+    "TOLERANCES", "as_pinned", "compare"]

@@ -22,17 +22,17 @@ def tried(r: Any) -> str:
 
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
-    rows, distinct points, label counts, Morse index histogram, seconds and the "mostly saddles" fraction of the
-    sample with its exact interval; then the pooled one, why it does not decide the claim, what the counts are a
+    rows, distinct points, label counts, Morse index histogram, seconds, the "mostly saddles" fraction of the
+    sample with its exact interval and the census verdict of its random starts; then the pooled one, why it does not decide the claim, what the counts are a
     sample of and the Poincaré-Hopf lower bound on the points not found."""
     claim = result.claim().parts
     head = ("<tr><th>layer</th><th>finder</th><th>rows</th><th>converged</th><th>points</th><th>attractor</th>"
             "<th>repeller</th><th>saddle</th><th>rotational</th><th>Morse index: count</th><th>s</th>"
-            "<th>saddle fraction [95% CI]</th><th>verdict</th></tr>")
+            "<th>saddle fraction [95% CI]</th><th>verdict</th><th>census: saddles / non-saddles at most</th></tr>")
     rows = []
     for i, (layer, r) in enumerate(zip(result.layers, result.results)):
         c = r.counts()
-        v = claim["per_layer"][int(layer)]
+        v, cen = claim["per_layer"][int(layer)], claim["census"][int(layer)]
         hist = ", ".join(f"{k}: {n}" for k, n in sorted(r.morse_histogram().items())) or "-"
         frac = "-" if not v["n"] else f"{v['fraction']:.2f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
         none = (f"no equilibrium found from {r.options.get('n_starts', r.n_starts)} starts ({r.n_starts} rows): "
@@ -41,7 +41,8 @@ def critical_layer_table(result: Any) -> str:
             f"<tr><td>{int(layer)}</td><td>{_e(r.method)}</td><td>{r.n_starts}</td><td>{r.n_converged}</td>"
             f"<td>{r.n_points}</td><td>{c['attractor']}</td><td>{c['repeller']}</td><td>{c['saddle']}</td>"
             f"<td>{c['rotational']}</td><td>{_e(hist)}</td><td>{float(result.seconds[i]):.1f}</td>"
-            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else none)}</td></tr>")
+            f"<td>{frac}</td><td>{_e(v['verdict'] if r.n_points else none)}</td>"
+            f"<td>{cen['saddles_found']} / {cen['non_saddles_high']:.1f}: {_e(cen['verdict'])}</td></tr>")
     p = claim["pooled"]
     pooled = ("-" if not p["n"] else
               f"{p['saddles']} saddles of {p['n']} points = {p['fraction']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]")

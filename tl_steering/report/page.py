@@ -115,8 +115,8 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "(power iteration, edge tracking, Levenberg-Marquardt, the solution landscape: docs/critical_points.md "
         "section 9). The points are a sample: the label counts say which kinds exist, not their share. One verified "
         "attractor decides 'not attractors'; the share of points with a rotational mode decides 'rotational modes'; "
-        "'mostly saddles' is decided by no sample here (the census is a benchmark: docs/critical_points.md section "
-        "11), and the Poincaré-Hopf parity of each layer's found set bounds from below how many equilibria were not "
+        "'mostly saddles' is judged per layer by the census bound from the random starts' rows (docs/"
+        "critical_points.md section 11; loose with the report's few starts: critical_census runs 64), and the Poincaré-Hopf parity of each layer's found set bounds from below how many equilibria were not "
         "found.",
         ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
     ("prefix", "Prefix-indexed causal dynamics",
@@ -244,8 +244,7 @@ def summary_section(suite: SuiteResult) -> str:
         + "<table><tr><th>claim</th><th>paper model</th><th>paper value</th><th>tolerance band</th>"
         "<th>certainty</th><th>ours</th><th>how ours was measured</th><th>relation</th><th>verdict</th></tr>"
         + "".join(rows)
-        + "</table>"
-    )
+        + "</table>")
 
 
 def _layers_text(layers: list[int]) -> str:
@@ -340,8 +339,7 @@ def plan_table(plan: Any) -> str:
         "scores, ShortGPT's block influence, the angular distance of Gromov et al. and FFN Fusion's dependency, "
         f"share C's forward). The chosen one in bold. Whole comparison: {total.get('forward', 0):.0f} forwards + "
         f"{total.get('backward', 0):.0f} backwards.</p>"
-        f"<table><tr><th>strategy</th>{head}<th>passes (fwd + bwd)</th></tr>{''.join(rows)}</table>"
-    )
+        f"<table><tr><th>strategy</th>{head}<th>passes (fwd + bwd)</th></tr>{''.join(rows)}</table>")
 
 
 def parallel_section(suite: SuiteResult, verdict: Claim | None = None) -> str:
@@ -354,8 +352,7 @@ def parallel_section(suite: SuiteResult, verdict: Claim | None = None) -> str:
         f"<h3 id='parallel'>The plans run by the parallel executor</h3>{_verdict(verdict)}<p>The low-C plan made "
         "parallel for real (<code>tl_steering.parallel.parallelize</code>, fused blocks) and timed as a whole "
         f"forward on this machine {how}; the estimate above is the critical-path model of the paper.</p>"
-        + _kv_table(_executor_rows(ex))
-    )
+        + _kv_table(_executor_rows(ex)))
     if suite.executor_choice is not None:
         out += (
             "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, in the same "
@@ -372,8 +369,7 @@ def provenance_section(suite: SuiteResult) -> str:
         k: (f"{v.wall_s:.1f} s wall, {v.cpu_s:.1f} s CPU"
             + (f", {v.forwards} forwards ({v.tokens:,} tokens)" if v.forwards >= 0 else "")
             if math.isfinite(v.wall_s) else "—")
-        for k, v in suite.timings.items()
-    }
+        for k, v in suite.timings.items()}
     return ("<h2 id='provenance'>Provenance</h2><h3>Model and data</h3>" + _kv_table(_asdict(suite.model))
             + _kv_table(_asdict(suite.provenance)) + "<h3>Arguments and settings</h3>"
             + _kv_table(_asdict(suite.arguments)) + _kv_table(_asdict(suite.settings)) + "<h3>Environment</h3>"

@@ -49,6 +49,24 @@ def test_census_supports_mostly_saddles_on_the_planted_field():
     assert "12 saddles found" in c.why and "2 attractors were found" in c.why
 
 
+def test_census_of_a_run_with_token_starts_samples_the_basins_from_its_random_starts_only():
+    """critical_points' runs start half their rows at token directions (a biased sample of the basins):
+    census_of counts only the random starts' power rows; a point reached only from given starts is a singleton."""
+    from tl_steering.critical import find_equilibria
+    from tl_steering.critical.census import census_of
+
+    p = planted_field(12, seed=0)
+    given = torch.randn(16, 12, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    run = find_equilibria(p, 12, n_starts=48, starts=given, seed=0)  # 16 given, 32 random starts
+    out = census_of(run)
+    assert out.attractors["draws"] == 32 and out.repellers["draws"] == 32  # the 16 given rows of each sign left out
+    assert out.saddles == run.labels.count("saddle") == 12 and out.verdict == "supported"
+    alone = census_of(find_equilibria(p, 12, n_starts=16, starts=given, seed=0))  # no random start at all
+    assert alone.attractors["f1"] == alone.attractors["observed"] == 2 and alone.attractors["draws"] == 2
+    assert census(p, 12, n_starts=32, seed=0).summary() == census_of(
+        find_equilibria(p, 12, n_starts=32, seed=0, options={"landscape_solves": 256})).summary()
+
+
 def test_census_does_not_decide_when_saddles_are_few():
     # S^2 with a symmetric linear field: 2 attractors, 2 repellers, 2 saddles: saddles are a third
     rng = np.random.default_rng(0)

@@ -36,6 +36,9 @@ def _subset(res, keep):
             out[name] = value[keep]
         elif name in ("labels", "rotational", "index", "near_zero", "hits", "start_index", "start_kind"):
             out[name] = [value[i] for i in keep]
+        elif name == "options":  # a missed point's rows reached nothing; the others point at the kept order
+            new = {old: i for i, old in enumerate(keep)}
+            out[name] = {**value, "row_point": [new.get(j, -1) for j in value.get("row_point", [])]}
         else:
             out[name] = value
     return type(res)(**out)
@@ -84,7 +87,11 @@ def test_claim_in_three_parts(planted12):
     # 2 attractors (index 0) among 16 points: "not attractors" fails; every planted point has rotational modes
     assert c["not_attractors"] == {"attractors": 2, "layers_with_attractor": [0], "n_layers": 1, "verdict": "fails"}
     assert c["rotational_modes"]["rotational"] == 16 and c["rotational_modes"]["verdict"] == "supported"
-    assert c["pooled"]["saddles"] == 12 and c["mostly_saddles_decided"] is False
+    # the found set's fraction decides nothing; the census bound of the run's random starts does (12 saddles
+    # against at most ~4 stable points: tests/unit/critical/test_census.py)
+    assert c["pooled"]["saddles"] == 12 and c["mostly_saddles_decided"] is True
+    assert c["census"][0]["verdict"] == "supported" and c["census"][0]["saddles_found"] == 12
+    assert c["census"][0]["non_saddles_high"] < 12
     assert "landscape" in c["why_undecided"] and "by_crossing" not in c
     assert c["parity"]["missing_at_least"] == 0 and out.summary()["missed_at_least"] == 0.0
     no_attr = _subset(planted12, [i for i, k in enumerate(planted12.index) if k != 0])
@@ -98,6 +105,11 @@ def test_the_claim_judges_each_part(planted12):
     assert "rotational modes: 16 of 16 points (100%" in c.why and "supported" in c.why
     assert "'mostly saddles' is not decided by this sample: 12 of 16 found are saddles (75%" in c.why
     assert "Poincaré-Hopf" not in c.why  # the complete set misses none
+    assert c.why.endswith("the census bound from its random starts (critical_census) supports it on layers [0]")
+    from tl_steering.report.critical_table import critical_layer_table
+
+    cen = c.parts["census"][0]  # the report's table states the layer's census verdict
+    assert f"<td>12 / {cen['non_saddles_high']:.1f}: supported</td>" in critical_layer_table(_wrap([planted12]))
     missed = _subset(planted12, [i for i, k in enumerate(planted12.index) if k not in (0, 2)])
     c = _wrap([missed]).claim()
     assert c.verdict == "undecided"  # no attractor, and no sample decides "mostly saddles"
