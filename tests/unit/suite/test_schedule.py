@@ -131,3 +131,13 @@ def test_a_stage_that_fails_on_one_rank_fails_on_the_others(monkeypatch):
     with pytest.raises(InputError, match="no sequential layer"):
         StageView(SuiteResult(), zero).plan
     assert not mailbox
+
+
+def test_rank_0_shows_the_stages_other_ranks_run_in_their_place(capsys):
+    """Under ranks, rank 0 draws the bars of its own stages and one line for each stage another rank runs, so that
+    the numbering has no gap (run_suite calls ``elsewhere`` where it skips a stage); a silent progress prints none."""
+    from tl_steering.suite.progress import TqdmProgress
+
+    TqdmProgress(True).elsewhere("defect", (1,))
+    TqdmProgress(False).elsewhere("ablation", (0, 1))
+    assert capsys.readouterr().err == f"[5/{len(STAGES)}] defect   : on rank 1\n"
