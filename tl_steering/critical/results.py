@@ -384,11 +384,10 @@ class CriticalPointsResult(Result):
         rm = proportion_verdict(int(self.rotational.sum()), n, level, count_key="rotational")
         why_undecided = "; ".join(f"{m}: {UNDECIDABLE_BY.get(m, 'a custom finder')}" for m in methods)
         parity, miss = self.parity(), self.parity()["missing_at_least"]
-        census = {layer: {k: v for k, v in c.summary().items() if k in CENSUS_KEYS} for layer, c in self.census(level).items()}
+        census = {layer: {k: c.summary()[k] for k in CENSUS_KEYS} for layer, c in self.census(level).items()}
         held = [layer for layer, c in census.items() if c["verdict"] == "supported"]
-        parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "mostly_saddles_decided": bool(held),
-                 "census": census,
-                 "why_undecided": why_undecided,
+        parts = {"per_layer": per_layer, "pooled": p, "sample": sample_note(methods), "census": census,
+                 "mostly_saddles_decided": bool(held), "why_undecided": why_undecided,
                  "not_attractors": {"attractors": n_attr, "layers_with_attractor": with_attr,
                                     "n_layers": len(self.layers),
                                     "verdict": "fails" if n_attr else "not contradicted" if n else "no equilibria"},

@@ -23,8 +23,8 @@ def tried(r: Any) -> str:
 def critical_layer_table(result: Any) -> str:
     """HTML table of a :class:`~tl_steering.critical.CriticalPointsResult`: per layer the rows (starts), converged
     rows, distinct points, label counts, Morse index histogram, seconds, the "mostly saddles" fraction of the
-    sample with its exact interval and the census verdict of its random starts; then the pooled one, why it does not decide the claim, what the counts are a
-    sample of and the Poincaré-Hopf lower bound on the points not found."""
+    sample with its exact interval, the census verdict of its random starts; then the pooled fraction, why it does
+    not decide the claim, what the counts sample and the Poincaré-Hopf lower bound on the points not found."""
     claim = result.claim().parts
     head = ("<tr><th>layer</th><th>finder</th><th>rows</th><th>converged</th><th>points</th><th>attractor</th>"
             "<th>repeller</th><th>saddle</th><th>rotational</th><th>Morse index: count</th><th>s</th>"

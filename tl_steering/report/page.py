@@ -115,9 +115,9 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         "(power iteration, edge tracking, Levenberg-Marquardt, the solution landscape: docs/critical_points.md "
         "section 9). The points are a sample: the label counts say which kinds exist, not their share. One verified "
         "attractor decides 'not attractors'; the share of points with a rotational mode decides 'rotational modes'; "
-        "'mostly saddles' is judged per layer by the census bound from the random starts' rows (docs/"
-        "critical_points.md section 11; loose with the report's few starts: critical_census runs 64), and the Poincaré-Hopf parity of each layer's found set bounds from below how many equilibria were not "
-        "found.",
+        "'mostly saddles' is judged per layer by the census bound of the random starts' rows (docs/critical_points.md "
+        "section 11; loose at the report's few starts), and the Poincaré-Hopf parity of each layer's found set bounds "
+        "from below how many equilibria were not found.",
         ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
     ("prefix", "Prefix-indexed causal dynamics",
         "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "

@@ -28,7 +28,8 @@ class TqdmProgress:
     def elsewhere(self, name: str, ranks: Any) -> None:
         """One line for a stage that other ranks run (their bars are not drawn here), in its place in the order."""
         if self.enabled:
-            print(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name:<9}: on rank {', '.join(map(str, ranks))}", file=sys.stderr)
+            print(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name:<9}: on rank {', '.join(map(str, ranks))}",
+                  file=sys.stderr)
 
     @contextmanager
     def stage(self, name: str, total: int = 1) -> Iterator[Tick]:
