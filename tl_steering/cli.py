@@ -216,7 +216,6 @@ def local_ranks(args: argparse.Namespace) -> tuple[int, int]:
 def _launch_ranks(argv: list[str], n: int, threads: int) -> int:
     """This ``report`` as ``n`` local gloo ranks of ``threads`` threads (torchrun's environment, a free port);
     the first rank to fail stops the others and gives the exit code; a Ctrl-C reaches every rank: 30 s, then 130."""
-    import math
     import os
     import socket
     import subprocess
@@ -228,7 +227,7 @@ def _launch_ranks(argv: list[str], n: int, threads: int) -> int:
                "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
     cmd = [sys.executable, "-m", "tl_steering", *argv]
     ranks = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)]
-    code, until = 0, math.inf
+    code, until = 0, float("inf")
     while None in (codes := [p.poll() for p in ranks]) and (code or not any(codes)) and time.monotonic() < until:
         try:
             time.sleep(0.05)

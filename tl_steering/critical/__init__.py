@@ -18,24 +18,22 @@ from .._util.lazy import lazy_attributes
 
 # lazy (PEP 562): the suite's settings (read by the CLI before it imports torch or TransformerLens) import .options
 _LAZY = {
-    **{n: ".census" for n in ("CensusResult",)},  # census(): tl_steering.critical.census.census (module name)
     **{n: ".fields" for n in ("relative_residual",)},
     **{n: ".finder" for n in ("classify_point", "find_equilibria")},
     **{n: ".model" for n in ("FIELDS", "CriticalField", "critical_census", "critical_field", "critical_points")},
     **{n: ".options" for n in ("DEFAULT_FINDER", "DEFAULT_OPTIONS", "METHODS", "FinderOptions")},
-    **{n: ".results" for n in ("CriticalPointsResult", "EquilibriaResult", "PointClassification", "clopper_pearson",
-                               "saddle_verdict")},
+    **{n: ".results" for n in ("CensusResult", "CriticalPointsResult", "EquilibriaResult", "PointClassification",
+                               "clopper_pearson", "saddle_verdict")},  # census(): the module tl_steering.critical.census
     **{n: ".spectrum" for n in ("DENSE_MAX_DIM", "LABELS")},
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
-    from .census import CensusResult  # noqa: F401
     from .fields import relative_residual  # noqa: F401
     from .finder import classify_point, find_equilibria  # noqa: F401
     from .model import FIELDS, CriticalField, critical_census, critical_field, critical_points  # noqa: F401
     from .options import DEFAULT_FINDER, DEFAULT_OPTIONS, METHODS, FinderOptions  # noqa: F401
-    from .results import (CriticalPointsResult, EquilibriaResult, PointClassification,  # noqa: F401
+    from .results import (CensusResult, CriticalPointsResult, EquilibriaResult, PointClassification,  # noqa: F401
                           clopper_pearson, saddle_verdict)
     from .spectrum import DENSE_MAX_DIM, LABELS  # noqa: F401
 

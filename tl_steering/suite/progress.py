@@ -19,6 +19,11 @@ class Progress(Protocol):
     def stage(self, name: str, total: int = 1) -> Any: ...
 
 
+def _label(name: str) -> str:
+    """``[k/10] name``: where a stage's bar or line starts (k its place in STAGES, 0 for another name)."""
+    return f"[{STAGES.index(name) + 1 if name in STAGES else 0}/{len(STAGES)}] {name:<9}"
+
+
 class TqdmProgress:
     """One tqdm bar per stage on stderr (``enabled=False``: silent)."""
 
@@ -28,15 +33,13 @@ class TqdmProgress:
     def elsewhere(self, name: str, ranks: Any) -> None:
         """One line for a stage that other ranks run (their bars are not drawn here), in its place in the order."""
         if self.enabled:
-            print(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name:<9}: on rank {', '.join(map(str, ranks))}",
-                  file=sys.stderr)
+            print(f"{_label(name)}: on rank {', '.join(map(str, ranks))}", file=sys.stderr)
 
     @contextmanager
     def stage(self, name: str, total: int = 1) -> Iterator[Tick]:
         from tqdm.auto import tqdm
 
-        i = STAGES.index(name) + 1 if name in STAGES else 0
-        bar = tqdm(total=total, desc=f"[{i}/{len(STAGES)}] {name:<9}", unit="step", leave=True, file=sys.stderr,
+        bar = tqdm(total=total, desc=_label(name), unit="step", leave=True, file=sys.stderr,
                    disable=not self.enabled, dynamic_ncols=True)
         t0 = time.perf_counter()
         notes = {"step": "", "fwd": ""}

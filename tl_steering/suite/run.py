@@ -340,9 +340,9 @@ def run_suite(
     alone = _Ctx(model, tokens, corpus, settings, seed, World()) if w.active else ctx  # a stage one rank runs
     with shared_clean_forwards(model):  # one hook-free forward per token batch, shared by the stages
         for name in todo:
-            if not ex.runs_here(name):  # another rank runs it; its fields arrive when a stage here reads them
-                getattr(prog, "elsewhere", lambda *_: None)(name, plan[name])  # or at the end
-                continue
+            if not ex.runs_here(name):  # another rank runs it: its fields arrive when a stage here reads them,
+                getattr(prog, "elsewhere", lambda *_: None)(name, plan[name])  # or at the end (a Progress may
+                continue  # have no elsewhere: TqdmProgress prints the stage's line)
             fn, total = STAGE_FUNCTIONS[name]
             with timed() as sw, _progress.reporting(lambda _: None, min_interval=math.inf) as fw, \
                     prog.stage(name, total=total) as tick:
