@@ -341,5 +341,4 @@ __all__ = [
     "LINEAR_RIDGE", "Moments", "ridge_df", "ridge_for_df", "solve_correction", "clopper_pearson",
     "proportion_verdict", "bin_labels", "block_length", "block_sums", "chao1", "bootstrap_ci",
     "cluster_bootstrap_ci", "check_exclude_positions", "finite_mean", "masked_mean", "median_interval",
-    "position_bin_edges", "position_bin_index", "position_bins", "position_mask"
-]
+    "position_bin_edges", "position_bin_index", "position_bins", "position_mask"]

@@ -6,10 +6,9 @@ else "not decided" (never "rejected")."""
 import dataclasses
 from typing import Any
 
-from ..errors import InputError
 from .finder import find_equilibria
 from .options import CENSUS_LANDSCAPE_SOLVES, FinderOptions, finder_options
-from .results import ASSUMPTIONS, CensusResult, census_of
+from .results import ASSUMPTIONS, CensusResult, census_of, check_level
 
 
 def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_solves: int = CENSUS_LANDSCAPE_SOLVES,
@@ -26,8 +25,7 @@ def census(field: Any, dim: int, n_starts: int = 64, seed: int = 0, landscape_so
         level: level of the upper bounds on attractors and repellers.
         options: the finder's options (:class:`~tl_steering.critical.options.FinderOptions`; None: the default
             every entry point uses); ``landscape_solves`` replaces its budget."""
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
-        raise InputError(f"level must be in (0, 1), got {level!r}")
+    level = check_level(level)  # before the finder runs
     opts = dataclasses.replace(finder_options(options), landscape_solves=landscape_solves)
     return census_of(find_equilibria(field, dim, n_starts=n_starts, seed=seed, options=opts), level)
 

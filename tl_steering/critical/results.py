@@ -282,9 +282,20 @@ ASSUMPTIONS = ("independent uniform starts sample the basins of the power map of
                "statistically by the upper bound; the saddles are those found")
 
 
+def check_level(level: Any) -> float:
+    """``level`` as a float in (0, 1); else :class:`InputError` naming it."""
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
+        raise InputError(f"level must be in (0, 1), got {level!r}")
+    return float(level)
+
+
 def census_of(res: EquilibriaResult, level: float = 0.95) -> CensusResult:
     """The census's bounds and verdict from one run of the finder (:func:`census`'s, or ``critical_points``' with
-    its budget: only the power rows from random starts sample the basins)."""
+    its budget: only the power rows from random starts sample the basins): non-saddles at most H = Chao1 upper
+    bound of the attractors + that of the repellers + the degenerate points, "supported" when saddles found > H."""
+    if not isinstance(res, EquilibriaResult):
+        raise InputError(f"census_of takes an EquilibriaResult (cp.result(layer)), got {type(res).__name__}")
+    level = check_level(level)
     att, rep = chao1(_abundance(res, "attractor"), level), chao1(_abundance(res, "repeller"), level)
     saddles, degenerate = res.labels.count("saddle"), res.labels.count("degenerate")
     high = att["ci_high"] + rep["ci_high"] + degenerate
@@ -292,7 +303,7 @@ def census_of(res: EquilibriaResult, level: float = 0.95) -> CensusResult:
     verdict = "no equilibria" if res.n_points == 0 else "supported" if saddles > high else "not decided"
     return CensusResult(provenance=res.provenance, equilibria=res, attractors=att, repellers=rep, saddles=saddles,
                         degenerate=degenerate, non_saddles_high=high, share_low=share, verdict=verdict,
-                        level=float(level), assumptions=ASSUMPTIONS)
+                        level=level, assumptions=ASSUMPTIONS)
 
 
 #: what the claim keeps of each layer's census

@@ -55,8 +55,7 @@ def _saddle_note(r: SuiteResult) -> str:
         return (
             f"{cr.results[0].method} finder, layers {cr.layers}: {t.get('saddle', 0)} saddles, {t.get('attractor', 0)} "
             f"attractors, {t.get('repeller', 0)} repellers of {n_eq} points ({n_conv} of {n_starts} starts "
-            f"converged); the sample: {cr.claim().parts['sample']}"
-        )
+            f"converged); the sample: {cr.claim().parts['sample']}")
     method = cr.results[0].method if cr.results else "the"
     return f"no equilibrium found: {n_conv} of {n_starts} starts of the {method} finder converged on layers {cr.layers}"
 
@@ -84,8 +83,7 @@ PUBLISHED: dict[str, Number] = {
     "deficit_mistral": _AS_ABOVE,
     "deficit_order_gpt2_llama": _none("needs two models: tests/published runs it where both load"),
     "one_step_prediction_improves": Number(
-        key="ffn_contribution_mean", note=lambda r: "(e_A - e_AF) / e_A, mean over layers"
-    ),
+        key="ffn_contribution_mean", note=lambda r: "(e_A - e_AF) / e_A, mean over layers"),
     "ablation_tangential": Number(key="ablation_delta_loss_tangential", **_ALL_LAYERS),
     "ablation_radial": Number(key="ablation_delta_loss_radial", **_ALL_LAYERS),
     "ablation_radial_like_zero": Number(
@@ -93,11 +91,9 @@ PUBLISHED: dict[str, Number] = {
         note=lambda r: f"dCE(zero FFN) = {r.ablation.delta_loss.get('zero', math.nan):.3f}",
     ),
     "parallel_gpt2_large_delta_ce": Number(
-        key="plan_delta_ce", note=lambda r: f"k = {r.plan.k} lowest-C of {r.plan.n_candidates} layers"
-    ),
+        key="plan_delta_ce", note=lambda r: f"k = {r.plan.k} lowest-C of {r.plan.n_candidates} layers"),
     "parallel_gpt2_large_high_defect_degrades": Number(
-        key="plan_high_over_low", note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"
-    ),
+        key="plan_high_over_low", note=lambda r: f"dCE(highest {r.plan.k}) / dCE(lowest {r.plan.k})"),
     "parallel_gpt2_large_speedup": Number(
         key="speedup_estimate",
         note=lambda r: f"k = {r.plan.k}; timed on {r.speedup.device or '?'} (the paper: GPU sub-module times)"),
@@ -110,8 +106,7 @@ PUBLISHED: dict[str, Number] = {
     "diversity_ffn_restores": Number(key="diversity_frac_layers_ffn_diversifies", **_FRACTION),
     "diversity_tangential_preserves": Number(key="diversity_tangential_preserves", note=_cosines_note),
     "eq19_radial_coefficient": _none(
-        "our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"
-    ),
+        "our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"),
     "low_trust_auto_summaries": _none("not compared: low trust"),
 }
 
@@ -126,14 +121,11 @@ PINNED: dict[str, Number] = {
     "ablation.clean_loss": Number(key=lambda r: float(r.ablation.clean_loss), tol="loss"),
     **{
         f"ablation.delta_loss.{v}": Number(key=f"ablation_delta_loss_{v}", cast=float, tol="delta_loss")
-        for v in ("tangential", "radial", "zero", "random_tangent")
-    },
+        for v in ("tangential", "radial", "zero", "random_tangent")},
     **{
         f"ablation.top1_agreement.{v}": Number(
-            key=lambda r, v=v: float(r.ablation.top1_agreement[v]), tol="geometry"
-        )
-        for v in ("tangential", "radial", "zero", "random_tangent")
-    },
+            key=lambda r, v=v: float(r.ablation.top1_agreement[v]), tol="geometry")
+        for v in ("tangential", "radial", "zero", "random_tangent")},
     "diversity.pairwise_cosine": Number(key=lambda r: _t(r.diversity.pairwise_cosine), tol="diversity"),
     "diversity.effective_rank": Number(key=lambda r: _t(r.diversity.effective_rank), tol="diversity"),
     **{

@@ -65,6 +65,10 @@ def test_census_of_a_run_with_token_starts_samples_the_basins_from_its_random_st
     assert alone.attractors["f1"] == alone.attractors["observed"] == 2 and alone.attractors["draws"] == 2
     assert census(p, 12, n_starts=32, seed=0).summary() == census_of(
         find_equilibria(p, 12, n_starts=32, seed=0, options={"landscape_solves": 256})).summary()
+    with pytest.raises(InputError, match="census_of takes an EquilibriaResult"):
+        census_of(out)
+    with pytest.raises(InputError, match="level must be in"):
+        census_of(run, level=1.5)
 
 
 def test_census_does_not_decide_when_saddles_are_few():
