@@ -48,8 +48,7 @@ PUBLIC: dict[str, str] = {
     # the suite and its report
     "run_suite": ".suite.run",
     "SuiteSettings": ".suite.settings",
-    "render_report": ".report",
-}
+    "render_report": ".report"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, PUBLIC, globals())
 __all__ = list(PUBLIC)

@@ -278,8 +278,7 @@ def diversity_stats(
         "spherical_variance": 1.0 - resultant,
         "effective_rank": _erank_from_singular_values(torch.linalg.svdvals(unit)),
         "participation_ratio": _participation_ratio(unit),
-        "rank_collapse": _rank_collapse(unit, valid),
-    }
+        "rank_collapse": _rank_collapse(unit, valid)}
 
 
 def prefix_mean_pairwise_cosine(

@@ -68,8 +68,7 @@ def ffn_component(
     layers: Sequence[int] | int | None = None,
     reference: Literal["ffn_input", "resid_pre"] = "ffn_input",
     skip_positions: Sequence[int] = (),
-    seed: int = 0,
-) -> HookList:
+    seed: int = 0) -> HookList:
     """Replace each chosen layer's FFN write phi = hook_mlp_out by its part ``keep`` (P_u phi, <u, phi> u, zero, a
     seeded random tangent or phi itself), u = normalize(FFN input); ``layers``: default all at once (docs/hooks.md)."""
     ad = adapt(model)
@@ -181,8 +180,7 @@ def parallel_blocks(
     layers: Sequence[int] | int,
     gates: Mapping[int, float] | None = None,
     biases: Mapping[int, Tensor] | None = None,
-    linears: Mapping[int, Tensor] | None = None,
-) -> HookList:
+    linears: Mapping[int, Tensor] | None = None) -> HookList:
     """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly (docs/hooks.md),
     with the corrected write ``g_l Phi(x) + b_l + a W_l`` where ``gates`` / ``biases`` / ``linears`` (``{layer: g}``,
     ``{layer: b}``, ``{layer: W}``) are given (docs/parallel.md, "Refit")."""

@@ -35,8 +35,7 @@ def autodiff_state() -> AutodiffState:
         fwd_level=int(_fwad._current_level),
         fwd_grad=bool(torch._C._is_fwd_grad_enabled()),
         grad=torch.is_grad_enabled(),
-        inplace_requires_grad=bool(_functorch.get_inplace_requires_grad_allowed()),
-    )
+        inplace_requires_grad=bool(_functorch.get_inplace_requires_grad_allowed()))
 
 
 def _exit_forward_levels(above: int) -> bool:

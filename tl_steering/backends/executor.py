@@ -85,8 +85,7 @@ _HT_UNSUPPORTED = (
     ("use_qk_norm", bool),
     ("use_local_attn", bool),
     ("use_normalization_before_and_after", bool),
-    ("num_experts", lambda v: v is not None),
-)
+    ("num_experts", lambda v: v is not None))
 
 
 def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
@@ -126,8 +125,7 @@ def _hooked_fused(model: Any, layer: int) -> tuple[FusedWeights | None, str]:
         bV.detach().reshape(-1), attn.W_O.detach().reshape(nh * dh, d), attn.b_O.detach(),
         mlp.W_gate.detach() if gated else None, None, mlp.W_in.detach(), None if gated else mlp.b_in.detach(),
         mlp.W_out.detach(), mlp.b_out.detach(), nh, nkv, dh, mlp.act_fn, 1.0 / float(attn.attn_scale),
-        attn.W_Q.dtype, b_post=mlp.b_in.detach() if gated else None,
-    )
+        attn.W_Q.dtype, b_post=mlp.b_in.detach() if gated else None)
     return fw, ""
 
 

@@ -17,8 +17,7 @@ _FLAG_DICTS = {
     "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
     "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
     "_backward_hooks": (),
-    "_backward_pre_hooks": (),
-}
+    "_backward_pre_hooks": ()}
 _HOOK_DICTS = tuple(_FLAG_DICTS)
 _SILENCED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
 _OWNED_ATTR = "_tl_steering_owned"

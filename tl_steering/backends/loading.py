@@ -263,8 +263,7 @@ def load_model(
     backend: Literal["bridge", "hooked"] = "bridge",
     processing: Literal["raw", "tl"] = "raw",
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-) -> Any:
+    dtype: torch.dtype | None = None) -> Any:
     """Load ``name`` (``"smollm2-135m"``, ``"gemma-3-270m"`` offline, or a TransformerLens hub name) as a
     TransformerLens model, tagged with the provenance tl_steering's results record; the arguments: docs/loading.md,
     "Arguments"."""

@@ -24,8 +24,7 @@ _LAZY = {
     **{n: ".options" for n in ("DEFAULT_FINDER", "DEFAULT_OPTIONS", "METHODS", "FinderOptions")},
     **{n: ".results" for n in ("CensusResult", "CriticalPointsResult", "EquilibriaResult", "PointClassification",
                                "clopper_pearson", "saddle_verdict")},  # census(): the module tl_steering.critical.census
-    **{n: ".spectrum" for n in ("DENSE_MAX_DIM", "LABELS")},
-}
+    **{n: ".spectrum" for n in ("DENSE_MAX_DIM", "LABELS")}}
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:

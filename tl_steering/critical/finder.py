@@ -96,8 +96,7 @@ def find_equilibria(
     options: FinderOptions | dict[str, Any] | None = None,
     eigensolver: Eigensolver = "auto",
     dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None,
-) -> EquilibriaResult:
+    device: torch.device | str | None = None) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
     The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, docs/critical_points.md "The one way in",
@@ -200,8 +199,7 @@ def _result(fld: _FieldAdapter, u: Tensor, rel: Tensor, iters: Tensor, status: T
         rotational_fraction=torch.tensor([s.rotational_fraction for s in spec], dtype=f64),
         hits=[hits[k] for k in order], start_index=[reps[k] for k in order],
         start_kind=[kinds[reps[k]] for k in order], dim=dim, n_starts=u.shape[0], n_converged=int((status == 0).sum()),
-        method=str(options["method"]), eigensolver=solver, seconds=time.perf_counter() - t0, options=options,
-    )
+        method=str(options["method"]), eigensolver=solver, seconds=time.perf_counter() - t0, options=options)
 
 
 def polish_points(field: Field, points: Float[Tensor, "m d_model"], options: FinderOptions | dict | None = None,
@@ -226,8 +224,7 @@ def classify_point(
     eigensolver: Eigensolver = "auto",
     n_eigs: int = 6,
     dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None,
-) -> PointClassification:
+    device: torch.device | str | None = None) -> PointClassification:
     """Tangent spectrum and label of the field at one point u (normalised here), see docs/critical_points.md.
 
     M = Qᵀ DF(u) Q - λ I_{d-1} with λ = <u, F(u)> and Q an orthonormal basis of u^⊥. The label is meaningful only
@@ -270,8 +267,7 @@ def classify_point(
         point=u.detach().cpu().to(torch.float64), lam=lam, residual=res, eigenvalues=spec.eigenvalues.cpu(),
         label=spec.label, rotational=spec.rotational, index=spec.index,
         spectral_abscissa=spec.spectral_abscissa, near_zero=spec.near_zero, max_im_re=spec.max_im_re,
-        rotational_fraction=spec.rotational_fraction, eigensolver=solver,
-    )
+        rotational_fraction=spec.rotational_fraction, eigensolver=solver)
 
 
 __all__ = ["STATUS", "classify_point", "find_equilibria", "polish_points"]

@@ -223,8 +223,7 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
         "radius_site": ad.hook_name(layer, _SITE[kind]), "token_index": fld.token_index,
         "sequence": fld.sequence, "n_token_starts": int(starts.shape[0]),
         "post_ffn_norm": fld.block.has_post_ffn_norm, "radius_scales": list(scales),
-        "radius_sensitivity": sensitivity,
-    }
+        "radius_sensitivity": sensitivity}
     res.options = {**res.options, **options}
     res.provenance = ad.provenance(tokens, corpus=corpus, seed=seed, **{
         k: v for k, v in res.options.items() if k not in ("seed", *ROW_KEYS)})
@@ -246,8 +245,7 @@ def critical_points(
     radius_scales: Sequence[float] | None = None,
     sequence: int = 0,
     corpus: str | None = None,
-    options: FinderOptions | dict[str, Any] | None = None,
-) -> CriticalPointsResult:
+    options: FinderOptions | dict[str, Any] | None = None) -> CriticalPointsResult:
     """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
 
     One call for one layer (``layers=7``) or many (``layers=[0, 5]``, None = all); one forward pass collects the
@@ -308,8 +306,7 @@ def critical_points(
         n_starts=torch.tensor([r.n_starts for r in results], dtype=i64),
         radius=torch.tensor([r.options["radius"] for r in results], dtype=torch.float64),
         seconds=torch.tensor([r.seconds for r in results], dtype=torch.float64),
-        results=results,
-    )
+        results=results)
 
 
 __all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_census", "critical_field", "critical_points"]

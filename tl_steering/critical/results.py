@@ -163,8 +163,7 @@ class EquilibriaResult(Result):
                 x=ev.real[keep].tolist(), y=ev.imag[keep].tolist(), mode="markers", name=label,
                 marker={"color": _COLORS[label], "size": 6, "opacity": 0.7},
                 text=[f"point {int(p)}, λ={float(v):.4g}" for p, v in zip(pid[keep], lam[keep])],
-                hovertemplate="%{text}<br>Re=%{x:.4g}<br>Im=%{y:.4g}<extra>" + label + "</extra>",
-            ))
+                hovertemplate="%{text}<br>Re=%{x:.4g}<br>Im=%{y:.4g}<extra>" + label + "</extra>"))
         fig.add_vline(x=0.0, line={"color": "black", "width": 1, "dash": "dot"})
         fig.update_layout(
             title=title or f"Tangent spectra of {self.n_points} equilibria (d={self.dim}, {self.eigensolver})",
@@ -193,8 +192,7 @@ SAMPLE_NOTES = {
                     "eigenvectors of every point found reach its neighbours of any index, breadth first within a "
                     "solve budget; which points are reached depends on the flow's seeds and the budget, so the "
                     "fraction describes this sample",
-    "polish": "the given points followed by Levenberg-Marquardt to the field",
-}
+    "polish": "the given points followed by Levenberg-Marquardt to the field"}
 
 
 def sample_note(methods: Any) -> str:
@@ -207,8 +205,7 @@ def sample_note(methods: Any) -> str:
 #: samples the equilibria without a bias tied to their index
 UNDECIDABLE_BY = {
     DEFAULT_FINDER: "the landscape walks out from the flow's points within a solve budget",
-    "polish": "the points were given",
-}
+    "polish": "the points were given"}
 
 
 def saddle_verdict(k: int, n: int, level: float = 0.95) -> dict[str, Any]:

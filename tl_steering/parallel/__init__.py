@@ -15,8 +15,7 @@ _LAZY = {
     **{n: ".plan" for n in ("ParallelPlan", "plan_parallel")},
     **{n: ".refit" for n in ("REFITS", "fit_corrections", "refit")},
     **{n: ".scores" for n in ("ParallelScoresResult", "parallel_scores")},
-    **{n: ".strategies" for n in ("PLANNER", "STRATEGIES", "strategies")},
-}
+    **{n: ".strategies" for n in ("PLANNER", "STRATEGIES", "strategies")}}
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:

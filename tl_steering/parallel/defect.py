@@ -88,8 +88,7 @@ def parallel_defect(
     timing: bool = False,
     batch_size: int = 8,
     timing_repeats: int = 7,
-    world: World | None = None,
-) -> DefectResult:
+    world: World | None = None) -> DefectResult:
     """Per-layer sequential-to-parallel defect scores C_l (every argument in docs/defect.md); planning beyond the
     paper's lowest-C choice is :func:`tl_steering.plan_parallel`."""
     t_start = time.perf_counter()
