@@ -185,9 +185,9 @@ def chao1(abundances: Sequence[int], level: float = 0.95) -> dict[str, float]:
     out = {"observed": float(s_obs), "draws": float(n), "f1": float(f1), "f2": float(f2), "level": level}
     if s_obs == 0:
         return {**out, "estimate": 0.0, "ci_low": 0.0, "ci_high": 0.0}
-    from scipy.stats import norm
+    from scipy.special import ndtri
 
-    z = float(norm.ppf(0.5 + level / 2))
+    z = float(ndtri(0.5 + level / 2))  # the normal quantile (scipy.special imports in a third of scipy.stats's time)
     unseen = f1 * (f1 - 1) / (2.0 * (f2 + 1))
     if unseen > 0:
         var = (unseen + f1 * (2 * f1 - 1) ** 2 / (4.0 * (f2 + 1) ** 2)
@@ -319,13 +319,15 @@ def solve_correction(yp: Tensor | float, pp: Tensor | float, sp: Tensor, sy: Ten
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """Exact (Clopper-Pearson) interval of a binomial proportion k/n; (nan, nan) when n = 0."""
+    """Exact (Clopper-Pearson) interval of a binomial proportion k/n, from the Beta quantiles; (nan, nan) when
+    n = 0."""
     if n <= 0:
         return math.nan, math.nan
-    from scipy.stats import binomtest
+    from scipy.special import betaincinv
 
-    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
-    return float(ci.low), float(ci.high)
+    k, n, tail = int(k), int(n), (1.0 - level) / 2
+    return (0.0 if k == 0 else float(betaincinv(k, n - k + 1, tail)),
+            1.0 if k == n else float(betaincinv(k + 1, n - k, 1.0 - tail)))
 
 
 def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k") -> dict[str, Any]:

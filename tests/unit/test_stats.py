@@ -187,3 +187,16 @@ def test_bootstrap_ci_is_seeded_and_brackets_the_mean():
 
 # ----------------------------------------------------------------------------------------------------------
 # angular deficit
+
+
+def test_clopper_pearson_equals_scipys_exact_binomial_interval():
+    """The Beta quantiles against scipy.stats.binomtest(...).proportion_ci(method="exact"), which solves for the
+    bounds another way: equal to far below the verdict's resolution (the bounds are in [0, 1])."""
+    from scipy.stats import binomtest
+
+    for n in (1, 2, 5, 10, 37, 100, 848):
+        for k in sorted({0, 1, n // 3, n // 2, n - 1, n}):
+            for level in (0.9, 0.95, 0.99):
+                ci = binomtest(k, n).proportion_ci(confidence_level=level, method="exact")
+                low, high = stats.clopper_pearson(k, n, level)
+                assert abs(low - ci.low) <= 1e-10 and abs(high - ci.high) <= 1e-10, (k, n, level)
