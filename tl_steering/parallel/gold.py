@@ -34,6 +34,7 @@ class PlanLoss:
         self.share_prefix = share_prefix
         self.prefix_note = ""
         self._prefix: dict[int, Tensor] | None = None  # layer -> clean residual entering it, every window
+        self.prefix_of: tuple[PlanLoss, slice] | None = None  # (a loss on windows holding these, which rows)
         self._clean_blocks: Tensor | None = None
         self.block = block_length(int(tokens.shape[1]) - 1)
 
@@ -64,6 +65,14 @@ class PlanLoss:
             return True
         if not self.share_prefix or self.prefix_note:
             return False
+        owner, rows = self.prefix_of or (None, slice(None))
+        if owner is not None and owner._prefix_ready():  # these windows' rows of another loss's clean pass
+            self._prefix = {lay: t[rows] for lay, t in owner._prefix.items()}
+            self._clean_blocks = owner._clean_blocks[rows]
+            self._counted.setdefault((), 0)
+            if () not in self.memo:
+                self._store((), self._clean_blocks)
+            return True
         ad, toks = self.ad, self.tokens
         n = int(toks.shape[0])
         size = n * int(toks.shape[1]) * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
@@ -141,9 +150,11 @@ class PlanLoss:
         return self([])
 
     def share_clean(self, other: "PlanLoss") -> None:
-        """Take the clean plan's CE and block sums from ``other`` (the same windows: the same clean forward)."""
+        """Take the clean plan's CE, block sums and shared prefix from ``other`` (the same windows: the same clean
+        forward)."""
         other.clean  # noqa: B018 - measured if it was not yet
         self.memo[()], self.blocks[()] = other.memo[()], other.blocks[()]
+        self.prefix_of = (other, slice(None))
 
     def delta_blocks(self, layers: Sequence[int]) -> Tensor:
         """Per-block sums of ``CE(layers parallel) - CE(clean)``, ``[window, block]`` (measured if needed)."""

@@ -156,8 +156,11 @@ class RefitLoss(PlanLoss):
             if n < 2:
                 raise InputError("a cross-fitted refit needs at least 2 calibration windows (it fits on one half "
                                  "and measures on the other): pass more windows, or crossfit=False")
-            self._folds = [RefitLoss(model, part, batch_size, None, refit, share_prefix, False, carry)
-                           for part in (tokens[:(n + 1) // 2], tokens[(n + 1) // 2:])]
+            halves = (slice(0, (n + 1) // 2), slice((n + 1) // 2, n))
+            self._folds = [RefitLoss(model, tokens[rows], batch_size, None, refit, share_prefix, False, carry)
+                           for rows in halves]
+            for fold, rows in zip(self._folds, halves):  # a fold's clean prefix: its rows of this one's
+                fold.prefix_of = (self, rows)
 
     def _measure(self, key: tuple[int, ...]) -> Tensor:
         if self._folds is not None and any(not self.ad.is_parallel(lay) for lay in key):

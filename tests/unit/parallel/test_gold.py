@@ -80,6 +80,25 @@ def test_refit_losses_share_the_prefix(tiny):
         assert fa(plan) == pytest.approx(fb(plan), abs=1e-6)
 
 
+def test_one_clean_pass_per_set_of_windows(tiny):
+    """A cross-fitted loss's halves take their clean prefix from its rows and a loss given ``share_clean`` takes the
+    other's: no clean pass of their own, the same losses as with passes of their own."""
+    cal = _tokens(4, 16)
+    a = RefitLoss(tiny, cal, batch_size=4, refit="linear")  # cross-fitted: the halves are RefitLosses of their own
+    b = RefitLoss(tiny, cal, batch_size=4, refit="linear", share_prefix=False)
+    plain, plain_ref = PlanLoss(tiny, cal, batch_size=4), PlanLoss(tiny, cal, batch_size=4, share_prefix=False)
+    plain.share_clean(a)
+    for plan in ([1], [0, 1]):
+        assert a(plan) == pytest.approx(b(plan), abs=1e-6)
+        assert plain(plan) == pytest.approx(plain_ref(plan), abs=1e-6)
+    if adapt(tiny).any_parallel:  # NeoX: nothing sequential to fit or run
+        return
+    storage = a._prefix[1].untyped_storage().data_ptr()
+    for fold in [*a._folds, plain]:
+        assert fold._prefix[1].untyped_storage().data_ptr() == storage and fold._counted[()] == 0
+    assert plain.passes == 2  # the two plans; the clean pass was a's
+
+
 def test_run_blocks_and_batch_slices_refuse_bad_input(tiny):
     from tl_steering.errors import InputError, LayerIndexError
     from tl_steering.data.sharding import batch_slices
