@@ -267,7 +267,8 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
 
 def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int) -> dict[str, Any]:
     """Median seconds of ``ad.attention(l)`` on resid_pre and ``ad.ffn(l)`` on the FFN input per layer of
-    ``layers`` on ``tokens`` (one batch, 1 warm-up call), of a hook-free forward, and ``t_other`` (the forward
+    ``layers`` on ``tokens`` (one batch, 1 warm-up call), of a hook-free forward (warmed by the cache pass that
+    gives the inputs), and ``t_other`` (the forward
     minus the sub-modules, clamped at 0; NaN unless every layer is timed)."""
     names = []
     for lay in layers:
@@ -279,7 +280,7 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
         attn, phi = ad.attention(lay), ad.ffn(lay)
         t_attn.append(median_seconds(lambda: attn(x), x.device, 1, repeats))
         t_ffn.append(median_seconds(lambda: phi(y), x.device, 1, repeats))
-    t_forward = median_seconds(lambda: ad.model(tokens, return_type="logits"), ad.device, 1,
+    t_forward = median_seconds(lambda: ad.model(tokens, return_type="logits"), ad.device, 0,  # warm: the cache pass
                                max(3, repeats // 2))
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
     return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),
