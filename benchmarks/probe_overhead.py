@@ -243,7 +243,7 @@ def main() -> None:
              for k in ("wall", "cpu")}
     print(f"{timing['model']} ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
           f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; "
-          f"{'metrics ' + args.metrics if args.metrics else 'all metrics'}, all layers")
+          f"{'metrics ' + args.metrics if args.metrics else 'the default metrics'}, all layers")
     print(f"{'variant':<24}{'wall s':>8}{'x plain':>9}{'cpu s':>8}{'x plain':>9}{'wall min..max':>16}"
           f"{'run peak MiB':>14}{'maxrss MiB':>12}")
     labels = {"plain": "plain forward", "probe": "forward in probe", "cache": "run_with_cache + metrics"}
