@@ -248,8 +248,7 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
         "lowest": [st.one_shot(candidates, score_of, k, lowest=True) for k in ks],
         "highest": [st.one_shot(candidates, score_of, k, lowest=False) for k in ks],
         "contiguous": [st.contiguous(candidates, score_of, k) for k in ks],
-        "random": st.random_sets(candidates, ks, n_random, seed),
-    }
+        "random": st.random_sets(candidates, ks, n_random, seed)}
     # every plan measured once (one pass over the windows each), split over the ranks of a process group
     loss.prefetch([[]] + [[lay] for lay in candidates] + [p for name in ("lowest", "highest", "contiguous")
                                                           for p in sets[name]]

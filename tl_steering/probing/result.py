@@ -23,8 +23,7 @@ QUANTITIES: dict[str, tuple[str, ...]] = {
     "tangential_speed": ("tangential_speed_attn", "tangential_speed_ffn"),
     "diversity": tuple(f"{s}_{w}" for s in ("pairwise_cosine", "resultant_length") for w in SITES3),
     "effective_rank": tuple(f"effective_rank_{w}" for w in SITES3),
-    "participation_ratio": tuple(f"participation_ratio_{w}" for w in SITES3),
-}
+    "participation_ratio": tuple(f"participation_ratio_{w}" for w in SITES3)}
 TOKEN_METRICS = ("resid_norm", "radial_coef", "tangent_alignment", "tangential_speed")
 SEQUENCE_METRICS = ("diversity", "effective_rank", "participation_ratio")
 #: what ``probe(model)`` measures: every metric but the per-sequence spectra (docs/probe.md, "Which metrics by default")

@@ -9,8 +9,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backends import ModelAdapter
-from ..data.batching import iter_batches, mean_loss
+from ..backends import ModelAdapter, check_finite
+from ..data.batching import iter_batches, mean_loss, token_mean
 from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
@@ -145,16 +145,21 @@ def _base(model: Any, base_hooks: Any, plan: list[int]) -> HookList:
 
 
 def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[int], batch_size: int
-                 ) -> dict[int, float]:
+                 ) -> tuple[dict[int, float], float]:
+    """(the gates of ``plan``, the mean CE with ``base``: the fitting forwards are that loss's forwards)."""
     names = [ad.hook_name(layer, site) for layer in plan for site in ("resid_pre", "attn_out")]
     moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
-    for _, _, cache in iter_batches(ad, tokens, names, batch_size, fwd_hooks=base):
+    per_row = torch.zeros(tokens.shape[0], dtype=torch.float64)
+    for rows, logits, cache in iter_batches(ad, tokens, names, batch_size, fwd_hooks=base):
+        lt = next_token_loss(logits, tokens[rows])
+        check_finite(lt, None, "next-token loss")
+        per_row[rows] = lt.sum(-1).cpu()
         for layer in plan:
             x, a = (cache[ad.hook_name(layer, site)] for site in ("resid_pre", "attn_out"))
             phi = ad.ffn(layer)
             with torch.no_grad():
                 moments[layer].add(phi(x + a), phi(x), (0,))  # Y the sequential write, P the parallel one
-    return {layer: m.solve("gate")[0] for layer, m in moments.items()}
+    return {layer: m.solve("gate")[0] for layer, m in moments.items()}, token_mean(per_row, tokens)
 
 
 def _fit_by_loss(model: Any, ad: Any, calib: Tensor, base: HookList, sel: list[int], steps: int, lr: float,
@@ -232,15 +237,18 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Literal["loss", "closed_
         return {f"loss_{name}_{split}": mean_loss(ad, toks, hooks, batch_size)
                 for split, toks in (("calib", calib), ("heldout", held))}
 
-    before = {**losses("clean", []), **losses("base", base)}
-
+    before = losses("clean", [])
     gates = torch.ones(ad.n_layers, dtype=torch.float64)
     history = torch.zeros(0, dtype=torch.float64)
-    if method == "closed_form":
-        for layer, g in _closed_form(ad, calib, base, [lay for lay in plan_l if lay in sel], batch_size).items():
-            gates[layer] = g
-    elif steps > 0:
-        gates[sel], history = _fit_by_loss(model, ad, calib, base, sel, steps, float(lr), batch_size)
+    if method == "closed_form":  # the fit's forwards over calib give the base loss there
+        fit, before["loss_base_calib"] = _closed_form(ad, calib, base, [lay for lay in plan_l if lay in sel],
+                                                      batch_size)
+        gates[list(fit)] = torch.tensor(list(fit.values()), dtype=torch.float64)
+        before["loss_base_heldout"] = mean_loss(ad, held, base, batch_size)
+    else:
+        before.update(losses("base", base))
+        if steps > 0:
+            gates[sel], history = _fit_by_loss(model, ad, calib, base, sel, steps, float(lr), batch_size)
     after = losses("gated", base + ffn_gate(model, gates.tolist()))
 
     scanned = _scan(model, ad, calib, base, sel, scan_grid, batch_size) if scan else {}

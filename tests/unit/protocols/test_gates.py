@@ -53,6 +53,13 @@ def test_closed_form_gate_is_the_formula(tiny, gate_tokens):
     g = float((px * py).sum() / (px * px).sum())
     assert float(r.gates[1]) == pytest.approx(g, rel=1e-10)
     assert 0.0 < g < 2.0
+    # the base loss on the calibration windows comes from the fitting forwards (in batches of 4 here): the same
+    # number as its own pass
+    r4 = calibrate_gates(tiny, gate_tokens, method="closed_form", plan=plan, held_out=0.25, seed=0, batch_size=4)
+    base = parallel_blocks(tiny, plan)
+    assert r4.loss_base_calib == pytest.approx(_mean_loss(ad, calib, base), abs=1e-9)
+    assert r.loss_base_calib == pytest.approx(r4.loss_base_calib, abs=1e-9) and float(r4.gates[1]) == pytest.approx(g)
+    assert r4.loss_base_heldout == pytest.approx(_mean_loss(ad, gate_tokens[perm[:2]], base), abs=1e-9)
 
 
 def test_loss_fit_lowers_calibration_loss(tiny, gate_tokens):
