@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float64, Int
 from torch import Tensor
 
 from ..backends import ModelAdapter, adapt, check_finite
@@ -39,9 +39,8 @@ def mean_loss(model: Any, tokens: Int[Tensor, "batch pos"], hooks: HookList = ()
     mine = my_batches(n, batch_size, world)
     per_row = torch.zeros(n, dtype=torch.float64)
     for rows in mine:  # per window, the next-token CE summed over its predicted positions
-        lt = next_token_loss(ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits"), tokens[rows])
-        check_finite(lt, None, "next-token loss")
-        per_row[rows] = lt.to(torch.float64).sum(-1).cpu()
+        logits = ad.run_with_hooks(tokens[rows], list(hooks), return_type="logits")
+        per_row[rows] = token_losses(logits, tokens[rows]).sum(-1).cpu()
     per_row = gather_rows({"s": per_row}, mine, world)["s"]
     return token_mean(per_row, tokens)
 
@@ -51,13 +50,18 @@ def token_mean(per_row: Tensor, tokens: Int[Tensor, "batch pos"]) -> float:
     return float(per_row.sum()) / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
+def token_losses(logits: Tensor, tokens: Int[Tensor, "batch pos"]) -> Float64[Tensor, "batch pos_minus_1"]:
+    """:func:`tl_steering.metrics.next_token_loss` (float64, on the logits' device); NonFiniteError on NaN/Inf."""
+    lt = next_token_loss(logits, tokens)
+    check_finite(lt, None, "next-token loss")
+    return lt.to(torch.float64)
+
+
 def loss_block_sums(logits: Tensor, tokens: Int[Tensor, "batch pos"], length: int) -> Tensor:
     """Per window, the next-token CE summed over blocks of ``length`` predicted positions
     (:func:`tl_steering.stats.block_sums`): float64 ``[batch, n_blocks]`` on the CPU, the unit of the plan losses'
     bootstrap (:func:`tl_steering.stats.cluster_bootstrap_ci`); NonFiniteError on NaN/Inf."""
-    lt = next_token_loss(logits, tokens)
-    check_finite(lt, None, "next-token loss")
-    return block_sums(lt.to(torch.float64).cpu(), length)
+    return block_sums(token_losses(logits, tokens).cpu(), length)
 
 
-__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss", "token_mean"]
+__all__ = ["HookList", "iter_batches", "loss_block_sums", "mean_loss", "token_losses", "token_mean"]

@@ -9,8 +9,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backends import ModelAdapter, check_finite
-from ..data.batching import iter_batches, mean_loss, token_mean
+from ..backends import ModelAdapter
+from ..data.batching import iter_batches, mean_loss, token_losses, token_mean
 from ..data.windows import model_tokens
 from ..errors import InputError
 from ..hooks import HookList, ffn_gate, parallel_blocks
@@ -151,9 +151,7 @@ def _closed_form(ad: ModelAdapter, tokens: Tensor, base: HookList, plan: list[in
     moments = {layer: Moments(ad.d_model, ad.device) for layer in plan}
     per_row = torch.zeros(tokens.shape[0], dtype=torch.float64)
     for rows, logits, cache in iter_batches(ad, tokens, names, batch_size, fwd_hooks=base):
-        lt = next_token_loss(logits, tokens[rows])
-        check_finite(lt, None, "next-token loss")
-        per_row[rows] = lt.sum(-1).cpu()
+        per_row[rows] = token_losses(logits, tokens[rows]).sum(-1).cpu()
         for layer in plan:
             x, a = (cache[ad.hook_name(layer, site)] for site in ("resid_pre", "attn_out"))
             phi = ad.ffn(layer)
