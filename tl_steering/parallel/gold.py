@@ -67,12 +67,7 @@ class PlanLoss:
             return False
         owner, rows = self.prefix_of or (None, slice(None))
         if owner is not None and owner._prefix_ready():  # these windows' rows of another loss's clean pass
-            self._prefix = {lay: t[rows] for lay, t in owner._prefix.items()}
-            self._clean_blocks = owner._clean_blocks[rows]
-            self._counted.setdefault((), 0)
-            if () not in self.memo:
-                self._store((), self._clean_blocks)
-            return True
+            return self._keep({lay: t[rows] for lay, t in owner._prefix.items()}, owner._clean_blocks[rows], 0)
         ad, toks = self.ad, self.tokens
         n = int(toks.shape[0])
         size = n * int(toks.shape[1]) * ad.d_model * ad.n_layers * torch.empty((), dtype=ad.dtype).element_size()
@@ -102,10 +97,14 @@ class PlanLoss:
                                                   device=cache[name].device)
                     prefix[lay][rows] = cache[name]
                 del cache, logits
-        self._prefix, self._clean_blocks = prefix, torch.cat(per_row)
+        return self._keep(prefix, torch.cat(per_row), 1)
+
+    def _keep(self, prefix: dict[int, Tensor], blocks: Tensor, passes: int) -> bool:
+        """Keep the clean prefix and block sums, the clean plan's CE unless known, and the ``passes`` they cost."""
+        self._prefix, self._clean_blocks = prefix, blocks
+        self._counted.setdefault((), passes)
         if () not in self.memo:
-            self._store((), self._clean_blocks)
-        self._counted.setdefault((), 1)
+            self._store((), blocks)
         return True
 
     def _suffix_blocks(self, plan: list[int], write: Write | None) -> Tensor:
