@@ -105,11 +105,12 @@ class FusedWeights(torch.nn.Module):
             self.b_ffn = None if bias64 is None else bias64.to(dt)
             self.w_lin = None if lin64 is None else lin64.to(dt)
             return
-        w = self.w_out.double()
-        w[nq:] *= gate
+        w = self.w_out  # only the rows that change go through float64 (w * 1.0 and the cast back are exact)
+        if gate != 1.0:
+            w[nq:] = (w[nq:].double() * gate).to(dt)
         if lin64 is not None:
-            w[:nq] = w[:nq] + w[:nq] @ lin64
-        self.w_out = w.to(dt).contiguous()
+            top = w[:nq].double()
+            w[:nq] = (top + top @ lin64).to(dt)
         b_o, b_down = self.branch_biases
         b = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
         if b_o is not None:
@@ -203,32 +204,36 @@ class FusedWeights(torch.nn.Module):
         return out.view(b, s, d)
 
 
-def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """(x_hat * g + bias) @ w + b  ==  x_hat @ w' + b'  (float64)."""
-    w = w.double()
-    w2 = w if g is None else g.double()[:, None] * w
-    b2 = None if b is None else b.double()
-    if bias is not None:
-        b2 = bias.double() @ w if b2 is None else b2 + bias.double() @ w
-    return w2, b2
+def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor | None:
+    """(x_hat * g + bias) @ w + b  ==  x_hat @ w' + b': w' = g w written into ``out`` (its dtype), b' returned in
+    float64. g w is rounded once into ``out``: straight from float64, or in ``out``'s dtype when g and w have it
+    already (a product of two such numbers is exact in float64, so that rounding is the same)."""
+    if g is not None and g.dtype == w.dtype == out.dtype:
+        torch.mul(g[:, None], w, out=out)
+    else:
+        out.copy_(w if g is None else g.double()[:, None] * w.double())
+    b2 = None if bias is None else bias.double() @ w.double()
+    return b2 if b is None else b.double() + (0 if b2 is None else b2)
 
 
 def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv, wo, bo, w_gate, b_gate, w_up,
            b_up, w_down, b_down, n_heads, n_kv, d_head, act, scale, dtype, b_post=None) -> FusedWeights:
-    """Fold norms (g, bias) into the input projections; all w as [in, out]."""
+    """Fold norms (g, bias) into the input projections; all w as [in, out]; each weight rounded once to ``dtype``
+    (:func:`_fold`)."""
     specs = [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
         ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]
-    cols, biases = zip(*(_fold(g, bias, w, b) for (g, bias), w, b in specs))
-    w_in = torch.cat(cols, dim=1)
+    w_in = torch.empty(wq.shape[0], sum(w.shape[1] for _, w, _ in specs), dtype=dtype, device=wq.device)
+    ends = torch.tensor([w.shape[1] for _, w, _ in specs]).cumsum(0).tolist()
+    biases = [_fold(g, bias, w, b, w_in[:, e - w.shape[1]:e]) for ((g, bias), w, b), e in zip(specs, ends)]
     b_in = None if all(b is None for b in biases) else torch.cat(
-        [torch.zeros(c.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
-         for b, c in zip(biases, cols)])
-    w_out = torch.cat([wo.double(), w_down.double()], dim=0)
+        [torch.zeros(w.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
+         for b, (_, w, _) in zip(biases, specs)])
+    w_out = torch.cat([wo.detach().to(dtype), w_down.detach().to(dtype)], dim=0)  # float -> dtype: one rounding
     b_out = None
     if bo is not None or b_down is not None:
         b_out = (0 if bo is None else bo.double()) + (0 if b_down is None else b_down.double())
     cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
-    fw = FusedWeights(norm=norm, eps=eps, w_in=cast(w_in), b_in=cast(b_in), w_out=cast(w_out),
+    fw = FusedWeights(norm=norm, eps=eps, w_in=w_in, b_in=cast(b_in), w_out=w_out,
                         b_out=cast(b_out), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head,
                         d_mlp=w_down.shape[0], gated=w_gate is not None, act=act, scale=scale,
                         b_post=cast(b_post))
