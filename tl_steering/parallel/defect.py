@@ -88,7 +88,8 @@ def parallel_defect(
     timing: bool = False,
     batch_size: int = 8,
     timing_repeats: int = 7,
-    world: World | None = None) -> DefectResult:
+    world: World | None = None,
+    timing_windows: int = 2) -> DefectResult:
     """Per-layer sequential-to-parallel defect scores C_l (every argument in docs/defect.md); planning beyond the
     paper's lowest-C choice is :func:`tl_steering.plan_parallel`."""
     t_start = time.perf_counter()
@@ -100,6 +101,7 @@ def parallel_defect(
     seed = as_int(seed, "seed")
     n_random = as_int(n_random, "n_random", minimum=0)
     timing_repeats = as_int(timing_repeats, "timing_repeats", minimum=1)
+    timing_windows = as_int(timing_windows, "timing_windows", minimum=1)
     parallel = [ad.is_parallel(lay) for lay in sel]
     ks = _k_values(k_values, parallel.count(False))  # k counts the sequential (candidate) layers
     keep = position_mask(tokens.shape[1], exclude, device=tokens.device)
@@ -109,11 +111,13 @@ def parallel_defect(
     nan = torch.full((len(sel),), math.nan, dtype=torch.float64)
     tm = {"t_attn": nan, "t_ffn": nan.clone(), "t_forward": math.nan, "t_other": math.nan, "timing_shape": []}
     if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
-        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:batch_size], sel, timing_repeats), world)
+        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:min(timing_windows, batch_size)], sel,
+                                                         timing_repeats), world)
     gold = _gold(model, tokens, sel, parallel, scores, ks, n_random, seed, batch_size, world) if evaluate else {}
     options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
                "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
-               "batch_size": batch_size, "timing_repeats": timing_repeats}
+               "batch_size": batch_size, "timing_repeats": timing_repeats,
+               "timing_windows": timing_windows}
     peers = {k: (v.sum(0) / n_tokens) if n_tokens else nan.clone() for k, v in peer_sums.items()}
     return DefectResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, **options), layers=sel,

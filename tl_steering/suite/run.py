@@ -89,7 +89,8 @@ def stage_defect(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     s = c.s
     defect = parallel_defect(c.model, c.tokens, evaluate=s.defect_evaluate, k_values=s.defect_k_values,
                              n_random=s.defect_n_random, brackets=s.defect_brackets, timing=s.defect_timing,
-                             timing_repeats=s.timing_repeats, **c.common())
+                             timing_repeats=s.timing_repeats, timing_windows=s.parallel_timing_windows,
+                             **c.common())
     res.defect = defect
     tick("scores")
     if s.defect_gold_layers is not None:

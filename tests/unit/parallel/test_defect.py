@@ -280,11 +280,13 @@ def test_random_draws_are_seeded(tiny, tiny_tokens, result):
 # timing and the speedup estimate
 
 
-def test_timing_and_speedup(tiny, result):
+def test_timing_and_speedup(tiny, tiny_tokens, result):
     cand = result.candidates
     assert bool((result.t_attn > 0).all()) and bool((result.t_ffn > 0).all())
     assert result.t_forward > 0 and result.t_other >= 0
-    assert result.timing_shape == [3, 16] and result.timing_device == "cpu"
+    assert result.timing_shape == [2, 16] and result.timing_device == "cpu"  # timing_windows=2 of the 3 windows
+    one = parallel_defect(tiny, tiny_tokens, timing=True, timing_repeats=1, timing_windows=3, batch_size=1)
+    assert one.timing_shape == [1, 16] and one.options["timing_windows"] == 3  # at most one forward's batch
     est = result.speedup_estimate(result.plan(len(cand) // 2))
     assert est["label"] == SPEEDUP_LABEL
     assert est["speedup"] >= 1.0 and est["speedup_with_other"] >= 1.0
