@@ -208,7 +208,8 @@ LINEAR_RIDGE = 1.0
 class Moments:
     """Float64 least-squares moments of the closed-form correction of one layer's write (docs/parallel.md,
     "Refit"; docs/gates.md): Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
-    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a."""
+    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a, or while n <= d / 2 the
+    rows (a, Y, P) themselves (:meth:`solve_linear` then solves in the n-dimensional token space)."""
 
     def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
         z = {"dtype": torch.float64, "device": device}
@@ -221,6 +222,8 @@ class Moments:
         if linear:
             self.aa, self.ay, self.ap = (torch.zeros(d_model, d_model, **z) for _ in range(3))
             self.sa = torch.zeros(d_model, **z)
+        # the (a, Y, P) rows themselves while n <= d / 2: solve_linear then works in the n x n row space
+        self._rows: list[tuple[Tensor, Tensor, Tensor]] | None = [] if linear else None
 
     def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,), a: Tensor | None = None) -> None:
         """Add the tokens of ``y`` (sequential write), ``p`` (parallel write) and, for a ``linear`` fit, ``a``
@@ -237,10 +240,17 @@ class Moments:
             if a is None:
                 raise InputError("a linear fit needs the attention write a (Moments.add(..., a=attn_out))")
             a64 = a.detach()[:, mask].to(torch.float64).reshape(-1, a.shape[-1])
-            self.aa += a64.T @ a64
-            self.ay += a64.T @ y64
-            self.ap += a64.T @ p64
             self.sa += a64.sum(0)
+            batch = [(a64, y64, p64)]
+            if self._rows is not None:
+                self._rows += batch
+                if 2 * self.n <= self.sp.shape[0]:
+                    return
+                batch, self._rows = self._rows, None  # too many rows: the [d, d] moments from here on
+            for a_, y_, p_ in batch:
+                self.aa += a_.T @ a_
+                self.ay += a_.T @ y_
+                self.ap += a_.T @ p_
 
     def solve(self, refit: str) -> tuple[float, Tensor]:
         """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
@@ -261,14 +271,21 @@ class Moments:
             return 1.0, torch.zeros_like(self.sp), w
         n = self.n
         sr = self.sy - g * self.sp  # Σ R
-        c_aa = self.aa - torch.outer(self.sa, self.sa) / n
-        c_ar = (self.ay - g * self.ap) - torch.outer(self.sa, sr) / n
-        tr = float(torch.trace(c_aa))
+        if self._rows:  # C_aa = A_cᵀ A_c, C_aR = A_cᵀ R_c of the centred rows: W = A_cᵀ (A_c A_cᵀ + λI)⁻¹ R_c
+            a, y, p = (torch.cat(t) for t in zip(*self._rows))
+            a, r = a - self.sa / n, y - g * p - sr / n
+            c_aa, c_ar, tr = a @ a.T, r, float((a * a).sum())  # [n, n]: the same nonzero spectrum as C_aa
+        else:
+            c_aa = self.aa - torch.outer(self.sa, self.sa) / n
+            c_ar = (self.ay - g * self.ap) - torch.outer(self.sa, sr) / n
+            tr = float(torch.trace(c_aa))
         if tr > 0 and math.isfinite(tr):
             lam = ridge * tr / d
-            if max_df is not None:
+            if max_df is not None:  # ridge_df counts zero eigenvalues as 0: either spectrum gives it
                 lam = ridge_for_df(torch.linalg.eigvalsh(c_aa), max_df, lam)
-            w = torch.linalg.solve(c_aa + lam * torch.eye(d, dtype=torch.float64, device=c_aa.device), c_ar)
+            k = c_aa.shape[0]
+            w = torch.linalg.solve(c_aa + lam * torch.eye(k, dtype=torch.float64, device=c_aa.device), c_ar)
+            w = a.T @ w if self._rows else w
         return g, (sr - self.sa @ w) / n, w
 
 

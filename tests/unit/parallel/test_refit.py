@@ -22,7 +22,7 @@ from tl_steering.data.batching import mean_loss
 from tl_steering.errors import InputError
 from tl_steering.hooks import ffn_gate, parallel_blocks
 from tl_steering.parallel.refit import RefitLoss, fit_corrections
-from tl_steering.stats import LINEAR_RIDGE, Moments, solve_correction
+from tl_steering.stats import LINEAR_RIDGE, Moments, ridge_df, solve_correction
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -324,6 +324,36 @@ def test_linear_moments_equal_the_ridge_regression():
         Moments(d, linear=True).add(y, p, (0,))
     with pytest.raises(InputError, match="linear=True"):
         Moments(d).solve_linear()
+
+
+def test_linear_moments_in_the_row_space():
+    """While n <= d / 2 the rows are kept and W = A_c^T (A_c A_c^T + lam I)^-1 R_c, an [n, n] system: the same ridge
+    regression as the [d, d] one (batch by batch, with and without the max_df cap), and past d / 2 tokens the
+    moments take over with the same answer."""
+    gen = torch.Generator().manual_seed(5)
+    d = 40
+    a, p = (torch.randn(3, 8, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    y = 0.6 * p + a @ torch.randn(d, d, generator=gen, dtype=torch.float64) / d ** 0.5 + 0.1
+    for n_batch, rows in ((2, True), (3, False)):  # 14 tokens (row space), 21 tokens (past d / 2: the moments)
+        m = Moments(d, linear=True)
+        for i in range(n_batch):
+            m.add(y[i:i + 1], p[i:i + 1], (0,), a[i:i + 1])
+        assert (m._rows is not None) == rows
+        flat = [t[:n_batch, 1:].reshape(-1, d) for t in (y, p, a)]
+        for ridge in (LINEAR_RIDGE, 1e-3):
+            for got, want in zip(m.solve_linear(ridge), _ridge_reference(*flat, ridge)):
+                _close(got, want, 1.0)
+        cap = 4.0  # binds: the default ridge has more degrees of freedom than 4
+        _, _, w = m.solve_linear(max_df=cap)
+        ac, rc = flat[2] - flat[2].mean(0), flat[0] - flat[0].mean(0)
+        g = m.solve_linear()[0]
+        rc = rc - g * (flat[1] - flat[1].mean(0))
+        eig, lo, hi = torch.linalg.eigvalsh(ac.T @ ac), 1e-12, 1e12
+        for _ in range(200):  # the ridge at which the df is the cap, by bisection in log lambda
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if ridge_df(eig, mid) > cap else (lo, mid)
+        want = torch.linalg.solve(ac.T @ ac + hi * torch.eye(d, dtype=torch.float64), ac.T @ rc)
+        torch.testing.assert_close(w, want, rtol=1e-7, atol=1e-10)
 
 
 def test_linear_refit_surrogate_and_bad_input(tiny, tiny_tokens):
