@@ -59,15 +59,17 @@ def check_report_args(args: argparse.Namespace) -> None:
         # a hub name offline: say so now (before torch is imported), not after TransformerLens has retried the hub
         # for half a minute
         check_hub(args.model)
-    from .suite.settings import check_windows_length
-    from .validation import as_device, as_int
+    from ._util.checks import as_int, check_windows_length  # no torch: the launcher of the ranks runs these
 
     check_text_source(args.text)
     check_windows_length(args.windows, args.length)
     as_int(args.seed, "--seed", minimum=0)
     if getattr(args, "batch_size", None) is not None:
         as_int(args.batch_size, "--batch-size", minimum=1)
-    as_device(args.device, "--device")
+    if args.device not in (None, "cpu"):  # the CPU always exists
+        from .validation import as_device
+
+        as_device(args.device, "--device")
     if getattr(args, "nprocs", "auto") != "auto" and not (str(args.nprocs).isdigit() and int(args.nprocs) >= 1):
         raise InputError(f"--nprocs must be auto or a positive integer, got {args.nprocs!r}")
     check_out_dir(args.out)

@@ -7,33 +7,9 @@ from typing import Any
 
 import torch
 
+from ._util.checks import _is_int, as_int, check_windows_length  # noqa: F401 - re-exported (torch-free)
 from .errors import (ArgumentTypeError, DeviceMismatchError, DeviceUnavailableError, InputError, LayerIndexError,
                      NonFiniteError)
-
-
-def _is_int(v: Any) -> bool:
-    """A real integer: Python int, numpy/torch integer scalar; not bool, not float (1.0 is not a layer)."""
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
-    if type(v).__name__ in ("bool_", "bool"):  # numpy.bool_
-        return False
-    return isinstance(v, numbers.Integral)
-
-
-def as_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
-           where: str = "") -> int:
-    """``value`` as an int (rejecting bool, float, str, None), optionally within ``[minimum, maximum]``."""
-    name += f" in {where}" if where else ""
-    if not _is_int(value):
-        raise ArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    v = int(value)
-    if minimum is not None and v < minimum:
-        raise InputError(f"{name} must be >= {minimum}, got {v}")
-    if maximum is not None and v > maximum:
-        raise InputError(f"{name} must be <= {maximum}, got {v}")
-    return v
 
 
 def as_float(value: Any, name: str) -> float:

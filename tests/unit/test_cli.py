@@ -87,6 +87,18 @@ def test_a_failed_rank_stops_the_others(monkeypatch):
     assert time.monotonic() - t0 < 60
 
 
+def test_the_rank_launcher_imports_no_torch(tmp_path):
+    """``report`` on local ranks: the parent process checks the arguments and decides the ranks without importing
+    torch (each rank imports it; the parent's import was 1.6 s of serial start-up)."""
+    code = ("import sys\nfrom tl_steering.cli import build_parser, check_report_args, local_ranks\n"
+            "args = build_parser().parse_args(['report', '--quick', '--out', sys.argv[1]])\n"
+            "check_report_args(args)\nlocal_ranks(args)\nprint('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False"]
+
+
 # Run as ``python -m tl_steering``, then report which heavy libraries the failed call imported.
 _CHILD = (
     "import runpy, sys\n"

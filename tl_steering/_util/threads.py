@@ -5,8 +5,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 _BLAS: Any = None  # threadpoolctl's handle on the BLAS libraries loaded in this process (numpy's)
 
 
@@ -23,6 +21,8 @@ def _blas() -> Any:
 def single_threaded() -> Iterator[None]:
     """Run torch and numpy's BLAS (threadpoolctl) on one thread for the duration, restoring both (why: docs/probe.md,
     "Cost"); process-wide: run no other torch or numpy work in parallel threads inside this block."""
+    import torch  # here: usable_cores serves the CLI's launcher, which imports no torch
+
     before = torch.get_num_threads()
     blas = _blas()
     with contextlib.ExitStack() as stack:  # undone in reverse order, also on an exception

@@ -2,18 +2,21 @@
 :func:`text_chunks`): Python's own ``pydoc_data`` (the language reference, about 100k tokens, on every install, no
 network), a local text file or directory, JSONL, or a Hugging Face dataset (optional extra)."""
 
+from __future__ import annotations  # torch is imported where tokens are made: the CLI's checks of a source need none
+
 import dataclasses
 import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
-from jaxtyping import Int
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+    from jaxtyping import Int
+    from torch import Tensor
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,6 +174,8 @@ def text_tokens(model: Any, source: str = "pydoc", n_windows: int = 8, length: i
     for ``model``: non-overlapping chunks of the token stream of ``source`` (``"pydoc"``, offline, or any source of
     :func:`parse_source`; ``hf:`` reads the first 2000 records) chosen by a permutation seeded with ``seed``. A
     window is ``[BOS] + length - 1`` text tokens where the model prepends BOS (GPT-2, Gemma), else ``length``."""
+    import torch
+
     from ..backends import adapt
 
     ad = adapt(model)
@@ -224,7 +229,7 @@ class TokenWindows:
             start, stop, step = rows.indices(len(self))
             where = f"{start}:{stop}" + (f":{step}" if step != 1 else "")
         else:
-            where = str(rows.tolist() if isinstance(rows, Tensor) else rows)
+            where = str(rows.tolist() if hasattr(rows, "tolist") else rows)  # a tensor or array of rows
         return TokenWindows(sub, f"{self.corpus}[{where}]")
 
     def split(self, size: int) -> list["TokenWindows"]:

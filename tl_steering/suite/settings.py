@@ -10,7 +10,7 @@ from ..errors import InputError
 from ..parallel.strategies import FISHER_SAMPLES, PLANNER
 from ..critical.options import DEFAULT_FINDER, METHODS
 from ..results import register
-from ..validation import as_int
+from .._util.checks import as_int, check_windows_length
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run (what each reads: docs/suite.md, "Stages")
 STAGES: tuple[str, ...] = (
@@ -117,14 +117,6 @@ class SuiteSettings:
         for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
                      "critical_n_starts", "n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples"):
             as_int(getattr(self, name), f"SuiteSettings.{name}", minimum=0 if name in _MAY_BE_ZERO else 1)
-
-
-def check_windows_length(windows: int | None, length: int | None) -> None:
-    """The report's limits on ``--windows`` / ``--length`` (None: the default); raises :class:`InputError`."""
-    if windows is not None:
-        as_int(windows, "--windows (one window is held out for the gates)", minimum=2)
-    if length is not None:
-        as_int(length, "--length", minimum=16)
 
 
 def default_settings(
