@@ -208,8 +208,8 @@ LINEAR_RIDGE = 1.0
 class Moments:
     """Float64 least-squares moments of the closed-form correction of one layer's write (docs/parallel.md,
     "Refit"; docs/gates.md): Σ<Y, P>, Σ||P||², ΣP, ΣY and the token count n; with
-    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a, or while n <= d / 2 the
-    rows (a, Y, P) themselves (:meth:`solve_linear` then solves in the n-dimensional token space)."""
+    ``linear``, also Σ a^T a, Σ a^T Y, Σ a^T P (``[d, d]``) and Σa of the attention write a, or while
+    n <= d / 2 the rows (a, Y, P) themselves (:meth:`solve_linear` then solves in the n-dim token space)."""
 
     def __init__(self, d_model: int, device: Any = "cpu", linear: bool = False):
         z = {"dtype": torch.float64, "device": device}
@@ -222,8 +222,7 @@ class Moments:
         if linear:
             self.aa, self.ay, self.ap = (torch.zeros(d_model, d_model, **z) for _ in range(3))
             self.sa = torch.zeros(d_model, **z)
-        # the (a, Y, P) rows themselves while n <= d / 2: solve_linear then works in the n x n row space
-        self._rows: list[tuple[Tensor, Tensor, Tensor]] | None = [] if linear else None
+        self._rows: list[tuple[Tensor, Tensor, Tensor]] | None = [] if linear else None  # while n <= d / 2
 
     def add(self, y: Tensor, p: Tensor, exclude_positions: Sequence[int] = (0,), a: Tensor | None = None) -> None:
         """Add the tokens of ``y`` (sequential write), ``p`` (parallel write) and, for a ``linear`` fit, ``a``
@@ -241,16 +240,15 @@ class Moments:
                 raise InputError("a linear fit needs the attention write a (Moments.add(..., a=attn_out))")
             a64 = a.detach()[:, mask].to(torch.float64).reshape(-1, a.shape[-1])
             self.sa += a64.sum(0)
-            batch = [(a64, y64, p64)]
             if self._rows is not None:
-                self._rows += batch
+                self._rows.append((a64, y64, p64))
                 if 2 * self.n <= self.sp.shape[0]:
                     return
-                batch, self._rows = self._rows, None  # too many rows: the [d, d] moments from here on
-            for a_, y_, p_ in batch:
+            for a_, y_, p_ in self._rows or [(a64, y64, p64)]:  # past d / 2 rows: the [d, d] moments
                 self.aa += a_.T @ a_
                 self.ay += a_.T @ y_
                 self.ap += a_.T @ p_
+            self._rows = None
 
     def solve(self, refit: str) -> tuple[float, Tensor]:
         """The fitted ``(g, b)`` (``b`` float64 ``[d_model]``, zero unless ``refit`` is ``"affine"`` or
@@ -283,8 +281,8 @@ class Moments:
             lam = ridge * tr / d
             if max_df is not None:  # ridge_df counts zero eigenvalues as 0: either spectrum gives it
                 lam = ridge_for_df(torch.linalg.eigvalsh(c_aa), max_df, lam)
-            k = c_aa.shape[0]
-            w = torch.linalg.solve(c_aa + lam * torch.eye(k, dtype=torch.float64, device=c_aa.device), c_ar)
+            eye = torch.eye(len(c_aa), dtype=c_aa.dtype, device=c_aa.device)
+            w = torch.linalg.solve(c_aa + lam * eye, c_ar)
             w = a.T @ w if self._rows else w
         return g, (sr - self.sa @ w) / n, w
 

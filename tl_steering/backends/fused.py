@@ -205,9 +205,9 @@ class FusedWeights(torch.nn.Module):
 
 
 def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor | None:
-    """(x_hat * g + bias) @ w + b  ==  x_hat @ w' + b': w' = g w written into ``out`` (its dtype), b' returned in
-    float64. g w is rounded once into ``out``: straight from float64, or in ``out``'s dtype when g and w have it
-    already (a product of two such numbers is exact in float64, so that rounding is the same)."""
+    """(x_hat * g + bias) @ w + b  ==  x_hat @ w' + b': w' = g w written into ``out`` (its dtype), b' returned
+    in float64. g w is rounded once into ``out``: from float64, or in ``out``'s dtype when g and w have that
+    dtype already (a product of two such numbers is exact in float64, so the rounding is the same)."""
     if g is not None and g.dtype == w.dtype == out.dtype:
         torch.mul(g[:, None], w, out=out)
     else:
@@ -218,8 +218,8 @@ def _fold(g: Tensor | None, bias: Tensor | None, w: Tensor, b: Tensor | None, ou
 
 def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv, wo, bo, w_gate, b_gate, w_up,
            b_up, w_down, b_down, n_heads, n_kv, d_head, act, scale, dtype, b_post=None) -> FusedWeights:
-    """Fold norms (g, bias) into the input projections; all w as [in, out]; each weight rounded once to ``dtype``
-    (:func:`_fold`)."""
+    """Fold norms (g, bias) into the input projections; all w as [in, out]; each weight rounded once to
+    ``dtype`` (:func:`_fold`)."""
     specs = [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
         ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]
     w_in = torch.empty(wq.shape[0], sum(w.shape[1] for _, w, _ in specs), dtype=dtype, device=wq.device)
@@ -228,7 +228,7 @@ def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv
     b_in = None if all(b is None for b in biases) else torch.cat(
         [torch.zeros(w.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
          for b, (_, w, _) in zip(biases, specs)])
-    w_out = torch.cat([wo.detach().to(dtype), w_down.detach().to(dtype)], dim=0)  # float -> dtype: one rounding
+    w_out = torch.cat([wo.detach().to(dtype), w_down.detach().to(dtype)])  # float -> dtype: one rounding
     b_out = None
     if bo is not None or b_down is not None:
         b_out = (0 if bo is None else bo.double()) + (0 if b_down is None else b_down.double())

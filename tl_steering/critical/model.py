@@ -232,20 +232,12 @@ def _run(ad: ModelAdapter, tokens: Tensor, layer: int, kind: str, radius: Any, a
 
 
 @exclusive
-def critical_points(
-    model: Any,
-    layers: Sequence[int] | int | None = None,
-    field: FieldKind = "ffn",
-    radius: str | float = "median",
-    n_starts: int = DEFAULT_N_STARTS,
-    tokens: Int[Tensor, "batch pos"] | None = None,
-    token_index: int | None = None,
-    seed: int = 0,
-    eigensolver: str = "auto",
-    radius_scales: Sequence[float] | None = None,
-    sequence: int = 0,
-    corpus: str | None = None,
-    options: FinderOptions | dict[str, Any] | None = None) -> CriticalPointsResult:
+def critical_points(model: Any, layers: Sequence[int] | int | None = None, field: FieldKind = "ffn",
+                    radius: str | float = "median", n_starts: int = DEFAULT_N_STARTS,
+                    tokens: Int[Tensor, "batch pos"] | None = None, token_index: int | None = None,
+                    seed: int = 0, eigensolver: str = "auto", radius_scales: Sequence[float] | None = None,
+                    sequence: int = 0, corpus: str | None = None,
+                    options: FinderOptions | dict[str, Any] | None = None) -> CriticalPointsResult:
     """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
 
     One call for one layer (``layers=7``) or many (``layers=[0, 5]``, None = all); one forward pass collects the

@@ -74,22 +74,12 @@ def _peer_terms(x: Tensor, post: Tensor, phi_x: Tensor, phi_in: Tensor, keep: Te
 
 
 @exclusive
-def parallel_defect(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    brackets: bool = False,
-    evaluate: bool = False,
-    k_values: Sequence[int] | None = None,
-    n_random: int = 5,
-    seed: int = 0,
-    corpus: str | None = None,
-    timing: bool = False,
-    batch_size: int = 8,
-    timing_repeats: int = 7,
-    world: World | None = None,
-    timing_windows: int = 2) -> DefectResult:
+def parallel_defect(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | int | None = None,
+                    exclude_positions: Sequence[int] = (0,), brackets: bool = False, evaluate: bool = False,
+                    k_values: Sequence[int] | None = None, n_random: int = 5, seed: int = 0,
+                    corpus: str | None = None, timing: bool = False, batch_size: int = 8,
+                    timing_repeats: int = 7, world: World | None = None,
+                    timing_windows: int = 2) -> DefectResult:
     """Per-layer sequential-to-parallel defect scores C_l (every argument in docs/defect.md); planning beyond the
     paper's lowest-C choice is :func:`tl_steering.plan_parallel`."""
     t_start = time.perf_counter()

@@ -32,20 +32,11 @@ N_BOOTSTRAP = 1000
 
 
 @exclusive
-def plan_parallel(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    k: int,
-    strategy: str | Sequence[str] = "best",
-    held_out: Int[Tensor, "batch2 pos2"] | None = None,
-    layers: Sequence[int] | None = None,
-    k_values: Sequence[int] | None = None,
-    refit: str = PLANNER.refit,
-    fisher_samples: int = FISHER_SAMPLES,
-    seed: int = 0,
-    batch_size: int = 8,
-    world: Any = None,
-) -> ParallelPlan:
+def plan_parallel(model: Any, tokens: Int[Tensor, "batch pos"], k: int,
+                  strategy: str | Sequence[str] = "best", held_out: Int[Tensor, "batch2 pos2"] | None = None,
+                  layers: Sequence[int] | None = None, k_values: Sequence[int] | None = None,
+                  refit: str = PLANNER.refit, fisher_samples: int = FISHER_SAMPLES, seed: int = 0,
+                  batch_size: int = 8, world: Any = None) -> ParallelPlan:
     """Choose k layers to make parallel on calibration windows; report the loss on held-out windows: a
     :class:`ParallelPlan`, its layers, fitted correction and every figure with its 95 % interval (the arguments in
     docs/parallel.md "Planning"; "Refit", "Uncertainty and the choice")."""

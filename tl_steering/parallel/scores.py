@@ -68,17 +68,10 @@ class ParallelScoresResult(Result, LayerScores):
 
 
 @exclusive
-def parallel_scores(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    gold: bool = False,
-    batch_size: int = 8,
-    corpus: str | None = None,
-    fisher_samples: int = FISHER_SAMPLES,
-    seed: int = 0,
-) -> ParallelScoresResult:
+def parallel_scores(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | int | None = None,
+                    exclude_positions: Sequence[int] = (0,), gold: bool = False, batch_size: int = 8,
+                    corpus: str | None = None, fisher_samples: int = FISHER_SAMPLES,
+                    seed: int = 0) -> ParallelScoresResult:
     """Every per-layer score of making a block parallel, a :class:`ParallelScoresResult` (the arguments and the cost
     in docs/defect.md "Layer planning"; the scores in "Attribution", "Second order", "Peer scores")."""
     t0 = time.perf_counter()

@@ -47,21 +47,10 @@ def _digest(settings: dict[str, Any]) -> str:
 
 
 @exclusive
-def scan(
-    model: Any,
-    source: str | CorpusSpec = "pydoc",
-    *,
-    n_windows: int,
-    length: int = 128,
-    metrics: Sequence[str] | str | None = None,
-    layers: Sequence[int] | int | None = None,
-    exclude_positions: Sequence[int] = (0,),
-    shard_windows: int = 64,
-    batch_size: int = 8,
-    out_dir: str | Path | None = None,
-    resume: bool = False,
-    progress: bool = False,
-) -> ProbeResult:
+def scan(model: Any, source: str | CorpusSpec = "pydoc", *, n_windows: int, length: int = 128,
+         metrics: Sequence[str] | str | None = None, layers: Sequence[int] | int | None = None,
+         exclude_positions: Sequence[int] = (0,), shard_windows: int = 64, batch_size: int = 8,
+         out_dir: str | Path | None = None, resume: bool = False, progress: bool = False) -> ProbeResult:
     """Probe ``n_windows`` windows of ``length`` tokens of a streamed corpus over the ranks of the process group, in
     shards of ``shard_windows`` windows, written to ``out_dir`` and resumable there (``resume``); the merged
     :class:`ProbeResult` on every rank (docs/scale_out.md, "Probe scans on N processes")."""
