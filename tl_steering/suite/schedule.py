@@ -38,7 +38,7 @@ WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
 
 #: (layers, d_model, d_mlp, d_vocab) of SmolLM2-135M, where the weights were measured; a layer's critical points
 #: cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the set-up: landscape, power, edges)
-SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 29.5, 30
+SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 23.6, 30
 
 
 def stage_costs(s: SuiteSettings, n_windows: int, length: int,
@@ -50,7 +50,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
     plans = 0.0  # the gold standard's plans, one pass over the windows each (split_map over the ranks)
     if s.defect_evaluate:
         ks = len(s.defect_k_values or [0, 1, 2, 3, 4])
-        plans = 0.63 * (1 + 2 * max(1, s.plan_k) + (3 + s.defect_n_random) * ks)  # a plan runs its suffix alone
+        plans = 1 + 2 * max(1, s.plan_k) + (3 + s.defect_n_random) * ks
     gold = 0.0 if s.defect_gold_layers is None else 3.0 + len(s.defect_gold_layers) + 3 * len(
         s.defect_gold_k_values or [0, 1, 2, 3, 4])
     n_ks = len(s.plan_choice_k_values) if s.plan_choice_k_values is not None else 2
@@ -62,7 +62,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
         "checks": (1.0, 0.0, 1.0 / n_windows),
         "deficit": (1.0, 0.0, 0.0),
         "ablation": (1.25 * (1 + n_var), 0.0, 0.0),
-        "diversity": (1.45 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
+        "diversity": (1.3 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
         "defect": (3.0 + 1.5 * s.defect_brackets + 4.3 * (not s.defect_evaluate), plans + gold,
                    3.0 * s.timing_repeats * s.defect_timing * min(s.parallel_timing_windows, s.batch_size)
                    / min(n_windows, s.batch_size)),  # the sub-modules are timed on the executor's batch
@@ -71,7 +71,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
         "gates": (0.0, 0.0, 4.5),
         "critical": (0.0, 0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
                      * jacobian_per_forward(dims) / max(1, n_windows * length)),
-        "prefix": (0.0, 0.0, 1.05 * (1 + len(s.prefix_positions))),
+        "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions))),
     }
 
 
