@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._util.checks import _is_int, as_int, check_windows_length  # noqa: F401 - re-exported (torch-free)
+from ._util.checks import _is_int, as_int  # noqa: F401 - as_int re-exported (it needs no torch)
 from .errors import (ArgumentTypeError, DeviceMismatchError, DeviceUnavailableError, InputError, LayerIndexError,
                      NonFiniteError)
 

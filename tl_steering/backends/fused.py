@@ -222,12 +222,11 @@ def _build(norm: str, eps: float, ln1: tuple, ln2: tuple, wq, bq, wk, bk, wv, bv
     ``dtype`` (:func:`_fold`)."""
     specs = [(ln1, wq, bq), (ln1, wk, bk), (ln1, wv, bv)] + \
         ([(ln2, w_gate, b_gate)] if w_gate is not None else []) + [(ln2, w_up, b_up)]
-    w_in = torch.empty(wq.shape[0], sum(w.shape[1] for _, w, _ in specs), dtype=dtype, device=wq.device)
-    ends = torch.tensor([w.shape[1] for _, w, _ in specs]).cumsum(0).tolist()
-    biases = [_fold(g, bias, w, b, w_in[:, e - w.shape[1]:e]) for ((g, bias), w, b), e in zip(specs, ends)]
+    widths = [w.shape[1] for _, w, _ in specs]
+    w_in = torch.empty(wq.shape[0], sum(widths), dtype=dtype, device=wq.device)
+    biases = [_fold(g, bias, w, b, out) for ((g, bias), w, b), out in zip(specs, w_in.split(widths, dim=1))]
     b_in = None if all(b is None for b in biases) else torch.cat(
-        [torch.zeros(w.shape[1], dtype=torch.float64, device=w_in.device) if b is None else b
-         for b, (_, w, _) in zip(biases, specs)])
+        [torch.zeros(n, dtype=torch.float64, device=w_in.device) if b is None else b for b, n in zip(biases, widths)])
     w_out = torch.cat([wo.detach().to(dtype), w_down.detach().to(dtype)])  # float -> dtype: one rounding
     b_out = None
     if bo is not None or b_down is not None:
