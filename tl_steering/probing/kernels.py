@@ -141,20 +141,6 @@ def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
     return [first, fut.result()]
 
 
-def token_grams(groups: Sequence[Tensor], split: bool = False) -> list[Tensor]:
-    """Per-token Gram matrices ``[batch, pos, slots, slots]`` of each group of slot vectors ``[slots, batch, pos, d]``;
-    with ``split``, the halves of the batch on two threads (:func:`in_halves`; docs/probe.md, "Cost")."""
-    Vs = [g.permute(1, 2, 0, 3) for g in groups]
-    out = [V.new_empty((*V.shape[:-1], V.shape[-2])) for V in Vs]
-
-    def part(a: int, b: int) -> None:
-        for V, G in zip(Vs, out):
-            torch.matmul(V[a:b], V[a:b].mT, out=G[a:b])
-
-    in_halves(part, Vs[0].shape[0], split)
-    return out
-
-
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     """(1 / norm where the norm exceeds ``EPS_NORM``, else 0; that validity mask): scaling a row by it gives its
     unit direction, or a zero row that no diversity sum sees."""
@@ -201,24 +187,31 @@ def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tenso
     return (total * total).sum(-1), ok.sum(-1).to(F64)
 
 
+def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The O(n d)-and-up part of :func:`diversity` (||sum_j u_j||^2, valid-row count, effective rank, participation
+    ratio; 0 where not asked), each ``[len(sets) * batch]`` set-major; the probe runs it on each half of a batch."""
+    if spectrum or gram:
+        return _diversity_stats(sets, sq, spectrum)
+    ss, cnt = _direction_sums(sets, sq)
+    return ss, cnt, torch.zeros_like(ss), torch.zeros_like(ss)
+
+
 def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
-              sq: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+              sq: list[Tensor] | None = None, sums: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Per sequence (pairwise cosine, resultant length, effective rank with ``spectrum``, participation ratio with
     ``gram``, default ``spectrum``; else 0 and invalid) of each ``[batch, n, d]`` set (``sq``: squared row norms or
-    None): values and validity masks ``[len(sets), 4, batch]`` (docs/probe.md, "Cost")."""
+    None; ``sums``: :func:`diversity_sums` of the sets, already taken): values and validity masks
+    ``[len(sets), 4, batch]`` (docs/probe.md, "Cost")."""
     gram = spectrum if gram is None else gram
     B = sets[0].shape[0]
     n_sets = len(sets)
-    if sq is None:
-        sq = [(t * t).sum(-1) for t in sets]
-    if spectrum or gram:
-        parts = in_halves(lambda a, b: _diversity_stats([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum),
+    if sums is None:  # each half's sums are set-major [n_sets * b]: put the halves side by side per set
+        sq = [(t * t).sum(-1) for t in sets] if sq is None else sq
+        parts = in_halves(lambda a, b: diversity_sums([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum, gram),
                           B, split)
-        # each part is set-major [n_sets * b]: put the halves side by side per set
-        ss, cnt, erank, pr = (torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4))
-    else:
-        ss, cnt = _direction_sums(sets, sq)
-        erank = pr = torch.zeros_like(ss)
+        sums = [torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4)]
+    ss, cnt, erank, pr = sums
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)
     values = torch.stack([pair, res, erank, pr]).view(4, n_sets, B).transpose(0, 1)

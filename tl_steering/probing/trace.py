@@ -18,8 +18,8 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, diversity, splits, token_grams,
-                      token_quantities)
+from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, diversity, diversity_sums,
+                      in_halves, splits, token_quantities)
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -338,43 +338,51 @@ class ProbeTrace:
             slots = sorted(k[s_] for s_ in sites)
             step = slots[1] - slots[0] if len(slots) > 1 else 1
             assert slots == list(range(slots[0], slots[-1] + 1, step)), slots
-            views.append(buf[slots[0]:slots[-1] + 1:step])
+            views.append(buf[slots[0]:slots[-1] + 1:step].permute(1, 2, 0, 3))  # [batch, pos, m, d]
             at.append({s_: (k[s_] - slots[0]) // step for s_ in sites})
-        grams = token_grams(views, split)  # each [batch, n, m, m]
+        which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
+        div_pre = div_from.get("_div_post")
+        todo = [_SITE_OF[w] for w in which if not (w == "pre" and div_pre is not None)] if self._div_stats else []
+        spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
 
-        def dot(s1: str, s2: str) -> Tensor:
+        def dot(grams: list[Tensor], s1: str, s2: str) -> Tensor:
             g = next(i for i, pos in enumerate(at) if s1 in pos and s2 in pos)
             return grams[g][..., at[g][s1], at[g][s2]]
 
+        def part(a: int, b: int) -> tuple[list[Tensor], Any]:  # rows a:b, a half (docs/probe.md "Cost")
+            grams = [V[a:b] @ V[a:b].mT for V in views]  # each [b - a, pos, m, m]
+            if not todo or not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
+                return grams, None
+            return grams, diversity_sums([buf[k[s_], a:b] for s_ in todo], [dot(grams, s_, s_) for s_ in todo],
+                                         spectrum, gram)
+
+        parts = in_halves(part, buf.shape[1], split)
+        grams = [torch.cat(g) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
         # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
         if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
             sites = dict.fromkeys(s_ for pos in at for s_ in pos)
-            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(s_, s_)).all())]
+            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(grams, s_, s_)).all())]
             raise NonFiniteError(
                 f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
                 "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
                 "hooks of yours on that point; in float16 try float32 or bfloat16.")
         if acc.tq:
-            names, values, valid = token_quantities(dot, self.metrics, parallel, has_mid, "attn_out" in st,
-                                                    "mlp_out" in st)
+            names, values, valid = token_quantities(lambda s1, s2: dot(grams, s1, s2), self.metrics, parallel,
+                                                    has_mid, "attn_out" in st, "mlp_out" in st)
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
-        if self._div_stats:
-            which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
-            div_pre = div_from.get("_div_post")
-            reuse = div_pre is not None
-            todo = [_SITE_OF[w] for w in which if not (w == "pre" and reuse)]
-            values, valid = diversity([buf[k[s_]] for s_ in todo], split, spectrum="effective_rank" in self.metrics,
-                                      gram="participation_ratio" in self.metrics,
-                                      sq=[dot(s_, s_) for s_ in todo])  # [sets, 4, batch]
-            if reuse:
+        if todo:
+            # each part's sums are set-major [len(todo) * rows]: put the halves side by side per set
+            sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)]
+            values, valid = diversity([buf[k[s_]] for s_ in todo], spectrum=spectrum, gram=gram, sums=sums)
+            if div_pre is not None:
                 values = torch.cat([div_pre[0], values])
                 valid = torch.cat([div_pre[1], valid])
             post = which.index("post")
             st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
-            names = self._div_names[has_mid]
             keep = self._div_stats
-            acc.add_sequences(row, names, values[:, keep].flatten(0, 1), valid[:, keep].flatten(0, 1))
+            acc.add_sequences(row, self._div_names[has_mid], values[:, keep].flatten(0, 1),
+                              valid[:, keep].flatten(0, 1))
 
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:

@@ -491,24 +491,46 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_kernels_split_over_two_threads_equal_one_thread(batch):
-    """diversity / token_grams with split=True (the halves of the batch on two threads, the probe's path when
-    torch has >= 2 threads) give the numbers of the unsplit kernels, per sequence and per token."""
-    from tl_steering.probing.kernels import diversity, token_grams
+    """diversity with split=True (the halves of the batch on two threads, the probe's path when torch has >= 2
+    threads) gives the numbers of the unsplit kernel, per sequence."""
+    from tl_steering.probing.kernels import diversity
 
     gen = torch.Generator().manual_seed(batch)
     for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
         sets = [torch.randn(batch, n, d, generator=gen, dtype=F64) for _ in range(3)]
         sets[0][0, 1] = 0.0
-        v1, ok1 = diversity(sets)
-        v2, ok2 = diversity(sets, split=True)
-        assert torch.equal(ok1, ok2)
-        assert torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
-        buf = torch.randn(5, batch, n, d, generator=gen, dtype=F64)  # [slots, batch, pos, d], as the probe's
-        groups = [buf[:3], buf[1:5:3]]  # a run of slots, and two slots 3 apart (a strided view)
-        for split in (False, True):
-            for got, g in zip(token_grams(groups, split=split), groups):
-                V = g.permute(1, 2, 0, 3)
-                assert torch.allclose(got, V @ V.mT, rtol=1e-13, atol=1e-13)
+        for spectrum in (False, True):  # the direction sums alone, and the Gram route
+            v1, ok1 = diversity(sets, spectrum=spectrum)
+            v2, ok2 = diversity(sets, split=True, spectrum=spectrum)
+            assert torch.equal(ok1, ok2) and torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
+
+
+def test_layer_update_split_over_two_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
+    """Each layer's Grams and per-sequence sums taken on the two halves of the batch, one per thread (the probe's
+    path when torch has >= 2 threads), equal those of the whole batch on one thread: every metric, per position
+    bin, batches of 1-3 sequences; a non-finite activation on that path still raises, naming its layer and site."""
+    import tl_steering.probing.trace as trace_mod
+    from tl_steering.errors import NonFiniteError
+
+    monkeypatch.setattr(trace_mod, "defers", lambda device: False)
+    runs = {}
+    for split in (False, True):
+        monkeypatch.setattr(trace_mod, "splits", lambda device, s=split: s)
+        with probe(tiny, metrics="all", position_bins=True) as trace:
+            for rows in (slice(0, 1), slice(0, 2), slice(0, 3)):
+                tiny(tiny_tokens[rows])
+        runs[split] = trace.result()
+    a, b = runs.values()
+    assert a.quantities == b.quantities
+    for q in a.quantities:
+        assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
+        # the same float64 operations on the same rows, per half: only the order of a few sums may differ
+        assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
+    bad = [(adapt(tiny).hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
+    with pytest.raises(NonFiniteError, match="layer 1, .*mlp_out"):
+        with probe(tiny, metrics="all") as trace:
+            tiny.run_with_hooks(tiny_tokens, fwd_hooks=bad)
+    assert_no_hooks(tiny)
 
 
 def test_gram_sets_numpy_route_equals_torch():
