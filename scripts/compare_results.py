@@ -49,7 +49,7 @@ def _normalise_old(doc: dict[str, Any]) -> dict[str, Any]:
     out["settings"] = doc["settings"]
     out["headline"] = doc["headline"]
     out["comparison"] = {
-        r["id"]: {"ours": r["ours"], "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
+        r["id"]: {"ours": r["ours"], "relation": r["relation"], "verdict": r.get("in_paper_band")}
         for r in doc["comparison"]
     }
     out["model"] = doc["model"]
@@ -66,7 +66,7 @@ def _normalise_new(path: Path) -> dict[str, Any]:
     out = {k: v for k, v in suite.to_dict().items() if not k.startswith("__")}
     out["headline"] = _encode(suite.summary())
     out["comparison"] = {
-        r["id"]: {"ours": _encode(r["ours"]), "relation": r["relation"], "in_paper_band": r["in_paper_band"]}
+        r["id"]: {"ours": _encode(r["ours"]), "relation": r["relation"], "verdict": r["verdict"].verdict}
         for r in comparison_rows(suite)
     }
     return out

@@ -137,6 +137,31 @@ def test_suite_result_round_trips_exactly(suite, tmp_path, suffix):
     assert loaded.critical.results[0].n_points == suite.critical.results[0].n_points
 
 
+def test_compare_results_script_diffs_two_saved_results(suite, tmp_path):
+    """scripts/compare_results.py on two saved results: no difference between a result and itself (exit 0), and
+    a changed number is reported with its field (exit 1)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "scripts" / "compare_results.py"
+    a = suite.save(tmp_path / "a" / "results.json")
+    run = [sys.executable, str(script), str(a)]
+    same = subprocess.run(run + [str(a)], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "0 compared numbers differ" in same.stdout
+    doc = json.loads(Path(a).read_text())
+    doc["checks"]["clean_loss"] += 0.5
+    b = tmp_path / "b" / "results.json"
+    b.parent.mkdir()
+    b.write_text(json.dumps(doc))
+    for f in Path(a).parent.iterdir():  # the tensors the JSON refers to
+        if f.suffix != ".json":
+            (b.parent / f.name).write_bytes(f.read_bytes())
+    diff = subprocess.run(run + [str(b)], capture_output=True, text=True)
+    assert diff.returncode == 1 and "checks.clean_loss" in diff.stdout, diff.stdout + diff.stderr
+
+
 def test_one_map_covers_published_and_pinned_names():
     from tl_steering.reference import pinned_values
 
