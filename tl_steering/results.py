@@ -136,6 +136,8 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, at: str 
         return _encode_floats(value)
     if isinstance(value, complex):
         return {"__complex__": [_encode_floats(value.real), _encode_floats(value.imag)]}
+    if isinstance(value, str) and value in _SPECIAL:  # a string that reads like a non-finite float keeps its type
+        return {"__str__": value}
     if isinstance(value, (str, int, bool)) or value is None:
         return value
     if hasattr(value, "item"):  # numpy scalars
@@ -172,6 +174,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "") -> An
             return complex(re, im)
         if "__kind__" in value:
             return _decode_record(value, tensors, where)
+        if set(value) == {"__str__"}:
+            return value["__str__"]
         return {k: _decode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, list):
         return [_decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]

@@ -167,10 +167,14 @@ def test_a_result_moves_as_a_pair(tmp_path):
 def test_result_round_trip(tmp_path):
     r = _Demo(values=torch.tensor([1.0, float("nan"), 3.0], dtype=torch.float64),
               spectrum=torch.tensor([1 + 2j, -0.5j], dtype=torch.complex128),
-              labels=["saddle", "attractor"], scalars={"a": 0.5, "inf": float("inf")},
-              provenance=Provenance(model="x", seed=3, extra={"layers": [1, 2]}))
+              labels=["saddle", "attractor", "NaN", "-Infinity"], scalars={"a": 0.5, "inf": float("inf")},
+              provenance=Provenance(model="x", seed=3, extra={"layers": [1, 2], "corpus": "Infinity"}))
     json.dumps(r.to_dict(), allow_nan=False)  # strict JSON
-    assert _identical(r, _Demo.load(r.save(tmp_path / "r.json")))
+    back = _Demo.load(r.save(tmp_path / "r.json"))
+    assert _identical(r, back)
+    # strings that read like non-finite floats stay strings; non-finite floats stay floats
+    assert back.labels[2:] == ["NaN", "-Infinity"] and back.provenance.extra["corpus"] == "Infinity"
+    assert back.scalars["inf"] == float("inf")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -175,26 +175,21 @@ def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
     return ss, ok.sum(-1).to(F64), erank, pr
 
 
-def _direction_sums(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count) of each sequence of each ``[batch, n, d]`` set (``sq``: squared row
-    norms), stacked set-major ``[len(sets) * batch]``: O(n d) per sequence, no Gram matrix, no copy of a set."""
+def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio; 0 where not asked) of each sequence of
+    each ``[batch, n, d]`` set (``sq``: squared row norms), set-major ``[len(sets) * batch]``: the part of
+    :func:`diversity` the probe runs on each half of a batch; without a spectrum or a Gram matrix, O(n d) per
+    sequence (``sum_j u_j`` taken directly, no copy of a set)."""
+    if spectrum or gram:
+        return _diversity_stats(sets, sq, spectrum)
     inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
     b = sets[0].shape[0]
     total = sets[0].new_empty(len(sets) * b, 1, sets[0].shape[-1])
     for i, t in enumerate(sets):
         torch.matmul(inv[i * b:(i + 1) * b, None, :], t, out=total[i * b:(i + 1) * b])  # sum_j u_j
-    total = total[:, 0]
-    return (total * total).sum(-1), ok.sum(-1).to(F64)
-
-
-def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The O(n d)-and-up part of :func:`diversity` (||sum_j u_j||^2, valid-row count, effective rank, participation
-    ratio; 0 where not asked), each ``[len(sets) * batch]`` set-major; the probe runs it on each half of a batch."""
-    if spectrum or gram:
-        return _diversity_stats(sets, sq, spectrum)
-    ss, cnt = _direction_sums(sets, sq)
-    return ss, cnt, torch.zeros_like(ss), torch.zeros_like(ss)
+    ss = (total[:, 0] * total[:, 0]).sum(-1)
+    return ss, ok.sum(-1).to(F64), torch.zeros_like(ss), torch.zeros_like(ss)
 
 
 def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
