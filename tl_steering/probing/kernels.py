@@ -148,11 +148,27 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
 
 
-def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count, effective rank or 0 without ``spectrum``, participation ratio) of each
-    sequence of each ``[batch, n, d]`` set (``sq``: squared row norms), stacked set-major, from the smaller Gram
-    matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
+def direction_totals(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(``sum_j u_j`` ``[len(sets) * batch, d]``, valid-row count ``[len(sets) * batch]``) of each sequence of each
+    ``[batch, n, d]`` set (``sq``: squared row norms), set-major: O(n d), no copy of a set; the sums of two ranges
+    of positions add up to those of both."""
+    inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
+    b = sets[0].shape[0]
+    total = sets[0].new_empty(len(sets) * b, 1, sets[0].shape[-1])
+    for i, t in enumerate(sets):
+        torch.matmul(inv[i * b:(i + 1) * b, None, :], t, out=total[i * b:(i + 1) * b])
+    return total[:, 0], ok.sum(-1).to(F64)
+
+
+def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio; 0 where not asked) of each sequence of
+    each ``[batch, n, d]`` set (``sq``: squared row norms), set-major ``[len(sets) * batch]``: the part of
+    :func:`diversity` that runs on each half of a batch. Without a spectrum or Gram matrix, :func:`direction_totals`;
+    else from the smaller Gram matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
+    if not (spectrum or gram):
+        total, cnt = direction_totals(sets, sq)
+        return (total * total).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by
@@ -175,37 +191,16 @@ def _diversity_stats(sets: list[Tensor], sq: list[Tensor], spectrum: bool = True
     return ss, ok.sum(-1).to(F64), erank, pr
 
 
-def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio; 0 where not asked) of each sequence of
-    each ``[batch, n, d]`` set (``sq``: squared row norms), set-major ``[len(sets) * batch]``: the part of
-    :func:`diversity` the probe runs on each half of a batch; without a spectrum or a Gram matrix, O(n d) per
-    sequence (``sum_j u_j`` taken directly, no copy of a set)."""
-    if spectrum or gram:
-        return _diversity_stats(sets, sq, spectrum)
-    inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
-    b = sets[0].shape[0]
-    total = sets[0].new_empty(len(sets) * b, 1, sets[0].shape[-1])
-    for i, t in enumerate(sets):
-        torch.matmul(inv[i * b:(i + 1) * b, None, :], t, out=total[i * b:(i + 1) * b])  # sum_j u_j
-    ss = (total[:, 0] * total[:, 0]).sum(-1)
-    return ss, ok.sum(-1).to(F64), torch.zeros_like(ss), torch.zeros_like(ss)
-
-
-def diversity(sets: list[Tensor], split: bool = False, spectrum: bool = True, gram: bool | None = None,
-              sq: list[Tensor] | None = None, sums: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def diversity(sets: list[Tensor], spectrum: bool = True, gram: bool | None = None, sq: list[Tensor] | None = None,
+              sums: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Per sequence (pairwise cosine, resultant length, effective rank with ``spectrum``, participation ratio with
     ``gram``, default ``spectrum``; else 0 and invalid) of each ``[batch, n, d]`` set (``sq``: squared row norms or
-    None; ``sums``: :func:`diversity_sums` of the sets, already taken): values and validity masks
-    ``[len(sets), 4, batch]`` (docs/probe.md, "Cost")."""
+    None; ``sums``: their :func:`diversity_sums`, taken already): values and validity masks ``[len(sets), 4, batch]``
+    (docs/probe.md, "Cost")."""
     gram = spectrum if gram is None else gram
-    B = sets[0].shape[0]
-    n_sets = len(sets)
-    if sums is None:  # each half's sums are set-major [n_sets * b]: put the halves side by side per set
-        sq = [(t * t).sum(-1) for t in sets] if sq is None else sq
-        parts = in_halves(lambda a, b: diversity_sums([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum, gram),
-                          B, split)
-        sums = [torch.cat([p[i].view(n_sets, -1) for p in parts], 1).flatten() for i in range(4)]
+    B, n_sets = sets[0].shape[0], len(sets)
+    if sums is None:
+        sums = diversity_sums(sets, [(t * t).sum(-1) for t in sets] if sq is None else sq, spectrum, gram)
     ss, cnt, erank, pr = sums
     pair = (ss - cnt) / (cnt * (cnt - 1)).clamp_min(1.0)
     res = ss.clamp_min(0.0).sqrt() / cnt.clamp_min(1.0)

@@ -18,8 +18,8 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, diversity, diversity_sums,
-                      in_halves, splits, token_quantities)
+from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, direction_totals, diversity,
+                      diversity_sums, in_halves, splits, token_quantities)
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -349,15 +349,18 @@ class ProbeTrace:
             g = next(i for i, pos in enumerate(at) if s1 in pos and s2 in pos)
             return grams[g][..., at[g][s1], at[g][s2]]
 
-        def part(a: int, b: int) -> tuple[list[Tensor], Any]:  # rows a:b, a half (docs/probe.md "Cost")
-            grams = [V[a:b] @ V[a:b].mT for V in views]  # each [b - a, pos, m, m]
+        by_pos = buf.shape[1] < 2 and not (spectrum or gram)  # one sequence: split its positions instead of rows
+
+        def part(a: int, b: int) -> tuple[list[Tensor], Any]:  # rows (or positions) a:b, a half; docs/probe.md "Cost"
+            ix = (slice(None), slice(a, b)) if by_pos else (slice(a, b),)
+            grams = [V[ix] @ V[ix].mT for V in views]  # each [rows, positions, m, m]
             if not todo or not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
                 return grams, None
-            return grams, diversity_sums([buf[k[s_], a:b] for s_ in todo], [dot(grams, s_, s_) for s_ in todo],
-                                         spectrum, gram)
+            sets, sq = [buf[k[s_]][ix] for s_ in todo], [dot(grams, s_, s_) for s_ in todo]
+            return grams, direction_totals(sets, sq) if by_pos else diversity_sums(sets, sq, spectrum, gram)
 
-        parts = in_halves(part, buf.shape[1], split)
-        grams = [torch.cat(g) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
+        parts = in_halves(part, buf.shape[2] if by_pos else buf.shape[1], split)
+        grams = [torch.cat(g, int(by_pos)) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
         # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
         if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
             sites = dict.fromkeys(s_ for pos in at for s_ in pos)
@@ -372,8 +375,11 @@ class ProbeTrace:
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
         if todo:
-            # each part's sums are set-major [len(todo) * rows]: put the halves side by side per set
-            sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)]
+            if by_pos:  # the position halves of one sequence: their sums of u_j add up
+                tot, cnt = (sum(p[1][i] for p in parts) for i in (0, 1))
+                sums = [(tot * tot).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)]
+            else:  # row halves, each set-major [len(todo) * rows]: side by side per set
+                sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)]
             values, valid = diversity([buf[k[s_]] for s_ in todo], spectrum=spectrum, gram=gram, sums=sums)
             if div_pre is not None:
                 values = torch.cat([div_pre[0], values])

@@ -491,18 +491,28 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_kernels_split_over_two_threads_equal_one_thread(batch):
-    """diversity with split=True (the halves of the batch on two threads, the probe's path when torch has >= 2
-    threads) gives the numbers of the unsplit kernel, per sequence."""
-    from tl_steering.probing.kernels import diversity
+    """diversity_sums on the two row halves of a batch, one per thread (the probe's path when torch has >= 2
+    threads), put side by side per set, and direction_totals on two position halves, added, give the numbers of
+    the whole batch on one thread."""
+    from tl_steering.probing.kernels import direction_totals, diversity_sums, in_halves
 
     gen = torch.Generator().manual_seed(batch)
     for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
         sets = [torch.randn(batch, n, d, generator=gen, dtype=F64) for _ in range(3)]
         sets[0][0, 1] = 0.0
+        sq = [(t * t).sum(-1) for t in sets]
         for spectrum in (False, True):  # the direction sums alone, and the Gram route
-            v1, ok1 = diversity(sets, spectrum=spectrum)
-            v2, ok2 = diversity(sets, split=True, spectrum=spectrum)
-            assert torch.equal(ok1, ok2) and torch.allclose(v1, v2, rtol=1e-13, atol=0, equal_nan=True)
+            whole = diversity_sums(sets, sq, spectrum, spectrum)
+            parts = in_halves(lambda a, b: diversity_sums([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum,
+                                                          spectrum), batch, True)
+            for i, w in enumerate(whole):
+                got = torch.cat([p[i].view(3, -1) for p in parts], 1).flatten()
+                assert torch.allclose(got, w, rtol=1e-13, atol=0, equal_nan=True), (spectrum, i)
+        tot, cnt = direction_totals(sets, sq)
+        halves = in_halves(lambda a, b: direction_totals([t[:, a:b] for t in sets], [q[:, a:b] for q in sq]), n, True)
+        assert torch.equal(sum(h[1] for h in halves), cnt)
+        assert torch.allclose(sum(h[0] for h in halves), tot, rtol=1e-13, atol=1e-15)
+        assert torch.equal((tot * tot).sum(-1), diversity_sums(sets, sq, False, False)[0])  # the same operations
 
 
 def test_layer_update_split_over_two_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
@@ -513,19 +523,20 @@ def test_layer_update_split_over_two_threads_equals_one_thread(tiny, tiny_tokens
     from tl_steering.errors import NonFiniteError
 
     monkeypatch.setattr(trace_mod, "defers", lambda device: False)
-    runs = {}
-    for split in (False, True):
-        monkeypatch.setattr(trace_mod, "splits", lambda device, s=split: s)
-        with probe(tiny, metrics="all", position_bins=True) as trace:
-            for rows in (slice(0, 1), slice(0, 2), slice(0, 3)):
-                tiny(tiny_tokens[rows])
-        runs[split] = trace.result()
-    a, b = runs.values()
-    assert a.quantities == b.quantities
-    for q in a.quantities:
-        assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
-        # the same float64 operations on the same rows, per half: only the order of a few sums may differ
-        assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
+    for metrics in ("all", None):  # None: no spectrum, so one sequence splits its positions
+        runs = {}
+        for split in (False, True):
+            monkeypatch.setattr(trace_mod, "splits", lambda device, s=split: s)
+            with probe(tiny, metrics=metrics, position_bins=True) as trace:
+                for rows in (slice(0, 1), slice(0, 2), slice(0, 3)):
+                    tiny(tiny_tokens[rows])
+            runs[split] = trace.result()
+        a, b = runs.values()
+        assert a.quantities == b.quantities
+        for q in a.quantities:
+            assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
+            # the same float64 operations on the same rows, per half: only the order of a few sums may differ
+            assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
     bad = [(adapt(tiny).hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
     with pytest.raises(NonFiniteError, match="layer 1, .*mlp_out"):
         with probe(tiny, metrics="all") as trace:
