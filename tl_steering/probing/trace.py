@@ -351,18 +351,18 @@ class ProbeTrace:
 
         by_pos = buf.shape[1] < 2 and not (spectrum or gram)  # one sequence: split its positions instead of rows
 
-        def part(a: int, b: int) -> tuple[list[Tensor], Any]:  # rows (or positions) a:b, a half; docs/probe.md "Cost"
+        def part(a: int, b: int) -> tuple[list[Tensor], Any, bool]:  # rows (or positions) a:b; docs/probe.md "Cost"
             ix = (slice(None), slice(a, b)) if by_pos else (slice(a, b),)
             grams = [V[ix] @ V[ix].mT for V in views]  # each [rows, positions, m, m]
-            if not todo or not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
-                return grams, None
+            finite = math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams)))
+            if not todo or not finite:
+                return grams, None, finite
             sets, sq = [buf[k[s_]][ix] for s_ in todo], [dot(grams, s_, s_) for s_ in todo]
-            return grams, direction_totals(sets, sq) if by_pos else diversity_sums(sets, sq, spectrum, gram)
+            return grams, direction_totals(sets, sq) if by_pos else diversity_sums(sets, sq, spectrum, gram), True
 
         parts = in_halves(part, buf.shape[2] if by_pos else buf.shape[1], split)
         grams = [torch.cat(g, int(by_pos)) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
-        # NaN/Inf anywhere in a slot shows in its squared norm (a Gram diagonal): name the layer and site
-        if not math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams))):
+        if not all(p[2] for p in parts):  # a NaN/Inf in a slot shows in its squared norm: name layer and site
             sites = dict.fromkeys(s_ for pos in at for s_ in pos)
             bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(grams, s_, s_)).all())]
             raise NonFiniteError(
