@@ -15,8 +15,8 @@ Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) t
 reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine) and the
 median over repeats of each repeat's ratio to the plain forward run next to it (the load of a shared machine
 changes between repeats more than within one). ``--profile``: also the CPU seconds per forward spent in each part
-of the probe (its hooks' copies, per-token Grams, per-sequence statistics and eigenproblems, entry, exit and
-result), from thread CPU time around those functions in one more interleaved run.
+of the probe (its hooks' copies, the layer update, token quantities, per-sequence sums and eigenproblems, entry,
+exit and result), from thread CPU time around those functions in one more interleaved run.
 Memory: one subprocess (``sys.executable``) per variant; ``ru_maxrss`` of that subprocess (model loading
 included, so a ceiling) and the peak RSS of one run above the RSS just before it (``VmHWM`` after resetting it
 through ``/proc/self/clear_refs``; where that is not allowed, a 2 ms RSS sampler), with glibc's mmap threshold fixed
@@ -160,10 +160,11 @@ def _probe_parts(run, repeats: int) -> dict[str, float]:
     spent: dict[str, float] = {}
     parts = {"hooks: float64 copies": (trace.ProbeTrace, "_slot_copy"),
              "hooks: per-layer metrics (all below)": (trace.ProbeTrace, "_update"),
-             "  per-token Grams": (trace, "token_grams" if hasattr(trace, "token_grams") else "token_gram"),
              "  token quantities": (trace, "token_quantities"),
-             "  per-sequence statistics (all below)": (trace, "diversity"),
+             "  diversity sums of this thread's half (all below)": (trace, "diversity_sums"),
              "    Gram matrices (numpy dsyrk)": (kernels, "gram_sets"), "    eigvalsh": (torch.linalg, "eigvalsh"),
+             "  direction sums of one sequence's half": (trace, "direction_totals"),
+             "  diversity from its sums": (trace, "diversity"),
              "probe(): set-up": (trace.ProbeTrace, "__init__"), "entry (hook guard, hooks)": (trace.ProbeTrace, "__enter__"),
              "exit (hook restore)": (trace.ProbeTrace, "__exit__"), "result (provenance)": (trace.ProbeTrace, "result")}
     saved = []

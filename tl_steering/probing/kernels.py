@@ -35,7 +35,7 @@ def erank_from_eigvalsh(ev: Tensor) -> Tensor:
 def token_quantities(dot: Callable[[str, str], Tensor], metrics: Sequence[str], parallel: bool, has_mid: bool,
                      has_attn: bool, has_mlp: bool) -> tuple[list[str], Tensor, Tensor]:
     """Every token quantity of one layer from the float64 dot products ``dot(site1, site2)`` ``[batch, pos]`` of its
-    sites' vectors (:func:`token_grams`): (names, values ``[q, batch, pos]``, valid mask); docs/probe.md, "Metrics"."""
+    sites' vectors (per-token Grams): (names, values ``[q, batch, pos]``, valid mask); docs/probe.md, "Metrics"."""
     names: list[str] = []
     values: list[Tensor] = []
     valid: list[Tensor] = []
