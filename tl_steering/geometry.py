@@ -102,8 +102,7 @@ def _tangential_part(v: Tensor, reference: Tensor) -> Tensor:
     return v - (u * v).sum(-1, keepdim=True) * u
 
 
-def radial_part(
-    v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
+def radial_part(v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch d_model"]:
     """Radial part ``R_u v = <u, v> u`` with ``u = normalize(reference)``; ``v = R_u v + P_u v``."""
     v64, ref64 = _checked_vectors(v=v, reference=reference)
@@ -111,8 +110,7 @@ def radial_part(
     return (u * v64).sum(-1, keepdim=True) * u
 
 
-def tangential_part(
-    v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
+def tangential_part(v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch d_model"]:
     """Tangent projection ``P_u v = v - <u, v> u`` with ``u = normalize(reference)`` (its identities:
     docs/geometry.md); a zero ``reference`` gives ``P_u v = v``."""
@@ -132,8 +130,7 @@ def safe_cosine(
     return _safe_cosine(a64, b64, eps)
 
 
-def cosine_radial(
-    v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
+def cosine_radial(v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch"]:
     """FFN radial coefficient ``c_rad = cos(reference, v) = <u, v> / ||v||`` (paper Eq. 19, second hand;
     docs/geometry.md)."""
@@ -152,8 +149,7 @@ def tangent_alignment(
     return _safe_cosine(_tangential_part(a64, ref64), _tangential_part(b64, ref64), EPS_NORM)
 
 
-def tangential_speed(
-    v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
+def tangential_speed(v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, "*#batch d_model"]
 ) -> Float64[Tensor, "*#batch"]:
     """Angular speed ``||P_u v|| / max(||reference||, EPS_NORM)`` of an update ``v`` at ``reference``."""
     v64, ref64 = _checked_vectors(v=v, reference=reference)

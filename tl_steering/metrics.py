@@ -8,19 +8,28 @@ from torch import Tensor
 
 from .errors import InputError
 
-CHUNK_ELEMENTS: int = 1 << 24
-"""Most logits (16 M, 128 MB in float64) turned into float64 at once."""
+#: logits turned into float64 at once: off the CPU (16 M, 128 MB), and on a CPU per torch thread (128 k, 1 MB: the
+#: chunk stays in a core's cache from the conversion to the sum; docs/metrics.md, "Precision")
+CHUNK_ELEMENTS, CACHE_ELEMENTS = 1 << 24, 1 << 17
 
 
 def _per_chunk(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
-    """``fn`` of slices of the leading dimension whose float64 copy stays under :data:`CHUNK_ELEMENTS` elements,
-    concatenated."""
+    """``fn`` of row chunks of ``tensors`` (``[*lead, vocab]`` and ``[*lead]``; rows of the last leading dimension,
+    one index of the others at a time, no copy), their float64 copies under :data:`CACHE_ELEMENTS` logits per thread
+    on a CPU and :data:`CHUNK_ELEMENTS` elsewhere; the results ``[*lead]`` stacked back (gradients flow)."""
     first = tensors[0]
     if first.ndim < 2:
         raise InputError(f"logits must have shape [batch, ..., vocab], got {tuple(first.shape)}")
-    step = max(1, CHUNK_ELEMENTS // (max(1, first[0].numel()) if first.shape[0] else 1))
-    parts = [fn(*(t[start:start + step] for t in tensors)) for start in range(0, first.shape[0], step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    per = CACHE_ELEMENTS * torch.get_num_threads() if first.device.type == "cpu" else CHUNK_ELEMENTS
+    step = max(1, per // max(1, first.shape[-1] * sum(t.ndim == first.ndim for t in tensors)))
+
+    def rows(ts: tuple[Tensor, ...]) -> Tensor:
+        if not len(ts[0]) or ts[0].ndim > 2:
+            return torch.stack([rows(tuple(t[i] for t in ts)) for i in range(len(ts[0]))]) if len(ts[0]) else fn(*ts)
+        parts = [fn(*(t[s:s + step] for t in ts)) for s in range(0, len(ts[0]), step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return rows(tensors)
 
 
 def next_token_loss(logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"]
@@ -32,10 +41,10 @@ def next_token_loss(logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor
                          f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
 
     def chunk(lg: Tensor, tk: Tensor) -> Tensor:
-        logp = torch.log_softmax(lg[:, :-1].to(torch.float64), dim=-1)
-        return -logp.gather(-1, tk[:, 1:, None].long()).squeeze(-1)
+        logp = torch.log_softmax(lg.to(torch.float64), dim=-1)
+        return -logp.gather(-1, tk[..., None].long()).squeeze(-1)
 
-    return _per_chunk(chunk, logits, tokens)
+    return _per_chunk(chunk, logits[:, :-1], tokens[:, 1:])
 
 
 def kl_divergence(logits_p: Float[Tensor, "*batch vocab"], logits_q: Float[Tensor, "*batch vocab"]
@@ -74,4 +83,4 @@ def top1_agreement(logits_p: Float[Tensor, "*batch vocab"], logits_q: Float[Tens
     return (top1(logits_p) == top1(logits_q)).to(torch.float64)
 
 
-__all__ = ["CHUNK_ELEMENTS", "entropy", "kl_divergence", "next_token_loss", "top1", "top1_agreement"]
+__all__ = ["CACHE_ELEMENTS", "CHUNK_ELEMENTS", "entropy", "kl_divergence", "next_token_loss", "top1", "top1_agreement"]

@@ -52,16 +52,25 @@ def test_kl_entropy_and_top1_match_their_definitions():
 
 def test_chunking_does_not_change_the_numbers_and_keeps_gradients(monkeypatch):
     logits, tokens = logits_and_tokens(3, b=5)
-    whole = (metrics.next_token_loss(logits, tokens), metrics.kl_divergence(logits, logits.flip(0)),
-             metrics.entropy(logits))
-    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 2 * 6 * 11)  # two sequences per chunk
-    chunked = (metrics.next_token_loss(logits, tokens), metrics.kl_divergence(logits, logits.flip(0)),
-               metrics.entropy(logits))
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b)
+
+    def five():
+        return (metrics.next_token_loss(logits, tokens), metrics.kl_divergence(logits, logits.flip(0)),
+                metrics.entropy(logits), metrics.entropy(logits[0]), metrics.entropy(logits[:0]))
+
+    monkeypatch.setattr(metrics, "CACHE_ELEMENTS", 1 << 40)
+    whole = five()
+    monkeypatch.setattr(metrics, "CACHE_ELEMENTS", 2 * 11)  # two rows of logits a chunk (one thread; KL: one row)
+    chunked = five()
+    monkeypatch.undo()
+    for a, b in zip(whole, chunked):  # each row's log-softmax is the same; a sum over 11 values may change order
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float64
+        assert torch.allclose(a, b, rtol=16 * 11 * torch.finfo(torch.float64).eps, atol=0)
     x = logits.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(metrics.next_token_loss(x, tokens).sum(), [x])
     assert g.shape == x.shape and torch.isfinite(g).all() and g[:, -1].abs().max() == 0  # last position predicts nothing
+    ref = -torch.log_softmax(x[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None]).sum()
+    (g_ref,) = torch.autograd.grad(ref, [x])
+    assert torch.allclose(g, g_ref, rtol=1e-12, atol=1e-15)
 
 
 def test_bad_shapes_raise_input_error():

@@ -116,8 +116,7 @@ class ProbeResult(Result):
             n_tokens=self.n_tokens + other.n_tokens, n_sequences=self.n_sequences + other.n_sequences,
             n_forwards=self.n_forwards + other.n_forwards,
             provenance=dataclasses.replace(self.provenance, n_tokens=self.n_tokens + other.n_tokens,
-                                           n_sequences=self.n_sequences + other.n_sequences),
-        )
+                                           n_sequences=self.n_sequences + other.n_sequences))
 
     def summary(self) -> dict[str, Any]:
         """Mean over probed layers (NaN layers skipped: :func:`tl_steering.stats.finite_mean`) of every quantity, plus

@@ -244,8 +244,7 @@ def angular_deficit(model: Any, tokens: Tensor, layers: Sequence[int] | int | No
         r2_attention=1.0 - r2[0] / r2[2], r2_parallel=1.0 - r2[1] / r2[2], position_bin_edges=edges,
         deficit_by_position=1.0 - bin_sum / bin_count.where(bin_count > 0, torch.tensor(math.nan, dtype=torch.float64)),
         position_bin_counts=bin_count.round().to(torch.int64), n_tokens_used=used, n_masked=masked,
-        residual_identity_error=identity, exclude_positions=list(excl), seq_len=n_pos,
-    )
+        residual_identity_error=identity, exclude_positions=list(excl), seq_len=n_pos)
 
 
 __all__ = ["DeficitResult", "angular_deficit"]

@@ -255,8 +255,7 @@ def calibrate_gates(model: Any, tokens: Tensor, method: Literal["loss", "closed_
                                  plan=plan_l, steps=steps, lr=float(lr), held_out=held_out,
                                  n_base_hooks=len(base), scan=scan, batch_size=batch_size),
         method=method, layers=sel, plan=plan_l, gates=gates, **before, **after,
-        history=history, n_calib=int(calib.shape[0]), n_heldout=int(held.shape[0]), **scanned,
-    )
+        history=history, n_calib=int(calib.shape[0]), n_heldout=int(held.shape[0]), **scanned)
 
 
 __all__ = ["GateResult", "calibrate_gates"]

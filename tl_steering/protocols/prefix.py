@@ -192,8 +192,7 @@ def prefix_sensitivity(model: Any, tokens: Int[Tensor, "batch pos"], layer: int,
         mode=mode, eps=eps if mode == "noise" else 0.0, perturb_layer=l0, positions=positions, layers=layers,
         distance=torch.arange(max_d, dtype=torch.int64), angle=angle, kl=kl_mean, count=count,
         angle_final=angle[-1].clone(), prefix_max_angle=pre_angle, prefix_max_rel_change=pre_rel,
-        prefix_max_kl=pre_kl, prefix_bitwise_equal=bitwise, replaced_tokens=replaced,
-    )
+        prefix_max_kl=pre_kl, prefix_bitwise_equal=bitwise, replaced_tokens=replaced)
 
 
 @register

@@ -332,8 +332,7 @@ class SuiteResult(Result):
                 diversity_frac_layers_ffn_diversifies=vs["frac_layers_ffn_diversifies"],
                 **{f"diversity_final_pairwise_cosine{s}": vs.get(f"final_pairwise_cosine{s}", math.nan)
                    for s in ("", "_tangential", "_radial")},
-                diversity_tangential_preserves=self.diversity.tangential_preserves(),
-            )
+                diversity_tangential_preserves=self.diversity.tangential_preserves())
         if self.defect is not None:
             cs = self.defect.summary()
             out.update(defect_C_min=cs.get("C_min", math.nan), defect_C_max=cs.get("C_max", math.nan),
