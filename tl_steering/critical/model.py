@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..backends import ModelAdapter, adapt, check_finite
 from ..backends.field64 import Float64Block
+from ..data.sharding import World, split_map
 from ..data.windows import token_source
 from ..errors import InputError
 from ..validation import as_choice, as_int
@@ -237,7 +238,8 @@ def critical_points(model: Any, layers: Sequence[int] | int | None = None, field
                     tokens: Int[Tensor, "batch pos"] | None = None, token_index: int | None = None,
                     seed: int = 0, eigensolver: str = "auto", radius_scales: Sequence[float] | None = None,
                     sequence: int = 0, corpus: str | None = None,
-                    options: FinderOptions | dict[str, Any] | None = None) -> CriticalPointsResult:
+                    options: FinderOptions | dict[str, Any] | None = None,
+                    world: World | None = None) -> CriticalPointsResult:
     """Equilibria u* of each layer's field on S^{d-1}, their labels and the "mostly saddles" claim.
 
     One call for one layer (``layers=7``) or many (``layers=[0, 5]``, None = all); one forward pass collects the
@@ -265,6 +267,8 @@ def critical_points(model: Any, layers: Sequence[int] | int | None = None, field
             finder, :func:`find_equilibria`'s (docs/critical_points.md, "The one way in"); None: ``DEFAULT_OPTIONS``,
             whose landscape phase runs at most 32 Newton solves per layer (cost: docs/critical_points.md section 1,
             "Structured Jacobian").
+        world: a process group's :class:`~tl_steering.data.sharding.World`: layer ``i`` of ``layers`` runs on rank
+            ``i % size`` and every rank returns the whole result, the one-process numbers (docs/scale_out.md).
 
     Returns:
         A :class:`CriticalPointsResult`; ``.result(layer)`` is that layer's :class:`EquilibriaResult`."""
@@ -278,8 +282,8 @@ def critical_points(model: Any, layers: Sequence[int] | int | None = None, field
     tokens, corpus = token_source(_default_tokens(model) if tokens is None else tokens, corpus)
     tokens = ad.validate_tokens(tokens)
     acts = _activations(ad, tokens, sel, kind)
-    results = [_run(ad, tokens, layer, kind, radius, acts[layer], n_starts, (token_index, sequence), seed,
-                    eigensolver, scales, opts, corpus) for layer in sel]
+    results = split_map(lambda layer: _run(ad, tokens, layer, kind, radius, acts[layer], n_starts,
+                                            (token_index, sequence), seed, eigensolver, scales, opts, corpus), sel, world)
     counts = torch.tensor([[r.labels.count(lab) for lab in LABELS] for r in results], dtype=torch.int64)
     i64 = torch.int64
     return CriticalPointsResult(
@@ -297,8 +301,7 @@ def critical_points(model: Any, layers: Sequence[int] | int | None = None, field
         n_converged=torch.tensor([r.n_converged for r in results], dtype=i64),
         n_starts=torch.tensor([r.n_starts for r in results], dtype=i64),
         radius=torch.tensor([r.options["radius"] for r in results], dtype=torch.float64),
-        seconds=torch.tensor([r.seconds for r in results], dtype=torch.float64),
-        results=results)
+        seconds=torch.tensor([r.seconds for r in results], dtype=torch.float64), results=results)
 
 
 __all__ = ["CriticalField", "CriticalPointsResult", "FIELDS", "critical_census", "critical_field", "critical_points"]

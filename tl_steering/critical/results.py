@@ -438,8 +438,7 @@ class CriticalPointsResult(Result):
                 "starts_per_layer": max((int(r.options.get("n_starts", r.n_starts)) for r in self.results), default=0),
                 "solver_rows": int(self.n_starts.sum()),
                 "rows_converged": int(self.n_converged.sum()),
-                "morse_histogram": self.morse_histogram(),
-                "seconds": float(self.seconds.sum())}
+                "morse_histogram": self.morse_histogram(), "seconds": float(self.seconds.sum())}
 
     def plot(self, title: str | None = None):
         """Stacked bars of the label counts per layer (plotly Figure)."""

@@ -64,8 +64,7 @@ def _label_spectrum(eigs: Tensor) -> _Spectrum:
         index=int((re > tol).sum()),
         spectral_abscissa=max_re,
         near_zero=int((re.abs() <= tol).sum()),
-        max_im_re=float(ratio.max()),
-        rotational_fraction=float(rot.double().mean()))
+        max_im_re=float(ratio.max()), rotational_fraction=float(rot.double().mean()))
 
 
 def point_eig(fld: _FieldAdapter, u: Tensor, lam: float) -> Tensor:

@@ -254,8 +254,7 @@ def diversity(model: Any, tokens: Tensor, layers: Sequence[int] | int | None = N
         loss={a: float(r["loss"].mean()) for a, r in {"clean": clean, **runs}.items()},
         gain_sweep={"gain": torch.tensor(gain_list, dtype=torch.float64),
                     **{k: torch.tensor(v, dtype=torch.float64) for k, v in sweep.items()}},
-        exclude_positions=list(excl), n_masked=int(clean["masked"].sum()),
-    )
+        exclude_positions=list(excl), n_masked=int(clean["masked"].sum()))
 
 
 __all__ = ["DiversityResult", "SITES", "STATS", "diversity"]

@@ -273,8 +273,7 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
         provenance=ad.provenance(tokens, corpus=corpus, protocol="prefix_statistics", layers=sel, site=site, stats=stats,
                                  exclude_positions=list(exclude_positions)),
         site=site, layers=sel, stats=stats, positions=torch.arange(n_pos, dtype=torch.int64),
-        n_valid=mask.to(torch.int64).cumsum(0), values=values, exclude_positions=list(exclude_positions),
-    )
+        n_valid=mask.to(torch.int64).cumsum(0), values=values, exclude_positions=list(exclude_positions))
 
 
 __all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "STATS", "prefix_sensitivity",

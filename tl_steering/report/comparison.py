@@ -77,8 +77,7 @@ def comparison_rows(r: SuiteResult) -> list[dict[str, Any]]:
                      "paper_model": pub["model_label"], "paper_value": _paper_value(pub), "paper_number": pub["value"],
                      "paper_range": pub["range"], "band": pub["band"], "tolerance": pub["tolerance"],
                      "certainty": pub["certainty"], "ours": value, "ours_note": note, "our_model": model_name,
-                     "relation": relation, "verdict": _verdict(pub, value),
-                     "regress": pub["regress"]})
+                     "relation": relation, "verdict": _verdict(pub, value), "regress": pub["regress"]})
     return rows
 
 

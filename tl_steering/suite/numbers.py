@@ -201,8 +201,7 @@ def compute_pinned(
         plan_k=s["defect_k"],
         prefix_layer=s["prefix_layer"],
         prefix_positions=list(s["prefix_positions"]),
-        prefix_eps=s["prefix_eps"],
-    )
+        prefix_eps=s["prefix_eps"])
     suite = run_suite(model, tokens, pinned, progress=False, seed=s["seed"])
     return pinned_values(suite)
 

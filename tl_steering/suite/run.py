@@ -229,8 +229,7 @@ def _executor_copy(c: _Ctx, plan: list[int], strategy: str, gates: dict | None =
         correction=correction,
         layers=list(plan),
         timing_shape=list(c.tokens[: min(s.parallel_timing_windows, s.batch_size)].shape),
-        device=str(ad.device),
-    )
+        device=str(ad.device))
     if not plan:
         info.status, info.reason = "skipped", "the plan is empty (no sequential layer to parallelize)"
         return info, None
@@ -251,7 +250,8 @@ def stage_gates(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 
 def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
-    """Critical points of the FFN field on ``critical_layers`` with the one finder (``critical_methods``)."""
+    """Critical points of the FFN field on ``critical_layers`` with the one finder (``critical_methods``); the layers
+    split over the ranks when the schedule runs the stage on all of them."""
     from ..critical import critical_points
 
     s = c.s
@@ -259,7 +259,7 @@ def stage_critical(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         return
     tokens = c.tokens if s.critical_max_windows is None else c.tokens[: s.critical_max_windows]
     res.critical = critical_points(c.model, layers=list(s.critical_layers), field="ffn", tokens=tokens,
-                                   n_starts=s.critical_n_starts, seed=c.seed, corpus=c.corpus)
+                                   n_starts=s.critical_n_starts, seed=c.seed, corpus=c.corpus, world=c.w)
     tick(f"{s.critical_methods[0]}: {int(res.critical.n_points.sum())} points")
 
 

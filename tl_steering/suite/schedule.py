@@ -44,8 +44,8 @@ SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 23.6, 30
 def stage_costs(s: SuiteSettings, n_windows: int, length: int,
                 dims: tuple[int, int, int, int] = SMOLLM2_DIMS) -> dict[str, tuple[float, float, float]]:
     """A rough cost of each stage of ``s`` in forwards over all the windows for a model of ``dims``: ``(part that
-    splits over the batches of windows, part that splits over measured plans, part that does not split)``. Only the
-    ratios matter (they weigh :func:`assign_stages`); docs/scale_out.md, "The sharded report"."""
+    splits over the batches of windows, part that splits over measured plans or layers, part that does not split)``.
+    Only the ratios matter (they weigh :func:`assign_stages`); docs/scale_out.md, "The sharded report"."""
     n_var = len(set(s.ablation_variants) | {"zero"}) + 1  # the random-tangent control
     plans = 0.0  # the gold standard's plans, one pass over the windows each (split_map over the ranks)
     if s.defect_evaluate:
@@ -69,8 +69,8 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
         "plan_choice": (0.0, 0.0, choice),
         "parallel": (0.0, 0.0, (2.4 * fixed + 0.85) * copies + 0.85 * timed),
         "gates": (0.0, 0.0, 4.5),
-        "critical": (0.0, 0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
-                     * jacobian_per_forward(dims) / max(1, n_windows * length)),
+        "critical": (0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
+                     * jacobian_per_forward(dims) / max(1, n_windows * length), 0.0),
         "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions))),
     }
 
@@ -103,18 +103,20 @@ def _finish_times(plan: dict[str, tuple[int, ...]], cost: dict[str, float], size
 def assign_stages(names: list[str], s: SuiteSettings, n_windows: int, length: int, size: int,
                   dims: tuple[int, int, int, int] = SMOLLM2_DIMS) -> dict[str, tuple[int, ...]]:
     """The ranks that run each stage of ``names`` (one rank, or all of them for a window stage with at least
-    ``size`` batches or plans to split): a greedy placement by cost, then single moves while the last rank
-    finishes sooner."""
+    ``size`` batches or plans to split, and for the critical stage with at least ``size`` layers): a greedy placement
+    by cost, then single moves while the last rank finishes sooner."""
     if size <= 1:
         return {n: (0,) for n in names}
     n_batches = math.ceil(n_windows / s.batch_size)
     share = math.ceil(n_batches / size) / n_batches
     cost: dict[str, float] = {}
     options: dict[str, list[tuple[int, ...]]] = {}
+    n_layers = len(s.critical_layers)  # the critical stage splits its layers, one rank each (as split_map)
     for name, (windows, plans, fixed) in stage_costs(s, n_windows, length, dims).items():
-        cost[f"{name}@1"], cost[f"{name}@{size}"] = windows + plans + fixed, windows * share + plans / size + fixed
+        per = math.ceil(n_layers / size) / n_layers if name == "critical" and n_layers else 1 / size
+        cost[f"{name}@1"], cost[f"{name}@{size}"] = windows + plans + fixed, windows * share + plans * per + fixed
         options[name] = [(r,) for r in range(size)]
-        if name in WINDOW_STAGES and (n_batches >= size or plans > 0):
+        if (name in WINDOW_STAGES and (n_batches >= size or plans > 0)) or (name == "critical" and n_layers >= size):
             options[name].append(tuple(range(size)))
 
     def key(plan: dict[str, tuple[int, ...]]) -> tuple[float, float]:

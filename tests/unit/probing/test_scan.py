@@ -273,21 +273,25 @@ def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
     rank; tests/unit/suite/test_schedule.py tests the schedule). Every stage: plan_choice and parallel on rank 0,
     the other stages on rank 1 (plan_choice waits for rank 1's defect at its end, parallel for checks, defect and
     plan_choice). Without plan_choice ("mixed"): the window stages split their batches over both ranks (rank 0
-    runs batches 0 and 2, rank 1 batch 1), the other stages run on one rank each. Cost: ~80 s each on 2 loaded
-    cores (mostly the ranks' start-up)."""
+    runs batches 0 and 2, rank 1 batch 1) and the critical points their two layers (one a rank), the other stages
+    run on one rank each. Cost: ~80 s each on 2 loaded cores (mostly the ranks' start-up)."""
+    extra: list = []
     if "plan_choice" in stages:
         placed = {n: [0] if n in ("plan_choice", "parallel") else [1] for n in stages}
     else:
-        placed = {n: [0, 1] if n in WINDOW_STAGES else [0] if n in ("parallel", "gates") else [1] for n in stages}
-    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best"], placed=placed)
+        placed = {n: [0, 1] if n in (*WINDOW_STAGES, "critical") else [0] if n in ("parallel", "gates") else [1]
+                  for n in stages}
+        extra = [True, "bridge", {"critical_layers": [0, 1]}]
+    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best", *extra], placed=placed)
     assert (one.distributed.world_size, one.distributed.backend) == (1, "none")
     assert (two.distributed.world_size, two.distributed.backend) == (2, "gloo") and two.provenance.world_size == 2
     _assert_stages_split(two, stages, ["parallel", "gates", "critical", "prefix"], placed)
     ranks = two.distributed.stage_ranks
     if "plan_choice" in stages:  # a stage that reads another rank's stage (the late read of the defect plan)
         assert len(ranks["plan_choice"]) == len(ranks["defect"]) == 1 and ranks["plan_choice"] != ranks["defect"]
-    else:  # window stages split over both ranks beside stages on one rank
+    else:  # window stages and the critical layers split over both ranks beside stages on one rank
         assert two.distributed.sharded_stages and any(len(r) == 1 for r in ranks.values()), ranks
+        assert list(two.critical.layers) == [0, 1] and two.critical.n_points.sum() > 0
     assert two.planner is not None and list(two.planner.layers) == list(one.planner.layers)
     n = _same(one.to_dict(), two.to_dict())
     assert n > 500  # the comparison walked the protocols' tensors, not an empty dict

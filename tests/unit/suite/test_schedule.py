@@ -76,7 +76,7 @@ def test_critical_points_weigh_by_the_model_width():
     plan = assign_stages(list(STAGES), s, 6, 16, 2, tiny)
     beside = [n for n in STAGES if plan[n] == plan["critical"] and n != "critical"]
     assert sum(cost[n] for n in beside) < cost["critical"] / 4, plan
-    crit = {k: stage_costs(s, n, length, SMOLLM2_DIMS)["critical"][2] for k, (n, length) in
+    crit = {k: stage_costs(s, n, length, SMOLLM2_DIMS)["critical"][1] for k, (n, length) in
             {"small": (4, 64), "large": (8, 128)}.items()}
     assert crit["large"] == pytest.approx(crit["small"] / 4, rel=1e-12)
     wider = (30, 2 * 576, 2 * 1536, 49152)  # a Jacobian costs 8x, a forward between 2x and 4x
@@ -141,3 +141,21 @@ def test_rank_0_shows_the_stages_other_ranks_run_in_their_place(capsys):
     TqdmProgress(True).elsewhere("defect", (1,))
     TqdmProgress(False).elsewhere("ablation", (0, 1))
     assert capsys.readouterr().err == f"[5/{len(STAGES)}] defect   : on rank 1\n"
+
+
+def test_the_critical_stage_splits_its_layers_where_that_shortens_the_run():
+    """The critical stage runs on every rank, a layer each in turn, when that ends the run sooner by the schedule's
+    weights: not on the report's defaults (3 layers; the chain plan_choice -> parallel is longer), but with 15
+    layers on 4 ranks; never with fewer layers than ranks. Its weight on N ranks is ceil(layers / N) layers."""
+    s = default_settings(30)
+    for size in (2, 4):
+        assert len(assign_stages(list(STAGES), s, 8, 128, size)["critical"]) == 1
+    many = dataclasses.replace(s, critical_layers=list(range(0, 30, 2)))
+    plan = assign_stages(list(STAGES), many, 8, 128, 4)
+    assert plan["critical"] == (0, 1, 2, 3), plan
+    one = dataclasses.replace(s, critical_layers=[15])
+    assert len(assign_stages(["critical"], one, 8, 128, 2)["critical"]) == 1  # one layer: nothing to split
+    three = assign_stages(["critical"], dataclasses.replace(s, critical_layers=[0, 1, 2]), 8, 128, 2)
+    assert three["critical"] == (0, 1)  # alone, 2 of 3 layers a rank beat 3 on one
+    cost = sum(stage_costs(many, 8, 128)["critical"])
+    assert stage_costs(many, 8, 128)["critical"] == (0.0, pytest.approx(cost), 0.0)
