@@ -27,12 +27,18 @@ def test_loads_offline_with_provenance(smollm2):
     assert not ad.any_parallel
 
 
-def test_dtype_is_honoured_in_the_config():
+def test_dtype_is_honoured_in_the_config(capfd):
     """load_model(dtype=bf16): the parameters AND model.cfg.dtype say bfloat16, as TransformerLens's loaders set
-    it; the float32 default says float32."""
+    it; the float32 default says float32. The rebuild from the weight cache draws no transformers progress bar (the
+    report printed one per rank) and leaves transformers' bar setting as it was."""
+    from transformers.utils import logging as hf_logging
+
     from tests.conftest import INTEGRATION_BACKEND
 
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
     half = ts.load_model("smollm2-135m", backend=INTEGRATION_BACKEND, dtype=torch.bfloat16)
+    assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()
     assert half.cfg.dtype == torch.bfloat16
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     assert adapt(half).provenance(None).dtype == "bfloat16"

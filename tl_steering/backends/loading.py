@@ -246,9 +246,16 @@ def _offline_entry(name: str) -> tuple[Path, str]:
 
 def _offline_hf(name: str, dtype: torch.dtype) -> tuple[Any, Any, str, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     entry, revision = _offline_entry(name)
-    hf, info = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32, output_loading_info=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a rebuild from the local cache takes a blink: no bar (one per rank)
+    try:
+        hf, info = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32, output_loading_info=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise ModelLoadError(f"rebuilding {name} from the weight cache {entry} failed: {bad}; delete that "

@@ -79,8 +79,7 @@ class DeficitResult(Result):
             **{f"{n}_mean": finite_mean(getattr(self, n)) for n in ("r2_attention", "r2_parallel")},
             "n_layers": len(self.layers),
             "n_tokens_used": int(self.n_tokens_used.sum()) if self.n_tokens_used.numel() else 0,
-            "n_masked": int(self.n_masked.sum()) if self.n_masked.numel() else 0,
-        }
+            "n_masked": int(self.n_masked.sum()) if self.n_masked.numel() else 0}
 
     def claim(self) -> Claim:
         """The paper's claim on the deficit (docs/deficit.md): where the mean deficit falls beside the paper's GPT-2

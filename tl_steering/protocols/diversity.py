@@ -134,8 +134,7 @@ class DiversityResult(Result):
             "frac_layers_ffn_diversifies": finite_mean((ffn < 0).to(torch.float64)),
             "final_pairwise_cosine": self.final_diversity.get("pairwise_cosine", math.nan),
             "entropy_clean": self.entropy.get("clean", math.nan),
-            "n_masked": self.n_masked,
-        }
+            "n_masked": self.n_masked}
         for name, d in self.final_diversity_under_ablation.items():
             out[f"final_pairwise_cosine_{name}"] = d.get("pairwise_cosine", math.nan)
             out[f"entropy_{name}"] = self.entropy.get(name, math.nan)

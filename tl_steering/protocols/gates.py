@@ -74,8 +74,7 @@ class GateResult(Result):
             "delta_ce_gated_heldout": dgated,
             "recovered_fraction_heldout": (dbase - dgated) / dbase if dbase != 0 else math.nan,
             "improvement_calib": self.improvement_calib, "improvement_heldout": self.improvement_heldout,
-            "generalization_gap": self.generalization_gap,
-        }
+            "generalization_gap": self.generalization_gap}
 
     def claim(self) -> Claim:
         """Our claim, not the paper's (docs/gates.md): the fitted gates recover part of the plan's loss held out;

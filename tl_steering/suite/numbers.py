@@ -188,8 +188,7 @@ def compute_pinned(
     s = PINNED_SETTINGS if settings is None else settings
     if tokens is None:
         tokens = text_windows(
-            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"]
-        )
+            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
     pinned = SuiteSettings(
         stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
         windows=s["windows"], length=s["length"], n_bootstrap=0,

@@ -112,8 +112,7 @@ class SuiteSettings:
         if bad or len(self.critical_methods) != 1:
             raise InputError(
                 f"SuiteSettings.critical_methods must name one finder of {list(CRITICAL_METHODS)} (the critical "
-                f"section holds one result), got {self.critical_methods!r}"
-            )
+                f"section holds one result), got {self.critical_methods!r}")
         for name in ("batch_size", "parallel_repeats", "parallel_timing_windows", "timing_repeats",
                      "critical_n_starts", "n_bootstrap", "plan_k", "gate_steps", "plan_choice_fisher_samples"):
             as_int(getattr(self, name), f"SuiteSettings.{name}", minimum=0 if name in _MAY_BE_ZERO else 1)
