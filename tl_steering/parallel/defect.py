@@ -15,7 +15,7 @@ from .._util.timing import median_seconds
 from ..backends import autodiff, check_finite
 from ..backends.ownership import exclusive
 from ..data.batching import iter_batches
-from ..data.sharding import World, broadcast_from_rank0, gather_rows, my_batches
+from ..data.sharding import World, batch_slices, broadcast_from_rank0, gather_rows, my_batches
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
 from ..stats import check_exclude_positions, position_mask
@@ -136,8 +136,9 @@ def _k_values(k_values: Sequence[int] | None, n_candidates: int) -> list[int]:
 
 def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep: Tensor, brackets: bool,
              batch_size: int, world: World | None) -> tuple["_Sums", dict[str, Tensor], list[float]]:
-    """The float64 sums of every layer over this rank's batches (gathered in window order): the defect terms, the
-    peers' terms and the Phi check's error per sequence."""
+    """The float64 sums of every layer over this rank's batches (gathered in window order), or with fewer batches than
+    ranks over every batch for this rank's layers (``i % size``; gathered by layer): the defect terms, the peers'
+    terms and the Phi check's error per sequence."""
     n, n_seq = len(sel), tokens.shape[0]
     sums = _Sums(n_seq, n)
     peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in PEER_SCORES}
@@ -147,15 +148,22 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
         names += [ad.hook_name(lay, s) for s in ("resid_pre", "attn_out", "mlp_out", "resid_post")]
         if not ad.is_parallel(lay):
             names.append(ad.hook_name(lay, "resid_mid"))
-    mine = my_batches(n_seq, batch_size, world)
+    by_layer = world is not None and world.active and len(batch_slices(n_seq, batch_size)) < world.size
+    mine = batch_slices(n_seq, batch_size) if by_layer else my_batches(n_seq, batch_size, world)
+    layers = my_batches(n, 1, world) if by_layer else [slice(0, n)]  # the layer columns this rank computes
     with torch.no_grad():
         for rows, _, cache in iter_batches(ad, tokens, names, batch_size, rows=mine):
             ad.check_residual_identity(cache, sel)
-            for i, lay in enumerate(sel):
-                _layer_sums(ad, cache, lay, i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
+            for i in (i for part in layers for i in range(part.start, part.stop)):
+                _layer_sums(ad, cache, sel[i], i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
             del cache
-    got = gather_rows({**{k: sums.v[k] for k in sorted(sums.v)}, "__phi_check": phi_rows,  # the other ranks' rows
-                       **{"__peer_" + k: v for k, v in peer_sums.items()}}, mine, world)
+    got = {**{k: sums.v[k] for k in sorted(sums.v)}, "__phi_check": phi_rows,
+           **{"__peer_" + k: v for k, v in peer_sums.items()}}
+    if by_layer:  # the other ranks' layer columns (gathered as rows of the transposes)
+        got = gather_rows({k: v.T.contiguous() for k, v in got.items()}, layers, world)
+        got = {k: v.T.contiguous() for k, v in got.items()}  # the one-process layout: its sums, bit for bit
+    else:  # the other ranks' rows
+        got = gather_rows(got, mine, world)
     phi_rows, peer_sums = got.pop("__phi_check"), {k: got.pop("__peer_" + k) for k in PEER_SCORES}
     sums.v = got
     return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)

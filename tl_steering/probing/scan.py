@@ -68,8 +68,7 @@ def scan(model: Any, source: str | CorpusSpec = "pydoc", *, n_windows: int, leng
         "processing": info.processing, "source": dataclasses.asdict(spec), "n_windows": n_windows,
         "length": length, "metrics": metrics if isinstance(metrics, (str, type(None))) else list(metrics),
         "layers": layers if isinstance(layers, (int, type(None))) else list(layers),
-        "exclude_positions": list(exclude_positions), "shard_windows": shard_windows,
-    }
+        "exclude_positions": list(exclude_positions), "shard_windows": shard_windows}
     check_agreement(settings, w)
     n_shards = -(-n_windows // shard_windows)
     mine = [j for j in range(n_shards) if j % w.size == w.rank]

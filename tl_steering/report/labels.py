@@ -89,14 +89,12 @@ LABELS: dict[str, str] = {
     "kl_at_perturbed": "KL at the perturbed position (nats)",
     "angle_final_at_perturbed": "last-layer angle change at the perturbed position (rad)",
     "kl_mean_later": "mean KL at later positions (nats)",
-    "angle_final_mean_later": "mean last-layer angle change at later positions (rad)",
-}
+    "angle_final_mean_later": "mean last-layer angle change at later positions (rad)"}
 
 
 #: raw key prefix -> label prefix (keys made per strategy, per variant, ...)
 PREFIXES: dict[str, str] = {
-    "held-out dCE, ": "held-out ΔCE (nats) of the plan of strategy ",
-}
+    "held-out dCE, ": "held-out ΔCE (nats) of the plan of strategy "}
 
 
 def labelled(summary: dict[str, Any]) -> dict[str, Any]:

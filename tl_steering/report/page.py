@@ -224,8 +224,7 @@ def summary_section(suite: SuiteResult) -> str:
         timing_claim(suite.executor).why,
         **_choice_rows(suite),
         "critical points: saddle fraction": h.get("critical_saddle_fraction"),
-        "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal"),
-    }
+        "prefix positions i < j unchanged bitwise": h.get("prefix_bitwise_equal")}
     return (
         f"<h2 id='summary'>Summary: the paper's numbers beside ours ({model})</h2>"
         "<div class='note'>The paper reports GPT-2, GPT-2-large, Pythia, Mistral and Llama-3-8B; this run is on "
@@ -272,8 +271,7 @@ def _choice_rows(suite: SuiteResult) -> dict[str, Any]:
         f"chosen plan: held-out ΔCE ({p.n_held_out} windows)": p.held_out_delta_ce,
         f"lowest-C plan ({_layers_text(pc.lowest_c_layers)}), uncorrected: held-out ΔCE":
             pc.lowest_c_held_out_delta_ce,
-        "chosen / lowest-C held-out ΔCE": pc.ratio_to_lowest_c,
-    }
+        "chosen / lowest-C held-out ΔCE": pc.ratio_to_lowest_c}
     ex = suite.executor_choice
     if ex is not None:
         rows["parallel executor, chosen plan: measured forward speedup"] = timing_claim(ex).why
@@ -285,8 +283,7 @@ def _executor_rows(ex: Any) -> dict[str, Any]:
     rows: dict[str, Any] = {
         "plan": f"{ex.strategy} ({_layers_text(list(ex.layers))})"
         + (f", {ex.correction} correction" if ex.correction != "none" else ""),
-        "ΔCE over all windows (nats)": ex.delta_ce,
-    }
+        "ΔCE over all windows (nats)": ex.delta_ce}
     if ex.status != "ok":
         rows["status"] = f"{ex.status}: {ex.reason}"
         return rows

@@ -29,8 +29,7 @@ READS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "defect": ((), ("checks",)),
     "plan_choice": ((), ("defect",)),
     "parallel": (("defect", "plan_choice"), ("checks",)),
-    "gates": (("defect",), ()),
-}
+    "gates": (("defect",), ())}
 
 #: stages whose windows split over the ranks (each rank runs its batches; docs/scale_out.md)
 WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
@@ -71,8 +70,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
         "gates": (0.0, 0.0, 4.5),
         "critical": (0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
                      * jacobian_per_forward(dims) / max(1, n_windows * length), 0.0),
-        "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions))),
-    }
+        "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions)))}
 
 
 def jacobian_per_forward(dims: tuple[int, int, int, int]) -> float:

@@ -265,8 +265,10 @@ _ALL = ["checks", "deficit", "ablation", "diversity", "defect", "plan_choice", "
 
 
 @pytest.mark.one_line("tl3")  # process orchestration on the tiny model: the same on both lines
-@pytest.mark.parametrize("stages", [_ALL, [n for n in _ALL if n != "plan_choice"]], ids=["every-stage", "mixed"])
-def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
+@pytest.mark.parametrize("stages,batch", [(_ALL, 2), ([n for n in _ALL if n != "plan_choice"], 2),
+                                          ([n for n in _ALL if n != "plan_choice"], 6)],
+                         ids=["every-stage", "mixed", "mixed-one-batch"])
+def test_suite_on_two_processes_equals_one_process(tmp_path, stages, batch):
     """run_suite under torchrun (2 gloo ranks; 6 windows in batches of 2; plan_strategy="best": every planner)
     gives the same numbers as one process: every field of every protocol, the bootstrap intervals, the plan.
     The placement is fixed here (on the tiny model the schedule puts its costly critical points alone on one
@@ -274,7 +276,9 @@ def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
     the other stages on rank 1 (plan_choice waits for rank 1's defect at its end, parallel for checks, defect and
     plan_choice). Without plan_choice ("mixed"): the window stages split their batches over both ranks (rank 0
     runs batches 0 and 2, rank 1 batch 1) and the critical points their two layers (one a rank), the other stages
-    run on one rank each. Cost: ~80 s each on 2 loaded cores (mostly the ranks' start-up)."""
+    run on one rank each. With one batch of 6 ("mixed-one-batch") rank 1 has no batch: the window stages run on rank
+    0 alone inside the split, and the defect stage splits its layers instead (every rank runs the batch for its
+    layers). Cost: ~80 s each on 2 loaded cores (mostly the ranks' start-up)."""
     extra: list = []
     if "plan_choice" in stages:
         placed = {n: [0] if n in ("plan_choice", "parallel") else [1] for n in stages}
@@ -282,7 +286,7 @@ def test_suite_on_two_processes_equals_one_process(tmp_path, stages):
         placed = {n: [0, 1] if n in (*WINDOW_STAGES, "critical") else [0] if n in ("parallel", "gates") else [1]
                   for n in stages}
         extra = [True, "bridge", {"critical_layers": [0, 1]}]
-    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, 2, stages, "best", *extra], placed=placed)
+    one, two = _two_ranks_vs_one(tmp_path, ["tiny-gpt2", 6, 16, batch, stages, "best", *extra], placed=placed)
     assert (one.distributed.world_size, one.distributed.backend) == (1, "none")
     assert (two.distributed.world_size, two.distributed.backend) == (2, "gloo") and two.provenance.world_size == 2
     _assert_stages_split(two, stages, ["parallel", "gates", "critical", "prefix"], placed)
