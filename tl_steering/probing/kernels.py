@@ -110,14 +110,15 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-# one helper thread per process for in_halves and the probe's deferred updates (started on the first submit)
+# one helper thread per process for the probe's deferred updates, and the threads of in_parts (started on first use)
 HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
+POOL = concurrent.futures.ThreadPoolExecutor(max(1, usable_cores() - 1), "tl_steering-part")
 
 
-def splits(device: torch.device) -> bool:
-    """Whether :func:`in_halves` should split: torch has two or more intra-op threads and the work is on a CPU
-    (the decision of every caller that runs its kernels one thread per half)."""
-    return torch.get_num_threads() >= 2 and device.type == "cpu"
+def parts_for(device: torch.device) -> int:
+    """How many parts :func:`in_parts` should run at once: torch's intra-op threads (at most the usable cores) for
+    work on a CPU, else 1 (the decision of every caller that runs its kernels one thread per part)."""
+    return min(torch.get_num_threads(), usable_cores()) if device.type == "cpu" else 1
 
 
 def defers(device: torch.device) -> bool:
@@ -126,19 +127,20 @@ def defers(device: torch.device) -> bool:
     return device.type == "cpu" and torch.get_num_threads() == 1 and usable_cores() >= 2
 
 
-def in_halves(fn: Callable[[int, int], Any], n: int, split: bool) -> list[Any]:
-    """``[fn(0, n)]``, or with ``split`` (and ``n >= 2``) ``[fn(0, h), fn(h, n)]`` with the second half run on a
-    helper thread while this thread runs the first; both are finished when this returns, also when one raises."""
-    if not split or n < 2:
+def in_parts(fn: Callable[[int, int], Any], n: int, parts: int) -> list[Any]:
+    """``[fn(0, n)]``, or ``fn`` of ``k = min(parts, n)`` consecutive ranges of ``range(n)`` (sizes within one, the
+    larger first), all but the first on :data:`POOL`'s threads while this thread runs the first; every one finished
+    when this returns, also when one raises."""
+    k = min(int(parts), n)
+    if k < 2:
         return [fn(0, n)]
-    h = (n + 1) // 2
-    fut = HELPER.submit(torch.no_grad()(fn), h, n)  # grad mode is per thread; the helper's default is on
+    cuts = [-(-n * i // k) for i in range(k + 1)]
+    futs = [POOL.submit(torch.no_grad()(fn), a, b) for a, b in zip(cuts[1:-1], cuts[2:])]  # grad mode is per thread
     try:
-        first = fn(0, h)
-    except BaseException:
-        concurrent.futures.wait([fut])
-        raise
-    return [first, fut.result()]
+        first = fn(0, cuts[1])
+    finally:
+        concurrent.futures.wait(futs)
+    return [first, *(f.result() for f in futs)]
 
 
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
 from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, direction_totals, diversity,
-                      diversity_sums, in_halves, splits, token_quantities)
+                      diversity_sums, in_parts, parts_for, token_quantities)
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -298,7 +298,7 @@ class ProbeTrace:
         while the forward goes on (:func:`defers`; docs/probe.md, "Cost")."""
         device = self.ad.device
         if not defers(device):
-            self._update_layer(layer, st, splits(device), self._buf, self._cur)  # splits: before single_threaded
+            self._update_layer(layer, st, parts_for(device), self._buf, self._cur)  # before single_threaded
             return
         buf, self._buf = self._buf, None
         self._drain()
@@ -307,7 +307,7 @@ class ProbeTrace:
     def _deferred(self, layer: int, st: dict[str, Any], buf: Tensor | None, cur: dict[str, int]) -> None:
         try:  # the buffer goes back to the spares when done
             with torch.no_grad():  # grad mode is per thread
-                self._update_layer(layer, st, False, buf, cur)
+                self._update_layer(layer, st, 1, buf, cur)
         finally:
             self._spare += [buf] if buf is not None else []
 
@@ -319,7 +319,7 @@ class ProbeTrace:
             raise error
 
     @single_threaded()
-    def _update_layer(self, layer: int, st: dict[str, Any], split: bool, buf: Tensor | None,
+    def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int, buf: Tensor | None,
                       k: dict[str, int]) -> None:
         acc, row = self._acc, self._row[layer]
         div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity
@@ -360,7 +360,7 @@ class ProbeTrace:
             sets, sq = [buf[k[s_]][ix] for s_ in todo], [dot(grams, s_, s_) for s_ in todo]
             return grams, direction_totals(sets, sq) if by_pos else diversity_sums(sets, sq, spectrum, gram), True
 
-        parts = in_halves(part, buf.shape[2] if by_pos else buf.shape[1], split)
+        parts = in_parts(part, buf.shape[2] if by_pos else buf.shape[1], n_parts)
         grams = [torch.cat(g, int(by_pos)) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
         if not all(p[2] for p in parts):  # a NaN/Inf in a slot shows in its squared norm: name layer and site
             sites = dict.fromkeys(s_ for pos in at for s_ in pos)

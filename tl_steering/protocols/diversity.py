@@ -16,7 +16,7 @@ from ..data.windows import model_tokens
 from ..errors import ArgumentTypeError
 from ..hooks import attention_gain, ffn_component
 from ..metrics import entropy, next_token_loss
-from ..probing.kernels import in_halves, splits
+from ..probing.kernels import in_parts, parts_for
 from ..results import Result, register, tensor_field
 from ..data.sharding import World, gather_rows, my_batches
 from .._util.threads import single_threaded
@@ -38,11 +38,11 @@ SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post")
 def _stats(x: Tensor, base: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     """Per-sequence statistics of the valid directions of ``x`` [b, pos, d]; also the number masked per sequence."""
     valid = base & ~geo.degenerate_mask(x, base)
-    # the sequences' SVDs in two halves on two threads when torch has two (each on one thread: see
-    # single_threaded): every sequence's numbers come from its own decomposition, so the same numbers either way
-    split = splits(x.device)
+    # the sequences' SVDs in parts, one a torch thread (each on one thread: see single_threaded): every
+    # sequence's numbers come from its own decomposition, so the same numbers either way
+    n_parts = parts_for(x.device)
     with single_threaded():
-        parts = in_halves(lambda a, b: geo.diversity_stats(x[a:b], mask=valid[a:b]), x.shape[0], split)
+        parts = in_parts(lambda a, b: geo.diversity_stats(x[a:b], mask=valid[a:b]), x.shape[0], n_parts)
     return {k: torch.cat([p[k] for p in parts]).cpu() for k in STATS}, (base & ~valid).sum(-1).cpu()
 
 

@@ -281,8 +281,7 @@ STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], int]
     "parallel": (stage_parallel, 2),
     "gates": (stage_gates, 1),
     "critical": (stage_critical, 1),
-    "prefix": (stage_prefix, 1),
-}
+    "prefix": (stage_prefix, 1)}
 
 
 def _model_summary(ad: Any) -> ModelSummary:

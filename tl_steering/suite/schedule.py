@@ -20,8 +20,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("executor", "executor_choice"),
     "gates": ("gates",),
     "critical": ("critical", "critical_fixed_point"),
-    "prefix": ("prefix",),
-}
+    "prefix": ("prefix",)}
 _PRODUCER = {f: stage for stage, fields in STAGE_FIELDS.items() for f in fields}
 
 #: stage -> (the stages it reads when it starts, the stages it reads only when its own work is done)

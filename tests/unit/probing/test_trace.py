@@ -9,6 +9,7 @@ the reference on SmolLM2.
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -490,12 +491,26 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
-def test_kernels_split_over_two_threads_equal_one_thread(batch):
-    """diversity_sums on the two row halves of a batch, one per thread (the probe's path when torch has >= 2
-    threads), put side by side per set, and direction_totals on two position halves, added, give the numbers of
-    the whole batch on one thread."""
-    from tl_steering.probing.kernels import direction_totals, diversity_sums, in_halves
+@pytest.mark.parametrize("n_parts", [2, 3])
+def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
+    """diversity_sums on row parts of a batch, one per thread (the probe's path when torch has >= 2 threads), put
+    side by side per set, and direction_totals on position parts, added, give the numbers of the whole batch on one
+    thread; in_parts cuts consecutive ranges (sizes within one, the larger first) and waits for every part."""
+    from tl_steering.probing.kernels import direction_totals, diversity_sums, in_parts
 
+    assert in_parts(lambda a, b: (a, b), 5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert in_parts(lambda a, b: (a, b), 2, 3) == [(0, 1), (1, 2)] and in_parts(lambda a, b: (a, b), 7, 1) == [(0, 7)]
+    done = []
+
+    def slow_or_bad(a, b):
+        if a == 0:
+            raise ValueError("part 0")
+        time.sleep(0.05)
+        done.append(a)
+
+    with pytest.raises(ValueError, match="part 0"):
+        in_parts(slow_or_bad, 6, 3)
+    assert sorted(done) == [2, 4]  # the other parts had finished when the error came out
     gen = torch.Generator().manual_seed(batch)
     for n, d in ((7, 16), (20, 6)):  # n <= d (pos x pos Gram) and n > d (d x d Gram)
         sets = [torch.randn(batch, n, d, generator=gen, dtype=F64) for _ in range(3)]
@@ -503,20 +518,21 @@ def test_kernels_split_over_two_threads_equal_one_thread(batch):
         sq = [(t * t).sum(-1) for t in sets]
         for spectrum in (False, True):  # the direction sums alone, and the Gram route
             whole = diversity_sums(sets, sq, spectrum, spectrum)
-            parts = in_halves(lambda a, b: diversity_sums([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum,
-                                                          spectrum), batch, True)
+            parts = in_parts(lambda a, b: diversity_sums([t[a:b] for t in sets], [q[a:b] for q in sq], spectrum,
+                                                         spectrum), batch, n_parts)
             for i, w in enumerate(whole):
                 got = torch.cat([p[i].view(3, -1) for p in parts], 1).flatten()
                 assert torch.allclose(got, w, rtol=1e-13, atol=0, equal_nan=True), (spectrum, i)
         tot, cnt = direction_totals(sets, sq)
-        halves = in_halves(lambda a, b: direction_totals([t[:, a:b] for t in sets], [q[:, a:b] for q in sq]), n, True)
-        assert torch.equal(sum(h[1] for h in halves), cnt)
+        halves = in_parts(lambda a, b: direction_totals([t[:, a:b] for t in sets], [q[:, a:b] for q in sq]), n,
+                          n_parts)
+        assert len(halves) == n_parts and torch.equal(sum(h[1] for h in halves), cnt)
         assert torch.allclose(sum(h[0] for h in halves), tot, rtol=1e-13, atol=1e-15)
         assert torch.equal((tot * tot).sum(-1), diversity_sums(sets, sq, False, False)[0])  # the same operations
 
 
-def test_layer_update_split_over_two_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
-    """Each layer's Grams and per-sequence sums taken on the two halves of the batch, one per thread (the probe's
+def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
+    """Each layer's Grams and per-sequence sums taken on two or three parts of the batch, one per thread (the probe's
     path when torch has >= 2 threads), equal those of the whole batch on one thread: every metric, per position
     bin, batches of 1-3 sequences; a non-finite activation on that path still raises, naming its layer and site."""
     import tl_steering.probing.trace as trace_mod
@@ -525,18 +541,19 @@ def test_layer_update_split_over_two_threads_equals_one_thread(tiny, tiny_tokens
     monkeypatch.setattr(trace_mod, "defers", lambda device: False)
     for metrics in ("all", None):  # None: no spectrum, so one sequence splits its positions
         runs = {}
-        for split in (False, True):
-            monkeypatch.setattr(trace_mod, "splits", lambda device, s=split: s)
+        for split in (1, 2, 3):
+            monkeypatch.setattr(trace_mod, "parts_for", lambda device, s=split: s)
             with probe(tiny, metrics=metrics, position_bins=True) as trace:
                 for rows in (slice(0, 1), slice(0, 2), slice(0, 3)):
                     tiny(tiny_tokens[rows])
             runs[split] = trace.result()
-        a, b = runs.values()
-        assert a.quantities == b.quantities
-        for q in a.quantities:
-            assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
-            # the same float64 operations on the same rows, per half: only the order of a few sums may differ
-            assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
+        a = runs[1]
+        for b in (runs[2], runs[3]):
+            assert a.quantities == b.quantities
+            for q in a.quantities:
+                assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
+                # the same float64 operations on the same rows, per part: only the order of a few sums may differ
+                assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
     bad = [(adapt(tiny).hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
     with pytest.raises(NonFiniteError, match="layer 1, .*mlp_out"):
         with probe(tiny, metrics="all") as trace:
