@@ -24,9 +24,9 @@ def _per_chunk(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
     step = max(1, per // max(1, first.shape[-1] * sum(t.ndim == first.ndim for t in tensors)))
 
     def rows(ts: tuple[Tensor, ...]) -> Tensor:
-        if not len(ts[0]) or ts[0].ndim > 2:
-            return torch.stack([rows(tuple(t[i] for t in ts)) for i in range(len(ts[0]))]) if len(ts[0]) else fn(*ts)
-        parts = [fn(*(t[s:s + step] for t in ts)) for s in range(0, len(ts[0]), step)]
+        if ts[0].ndim > 2 and len(ts[0]):
+            return torch.stack([rows(tuple(t[i] for t in ts)) for i in range(len(ts[0]))])
+        parts = [fn(*(t[s:s + step] for t in ts)) for s in range(0, len(ts[0]), step)] or [fn(*ts)]  # empty: as is
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return rows(tensors)

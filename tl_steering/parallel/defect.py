@@ -150,17 +150,17 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
             names.append(ad.hook_name(lay, "resid_mid"))
     by_layer = world is not None and world.active and len(batch_slices(n_seq, batch_size)) < world.size
     mine = batch_slices(n_seq, batch_size) if by_layer else my_batches(n_seq, batch_size, world)
-    layers = my_batches(n, 1, world) if by_layer else [slice(0, n)]  # the layer columns this rank computes
+    todo = range(n)[world.rank::world.size] if by_layer else range(n)  # the layer columns this rank computes
     with torch.no_grad():
         for rows, _, cache in iter_batches(ad, tokens, names, batch_size, rows=mine):
             ad.check_residual_identity(cache, sel)
-            for i in (i for part in layers for i in range(part.start, part.stop)):
+            for i in todo:
                 _layer_sums(ad, cache, sel[i], i, parallel[i], rows, keep, brackets, sums, peer_sums, phi_rows)
             del cache
     got = {**{k: sums.v[k] for k in sorted(sums.v)}, "__phi_check": phi_rows,
            **{"__peer_" + k: v for k, v in peer_sums.items()}}
     if by_layer:  # the other ranks' layer columns (gathered as rows of the transposes)
-        got = gather_rows({k: v.T.contiguous() for k, v in got.items()}, layers, world)
+        got = gather_rows({k: v.T.contiguous() for k, v in got.items()}, [slice(i, i + 1) for i in todo], world)
         got = {k: v.T.contiguous() for k, v in got.items()}  # the one-process layout: its sums, bit for bit
     else:  # the other ranks' rows
         got = gather_rows(got, mine, world)

@@ -166,7 +166,7 @@ def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: b
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio; 0 where not asked) of each sequence of
     each ``[batch, n, d]`` set (``sq``: squared row norms), set-major ``[len(sets) * batch]``: the part of
-    :func:`diversity` that runs on each half of a batch. Without a spectrum or Gram matrix, :func:`direction_totals`;
+    :func:`diversity` that runs on each part of a batch. Without a spectrum or Gram matrix, :func:`direction_totals`;
     else from the smaller Gram matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
     if not (spectrum or gram):
         total, cnt = direction_totals(sets, sq)

@@ -375,10 +375,10 @@ class ProbeTrace:
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
         if todo:
-            if by_pos:  # the position halves of one sequence: their sums of u_j add up
+            if by_pos:  # the position parts of one sequence: their sums of u_j add up
                 tot, cnt = (sum(p[1][i] for p in parts) for i in (0, 1))
                 sums = [(tot * tot).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)]
-            else:  # row halves, each set-major [len(todo) * rows]: side by side per set
+            else:  # row parts, each set-major [len(todo) * rows]: side by side per set
                 sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)]
             values, valid = diversity([buf[k[s_]] for s_ in todo], spectrum=spectrum, gram=gram, sums=sums)
             if div_pre is not None:
