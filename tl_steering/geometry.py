@@ -122,9 +122,8 @@ def _safe_cosine(a: Tensor, b: Tensor, eps: float) -> Tensor:
     return (a * b).sum(-1) / (_norm(a).clamp_min(eps) * _norm(b).clamp_min(eps))
 
 
-def safe_cosine(
-    a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"], eps: float = EPS_NORM
-) -> Float64[Tensor, "*#batch"]:
+def safe_cosine(a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"],
+                eps: float = EPS_NORM) -> Float64[Tensor, "*#batch"]:
     """Cosine ``<a, b> / (max(||a||, eps) max(||b||, eps))``; 0 (not NaN) when either vector is ~0."""
     a64, b64 = _checked_vectors(a=a, b=b)
     return _safe_cosine(a64, b64, eps)
@@ -138,11 +137,8 @@ def cosine_radial(v: Float[Tensor, "*#batch d_model"], reference: Float[Tensor, 
     return _safe_cosine(ref64, v64, EPS_NORM)
 
 
-def tangent_alignment(
-    a: Float[Tensor, "*#batch d_model"],
-    b: Float[Tensor, "*#batch d_model"],
-    reference: Float[Tensor, "*#batch d_model"],
-) -> Float64[Tensor, "*#batch"]:
+def tangent_alignment(a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"],
+                      reference: Float[Tensor, "*#batch d_model"]) -> Float64[Tensor, "*#batch"]:
     """Tangent-plane alignment ``cos(P_u a, P_u b)``, ``u = normalize(reference)``, by the safe cosine (~0, not NaN,
     for a purely radial ``a`` or ``b``)."""
     a64, b64, ref64 = _checked_vectors(a=a, b=b, reference=reference)
@@ -156,9 +152,8 @@ def tangential_speed(v: Float[Tensor, "*#batch d_model"], reference: Float[Tenso
     return _norm(_tangential_part(v64, ref64)) / _norm(ref64).clamp_min(EPS_NORM)
 
 
-def angle(
-    a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"], eps: float = EPS_NORM
-) -> Float64[Tensor, "*#batch"]:
+def angle(a: Float[Tensor, "*#batch d_model"], b: Float[Tensor, "*#batch d_model"],
+          eps: float = EPS_NORM) -> Float64[Tensor, "*#batch"]:
     """Angle in radians between the directions of ``a`` and ``b``, ``2 atan2(||â - b̂||, ||â + b̂||)``
     (docs/geometry.md, "Angles")."""
     a64, b64 = _checked_vectors(a=a, b=b)
@@ -171,9 +166,8 @@ def angle(
     return theta
 
 
-def degenerate_mask(
-    x: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, rel: float = DEGENERATE_REL
-) -> Bool[Tensor, "*batch n"]:
+def degenerate_mask(x: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None,
+                    rel: float = DEGENERATE_REL) -> Bool[Tensor, "*batch n"]:
     """True where a row of ``x`` is degenerate (``||x_j|| < rel`` x the median norm of the rows ``mask`` keeps, or 0);
     docs/geometry.md, "Degenerate tokens"."""
     norms = _norm(_checked("x", x, min_ndim=2))
@@ -232,40 +226,35 @@ def _rank_collapse(unit: Tensor, valid: Tensor) -> Tensor:
     return _nan_where(residual / _norm(unit.flatten(-2)).clamp_min(EPS_NORM), valid.sum(-1) < 1)
 
 
-def mean_pairwise_cosine(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch"]:
+def mean_pairwise_cosine(U: Float[Tensor, "*batch n d_model"],
+                         mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch"]:
     """Mean pairwise cosine of the valid rows of ``U`` (``mask``; None: all), ``[*batch]``, NaN where fewer than 2
     are valid (docs/geometry.md, "Statistics of a set of directions")."""
     return _pairwise_cosine(*_prepared_set(U, mask))
 
 
-def mean_resultant_length(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch"]:
+def mean_resultant_length(U: Float[Tensor, "*batch n d_model"],
+                          mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch"]:
     """Mean resultant length ``R = ||(1/n) sum_j u_j||`` in [0, 1]; NaN where no row is valid."""
     return _resultant_length(*_prepared_set(U, mask))
 
 
-def effective_rank(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
-) -> Float64[Tensor, "*batch"]:
+def effective_rank(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None,
+                   center: bool = False) -> Float64[Tensor, "*batch"]:
     """Effective rank (Roy-Vetterli) of the unit rows, ``center``: less the mean valid row; NaN where every singular
     value is 0 (docs/geometry.md, "Statistics of a set of directions")."""
     return _erank(_prepared_set(U, mask, center)[0])
 
 
-def participation_ratio(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None, center: bool = False
-) -> Float64[Tensor, "*batch"]:
+def participation_ratio(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None,
+                        center: bool = False) -> Float64[Tensor, "*batch"]:
     """Participation ratio ``(sum s^2)^2 / sum s^4 = ||U||_F^4 / ||U U^T||_F^2`` of the unit rows (no SVD); ``mask``
     and ``center`` as in :func:`effective_rank`; NaN where U (after centering) is 0."""
     return _participation_ratio(_prepared_set(U, mask, center)[0])
 
 
-def diversity_stats(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> dict[str, Float64[Tensor, "*batch"]]:
+def diversity_stats(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
+                    "*batch n"] | None = None) -> dict[str, Float64[Tensor, "*batch"]]:
     """Every set statistic at once (uncentered), with one validation and normalization: a dict of ``[*batch]``
     tensors keyed as in docs/geometry.md, "Statistics of a set of directions"."""
     unit, valid = _prepared_set(U, mask)
@@ -279,9 +268,8 @@ def diversity_stats(
         "rank_collapse": _rank_collapse(unit, valid)}
 
 
-def prefix_mean_pairwise_cosine(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch n"]:
+def prefix_mean_pairwise_cosine(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
+                                "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t`` (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
@@ -290,9 +278,8 @@ def prefix_mean_pairwise_cosine(
     return _nan_where(off_diagonal / (count * (count - 1)).clamp_min(1.0), count < 2)
 
 
-def prefix_mean_resultant_length(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch n"]:
+def prefix_mean_resultant_length(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
+                                 "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`mean_resultant_length` of every prefix, ``R_t = ||S_t|| / n_t`` by cumulative sums, O(n d)."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
@@ -312,9 +299,8 @@ def prefix_effective_rank(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tenso
     return out
 
 
-def prefix_participation_ratio(
-    U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-) -> Float64[Tensor, "*batch n"]:
+def prefix_participation_ratio(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
+                               "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`participation_ratio` (uncentered) of every prefix, off cumulative sums of the Gram matrix ``U U^T``
     (docs/geometry.md, "Prefix ("causal") versions"); NaN while no row is valid."""
     unit, _ = _prepared_set(U, mask)

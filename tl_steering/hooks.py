@@ -62,13 +62,9 @@ def _layers_text(ad: Any, layers: Sequence[int]) -> str:
     return "all" if layers == list(range(ad.n_layers)) else str(layers)
 
 
-def ffn_component(
-    model: Any,
-    keep: Keep = "tangential",
-    layers: Sequence[int] | int | None = None,
-    reference: Literal["ffn_input", "resid_pre"] = "ffn_input",
-    skip_positions: Sequence[int] = (),
-    seed: int = 0) -> HookList:
+def ffn_component(model: Any, keep: Keep = "tangential", layers: Sequence[int] | int | None = None,
+                  reference: Literal["ffn_input", "resid_pre"] = "ffn_input", skip_positions: Sequence[int] = (),
+                  seed: int = 0) -> HookList:
     """Replace each chosen layer's FFN write phi = hook_mlp_out by its part ``keep`` (P_u phi, <u, phi> u, zero, a
     seeded random tangent or phi itself), u = normalize(FFN input); ``layers``: default all at once (docs/hooks.md)."""
     ad = adapt(model)
@@ -175,12 +171,9 @@ def checked_corrections(ad: Any, layers: Sequence[int], gates: Mapping[int, floa
     return g_of, b_of, w_of
 
 
-def parallel_blocks(
-    model: Any,
-    layers: Sequence[int] | int,
-    gates: Mapping[int, float] | None = None,
-    biases: Mapping[int, Tensor] | None = None,
-    linears: Mapping[int, Tensor] | None = None) -> HookList:
+def parallel_blocks(model: Any, layers: Sequence[int] | int, gates: Mapping[int, float] | None = None,
+                    biases: Mapping[int, Tensor] | None = None,
+                    linears: Mapping[int, Tensor] | None = None) -> HookList:
     """Make the chosen sequential blocks compute the parallel surrogate x + A(x) + Phi(x) exactly (docs/hooks.md),
     with the corrected write ``g_l Phi(x) + b_l + a W_l`` where ``gates`` / ``biases`` / ``linears`` (``{layer: g}``,
     ``{layer: b}``, ``{layer: W}``) are given (docs/parallel.md, "Refit")."""

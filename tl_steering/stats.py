@@ -79,13 +79,8 @@ def finite_mean(x: Tensor) -> float:
     return float(x.mean()) if x.numel() else math.nan
 
 
-def bootstrap_ci(
-    per_sequence: Float[Tensor, "seq *rest"],
-    statistic: Callable[[Tensor], Tensor] | None = None,
-    n_bootstrap: int = 1000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> Float[Tensor, "*out 2"]:
+def bootstrap_ci(per_sequence: Float[Tensor, "seq *rest"], statistic: Callable[[Tensor], Tensor] | None = None,
+                 n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> Float[Tensor, "*out 2"]:
     """Percentile bootstrap CI ``[*out, 2]`` (float64) over the rows (sequences) of ``per_sequence`` of ``statistic``
     (default ``nanmean`` over sequences); docs/statistics.md, "Bootstrap confidence intervals"."""
     stat = statistic or (lambda s: torch.nanmean(s, dim=0))
@@ -123,13 +118,8 @@ def block_sums(per_token: Float[Tensor, "window token *m"], length: int) -> Floa
     return x.reshape(x.shape[0], nb, length, *x.shape[2:]).sum(2)
 
 
-def cluster_bootstrap_ci(
-    sums: Float[Tensor, "window block *m"],
-    counts: Float[Tensor, "window block"],
-    n_bootstrap: int = 1000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> Float[Tensor, "*m 2"]:
+def cluster_bootstrap_ci(sums: Float[Tensor, "window block *m"], counts: Float[Tensor, "window block"],
+                         n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> Float[Tensor, "*m 2"]:
     """Percentile interval ``[*m, 2]`` of ``sum(sums) / sum(counts)`` (``sums`` ``[window, block, *m]``, ``counts``
     ``[window, block]``) under the two-stage block bootstrap of docs/statistics.md, "Bootstrap confidence intervals"."""
     s = sums.detach().to("cpu", torch.float64)

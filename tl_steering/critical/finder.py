@@ -218,13 +218,8 @@ def polish_points(field: Field, points: Float[Tensor, "m d_model"], options: Fin
     return _result(fld, u.detach(), rel, iters.cpu(), status.cpu(), kinds, run, solver, opts, t0)
 
 
-def classify_point(
-    field: Field,
-    u: Float[Tensor, " d_model"],
-    eigensolver: Eigensolver = "auto",
-    n_eigs: int = 6,
-    dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None) -> PointClassification:
+def classify_point(field: Field, u: Float[Tensor, " d_model"], eigensolver: Eigensolver = "auto", n_eigs: int = 6,
+                   dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> PointClassification:
     """Tangent spectrum and label of the field at one point u (normalised here), see docs/critical_points.md.
 
     M = Qᵀ DF(u) Q - λ I_{d-1} with λ = <u, F(u)> and Q an orthonormal basis of u^⊥. The label is meaningful only

@@ -151,8 +151,7 @@ def _build_field(ad: ModelAdapter, layer: int, kind: str, radius: Any, acts: Ten
 
 @exclusive
 def critical_field(model: Any, layer: int, field: FieldKind = "ffn", radius: str | float = "median",
-                   tokens: Tensor | None = None, token_index: int | None = None, sequence: int = 0
-                   ) -> CriticalField:
+                   tokens: Tensor | None = None, token_index: int | None = None, sequence: int = 0) -> CriticalField:
     """The float64 field of :func:`critical_points` as a callable ``[n, d] -> [n, d]`` (or ``[d] -> [d]``).
 
     Args: as :func:`critical_points`. Tokens default to ``text_tokens(model, n_windows=4, length=64)``."""

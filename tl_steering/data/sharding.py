@@ -14,8 +14,8 @@ from ..validation import as_int
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "p2p_group",
-           "rank_device", "recv_object", "send_object", "split_map", "world"]
+__all__ = ["batch_slices", "World", "broadcast_from_rank0", "check_agreement", "gather_objects", "gather_rows", "my_batches", "on_rank0",
+           "owners", "p2p_group", "rank_device", "recv_object", "send_object", "split_map", "world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,35 +86,54 @@ def gather_rows(arrays: dict[K, Tensor], mine: Sequence[slice], w: World | None 
     return {k: out[k] for k in dict.fromkeys(k for part in parts for k in part)}
 
 
-def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None) -> list[Any]:
-    """``[fn(x) for x in items]`` with item ``i`` computed on rank ``i % world_size``, the list on every rank."""
+def split_map(fn: Callable[[T], Any], items: Sequence[T], w: World | None = None, cost: Sequence[float] | None = None,
+              load: Sequence[float] = ()) -> list[Any]:
+    """``[fn(x) for x in items]`` with item ``i`` computed on rank ``i % world_size``, or with ``cost`` (one number per
+    item) on the rank :func:`owners` gives it, the list on every rank; ``load``: work ranks 0, 1, ... have already."""
     w = w or World()
     if not w.active:
         return [fn(x) for x in items]
-    mine = {i: fn(x) for i, x in enumerate(items) if i % w.size == w.rank}
-    merged: dict[int, Any] = {}
-    for part in gather_objects(mine, w):
-        merged.update(part)
+    owner = owners(cost, w.size, load) if cost is not None else [i % w.size for i in range(len(items))]
+    mine = {i: fn(x) for i, x in enumerate(items) if owner[i] == w.rank}
+    merged = {i: v for part in gather_objects(mine, w) for i, v in part.items()}
     return [merged[i] for i in range(len(items))]
 
 
-def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
-    """Run ``fn`` on rank 0 only and hand its return value to every rank (``broadcast_object_list``); an exception on
-    rank 0 is re-raised on every rank (the others would otherwise wait forever)."""
+def owners(cost: Sequence[float], size: int, load: Sequence[float] = ()) -> list[int]:
+    """The rank of each item: the costliest first, each to the rank with the least work so far (the lower rank on a
+    tie), starting from ``load``; the same on every rank."""
+    work, owner = [float(v) for v in load] + [0.0] * (size - len(load)), [0] * len(cost)
+    for i in sorted(range(len(cost)), key=lambda i: (-cost[i], i)):
+        owner[i] = min(range(size), key=lambda r: (work[r], r))
+        work[owner[i]] += cost[i]
+    return owner
+
+
+def on_rank0(fn: Callable[[], T], w: World | None = None) -> Callable[[], T]:
+    """Run ``fn`` now on rank 0 only; the call returned hands its value to every rank (``broadcast_object_list``), so
+    other collective work may run in between; an exception on rank 0 is re-raised there, on every rank."""
     w = w or World()
-    if not w.active:
-        return fn()
     box: list[Any] = [None]
     if w.rank == 0:
         try:
             box[0] = ("ok", fn())
         except BaseException as e:  # noqa: BLE001 - handed to the other ranks, re-raised here too
+            if not w.active:
+                raise
             box[0] = ("error", e)
-    torch.distributed.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise value
-    return value
+
+    def hand() -> T:
+        if w.active:
+            torch.distributed.broadcast_object_list(box, src=0)
+        if box[0][0] == "error":
+            raise box[0][1]
+        return box[0][1]
+    return hand
+
+
+def broadcast_from_rank0(fn: Callable[[], T], w: World | None = None) -> T:
+    """Run ``fn`` on rank 0 only and hand its return value to every rank (:func:`on_rank0`)."""
+    return on_rank0(fn, w)()
 
 
 def p2p_group(w: World) -> Any:

@@ -15,7 +15,7 @@ from .._util.timing import median_seconds
 from ..backends import autodiff, check_finite
 from ..backends.ownership import exclusive
 from ..data.batching import iter_batches
-from ..data.sharding import World, batch_slices, broadcast_from_rank0, gather_rows, my_batches
+from ..data.sharding import World, batch_slices, gather_rows, my_batches, on_rank0
 from ..data.windows import model_tokens
 from ..errors import InputError, ResidualIdentityError
 from ..stats import check_exclude_positions, position_mask
@@ -100,10 +100,13 @@ def parallel_defect(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequen
     scores, cf_scores, nonlin, cf_nonlin, rms, bracket_rms = _reduce(sums, parallel, n_tokens, brackets)
     nan = torch.full((len(sel),), math.nan, dtype=torch.float64)
     tm = {"t_attn": nan, "t_ffn": nan.clone(), "t_forward": math.nan, "t_other": math.nan, "timing_shape": []}
-    if timing:  # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks
-        tm = broadcast_from_rank0(lambda: submodule_times(ad, tokens[:min(timing_windows, batch_size)], sel,
-                                                         timing_repeats), world)
-    gold = _gold(model, tokens, sel, parallel, scores, ks, n_random, seed, batch_size, world) if evaluate else {}
+    tw = min(timing_windows, batch_size, int(tokens.shape[0]))
+    # on rank 0 (a machine's times, not a statistic over windows), handed to the other ranks after the gold standard,
+    # which gives rank 0 that much less of its plans
+    timed = on_rank0(lambda: submodule_times(ad, tokens[:tw], sel, timing_repeats), world) if timing else None
+    gold = _gold(model, tokens, sel, parallel, scores, ks, n_random, seed, batch_size, world,
+                 (timing_repeats, tw) if timing else None) if evaluate else {}
+    tm = timed() if timed is not None else tm
     options = {"layers": sel, "exclude_positions": list(exclude), "brackets": bool(brackets),
                "evaluate": bool(evaluate), "k_values": ks, "n_random": n_random, "timing": bool(timing),
                "batch_size": batch_size, "timing_repeats": timing_repeats,
@@ -240,10 +243,14 @@ def _reduce(sums: "_Sums", parallel: list[bool], n_tokens: int, brackets: bool) 
 
 
 def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scores: dict[str, Tensor],
-          ks: list[int], n_random: int, seed: int, batch_size: int, world: World | None) -> dict[str, Any]:
+          ks: list[int], n_random: int, seed: int, batch_size: int, world: World | None,
+          timing: tuple[int, int] | None = None) -> dict[str, Any]:
     """The gold standard (docs/defect.md): the clean CE, the single-layer dCE with each variant's Spearman rho, and
-    the loss-vs-k curves of the lowest-C, highest-C, contiguous (lowest summed C) and random plans."""
+    the loss-vs-k curves of the lowest-C, highest-C, contiguous (lowest summed C) and random plans; ``timing``:
+    (repeats, windows) of the sub-module timing rank 0 ran, weighed as its load in the plans' split."""
     loss = PlanLoss(model, tokens, batch_size, world=world)
+    load = [] if timing is None else [((timing[0] + 1) * len(sel) + (max(3, timing[0] // 2) + 1) * loss.work([]))
+                                      * timing[1] / int(tokens.shape[0])]  # as submodule_times runs
     candidates = [lay for lay, par in zip(sel, parallel) if not par]
     score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
     sets: dict[str, list] = {
@@ -254,7 +261,7 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
     # every plan measured once (one pass over the windows each), split over the ranks of a process group
     loss.prefetch([[]] + [[lay] for lay in candidates] + [p for name in ("lowest", "highest", "contiguous")
                                                           for p in sets[name]]
-                  + [p for draw in sets["random"] for p in draw])
+                  + [p for draw in sets["random"] for p in draw], load)
     delta_ce, spearman = single_layer_gold(loss, sel, parallel, scores)
     curves = {"k": torch.tensor(ks, dtype=torch.int64),
               **delta_curves(loss, {name: sets[name] for name in ("lowest", "highest", "contiguous")})}

@@ -137,11 +137,20 @@ class PlanLoss:
         self._counted.setdefault(key, self.cost_of(key))
         self.blocks[key], self.memo[key] = blocks, token_mean(blocks, self.tokens)
 
-    def prefetch(self, plans: Iterable[Sequence[int]]) -> None:
-        """Measure every plan of ``plans`` not known yet, split over the ranks of :attr:`world`
-        (:func:`tl_steering.data.sharding.split_map`; every rank calls it with the same plans)."""
+    def work(self, layers: Sequence[int]) -> float:
+        """The relative cost of measuring the plan ``layers``, in blocks over the windows: the blocks a pass runs (from
+        its first parallel layer when the prefix is shared) and the unembedding, times :meth:`cost_of`."""
+        ad, plan = self.ad, [lay for lay in self._key(layers) if not self.ad.is_parallel(lay)]
+        head = int(ad.cfg.d_vocab) / (4 * ad.d_model + 3 * int(ad.cfg.d_mlp or 4 * ad.d_model))  # in blocks
+        return self.cost_of(layers) * (ad.n_layers - (plan[0] if plan and self.share_prefix else 0) + head)
+
+    def prefetch(self, plans: Iterable[Sequence[int]], load: Sequence[float] = ()) -> None:
+        """Measure every plan of ``plans`` not known yet, split over the ranks of :attr:`world` by :meth:`work`
+        (:func:`tl_steering.data.sharding.split_map`; every rank calls it with the same plans; ``load``: the work
+        ranks 0, 1, ... have besides, in the same unit)."""
         keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
-        for k, blocks in zip(keys, split_map(self._measure, keys, self.world) if keys else []):
+        cost = [self.work(k) for k in keys] if self.world is not None and self.world.active else None
+        for k, blocks in zip(keys, split_map(self._measure, keys, self.world, cost, load) if keys else []):
             self._store(k, blocks)
 
     @property

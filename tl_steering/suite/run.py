@@ -291,15 +291,8 @@ def _model_summary(ad: Any) -> ModelSummary:
 
 
 @exclusive
-def run_suite(
-    model: Any,
-    tokens: Tensor | TokenWindows,
-    settings: SuiteSettings,
-    progress: bool | Progress = True,
-    seed: int = 0,
-    corpus: str | None = None,
-    checkpoint: str | Path | None = None,
-) -> SuiteResult:
+def run_suite(model: Any, tokens: Tensor | TokenWindows, settings: SuiteSettings, progress: bool | Progress = True,
+              seed: int = 0, corpus: str | None = None, checkpoint: str | Path | None = None) -> SuiteResult:
     """Run every protocol of the paper (the stages in ``settings.stages``) on ``model`` over ``tokens``; the fields
     of stages not run are None (every argument: docs/suite.md)."""
     if not isinstance(settings, SuiteSettings):

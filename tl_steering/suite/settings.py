@@ -118,9 +118,8 @@ class SuiteSettings:
             as_int(getattr(self, name), f"SuiteSettings.{name}", minimum=0 if name in _MAY_BE_ZERO else 1)
 
 
-def default_settings(
-    n_layers: int, quick: bool = False, windows: int | None = None, length: int | None = None
-) -> SuiteSettings:
+def default_settings(n_layers: int, quick: bool = False, windows: int | None = None,
+                     length: int | None = None) -> SuiteSettings:
     """The report's settings for a model with ``n_layers`` blocks (all sized relative to the depth)."""
     check_windows_length(windows, length)
     windows = windows if windows is not None else (4 if quick else 8)
