@@ -253,8 +253,8 @@ def participation_ratio(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
     return _participation_ratio(_prepared_set(U, mask, center)[0])
 
 
-def diversity_stats(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
-                    "*batch n"] | None = None) -> dict[str, Float64[Tensor, "*batch"]]:
+def diversity_stats(U: Float[Tensor, "*batch n d_model"],
+                    mask: Bool[Tensor, "*batch n"] | None = None) -> dict[str, Float64[Tensor, "*batch"]]:
     """Every set statistic at once (uncentered), with one validation and normalization: a dict of ``[*batch]``
     tensors keyed as in docs/geometry.md, "Statistics of a set of directions"."""
     unit, valid = _prepared_set(U, mask)
@@ -268,8 +268,8 @@ def diversity_stats(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
         "rank_collapse": _rank_collapse(unit, valid)}
 
 
-def prefix_mean_pairwise_cosine(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
-                                "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
+def prefix_mean_pairwise_cosine(U: Float[Tensor, "*batch n d_model"],
+                                mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`mean_pairwise_cosine` of every prefix ``u_1..u_t`` (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
@@ -278,16 +278,16 @@ def prefix_mean_pairwise_cosine(U: Float[Tensor, "*batch n d_model"], mask: Bool
     return _nan_where(off_diagonal / (count * (count - 1)).clamp_min(1.0), count < 2)
 
 
-def prefix_mean_resultant_length(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
-                                 "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
+def prefix_mean_resultant_length(U: Float[Tensor, "*batch n d_model"],
+                                 mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`mean_resultant_length` of every prefix, ``R_t = ||S_t|| / n_t`` by cumulative sums, O(n d)."""
     unit, valid = _prepared_set(U, mask)
     count = valid.cumsum(-1)
     return _nan_where(_norm(unit.cumsum(-2)) / count.clamp_min(1.0), count < 1)
 
 
-def prefix_effective_rank(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor, "*batch n"] | None = None
-                          ) -> Float64[Tensor, "*batch n"]:
+def prefix_effective_rank(U: Float[Tensor, "*batch n d_model"],
+                          mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`effective_rank` (uncentered) of every prefix, from one Householder QR ``U^T = Q R``
     (docs/geometry.md, "Prefix ("causal") versions")."""
     unit, _ = _prepared_set(U, mask)
@@ -299,8 +299,8 @@ def prefix_effective_rank(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tenso
     return out
 
 
-def prefix_participation_ratio(U: Float[Tensor, "*batch n d_model"], mask: Bool[Tensor,
-                               "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
+def prefix_participation_ratio(U: Float[Tensor, "*batch n d_model"],
+                               mask: Bool[Tensor, "*batch n"] | None = None) -> Float64[Tensor, "*batch n"]:
     """:func:`participation_ratio` (uncentered) of every prefix, off cumulative sums of the Gram matrix ``U U^T``
     (docs/geometry.md, "Prefix ("causal") versions"); NaN while no row is valid."""
     unit, _ = _prepared_set(U, mask)

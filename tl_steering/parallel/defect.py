@@ -249,8 +249,7 @@ def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scor
     the loss-vs-k curves of the lowest-C, highest-C, contiguous (lowest summed C) and random plans; ``timing``:
     (repeats, windows) of the sub-module timing rank 0 ran, weighed as its load in the plans' split."""
     loss = PlanLoss(model, tokens, batch_size, world=world)
-    load = [] if timing is None else [((timing[0] + 1) * len(sel) + (max(3, timing[0] // 2) + 1) * loss.work([]))
-                                      * timing[1] / int(tokens.shape[0])]  # as submodule_times runs
+    load = [] if timing is None else [_timing_work(loss, len(sel), *timing)]
     candidates = [lay for lay, par in zip(sel, parallel) if not par]
     score_of = {lay: float(scores["C"][i]) for i, lay in enumerate(sel)}
     sets: dict[str, list] = {
@@ -293,6 +292,13 @@ def submodule_times(ad: Any, tokens: Tensor, layers: Sequence[int], repeats: int
     t_other = max(t_forward - float(sum(t_attn) + sum(t_ffn)), 0.0) if len(layers) == ad.n_layers else math.nan
     return {"t_attn": torch.tensor(t_attn, dtype=torch.float64), "t_ffn": torch.tensor(t_ffn, dtype=torch.float64),
             "t_forward": t_forward, "t_other": t_other, "timing_shape": [int(s) for s in tokens.shape]}
+
+
+def _timing_work(loss: PlanLoss, n_layers: int, repeats: int, windows: int) -> float:
+    """What :func:`submodule_times` runs on ``windows`` of ``loss``'s windows, in :meth:`PlanLoss.work`'s unit:
+    1 + ``repeats`` calls of each layer's attention and FFN, a cache pass and max(3, ``repeats // 2``) forwards."""
+    per_window = (repeats + 1) * n_layers + (max(3, repeats // 2) + 1) * loss.work([])
+    return per_window * windows / int(loss.tokens.shape[0])
 
 
 __all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",

@@ -139,7 +139,7 @@ class PlanLoss:
 
     def work(self, layers: Sequence[int]) -> float:
         """The relative cost of measuring the plan ``layers``, in blocks over the windows: the blocks a pass runs (from
-        its first parallel layer when the prefix is shared) and the unembedding, times :meth:`cost_of`."""
+        its first parallel layer when prefix sharing is on) and the unembedding, times :meth:`cost_of`."""
         ad, plan = self.ad, [lay for lay in self._key(layers) if not self.ad.is_parallel(lay)]
         head = int(ad.cfg.d_vocab) / (4 * ad.d_model + 3 * int(ad.cfg.d_mlp or 4 * ad.d_model))  # in blocks
         return self.cost_of(layers) * (ad.n_layers - (plan[0] if plan and self.share_prefix else 0) + head)
