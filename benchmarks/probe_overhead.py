@@ -158,12 +158,12 @@ def _probe_parts(run, repeats: int) -> dict[str, float]:
     from tl_steering.probing import kernels, trace
 
     spent: dict[str, float] = {}
-    parts = {"hooks: float64 copies": (trace.ProbeTrace, "_slot_copy"),
-             "hooks: per-layer metrics (all below)": (trace.ProbeTrace, "_update"),
+    parts = {"hooks: per-layer metrics (all below)": (trace.ProbeTrace, "_update"),
+             "  one-pass kernel (dot products, direction sums)": (trace, "one_pass"),
+             "  float64 copies (without the one-pass kernel)": (trace.ProbeTrace, "_buffer"),
              "  token quantities": (trace, "token_quantities"),
              "  diversity sums of this thread's half (all below)": (trace, "diversity_sums"),
              "    Gram matrices (numpy dsyrk)": (kernels, "gram_sets"), "    eigvalsh": (torch.linalg, "eigvalsh"),
-             "  direction sums of one sequence's half": (trace, "direction_totals"),
              "  diversity from its sums": (trace, "diversity"),
              "probe(): set-up": (trace.ProbeTrace, "__init__"), "entry (hook guard, hooks)": (trace.ProbeTrace, "__enter__"),
              "exit (hook restore)": (trace.ProbeTrace, "__exit__"), "result (provenance)": (trace.ProbeTrace, "result")}

@@ -121,8 +121,7 @@ def ffn_gate(model: Any, gates: Mapping[int, float] | Sequence[float] | Tensor) 
         items = [(ad.check_layer(k, "gates key (layer)"), v) for k, v in gates.items()]
     else:
         if gates is None or isinstance(gates, (str, bytes)) or not hasattr(gates, "__len__"):
-            raise ArgumentTypeError(
-                f"gates must be a {{layer: gate}} dict or one gate per layer, got {gates!r}")
+            raise ArgumentTypeError(f"gates must be a {{layer: gate}} dict or one gate per layer, got {gates!r}")
         if len(gates) != ad.n_layers:
             raise InputError(f"gates has {len(gates)} entries but the model has {ad.n_layers} layers; "
                              "pass one per layer or a {layer: gate} dict")

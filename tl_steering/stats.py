@@ -338,8 +338,7 @@ def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 def proportion_verdict(k: int, n: int, level: float = 0.95, count_key: str = "k") -> dict[str, Any]:
     """k of n against 1/2 with the exact interval: supported / rejected / undecided / no equilibria."""
     low, high = clopper_pearson(k, n, level)
-    verdict = ("no equilibria" if n == 0 else "supported" if low > 0.5 else "rejected" if high < 0.5 else
-               "undecided")
+    verdict = ("no equilibria" if n == 0 else "supported" if low > 0.5 else "rejected" if high < 0.5 else "undecided")
     return {count_key: int(k), "n": int(n), "fraction": k / n if n else math.nan, "ci_low": low, "ci_high": high,
             "level": level, "verdict": verdict}
 

@@ -242,8 +242,7 @@ class ModelAdapter:
         ``grad=True`` keeps autograd on (gradients w.r.t. hooked activations)."""
         if not fwd_hooks and return_type == "logits" and not grad and not kwargs and _shared(self.model):
             return self.run_with_cache(tokens, [])[0]
-        return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad,
-                                         **kwargs)
+        return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad, **kwargs)
 
     def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()
                        ) -> Float[Tensor, "batch pos_minus_1"]:

@@ -233,8 +233,7 @@ def _offline_entry(name: str) -> tuple[Path, str]:
     # another version of the builder below (editing _dequantize_gguf invalidates old entries by itself)
     extra = {"transformers": md.version("transformers"), "builder": _builder_tag()}
     try:
-        entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha,
-                                                   extra=extra)
+        entry, meta, _ = weight_cache.cached_entry(label, path, torch.float32, build, source_sha256=sha, extra=extra)
     except OSError as e:  # unwritable cache directory: build into a private temporary root instead
         warnings.warn(f"weight cache {weight_cache.cache_root()} not usable ({e}); dequantizing into a "
                       "temporary directory (set TL_STEERING_CACHE to a writable directory to keep it)", stacklevel=3)
@@ -290,8 +289,7 @@ def load_model(
     model.cfg.default_prepend_bos = prepend_bos
     if hasattr(model.cfg, "dtype"):  # as TransformerLens's own loaders set it: the parameters' dtype
         model.cfg.dtype = next(model.parameters()).dtype
-    model._tl_steering_info = ModelInfo(name=key, revision=revision, processing=processing,
-                                        prepend_bos=prepend_bos)
+    model._tl_steering_info = ModelInfo(name=key, revision=revision, processing=processing, prepend_bos=prepend_bos)
     return model
 
 

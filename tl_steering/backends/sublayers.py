@@ -122,5 +122,4 @@ def attention_apply(model: Any, blk: torch.nn.Module, norms: SublayerNorms, back
     return _apply(norms.post_attn, first_output(out))
 
 
-__all__ = ["SublayerNorms", "attention_apply", "bridge_attention_kwargs", "ffn_apply", "unwrap",
-           "sublayer_norms"]
+__all__ = ["SublayerNorms", "attention_apply", "bridge_attention_kwargs", "ffn_apply", "unwrap", "sublayer_norms"]

@@ -164,5 +164,4 @@ def cached_entry(name: str, source: str | os.PathLike, dtype: torch.dtype, build
     return path, write_entry(path, key, build), False
 
 
-__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256",
-           "read_entry", "write_entry"]
+__all__ = ["CACHE_FORMAT", "cache_root", "cached_entry", "entry_dir", "file_sha256", "read_entry", "write_entry"]

@@ -232,5 +232,4 @@ def landscape_phase(fld: _FieldAdapter, points: Tensor, opts: FinderOptions, bat
     return u, rel, it, st, kinds, info
 
 
-__all__ = ["DELTA", "EXPLAINED_COS", "MAX_STEP", "eigen_directions", "explained", "landscape_phase",
-           "newton_solve"]
+__all__ = ["DELTA", "EXPLAINED_COS", "MAX_STEP", "eigen_directions", "explained", "landscape_phase", "newton_solve"]

@@ -238,8 +238,7 @@ def _reduce(sums: "_Sums", parallel: list[bool], n_tokens: int, brackets: bool) 
            "defect_tangential": sums.get("tan"), "first_order_error": sums.get("res")}
     rms = {k: torch.sqrt(v / count) for k, v in rms.items()}
     bracket_rms = {k: torch.sqrt(sums.get(k) / count) for k in BRACKET_TERMS} if brackets else {}
-    return (variants(""), variants("cf_"), nonlin, _ratio(sums.get("cf_res"), sums.get("cf_d")), rms,
-            bracket_rms)
+    return (variants(""), variants("cf_"), nonlin, _ratio(sums.get("cf_res"), sums.get("cf_d")), rms, bracket_rms)
 
 
 def _gold(model: Any, tokens: Tensor, sel: list[int], parallel: list[bool], scores: dict[str, Tensor],
@@ -301,5 +300,4 @@ def _timing_work(loss: PlanLoss, n_layers: int, repeats: int, windows: int) -> f
     return per_window * windows / int(loss.tokens.shape[0])
 
 
-__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL",
-           "default_k_values", "parallel_defect"]
+__all__ = ["BRACKET_TERMS", "DEFECT_VARIANTS", "DefectResult", "SPEEDUP_LABEL", "default_k_values", "parallel_defect"]

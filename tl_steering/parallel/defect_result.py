@@ -172,15 +172,13 @@ class DefectResult(Result, LayerScores):
                             subplot_titles=["defect scores C_l"] + (["Lie-bracket terms (RMS per token)"]
                                                                     if rows == 2 else []))
         for name, val in self.scores.items():
-            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name),
-                          row=1, col=1)
+            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name), row=1, col=1)
         par = [lay for lay, p in zip(self.layers, self.already_parallel) if p]
         if par:
             fig.add_trace(go.Scatter(x=par, y=[0.0] * len(par), mode="markers", name="already parallel",
                                      marker={"symbol": "x", "size": 10, "color": "black"}), row=1, col=1)
         for name, val in self.brackets.items():
-            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name),
-                          row=2, col=1)
+            fig.add_trace(go.Scatter(x=self.layers, y=val.tolist(), mode="lines+markers", name=name), row=2, col=1)
         fig.update_xaxes(title_text="layer", row=rows, col=1)
         fig.update_yaxes(title_text="score", row=1, col=1)
         fig.update_layout(title=title or f"Sequential-to-parallel defect ({self.provenance.model})",

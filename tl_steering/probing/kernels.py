@@ -2,6 +2,8 @@
 docs/probe.md)."""
 
 import concurrent.futures
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,8 +112,7 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-# one helper thread per process for the probe's deferred updates, and the threads of in_parts (started on first use)
-HELPER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tl_steering-probe")
+# the threads of in_parts (started on first use)
 POOL = concurrent.futures.ThreadPoolExecutor(max(1, usable_cores() - 1), "tl_steering-part")
 
 
@@ -119,12 +120,6 @@ def parts_for(device: torch.device) -> int:
     """How many parts :func:`in_parts` should run at once: torch's intra-op threads (at most the usable cores) for
     work on a CPU, else 1 (the decision of every caller that runs its kernels one thread per part)."""
     return min(torch.get_num_threads(), usable_cores()) if device.type == "cpu" else 1
-
-
-def defers(device: torch.device) -> bool:
-    """Whether the probe's per-layer work goes to :data:`HELPER` while the forward goes on: torch runs on one
-    intra-op thread and this process may use another CPU core (docs/probe.md, "Cost")."""
-    return device.type == "cpu" and torch.get_num_threads() == 1 and usable_cores() >= 2
 
 
 def in_parts(fn: Callable[[int, int], Any], n: int, parts: int) -> list[Any]:
@@ -143,6 +138,45 @@ def in_parts(fn: Callable[[int, int], Any], n: int, parts: int) -> list[Any]:
     return [first, *(f.result() for f in futs)]
 
 
+def one_pass_runs(arrays: list[Tensor]) -> bool:
+    """Whether :func:`one_pass` takes these activations: all on a CPU."""
+    return all(a.device.type == "cpu" for a in arrays)
+
+
+def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str], pos: Tensor, n_parts: int
+             ) -> tuple[Callable[[str, str], Tensor], bool, list[Tensor] | None]:
+    """(``dot(site1, site2)`` ``[batch, pos]``, whether all are finite, the sums of :func:`diversity` for the sets
+    ``todo``) of the activations ``arrays`` ``[batch, n_pos, d]`` at positions ``pos``: the dot products within each
+    group of sites and the unit-vector sums, in float64 in one read of each activation (numba kernel, token ranges
+    split over ``n_parts`` threads; docs/probe.md, "Cost")."""
+    from .fused import site_dots  # numba: imported, and compiled or read from its disk cache, on first use
+
+    dtype = F64 if any(a.dtype == F64 for a in arrays.values()) else torch.float32  # float16/bfloat16: exact in it
+    names, acts = list(arrays), tuple(a.to(dtype).contiguous().numpy() for a in arrays.values())
+    r_of: dict[tuple[str, str], int] = {}
+    pairs: list[tuple[int, int]] = []
+    for s1, s2 in (pair for g in groups for pair in itertools.combinations_with_replacement(g, 2)):
+        if (s1, s2) not in r_of:
+            r_of[s1, s2] = r_of[s2, s1] = len(pairs)
+            pairs.append((names.index(s1), names.index(s2)))
+    norm_of = np.array([(names.index(s), r_of[s, s]) for s in todo], dtype=np.int64).reshape(-1, 2)
+    b, d, n = acts[0].shape[0], acts[0].shape[2], pos.numel()
+    dots, pairs_np, at = np.empty((len(pairs), b, n)), np.array(pairs, dtype=np.int64), np.ascontiguousarray(pos)
+
+    def part(t0: int, t1: int) -> np.ndarray:
+        totals = np.zeros((b, len(todo), d))
+        site_dots(acts, at, pairs_np, norm_of, EPS_NORM, t0, t1, dots, totals)
+        return totals
+
+    total, D = torch.from_numpy(sum(in_parts(part, b * n, n_parts))), torch.from_numpy(dots)
+    finite, sums = math.isfinite(float(dots.sum())), None
+    if todo and finite:  # set-major [len(todo) * batch], as diversity_sums
+        tot = total.transpose(0, 1).reshape(-1, d)
+        cnt = torch.stack([D[r_of[s, s]].clamp_min(0.0).sqrt() > EPS_NORM for s in todo]).sum(-1).flatten().to(F64)
+        sums = [(tot * tot).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)]
+    return (lambda s1, s2: D[r_of[s1, s2]]), finite, sums
+
+
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     """(1 / norm where the norm exceeds ``EPS_NORM``, else 0; that validity mask): scaling a row by it gives its
     unit direction, or a zero row that no diversity sum sees."""
@@ -150,27 +184,12 @@ def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, 1.0 / nt.clamp_min(EPS_NORM), torch.zeros_like(nt)), ok
 
 
-def direction_totals(sets: list[Tensor], sq: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """(``sum_j u_j`` ``[len(sets) * batch, d]``, valid-row count ``[len(sets) * batch]``) of each sequence of each
-    ``[batch, n, d]`` set (``sq``: squared row norms), set-major: O(n d), no copy of a set; the sums of two ranges
-    of positions add up to those of both."""
-    inv, ok = _inverse_norms(torch.cat(sq).clamp_min(0.0).sqrt())
-    b = sets[0].shape[0]
-    total = sets[0].new_empty(len(sets) * b, 1, sets[0].shape[-1])
-    for i, t in enumerate(sets):
-        torch.matmul(inv[i * b:(i + 1) * b, None, :], t, out=total[i * b:(i + 1) * b])
-    return total[:, 0], ok.sum(-1).to(F64)
-
-
 def diversity_sums(sets: list[Tensor], sq: list[Tensor], spectrum: bool, gram: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(||sum_j u_j||^2, valid-row count, effective rank, participation ratio; 0 where not asked) of each sequence of
     each ``[batch, n, d]`` set (``sq``: squared row norms), set-major ``[len(sets) * batch]``: the part of
-    :func:`diversity` that runs on each part of a batch. Without a spectrum or Gram matrix, :func:`direction_totals`;
-    else from the smaller Gram matrix of each sequence (``||U U^T||_F = ||U^T U||_F``)."""
-    if not (spectrum or gram):
-        total, cnt = direction_totals(sets, sq)
-        return (total * total).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)
+    :func:`diversity` that runs on each part of a batch, from the smaller Gram matrix of each sequence (``||U U^T||_F
+    = ||U^T U||_F``); on a CPU without the spectra, :func:`one_pass` takes ``sum_j u_j`` instead."""
     n, d = sets[0].shape[-2:]
     if n <= d:
         H = gram_sets(sets)  # [sets*batch, n, n]: the raw Gram; its diagonal gives the norms it is scaled by

@@ -152,8 +152,7 @@ class ProbeResult(Result):
         e = self.bin_edges.tolist()
         labels = [f"[{e[k]},{e[k + 1]})" for k in range(len(e) - 1)]
         fig = go.Figure(go.Heatmap(z=z.T.tolist(), x=self.layers, y=labels, colorbar={"title": name}))
-        fig.update_layout(title=f"{name} by layer and position bin", xaxis_title="layer",
-                          yaxis_title="position bin")
+        fig.update_layout(title=f"{name} by layer and position bin", xaxis_title="layer", yaxis_title="position bin")
         return fig
 
 

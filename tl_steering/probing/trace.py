@@ -1,7 +1,6 @@
 """The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
-import concurrent.futures
 import contextlib
 import math
 import sys
@@ -18,8 +17,8 @@ from ..backends.lifecycle import (add_hook_last, conversion_records, drop_identi
                                   refuse_meta_inputs)
 from ..backends.ownership import hooks_among, named_hook_points
 from ..errors import InputError, NonFiniteError
-from .kernels import (DIVERSITY_STATS, F64, HELPER, SLOT_ORDER, Accumulator, defers, direction_totals, diversity,
-                      diversity_sums, in_parts, parts_for, token_quantities)
+from .kernels import (DIVERSITY_STATS, F64, SLOT_ORDER, Accumulator, diversity, diversity_sums,
+                      in_parts, one_pass, one_pass_runs, parts_for, token_quantities)
 from .result import ALL_QUANTITIES, DEFAULT_METRICS, METRICS, QUANTITIES, SEQUENCE_METRICS, SITES3, TOKEN_METRICS, ProbeResult
 from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
@@ -74,9 +73,7 @@ class ProbeTrace:
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
-        self._buf: Tensor | None = None
-        self._spare: list[Tensor] = []  # buffers the helper thread is done with (deferred updates)
-        self._pending: concurrent.futures.Future | None = None  # the deferred update of the last layer
+        self._buf: Tensor | None = None  # the float64 copies of a layer's sites where the one-pass kernel does not run
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
         self._div_stats = [i for i, stat in enumerate(DIVERSITY_STATS) if stat in asked]
@@ -88,30 +85,22 @@ class ProbeTrace:
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._sites_of[layer]}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
-        # the buffer slot of each site for the layer being filled (swapped when resid_pre reuses resid_post)
-        self._cur = dict(self._slots)
         self._last_layer = max(self.layers)
 
     # -- hooks -------------------------------------------------------------------------------------------
-    def _slot_copy(self, act: Tensor, site: str) -> Tensor:
-        """Copy the kept positions of ``act`` into the float64 buffer slot of ``site``, converting the dtype
-        (``[n_slots, batch, kept_pos, d_model]``, docs/probe.md, "Cost")."""
-        idx, _ = self._positions(act.shape[-2], act.device)
-        src = act.detach()
-        if isinstance(idx, slice):
-            src = src[..., idx, :]
-        elif idx is not None:
-            src = src.index_select(-2, idx)
-        shape = (len(self._slots), src.shape[0], src.shape[1], src.shape[2])
-        # torch's own threads for this elementwise copy (no MKL call here: nothing for _update's one thread to avoid)
-        buf = self._buf
-        if buf is None or tuple(buf.shape) != shape or buf.device != src.device:
-            spare = self._spare.pop() if self._spare else None  # every slot read is written first
-            ok = spare is not None and tuple(spare.shape) == shape and spare.device == src.device
-            buf = self._buf = spare if ok else torch.empty(shape, dtype=F64, device=src.device)
-        out = buf[self._cur[site]]
-        out.copy_(src)
-        return out
+    def _buffer(self, st: dict[str, Any], idx: Tensor | slice | None) -> Tensor:
+        """Float64 copies of the kept positions ``idx`` of the layer's sites in ``st``, in the reused buffer
+        ``[n_slots, batch, kept_pos, d_model]`` (the path without the one-pass kernel; docs/probe.md, "Cost")."""
+        for site, i in self._slots.items():
+            src = st[site].detach() if site in st else None
+            if src is not None:
+                src = src if idx is None else src[..., idx, :] if isinstance(idx, slice) else src.index_select(-2, idx)
+                shape = (len(self._slots), *src.shape)
+                if self._buf is None or tuple(self._buf.shape) != shape or self._buf.device != src.device:
+                    self._buf = torch.empty(shape, dtype=F64, device=src.device)
+                self._buf[i].copy_(src)
+        assert self._buf is not None
+        return self._buf
 
     def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor | None]:
         """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one, None
@@ -187,18 +176,11 @@ class ProbeTrace:
                        layer: int = layer) -> None:
                     state.clear()
                     carry, self._carry = self._carry, None
-                    # the previous layer's resid_post, untouched: its diversity was measured, and its float64
-                    # copy is in the buffer (swap the slots) unless that buffer went to the helper thread
-                    same = carry is not None and carry["layer"] == layer and carry["src"] is act \
-                        and _version(act) is not None and _version(act) == carry["version"]
-                    if same:
+                    # the previous layer's resid_post, untouched: its diversity was measured
+                    if carry is not None and carry["layer"] == layer and carry["src"] is act \
+                            and _version(act) is not None and _version(act) == carry["version"]:
                         state["_div_from"] = carry["st"]
-                    if same and self._buf is not None:
-                        cur = self._cur
-                        cur["resid_pre"], cur["resid_post"] = cur["resid_post"], cur["resid_pre"]
-                    else:
-                        self._slot_copy(act, "resid_pre")
-                    state["resid_pre"] = True
+                    state["resid_pre"], state["versions"] = act, {"resid_pre": _version(act)}
                     state["bins"] = self._positions(act.shape[-2], act.device)[1]
                     if first:
                         self._count_forward(act)
@@ -206,23 +188,21 @@ class ProbeTrace:
                 def fn(act: Tensor, hook: Any, state: dict = state, layer: int = layer) -> None:
                     try:
                         if "resid_pre" in state:
-                            self._slot_copy(act, "resid_post")
+                            state["resid_post"] = act
                             st = dict(state)
                             self._update(layer, st)
                             if layer + 1 in self._row:
                                 self._carry = {"layer": layer + 1, "src": act, "version": _version(act), "st": st}
                             elif layer == self._last_layer:  # done with this forward (docs/probe.md, "Cost")
-                                self._drain()
                                 self._buf = None
-                                self._spare.clear()
                                 drop_identity_conversions(self._conversions)
                     finally:
                         state.clear()
             else:
                 def fn(act: Tensor, hook: Any, state: dict = state, site: str = site) -> None:
                     if "resid_pre" in state:
-                        self._slot_copy(act, site)
-                        state[site] = True
+                        state[site] = act
+                        state["versions"][site] = _version(act)
             hooks.append((name, fn))
         return hooks
 
@@ -249,14 +229,10 @@ class ProbeTrace:
             raise
 
     def _detach(self, *exc: Any) -> None:
-        self._carry = None
+        self._carry = self._buf = None
         try:
-            self._drain(raise_errors=exc[0] is None)  # an error in flight is not masked by a deferred one
-        finally:
-            self._buf = None
-            self._spare.clear()
-            self._cur = dict(self._slots)
             drop_identity_conversions(self._conversions)
+        finally:
             stack, self._stack = self._stack, None
             if stack is not None:
                 stack.__exit__(*exc)
@@ -277,54 +253,36 @@ class ProbeTrace:
             if missing:
                 raise InputError(f"the cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}; cache "
                                  "those hook points (names_filter) or run the probe during the forward")
-            st: dict[str, Any] = {}
-            for site, name in sites:
-                self._slot_copy(cache[name], site)
-                st[site] = True
+            st: dict[str, Any] = {site: cache[name] for site, name in sites}
+            st["versions"] = {}
             pre = cache[sites[0][1]]
             st["bins"] = self._positions(pre.shape[-2], pre.device)[1]
             if layer == self.layers[0]:
                 self._count_forward(pre)
             self._update(layer, st)
-        self._drain()
         if not self._entered:
             self._buf = None
-            self._spare.clear()
         return self
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _update(self, layer: int, st: dict[str, Any]) -> None:
-        """All metrics of one layer from the float64 buffer, on one torch thread: here, or on the helper thread
-        while the forward goes on (:func:`defers`; docs/probe.md, "Cost")."""
-        device = self.ad.device
-        if not defers(device):
-            self._update_layer(layer, st, parts_for(device), self._buf, self._cur)  # before single_threaded
-            return
-        buf, self._buf = self._buf, None
-        self._drain()
-        self._pending = HELPER.submit(self._deferred, layer, st, buf, dict(self._cur))
-
-    def _deferred(self, layer: int, st: dict[str, Any], buf: Tensor | None, cur: dict[str, int]) -> None:
-        try:  # the buffer goes back to the spares when done
-            with torch.no_grad():  # grad mode is per thread
-                self._update_layer(layer, st, 1, buf, cur)
-        finally:
-            self._spare += [buf] if buf is not None else []
-
-    def _drain(self, raise_errors: bool = True) -> None:
-        """Wait for the deferred layer update in flight, if any; raise its error."""
-        fut, self._pending = self._pending, None
-        error = fut.exception() if fut is not None else None
-        if error is not None and raise_errors:
-            raise error
+        """All metrics of one layer from its activations, at its resid_post (docs/probe.md, "Cost")."""
+        changed = [s_ for s_, v in st["versions"].items() if _version(st[s_]) != v]
+        if changed:
+            raise InputError(f"probe: the {', '.join(changed)} activation of layer {layer} was changed in place after "
+                             "its hook ran (by a hook of yours or the model); the probe reads a layer's activations at "
+                             "its resid_post. Return an edited copy from such a hook (act + delta) instead.")
+        self._update_layer(layer, st, parts_for(st["resid_pre"].device))
 
     @single_threaded()
-    def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int, buf: Tensor | None,
-                      k: dict[str, int]) -> None:
+    def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int) -> None:
         acc, row = self._acc, self._row[layer]
         div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity
         parallel = self.ad.is_parallel(layer)
-        if buf is None or buf.shape[2] == 0:  # every position excluded
+        pre = st["resid_pre"]
+        idx, _ = self._positions(pre.shape[-2], pre.device)
+        pos = torch.arange(pre.shape[-2])[slice(None) if idx is None else idx if isinstance(idx, slice) else idx.cpu()]
+        if pos.numel() == 0:  # every position excluded
             return
         has_mid = not parallel and "resid_mid" in st
         # every dot product a token needs, in two per-token Gram products: (x, a, z) and (f, phi), f the FFN input
@@ -333,54 +291,31 @@ class ProbeTrace:
             groups.append(["resid_mid" if has_mid else "resid_pre", "mlp_out"])
         elif has_mid:
             groups.append(["resid_mid"])
-        views, at = [], []
-        for sites in groups:  # each group's slots are evenly spaced in the buffer: a strided view, no copy
-            slots = sorted(k[s_] for s_ in sites)
-            step = slots[1] - slots[0] if len(slots) > 1 else 1
-            assert slots == list(range(slots[0], slots[-1] + 1, step)), slots
-            views.append(buf[slots[0]:slots[-1] + 1:step].permute(1, 2, 0, 3))  # [batch, pos, m, d]
-            at.append({s_: (k[s_] - slots[0]) // step for s_ in sites})
         which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
         div_pre = div_from.get("_div_post")
         todo = [_SITE_OF[w] for w in which if not (w == "pre" and div_pre is not None)] if self._div_stats else []
         spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
-
-        def dot(grams: list[Tensor], s1: str, s2: str) -> Tensor:
-            g = next(i for i, pos in enumerate(at) if s1 in pos and s2 in pos)
-            return grams[g][..., at[g][s1], at[g][s2]]
-
-        by_pos = buf.shape[1] < 2 and not (spectrum or gram)  # one sequence: split its positions instead of rows
-
-        def part(a: int, b: int) -> tuple[list[Tensor], Any, bool]:  # rows (or positions) a:b; docs/probe.md "Cost"
-            ix = (slice(None), slice(a, b)) if by_pos else (slice(a, b),)
-            grams = [V[ix] @ V[ix].mT for V in views]  # each [rows, positions, m, m]
-            finite = math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams)))
-            if not todo or not finite:
-                return grams, None, finite
-            sets, sq = [buf[k[s_]][ix] for s_ in todo], [dot(grams, s_, s_) for s_ in todo]
-            return grams, direction_totals(sets, sq) if by_pos else diversity_sums(sets, sq, spectrum, gram), True
-
-        parts = in_parts(part, buf.shape[2] if by_pos else buf.shape[1], n_parts)
-        grams = [torch.cat(g, int(by_pos)) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
-        if not all(p[2] for p in parts):  # a NaN/Inf in a slot shows in its squared norm: name layer and site
-            sites = dict.fromkeys(s_ for pos in at for s_ in pos)
-            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(grams, s_, s_)).all())]
+        arrays = {s_: st[s_].detach() for s_ in dict.fromkeys([*(s_ for g in groups for s_ in g), *todo])}
+        if not (spectrum or gram) and one_pass_runs(list(arrays.values())):
+            dot, finite, sums = one_pass(arrays, groups, todo, pos, n_parts)
+        else:
+            dot, finite, sums = self._in_float64(self._buffer(st, idx), groups, todo, spectrum, gram, n_parts)
+        has_attn, has_mlp = "attn_out" in st, "mlp_out" in st
+        for s_ in SLOT_ORDER:  # the activations are read: the carried state keeps only the diversity
+            st.pop(s_, None)
+        if not finite:  # a NaN/Inf in a site shows in its squared norm: name layer and site
+            sites = dict.fromkeys(s_ for g in groups for s_ in g)
+            bad = [s_ for s_ in sites if not bool(torch.isfinite(dot(s_, s_)).all())]
             raise NonFiniteError(
                 f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
                 "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
                 "hooks of yours on that point; in float16 try float32 or bfloat16.")
         if acc.tq:
-            names, values, valid = token_quantities(lambda s1, s2: dot(grams, s1, s2), self.metrics, parallel,
-                                                    has_mid, "attn_out" in st, "mlp_out" in st)
+            names, values, valid = token_quantities(dot, self.metrics, parallel, has_mid, has_attn, has_mlp)
             if names:
                 acc.add_tokens(row, names, values, valid, st["bins"])
         if todo:
-            if by_pos:  # the position parts of one sequence: their sums of u_j add up
-                tot, cnt = (sum(p[1][i] for p in parts) for i in (0, 1))
-                sums = [(tot * tot).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)]
-            else:  # row parts, each set-major [len(todo) * rows]: side by side per set
-                sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)]
-            values, valid = diversity([buf[k[s_]] for s_ in todo], spectrum=spectrum, gram=gram, sums=sums)
+            values, valid = diversity([pre] * len(todo), spectrum=spectrum, gram=gram, sums=sums)
             if div_pre is not None:
                 values = torch.cat([div_pre[0], values])
                 valid = torch.cat([div_pre[1], valid])
@@ -389,6 +324,38 @@ class ProbeTrace:
             keep = self._div_stats
             acc.add_sequences(row, self._div_names[has_mid], values[:, keep].flatten(0, 1),
                               valid[:, keep].flatten(0, 1))
+
+    def _in_float64(self, buf: Tensor, groups: list[list[str]], todo: list[str], spectrum: bool, gram: bool,
+                    n_parts: int) -> tuple[Callable[[str, str], Tensor], bool, list[Tensor] | None]:
+        """(dot products ``dot(site1, site2)`` ``[batch, pos]``, whether all are finite, the per-sequence sums of
+        :func:`diversity`) from the float64 copies ``buf`` in torch: the path without :func:`one_pass`."""
+        k, views, at = self._slots, [], []
+        for sites in groups:  # each group's slots are evenly spaced in the buffer: a strided view, no copy
+            slots = sorted(k[s_] for s_ in sites)
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            assert slots == list(range(slots[0], slots[-1] + 1, step)), slots
+            views.append(buf[slots[0]:slots[-1] + 1:step].permute(1, 2, 0, 3))  # [batch, pos, m, d]
+            at.append({s_: (k[s_] - slots[0]) // step for s_ in sites})
+
+        def dot(grams: list[Tensor], s1: str, s2: str) -> Tensor:
+            g = next(i for i, pos in enumerate(at) if s1 in pos and s2 in pos)
+            return grams[g][..., at[g][s1], at[g][s2]]
+
+        def part(a: int, b: int) -> tuple[list[Tensor], Any, bool]:  # rows a:b; docs/probe.md "Cost"
+            grams = [V[a:b] @ V[a:b].mT for V in views]  # each [rows, positions, m, m]
+            finite = math.isfinite(float(sum(G.diagonal(dim1=-2, dim2=-1).sum() for G in grams)))
+            if not todo or not finite:
+                return grams, None, finite
+            return grams, diversity_sums([buf[k[s_]][a:b] for s_ in todo], [dot(grams, s_, s_) for s_ in todo],
+                                         spectrum, gram), True
+
+        parts = in_parts(part, buf.shape[1], n_parts)
+        grams = [torch.cat(g) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
+        finite = all(p[2] for p in parts)
+        # row parts, each set-major [len(todo) * rows]: side by side per set
+        sums = [torch.cat([p[1][i].view(len(todo), -1) for p in parts], 1).flatten() for i in range(4)] \
+            if todo and finite else None
+        return (lambda s1, s2: dot(grams, s1, s2)), finite, sums
 
     # -- reading -----------------------------------------------------------------------------------------
     def state_nbytes(self) -> int:
@@ -399,7 +366,6 @@ class ProbeTrace:
     def result(self) -> "ProbeResult":
         """The numbers accumulated so far, as a :class:`ProbeResult` (a snapshot; the probe keeps running);
         :class:`InputError` when no forward pass ran inside the probe."""
-        self._drain()
         if self.n_forwards == 0:
             raise InputError("the probe saw no forward pass: run the model inside the with-block, e.g. "
                              "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "

@@ -111,8 +111,7 @@ class DiversityResult(Result):
     attention_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     ffn_effect: dict[str, Float[Tensor, " layer"]] = dataclasses.field(default_factory=dict)
     under_ablation: dict[str, Float[Tensor, "layer site"]] = dataclasses.field(default_factory=dict)
-    under_ablation_stats: dict[str, dict[str, Float[Tensor, "layer site"]]] = dataclasses.field(
-        default_factory=dict)
+    under_ablation_stats: dict[str, dict[str, Float[Tensor, "layer site"]]] = dataclasses.field(default_factory=dict)
     ablation_effects: dict[str, dict[str, dict[str, Float[Tensor, " layer"]]]] = dataclasses.field(
         default_factory=dict)
     final_diversity: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -276,5 +276,4 @@ def prefix_statistics(model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequ
         n_valid=mask.to(torch.int64).cumsum(0), values=values, exclude_positions=list(exclude_positions))
 
 
-__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "STATS", "prefix_sensitivity",
-           "prefix_statistics"]
+__all__ = ["PrefixSensitivityResult", "PrefixStatisticsResult", "STATS", "prefix_sensitivity", "prefix_statistics"]

@@ -93,8 +93,7 @@ LABELS: dict[str, str] = {
 
 
 #: raw key prefix -> label prefix (keys made per strategy, per variant, ...)
-PREFIXES: dict[str, str] = {
-    "held-out dCE, ": "held-out ΔCE (nats) of the plan of strategy "}
+PREFIXES: dict[str, str] = {"held-out dCE, ": "held-out ΔCE (nats) of the plan of strategy "}
 
 
 def labelled(summary: dict[str, Any]) -> dict[str, Any]:

@@ -187,8 +187,7 @@ def compute_pinned(
 
     s = PINNED_SETTINGS if settings is None else settings
     if tokens is None:
-        tokens = text_windows(
-            model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
+        tokens = text_windows(model, source=s["text"], n_windows=s["windows"], length=s["length"], seed=s["seed"])
     pinned = SuiteSettings(
         stages=["checks", "deficit", "ablation", "diversity", "defect", "gates", "prefix"],
         windows=s["windows"], length=s["length"], n_bootstrap=0,
@@ -205,6 +204,4 @@ def compute_pinned(
     return pinned_values(suite)
 
 
-__all__ = [
-    "NUMBERS", "PINNED", "PUBLISHED", "Number", "compute_pinned", "pinned_values", "published_value"
-]
+__all__ = ["NUMBERS", "PINNED", "PUBLISHED", "Number", "compute_pinned", "pinned_values", "published_value"]

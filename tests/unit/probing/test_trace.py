@@ -298,57 +298,58 @@ def test_state_size_independent_of_forwards(tiny, tiny_tokens):
 
 
 def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
-    """The float64 buffer lives only while the probed layers run: it is released at the last probed layer's
-    resid_post, before the forward's own peak (the logits), and a later forward gives the same sums as one
-    run alone."""
+    """No activation and no float64 buffer outlive a forward: the buffer of the path without the one-pass kernel
+    (every metric) lives only while the probed layers run, released at the last probed layer's resid_post, before
+    the forward's own peak (the logits); the default metrics never make one; a later forward gives the same sums as
+    one run alone."""
     ad = adapt(tiny)
-    for layers in (None, [0], [0, ad.n_layers - 1]):
-        seen = []
-        with probe(tiny, layers=layers) as trace:
-            tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(0, "resid_post"),
-                                                         lambda act, hook: seen.append(trace._buf is not None))])
-            assert trace._buf is None and not trace._spare and trace._pending is None
-            tiny(tiny_tokens)
-            assert trace._buf is None and not trace._spare and trace._pending is None
-        assert seen == [True]
-        alone = probe(tiny, layers=layers)
-        with alone:
-            tiny(tiny_tokens)
-        two, one = trace.result(), alone.result()
-        for q in two.quantities:
-            assert torch.allclose(two.get(q), one.get(q), rtol=1e-12, atol=1e-12, equal_nan=True), q
-
-
-def test_deferred_layer_updates_equal_updates_in_the_hooks(tiny, tiny_tokens, monkeypatch):
-    """With torch on one thread and a core to spare, each layer's metrics run on the helper thread while the
-    forward goes on: the same sums, bit for bit, as in the hooks (every metric; the cache route too); a
-    non-finite activation still raises from the forward, naming its layer, and leaves no hook or pending work."""
-    import tl_steering.probing.trace as trace_mod
-    from tl_steering.errors import NonFiniteError
-
-    ad = adapt(tiny)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the deferred path's condition, and the same kernels on both paths
-    try:
-        runs = {}
-        for deferred in (False, True):
-            monkeypatch.setattr(trace_mod, "defers", lambda device, d=deferred: d)
-            with probe(tiny, metrics="all", position_bins=True) as trace:
+    last = ad.n_layers - 1
+    for metrics in (None, "all"):
+        for layers in (None, [0], [0, last]):
+            seen = []
+            with probe(tiny, layers=layers, metrics=metrics) as trace:
+                tiny.run_with_hooks(tiny_tokens, fwd_hooks=[(ad.hook_name(last, "resid_pre"),
+                                                             lambda act, hook: seen.append(trace._buf is not None))])
+                assert trace._buf is None and trace._carry is None
                 tiny(tiny_tokens)
-                tiny(tiny_tokens[:1])
-            runs[deferred] = (trace.result(), probe(tiny, metrics="all").add_cache(cache_for(tiny, tiny_tokens)).result())
-        for a, b in zip(*runs.values()):
-            assert a.quantities == b.quantities and a.n_forwards == b.n_forwards
-            for q in a.quantities:
-                assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.sums[q], b.sums[q]), q
-        bad = [(ad.hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
-        with pytest.raises(NonFiniteError, match="layer 1"):
-            with probe(tiny) as trace:
-                tiny.run_with_hooks(tiny_tokens, fwd_hooks=bad)
-        assert trace._pending is None and trace._buf is None
-        assert_no_hooks(tiny)
-    finally:
-        torch.set_num_threads(before)
+                assert trace._buf is None and trace._carry is None
+            assert seen == [metrics == "all" and layers != [0]]
+            alone = probe(tiny, layers=layers, metrics=metrics)
+            with alone:
+                tiny(tiny_tokens)
+            two, one = trace.result(), alone.result()
+            for q in two.quantities:
+                assert torch.allclose(two.get(q), one.get(q), rtol=1e-12, atol=1e-12, equal_nan=True), q
+
+
+def test_one_pass_kernel_equals_float64_copies(tiny, tiny_tokens, monkeypatch):
+    """On a CPU the default metrics come from the one-pass kernel over the float32 activations: the same numbers as
+    the float64 copies in torch (the path on a GPU and for the spectra) up to the order of each sum, the same counts;
+    a hook that edits a site's activation in place after the probe read it is refused, naming layer and site, and
+    leaves no hook."""
+    import tl_steering.probing.trace as trace_mod
+
+    runs = {}
+    for one in (True, False):
+        monkeypatch.setattr(trace_mod, "one_pass_runs", lambda arrays, one=one: one)
+        with probe(tiny, position_bins=True) as trace:
+            tiny(tiny_tokens)
+            tiny(tiny_tokens[:1])
+        runs[one] = trace.result()
+    a, b = runs.values()
+    assert a.quantities == b.quantities and a.n_forwards == b.n_forwards == 2
+    for q in a.quantities:
+        assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
+        # float32 products are exact in float64: only the order of each d-term sum differs (~d * eps relative)
+        assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-12, atol=1e-12, equal_nan=True), q
+    monkeypatch.undo()
+    ad, held = adapt(tiny), {}
+    edits = [(ad.hook_name(1, "attn_out"), lambda act, hook: held.update(a=act)),
+             (ad.hook_name(1, "resid_post"), lambda act, hook: held["a"].mul_(2.0))]
+    with pytest.raises(InputError, match="attn_out activation of layer 1 was changed in place"):
+        with probe(tiny):
+            tiny.run_with_hooks(tiny_tokens, fwd_hooks=edits)
+    assert_no_hooks(tiny)
 
 
 def test_result_roundtrip_and_plot(tiny, tiny_tokens, tmp_path):
@@ -494,9 +495,9 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 @pytest.mark.parametrize("n_parts", [2, 3])
 def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
     """diversity_sums on row parts of a batch, one per thread (the probe's path when torch has >= 2 threads), put
-    side by side per set, and direction_totals on position parts, added, give the numbers of the whole batch on one
+    side by side per set, and one_pass on parts of the token grid give the numbers of the whole batch on one
     thread; in_parts cuts consecutive ranges (sizes within one, the larger first) and waits for every part."""
-    from tl_steering.probing.kernels import direction_totals, diversity_sums, in_parts
+    from tl_steering.probing.kernels import diversity_sums, in_parts, one_pass
 
     assert in_parts(lambda a, b: (a, b), 5, 3) == [(0, 2), (2, 4), (4, 5)]
     assert in_parts(lambda a, b: (a, b), 2, 3) == [(0, 1), (1, 2)] and in_parts(lambda a, b: (a, b), 7, 1) == [(0, 7)]
@@ -523,12 +524,19 @@ def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
             for i, w in enumerate(whole):
                 got = torch.cat([p[i].view(3, -1) for p in parts], 1).flatten()
                 assert torch.allclose(got, w, rtol=1e-13, atol=0, equal_nan=True), (spectrum, i)
-        tot, cnt = direction_totals(sets, sq)
-        halves = in_parts(lambda a, b: direction_totals([t[:, a:b] for t in sets], [q[:, a:b] for q in sq]), n,
-                          n_parts)
-        assert len(halves) == n_parts and torch.equal(sum(h[1] for h in halves), cnt)
-        assert torch.allclose(sum(h[0] for h in halves), tot, rtol=1e-13, atol=1e-15)
-        assert torch.equal((tot * tot).sum(-1), diversity_sums(sets, sq, False, False)[0])  # the same operations
+    # the one-pass kernel: float32 activations, kept positions, a zero row; any split of the token grid gives the
+    # float64 dot products and the diversity sums of the whole
+    acts = {s: torch.randn(batch, 9, 5, generator=gen) for s in ("x", "a", "y")}
+    acts["x"][0, 3] = 0.0
+    pos = torch.tensor([1, 2, 3, 5, 8])
+    ref = {s: t[:, pos].double() for s, t in acts.items()}
+    expect = diversity_sums([ref["x"], ref["y"]], [(ref[s] ** 2).sum(-1) for s in ("x", "y")], False, False)
+    for k in (1, n_parts):
+        dot, finite, sums = one_pass(acts, [["x", "a"], ["y"]], ["x", "y"], pos, k)
+        assert finite and torch.equal(sums[1], expect[1]) and sums[1][0] == len(pos) - 1
+        assert torch.allclose(sums[0], expect[0], rtol=1e-13, atol=1e-13)
+        for s1, s2 in (("x", "x"), ("x", "a"), ("a", "x"), ("a", "a"), ("y", "y")):
+            assert torch.allclose(dot(s1, s2), (ref[s1] * ref[s2]).sum(-1), rtol=1e-14, atol=1e-14), (s1, s2)
 
 
 def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
@@ -538,7 +546,6 @@ def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, mo
     import tl_steering.probing.trace as trace_mod
     from tl_steering.errors import NonFiniteError
 
-    monkeypatch.setattr(trace_mod, "defers", lambda device: False)
     for metrics in ("all", None):  # None: no spectrum, so one sequence splits its positions
         runs = {}
         for split in (1, 2, 3):
