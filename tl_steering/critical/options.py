@@ -45,8 +45,8 @@ class FinderOptions:
     tol: float = 1e-10
     max_iter: int = 60
     pre_iter: int = 200
-    edge_pairs: int = 8
-    landscape_solves: int = 32
+    edge_pairs: int = 12
+    landscape_solves: int = 40
     n_eigs: int = 6
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ WINDOW_STAGES = ("checks", "deficit", "ablation", "diversity", "defect")
 
 #: (layers, d_model, d_mlp, d_vocab) of SmolLM2-135M, where the weights were measured; a layer's critical points
 #: cost about CRITICAL_WEIGHT x (CRITICAL_SETUP + starts) float64 FFN Jacobians (the set-up: landscape, power, edges)
-SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 23.6, 30
+SMOLLM2_DIMS, CRITICAL_WEIGHT, CRITICAL_SETUP = (30, 576, 1536, 49152), 23.6, 38
 
 
 def stage_costs(s: SuiteSettings, n_windows: int, length: int,

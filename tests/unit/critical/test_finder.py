@@ -62,7 +62,7 @@ def test_symmetric_linear_random_starts_find_only_eigenvectors():
     res = find_equilibria(_linear(M_SYM), 6, n_starts=64, seed=0)
     o = res.options
     assert o["n_starts"] == 64 and res.eigensolver == "dense" and res.method == "landscape"
-    assert o["power_rows"] == 128 and o["landscape_rows"] == 32
+    assert o["power_rows"] == 128 and o["landscape_rows"] == 40
     assert res.n_starts == o["power_rows"] + o["edge_rows"] + o["plain_rows"] + o["landscape_rows"]
     assert res.eigenvalues.shape == (res.n_points, 5) and res.eigenvalues.dtype == torch.complex128
     assert bool((res.residuals < 1e-8).all())

@@ -234,14 +234,14 @@ def test_attention_field_and_radius_scales(tiny_tokens):
 
 def test_the_landscape_phase_is_capped_on_a_model(tiny_tokens):
     """critical_points' default on a model: the one finder with DEFAULT_OPTIONS, whose landscape phase runs at most
-    32 Newton solves; a landscape_solves in options wins, and the rows run never exceed it."""
+    40 Newton solves; a landscape_solves in options wins, and the rows run never exceed it."""
     import tl_steering as ts
     from tl_steering.critical import DEFAULT_OPTIONS
 
     model = ts.tiny_model("gpt2", backend="bridge", seed=0)
     res = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, options={"max_iter": 30}).results[0]
-    assert res.method == "landscape" and DEFAULT_OPTIONS.landscape_solves == 32
-    assert res.options["landscape_solves"] == 32 and res.options["landscape_rows"] <= 32
+    assert res.method == "landscape" and DEFAULT_OPTIONS.landscape_solves == 40
+    assert res.options["landscape_solves"] == 40 and res.options["landscape_rows"] <= 40
     few = critical_points(model, 0, n_starts=4, tokens=tiny_tokens, options={"max_iter": 30, "landscape_solves": 2})
     assert few.results[0].options["landscape_solves"] == 2 and few.results[0].options["landscape_rows"] <= 2
 
