@@ -285,7 +285,7 @@ class ProbeTrace:
         if pos.numel() == 0:  # every position excluded
             return
         has_mid = not parallel and "resid_mid" in st
-        # every dot product a token needs, in two per-token Gram products: (x, a, z) and (f, phi), f the FFN input
+        # every dot product a token needs, within two groups of sites: (x, a, z) and (f, phi), f the FFN input
         groups = [["resid_pre", *(["attn_out"] if "attn_out" in st else []), "resid_post"]]
         if "mlp_out" in st:
             groups.append(["resid_mid" if has_mid else "resid_pre", "mlp_out"])
