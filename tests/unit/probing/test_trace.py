@@ -537,6 +537,12 @@ def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
         assert torch.allclose(sums[0], expect[0], rtol=1e-13, atol=1e-13)
         for s1, s2 in (("x", "x"), ("x", "a"), ("a", "x"), ("a", "a"), ("y", "y")):
             assert torch.allclose(dot(s1, s2), (ref[s1] * ref[s2]).sum(-1), rtol=1e-14, atol=1e-14), (s1, s2)
+    # bfloat16 activations (exact in float32) and a float64 one beside float32 ones: the same float64 products
+    low = {"x": acts["x"].bfloat16(), "a": acts["a"].bfloat16(), "y": acts["y"].double()}
+    dot, finite, _ = one_pass(low, [["x", "a"], ["y"]], [], pos, n_parts)
+    x, a = (low[s][:, pos].double() for s in ("x", "a"))
+    assert finite and torch.allclose(dot("x", "a"), (x * a).sum(-1), rtol=1e-14, atol=1e-14)
+    assert torch.allclose(dot("y", "y"), (ref["y"] ** 2).sum(-1), rtol=1e-14, atol=1e-14)
 
 
 def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
