@@ -69,7 +69,7 @@ class ProbeTrace:
         self._most_kept = 0
         self._user_hooks: set[str] = set()
         self._interventions: set[str] = set()
-        self._pos_cache: dict[tuple[int, str], tuple[Tensor | slice | None, Tensor | None]] = {}
+        self._pos_cache: dict[tuple[int, str], tuple[Tensor | slice | None, Tensor | None, Tensor]] = {}
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
@@ -102,9 +102,9 @@ class ProbeTrace:
         assert self._buf is not None
         return self._buf
 
-    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor | None]:
+    def _positions(self, n_pos: int, device: torch.device) -> tuple[Tensor | slice | None, Tensor | None, Tensor]:
         """(kept positions: None for all, a slice when contiguous, else an index; bin of each kept one, None
-        without ``position_bins``)."""
+        without ``position_bins``; the kept positions as a CPU int64 tensor)."""
         key = (n_pos, str(device))
         if key not in self._pos_cache:
             keep = torch.ones(n_pos, dtype=torch.bool)
@@ -120,7 +120,7 @@ class ProbeTrace:
             else:
                 idx = pos.to(device)
             bins = position_bin_index(pos).clamp_max(len(self.bin_edges) - 2).to(device) if self.position_bins else None
-            self._pos_cache[key] = (idx, bins)
+            self._pos_cache[key] = (idx, bins, pos)
         return self._pos_cache[key]
 
     def _find_sites(self, layer: int, hook_dict: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -280,8 +280,7 @@ class ProbeTrace:
         div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity
         parallel = self.ad.is_parallel(layer)
         pre = st["resid_pre"]
-        idx, _ = self._positions(pre.shape[-2], pre.device)
-        pos = torch.arange(pre.shape[-2])[slice(None) if idx is None else idx if isinstance(idx, slice) else idx.cpu()]
+        idx, _, pos = self._positions(pre.shape[-2], pre.device)
         if pos.numel() == 0:  # every position excluded
             return
         has_mid = not parallel and "resid_mid" in st
