@@ -152,29 +152,46 @@ def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str]
     from .fused import site_dots  # numba: imported, and compiled or read from its disk cache, on first use
 
     dtype = F64 if any(a.dtype == F64 for a in arrays.values()) else torch.float32  # float16/bfloat16: exact in it
-    names, acts = list(arrays), tuple(a.to(dtype).contiguous().numpy() for a in arrays.values())
-    r_of: dict[tuple[str, str], int] = {}
-    pairs: list[tuple[int, int]] = []
-    for s1, s2 in (pair for g in groups for pair in itertools.combinations_with_replacement(g, 2)):
-        if (s1, s2) not in r_of:
-            r_of[s1, s2] = r_of[s2, s1] = len(pairs)
-            pairs.append((names.index(s1), names.index(s2)))
-    norm_of = np.array([(names.index(s), r_of[s, s]) for s in todo], dtype=np.int64).reshape(-1, 2)
+    names, acts = tuple(arrays), tuple(a.to(dtype).contiguous().numpy() for a in arrays.values())
+    key = (names, tuple(map(tuple, groups)), tuple(todo))
+    group_sites, rows, norm_of, r_of = _TABLES[key] if key in _TABLES else _TABLES.setdefault(key, _pair_tables(*key))
     b, d, n = acts[0].shape[0], acts[0].shape[2], pos.numel()
-    dots, pairs_np, at = np.empty((len(pairs), b, n)), np.array(pairs, dtype=np.int64), np.ascontiguousarray(pos)
+    dots, at = np.empty((int(rows.max()) + 1, b, n)), np.ascontiguousarray(pos)
 
-    def part(t0: int, t1: int) -> np.ndarray:
-        totals = np.zeros((b, len(todo), d))
-        site_dots(acts, at, pairs_np, norm_of, EPS_NORM, t0, t1, dots, totals)
-        return totals
+    def part(t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
+        totals, counts = np.zeros((b, len(todo), d)), np.zeros((b, len(todo)))
+        site_dots(acts, at, group_sites, rows, norm_of, EPS_NORM, t0, t1, dots, totals, counts)
+        return totals, counts
 
-    total, D = torch.from_numpy(sum(in_parts(part, b * n, n_parts))), torch.from_numpy(dots)
+    parts = in_parts(part, b * n, n_parts)
     finite, sums = math.isfinite(float(dots.sum())), None
     if todo and finite:  # set-major [len(todo) * batch], as diversity_sums
-        tot = total.transpose(0, 1).reshape(-1, d)
-        cnt = torch.stack([D[r_of[s, s]].clamp_min(0.0).sqrt() > EPS_NORM for s in todo]).sum(-1).flatten().to(F64)
-        sums = [(tot * tot).sum(-1), cnt, torch.zeros_like(cnt), torch.zeros_like(cnt)]
+        total, cnt = sum(p[0] for p in parts), torch.from_numpy(sum(p[1] for p in parts).T.ravel())
+        sums = [torch.from_numpy(np.einsum("bjd,bjd->jb", total, total).ravel()), cnt, torch.zeros_like(cnt),
+                torch.zeros_like(cnt)]
+    D = torch.from_numpy(dots)
     return (lambda s1, s2: D[r_of[s1, s2]]), finite, sums
+
+
+def _pair_tables(names: tuple[str, ...], groups: tuple[tuple[str, ...], ...], todo: tuple[str, ...]) -> tuple:
+    """:func:`one_pass`'s kernel tables: the groups' site indices, the rows of their pairs, ``(site, row)`` of each
+    set of ``todo``, and ``{(site1, site2): row}``."""
+    r_of: dict[tuple[str, str], int] = {}
+    group_sites, rows = np.zeros((len(groups), 3), dtype=np.int64), np.full((len(groups), 6), -1, dtype=np.int64)
+    for g, sites in enumerate(groups):
+        if not 1 <= len(sites) <= 3:
+            raise ValueError(f"one_pass takes groups of 1-3 sites, got {sites}")
+        group_sites[g] = [names.index(s) for s in (*sites, sites[0], sites[0])[:3]]
+        for c, (i, j) in enumerate(itertools.combinations_with_replacement(range(3), 2)):  # the kernel's order
+            if j < len(sites):
+                new = r_of.get((sites[j], sites[i]), int(rows.max()) + 1)
+                rows[g, c] = r_of.setdefault((sites[i], sites[j]), new)
+    r_of.update({(s2, s1): r for (s1, s2), r in list(r_of.items())})
+    norm_of = np.array([(names.index(s), r_of[s, s]) for s in todo], dtype=np.int64).reshape(-1, 2)
+    return group_sites, rows, norm_of, r_of
+
+
+_TABLES: dict[tuple, tuple] = {}  # one_pass's tables by (sites, groups, todo): a handful per model
 
 
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:

@@ -88,8 +88,7 @@ PUBLISHED: dict[str, Number] = {
     "ablation_radial": Number(key="ablation_delta_loss_radial", **_ALL_LAYERS),
     "ablation_radial_like_zero": Number(
         key="ablation_ratio_to_zero_radial",
-        note=lambda r: f"dCE(zero FFN) = {r.ablation.delta_loss.get('zero', math.nan):.3f}",
-    ),
+        note=lambda r: f"dCE(zero FFN) = {r.ablation.delta_loss.get('zero', math.nan):.3f}"),
     "parallel_gpt2_large_delta_ce": Number(
         key="plan_delta_ce", note=lambda r: f"k = {r.plan.k} lowest-C of {r.plan.n_candidates} layers"),
     "parallel_gpt2_large_high_defect_degrades": Number(
@@ -100,8 +99,7 @@ PUBLISHED: dict[str, Number] = {
     "critical_mostly_saddles": Number(key="critical_saddle_fraction", needs="critical_n_points", note=_saddle_note),
     "critical_rotational_modes": Number(
         key="critical_rotational_points", needs="critical_n_points",
-        note=lambda r: "points with a rotational mode" if int(r.critical.n_points.sum()) else "no equilibrium found",
-    ),
+        note=lambda r: "points with a rotational mode" if int(r.critical.n_points.sum()) else "no equilibrium found"),
     "diversity_attention_contracts": Number(key="diversity_frac_layers_attention_concentrates", **_FRACTION),
     "diversity_ffn_restores": Number(key="diversity_frac_layers_ffn_diversifies", **_FRACTION),
     "diversity_tangential_preserves": Number(key="diversity_tangential_preserves", note=_cosines_note),
@@ -130,31 +128,23 @@ PINNED: dict[str, Number] = {
     "diversity.effective_rank": Number(key=lambda r: _t(r.diversity.effective_rank), tol="diversity"),
     **{
         f"diversity.final_pairwise_cosine{s.replace('_', '.')}": Number(
-            key=f"diversity_final_pairwise_cosine{s}", cast=float, tol="diversity"
-        )
-        for s in ("", "_tangential", "_radial")
-    },
+            key=f"diversity_final_pairwise_cosine{s}", cast=float, tol="diversity")
+        for s in ("", "_tangential", "_radial")},
     **{
         f"defect.{n}": Number(key=lambda r, n=n: _t(r.defect.scores[n]), tol="ratio")
-        for n in ("C", "C_phi", "C1", "C_tan")
-    },
+        for n in ("C", "C_phi", "C1", "C_tan")},
     "defect.nonlinearity": Number(key=lambda r: _t(r.defect.nonlinearity), tol="ratio"),
     "defect.plan": Number(key="plan_layers", cast=list, tol="exact"),
     "defect.gold_delta_ce": Number(key=lambda r: _t(r.defect_gold.delta_ce), tol="delta_loss"),
     "defect.gold_lowest_2": Number(
-        key=lambda r: float(r.defect_gold.curves["lowest"][r.defect_gold.k_values.index(2)]), tol="delta_loss"
-    ),
+        key=lambda r: float(r.defect_gold.curves["lowest"][r.defect_gold.k_values.index(2)]), tol="delta_loss"),
     "defect.plan_delta_ce": Number(key="plan_delta_ce", cast=float, tol="delta_loss"),
-    "gates.closed_form": Number(
-        key=lambda r: [float(r.gates.gates[lay]) for lay in r.plan.layers], tol="gate"
-    ),
+    "gates.closed_form": Number(key=lambda r: [float(r.gates.gates[lay]) for lay in r.plan.layers], tol="gate"),
     "gates.loss_base_heldout": Number(key=lambda r: float(r.gates.loss_base_heldout), tol="loss"),
     "gates.loss_gated_heldout": Number(key=lambda r: float(r.gates.loss_gated_heldout), tol="loss"),
     "prefix.prefix_bitwise_equal": Number(key="prefix_bitwise_equal", cast=bool, tol="exact"),
     "prefix.kl_at_perturbed": Number(key=lambda r: float(r.prefix.kl[0]), tol="prefix"),
-    "prefix.angle_final_mean_later": Number(
-        key=lambda r: float(r.prefix.angle_final[1:].nanmean()), tol="prefix"
-    ),
+    "prefix.angle_final_mean_later": Number(key=lambda r: float(r.prefix.angle_final[1:].nanmean()), tol="prefix"),
 }
 
 #: every named number: published ids and pinned names (disjoint), one map

@@ -13,18 +13,8 @@ from ..results import register
 from .._util.checks import as_int, check_windows_length
 
 #: The stages of :func:`~tl_steering.suite.run_suite`, in the order they run (what each reads: docs/suite.md, "Stages")
-STAGES: tuple[str, ...] = (
-    "checks",
-    "deficit",
-    "ablation",
-    "diversity",
-    "defect",
-    "plan_choice",
-    "parallel",
-    "gates",
-    "critical",
-    "prefix",
-)
+STAGES: tuple[str, ...] = ("checks", "deficit", "ablation", "diversity", "defect", "plan_choice", "parallel", "gates",
+                           "critical", "prefix")
 
 #: The strategies the ``plan_choice`` stage compares by default: the planner's (``parallel.strategies.PLANNER``)
 PLAN_CHOICE_STRATEGIES: tuple[str, ...] = PLANNER.strategies

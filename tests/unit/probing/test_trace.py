@@ -532,11 +532,12 @@ def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
     ref = {s: t[:, pos].double() for s, t in acts.items()}
     expect = diversity_sums([ref["x"], ref["y"]], [(ref[s] ** 2).sum(-1) for s in ("x", "y")], False, False)
     for k in (1, n_parts):
-        dot, finite, sums = one_pass(acts, [["x", "a"], ["y"]], ["x", "y"], pos, k)
-        assert finite and torch.equal(sums[1], expect[1]) and sums[1][0] == len(pos) - 1
-        assert torch.allclose(sums[0], expect[0], rtol=1e-13, atol=1e-13)
-        for s1, s2 in (("x", "x"), ("x", "a"), ("a", "x"), ("a", "a"), ("y", "y")):
-            assert torch.allclose(dot(s1, s2), (ref[s1] * ref[s2]).sum(-1), rtol=1e-14, atol=1e-14), (s1, s2)
+        for groups in ([["x", "a"], ["y"]], [["x", "a", "y"], ["y", "a"], ["x"]]):  # groups of 1-3, sites shared
+            dot, finite, sums = one_pass(acts, groups, ["x", "y"], pos, k)
+            assert finite and torch.equal(sums[1], expect[1]) and sums[1][0] == len(pos) - 1
+            assert torch.allclose(sums[0], expect[0], rtol=1e-13, atol=1e-13)
+            for s1, s2 in {(s1, s2) for g in groups for s1 in g for s2 in g}:
+                assert torch.allclose(dot(s1, s2), (ref[s1] * ref[s2]).sum(-1), rtol=1e-14, atol=1e-14), (s1, s2)
     # bfloat16 activations (exact in float32) and a float64 one beside float32 ones: the same float64 products
     low = {"x": acts["x"].bfloat16(), "a": acts["a"].bfloat16(), "y": acts["y"].double()}
     dot, finite, _ = one_pass(low, [["x", "a"], ["y"]], [], pos, n_parts)
