@@ -33,19 +33,19 @@ def timed() -> Iterator[Stopwatch]:
         sw.cpu_s = time.process_time() - c0
 
 
-def _call_seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    """Wall seconds of one ``fn()``: CUDA events on a CUDA device (the device time of the queued work), else
-    ``time.perf_counter``."""
+def _call_seconds(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """(wall seconds of one ``fn()``: CUDA events on a CUDA device (the device time of the queued work), else
+    ``time.perf_counter``; what it returned)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        out = fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, out
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    out = fn()
+    return time.perf_counter() - t0, out
 
 
 def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", warmup: int = 2,
@@ -55,22 +55,25 @@ def median_seconds(fn: Callable[[], Any], device: torch.device | str = "cpu", wa
 
 
 def alternating_seconds(fns: Sequence[Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1,
-                        rounds: int = 5) -> list[list[float]]:
+                        rounds: int = 5, after: Callable[[Any], None] | None = None) -> list[list[float]]:
     """``times[i][r]``: seconds of ``fns[i]`` in round ``r``, the order rotated per round (docs/statistics.md,
-    "Timing")."""
+    "Timing"); ``after``, when given, receives what each call returned (warm-ups included), outside the timing."""
     device = torch.device(device)
     n = len(fns)
     times: list[list[float]] = [[] for _ in range(n)]
+    done = after or (lambda out: None)
     with torch.no_grad():
         for _ in range(warmup):
             for fn in dict.fromkeys(fns):  # a function listed twice (an A/A control) is warmed once
-                fn()
+                done(fn())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         for r in range(max(1, rounds)):
             for j in range(n):
                 i = (j + r) % n
-                times[i].append(_call_seconds(fns[i], device))
+                t, out = _call_seconds(fns[i], device)
+                times[i].append(t)
+                done(out)
     return times
 
 

@@ -109,8 +109,7 @@ def _verify(model: Any) -> None:
     if not err <= tol:
         raise ParallelBlockError(
             f"the fused parallel blocks disagree with the unfused parallel reference (relative error {err:.3g} > "
-            f"{tol:g}); this model's weight layout is not what the fold expects. Use parallelize(..., fuse=False)."
-        )
+            f"{tol:g}); this model's weight layout is not what the fold expects. Use parallelize(..., fuse=False).")
 
 
 __all__ = ["parallel_layers", "parallelize", "unfused"]

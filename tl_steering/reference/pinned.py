@@ -10,8 +10,7 @@ PINNED_SETTINGS: dict[str, Any] = {
     "text": "pydoc", "windows": 4, "length": 64, "seed": 0, "processing": "raw",
     "ablation_variants": ["tangential", "radial", "zero", "random_tangent"],
     "diversity_ablations": ["tangential", "radial"], "defect_k": 15, "defect_gold_layers": [0, 1, 10, 20, 29],
-    "prefix_layer": 15, "prefix_positions": [16], "prefix_eps": 1e-2,
-}
+    "prefix_layer": 15, "prefix_positions": [16], "prefix_eps": 1e-2}
 
 #: Gemma-3-270M (18 layers; forwards ~10x SmolLM2's, 262k vocabulary): 2 windows x 64 tokens, plan k = L/2 = 9,
 #: gold layers first / second / local / global / last, prefix perturbed at the middle layer
@@ -21,8 +20,7 @@ GEMMA_PINNED_SETTINGS: dict[str, Any] = {**PINNED_SETTINGS, "windows": 2, "defec
 #: model name -> (file in tl_steering/reference/, settings)
 PINNED_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m": (PINNED_FILES["smollm2-135m"], PINNED_SETTINGS),
-    "gemma-3-270m": (PINNED_FILES["gemma-3-270m"], GEMMA_PINNED_SETTINGS),
-}
+    "gemma-3-270m": (PINNED_FILES["gemma-3-270m"], GEMMA_PINNED_SETTINGS)}
 
 # tolerance groups: |ours - pinned| <= abs + rel * |pinned|
 TOLERANCES: dict[str, dict[str, float]] = {

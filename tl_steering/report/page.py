@@ -82,12 +82,10 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
     ("deficit", "Angular deficit (protocol 1)",
         "How well the attention-only update aligns with the real block update, on the tangent space at the block "
         "input: deficit<sub>l</sub> = 1 − mean cos(P<sub>u</sub>a, P<sub>u</sub>Δx) (position 0 excluded). A large "
-        "deficit means the FFN drives much of the change of direction.",
-        ["deficit_layers", "deficit_positions"]),
+        "deficit means the FFN drives much of the change of direction.", ["deficit_layers", "deficit_positions"]),
     ("ablation", "Radial / tangential FFN ablation (protocol 2)",
         "Every FFN write keeps only its tangential part (P<sub>u</sub>φ) or its radial part (⟨u,φ⟩u), u = the FFN "
-        "input direction, all layers at once; ΔCE against the clean model.",
-        ["ablation"]),
+        "input direction, all layers at once; ΔCE against the clean model.", ["ablation"]),
     ("diversity", "Diversity under aggregation (protocol 3)",
         "Mean pairwise cosine of the token directions before attention, after attention and after the FFN "
         "(higher = more concentrated), clean and under the ablations, and the effect of scaling attention writes.",
@@ -95,20 +93,17 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
     ("defect", "Sequential-to-parallel defect C<sub>l</sub> (protocol 4)",
         "C<sub>l</sub> = RMS of d = Φ(x+a) − Φ(x) relative to the block update; the gold standard is the CE increase "
         "with layer l alone made parallel. Curves: the k lowest-C, highest-C, contiguous and random layers made "
-        "parallel.",
-        ["defect_scores", "defect_curves"]),
+        "parallel.", ["defect_scores", "defect_curves"]),
     ("plan_choice", "The chosen plan: planner strategies compared",
         "Cheap planner strategies (one-shot scores: the paper's C and C1, our first- and second-order loss "
         "attributions) each choose k layers on the first half of the windows (calibration), every plan with the "
         "closed-form correction g<sub>l</sub>Φ(x) + b<sub>l</sub> of its parallel FFN writes fitted there; the plan "
         "of lowest calibration ΔCE is chosen and reported on the second half (held out), beside the paper's "
         "lowest-C plan (uncorrected) on the same held-out windows. Curves: held-out (solid) and calibration (dotted) "
-        "ΔCE vs k for every strategy; the chosen one is drawn thick.",
-        ["plan_choice"]),
+        "ΔCE vs k for every strategy; the chosen one is drawn thick.", ["plan_choice"]),
     ("gates", "FFN gates on the low-C plan",
         "One scalar gate per FFN on top of the parallelized plan, fitted on a calibration split and evaluated on "
-        "held-out windows.",
-        ["gates"]),
+        "held-out windows.", ["gates"]),
     ("critical", "Critical points of the FFN field",
         "Equilibria u* of F(u) = Φ(ρu) on the sphere (P<sub>u</sub>F(u) = 0), classified by the tangent spectrum "
         "of M = QᵀDF Q − λI: attractor, repeller, saddle, with rotational modes, found by critical_points' one finder "
@@ -121,8 +116,7 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
     ("prefix", "Prefix-indexed causal dynamics",
         "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "
-        "unchanged, later ones change with distance.",
-        ["prefix"]),
+        "unchanged, later ones change with distance.", ["prefix"]),
 ]
 
 
@@ -292,8 +286,7 @@ def _executor_rows(ex: Any) -> dict[str, Any]:
         rows.update({
             "sequential forward: median [interval]": median_spread(ex.timing_sequential_s),
             "A/A control (the sequential forward again)": median_spread(ex.timing_control_s),
-            "parallel forward: median [interval]": median_spread(ex.timing_parallel_s),
-        })
+            "parallel forward: median [interval]": median_spread(ex.timing_parallel_s)})
     else:
         rows.update({"sequential forward: median (s)": ex.t_forward_sequential_s,
                      "parallel forward: median (s)": ex.t_forward_parallel_s})
@@ -354,8 +347,8 @@ def parallel_section(suite: SuiteResult, verdict: Claim | None = None) -> str:
         out += (
             "<p>The chosen plan (section <a href='#plan_choice'>plan_choice</a>) run the same way, in the same "
             "rounds, its fitted corrections folded into the fused weights "
-            "(<code>parallelize(model, layers, gates=, biases=, linears=)</code>).</p>" + _kv_table(_executor_rows(suite.executor_choice))
-        )
+            "(<code>parallelize(model, layers, gates=, biases=, linears=)</code>).</p>"
+            + _kv_table(_executor_rows(suite.executor_choice)))
     raw = _kv_table(_asdict(ex)) + (_kv_table(_asdict(suite.executor_choice)) if suite.executor_choice else "")
     return out + ("<details class='raw'><summary>All numbers of the executor runs (raw keys of results.json)"
                   "</summary>" + raw + "</details>")

@@ -13,8 +13,7 @@ _LAZY = {
     **{n: ".progress" for n in ("Progress", "TqdmProgress")},
     "run_suite": ".run",
     **{n: ".settings" for n in ("CRITICAL_METHODS", "PLAN_CHOICE_STRATEGIES", "STAGES", "SuiteSettings", "check_windows_length",
-                                "default_settings")},
-}
+                                "default_settings")}}
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:

@@ -103,8 +103,7 @@ PUBLISHED: dict[str, Number] = {
     "diversity_attention_contracts": Number(key="diversity_frac_layers_attention_concentrates", **_FRACTION),
     "diversity_ffn_restores": Number(key="diversity_frac_layers_ffn_diversifies", **_FRACTION),
     "diversity_tangential_preserves": Number(key="diversity_tangential_preserves", note=_cosines_note),
-    "eq19_radial_coefficient": _none(
-        "our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"),
+    "eq19_radial_coefficient": _none("our split uses u = normalize(FFN input) = resid_mid (sequential blocks)"),
     "low_trust_auto_summaries": _none("not compared: low trust"),
 }
 

@@ -212,8 +212,7 @@ class PlanChoice:
             "ratio to the lowest-C plan (held out)": self.ratio_to_lowest_c,
             "fisher samples": self.fisher_samples,
             "planner passes (forward / backward)": f"{p.total_cost.get('forward', math.nan):.0f} / "
-                                                    f"{p.total_cost.get('backward', math.nan):.0f}",
-        }
+                                                    f"{p.total_cost.get('backward', math.nan):.0f}"}
         if p.k in p.k_values:
             out.update({f"held-out dCE, {s}": v for s, v in p.at_k().items()})
         return out

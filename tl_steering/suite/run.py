@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .._util import progress as _progress
 from ..backends import adapt, tl_version
 from ..backends.adapter import shared_clean_forwards
-from ..data.batching import mean_loss
+from ..data.batching import mean_loss, token_losses, token_mean
 from ..data.windows import TokenWindows, token_source
 from ..errors import InputError, ModelNotSupportedError, ParallelBlockError
 from ..data.sharding import World, broadcast_from_rank0, check_agreement, world
@@ -198,15 +199,30 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
                                    correction=pc.plan.refit, linears=pc.plan.linear_maps()))
     tick("parallel copies")
     copies = [(info, par) for info, par in runs if par is not None]
-    if copies:
-        sl = c.tokens[: min(c.s.parallel_timing_windows, c.s.batch_size)]
-        fns = [lambda m=m: m(sl, return_type="logits") for m in [c.model] + [par for _, par in copies]]
+    if copies:  # each model is timed on the timing batches in turn; a copy's loss reads its first pass over them
+        parts = c.tokens.split(min(c.s.parallel_timing_windows, c.s.batch_size))
+        models = [c.model] + [p for _, p in copies]
+        calls, rows = [0] * len(models), [{} for _ in models]  # per model: part -> per-window CE sums
+
+        def call(i: int) -> tuple[int, int, Tensor]:
+            k, calls[i] = calls[i] % len(parts), calls[i] + 1
+            return i, k, models[i](parts[k], return_type="logits")
+
+        def keep(out: tuple[int, int, Tensor]) -> None:
+            i, k, logits = out
+            if i and k not in rows[i]:
+                rows[i][k] = token_losses(logits, parts[k]).sum(-1).cpu()
+
+        fns = [lambda i=i: call(i) for i in range(len(models))]
         fns.insert(1, fns[0])  # the A/A control: the original again
-        times = alternating_seconds(fns, c.ad.device, warmup=1, rounds=c.s.parallel_repeats)
+        times = alternating_seconds(fns, c.ad.device, warmup=1, rounds=c.s.parallel_repeats, after=keep)
         clean = _clean_loss(c, res)
-        for (info, par), t_par in zip(copies, times[2:]):
+        for i, ((info, par), t_par) in enumerate(zip(copies, times[2:]), 1):
             info.set_times(times[0], times[1], t_par)
-            info.loss = mean_loss(par, c.tokens, [], c.s.batch_size)  # rank 0 alone runs this stage
+            with torch.no_grad():
+                while len(rows[i]) < len(parts):  # more timing batches than timed calls: the rest untimed
+                    keep(call(i))
+            info.loss = token_mean(torch.cat([rows[i][k] for k in range(len(parts))]), c.tokens)
             info.delta_ce = info.loss - clean
     del copies
     res.executor = runs[0][0]

@@ -54,7 +54,8 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
     n_ks = len(s.plan_choice_k_values) if s.plan_choice_k_values is not None else 2
     choice = 0.0 if not s.plan_choice_strategies else 4.0 + 5.3 * len(s.plan_choice_strategies) * max(1, n_ks - 1)
     copies = 2 if s.plan_choice_strategies and "plan_choice" in s.stages else 1
-    timed = (2 + copies) * (s.parallel_repeats + 1) * min(s.parallel_timing_windows, s.batch_size) / n_windows
+    timed = (2 + copies) * (s.parallel_repeats + 1) * (tw := min(s.parallel_timing_windows, s.batch_size)) / n_windows
+    untimed = max(0, math.ceil(n_windows / tw) - s.parallel_repeats - 1) * tw / n_windows  # a copy's loss, untimed
     fixed = 256.0 / max(1, n_windows * length)  # work that does not grow with the tokens, in forwards of them
     return {
         "checks": (1.0, 0.0, 1.0 / n_windows),
@@ -65,7 +66,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
                    3.0 * s.timing_repeats * s.defect_timing * min(s.parallel_timing_windows, s.batch_size)
                    / min(n_windows, s.batch_size)),  # the sub-modules are timed on the executor's batch
         "plan_choice": (0.0, 0.0, choice),
-        "parallel": (0.0, 0.0, (2.4 * fixed + 0.85) * copies + 0.85 * timed),
+        "parallel": (0.0, 0.0, (2.4 * fixed + 0.85 * untimed) * copies + 0.85 * timed),
         "gates": (0.0, 0.0, 4.5),
         "critical": (0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
                      * jacobian_per_forward(dims) / max(1, n_windows * length), 0.0),

@@ -123,6 +123,25 @@ def test_plan_choice_off_and_bad_settings():
             run_suite(model, tokens, SuiteSettings(stages=["plan_choice"], **bad), progress=False)
 
 
+def test_executor_loss_reads_the_timing_passes():
+    """The parallel stage times each model on the timing batches in turn and takes a copy's loss over all the windows
+    from its first pass over them; with fewer timed calls than batches the rest run untimed: the same loss either
+    way, equal to the plan's surrogate hooks (the fused copy rounds differently: float32 tolerance)."""
+    from tl_steering.data.batching import mean_loss
+    from tl_steering.hooks import parallel_blocks
+
+    model = ts.tiny_model("gpt2", backend="bridge", seed=0, n_layers=2)
+    tokens = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(0))
+    s = SuiteSettings(stages=["checks", "defect", "parallel"], plan_k=1, defect_evaluate=False, defect_brackets=False,
+                      defect_timing=False, defect_n_random=0, parallel_timing_windows=1, parallel_repeats=1)
+    few = run_suite(model, tokens, s, progress=False).executor  # warm-up + 1 round: 2 of the 4 batches timed
+    s.parallel_repeats = 5
+    many = run_suite(model, tokens, s, progress=False).executor  # 6 calls cover the 4 batches
+    assert few.status == many.status == "ok" and few.layers == many.layers and len(many.timing_parallel_s) == 5
+    assert few.loss == pytest.approx(many.loss, rel=1e-12)
+    assert few.loss == pytest.approx(mean_loss(model, tokens, parallel_blocks(model, few.layers)), abs=1e-5)
+
+
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
 def test_suite_result_round_trips_exactly(suite, tmp_path, suffix):
     path = suite.save(tmp_path / f"suite{suffix}")
