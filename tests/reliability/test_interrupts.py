@@ -180,6 +180,11 @@ def test_sigint_at_random_points_leaves_model_clean(model, name):
     landed, missed = 0, []
     for k in pts:
         hit = _inject.interrupt(fn, k)
+        if not hit and _inject.site[0] == "(not reached)" and (now := _inject.count(fn)) < n:
+            # a run shorter than the profiled one (seen on TL 3.9 at torch's default threads: a few hundred to a few
+            # thousand events fewer, from run to run): the point at the same distance from the end of a run
+            k = k - (n - now)
+            hit = _inject.interrupt(fn, k)
         landed += hit
         where = f"{name}, SIGINT at event {k} of {n} in {_inject.site[0]}"
         if not hit:
