@@ -7,11 +7,10 @@ import numpy as np
 @numba.njit(nogil=True, fastmath={"reassoc", "nsz", "contract", "arcp"}, cache=True)
 def site_dots(sites, pos, groups, rows, norm_of, eps, t0, t1, dots, totals, counts):  # type: ignore[no-untyped-def]
     """For tokens ``t0 <= t < t1`` of the ``[batch, len(pos)]`` grid (position ``pos[p]`` of ``sites``' ``[batch,
-    n_pos, d]`` arrays): the float64 dot products within each group of 3 sites ``groups[g]`` (a smaller group repeats
-    its first site) into ``dots[rows[g, c], b, p]`` for the pairs c = (0,0) (0,1) (0,2) (1,1) (1,2) (2,2) with a row
-    >= 0, all accumulated in one loop over the coordinates; then for each ``norm_of[j] = (site, row)`` with norm
-    ``sqrt(dots[row]) > eps``, the site's unit vector added to ``totals[b, j]`` and 1 to ``counts[b, j]``. One read
-    of each activation, no float64 copy: the products of float32 numbers are exact in float64."""
+    n_pos, d]`` arrays): the float64 dot products of each group of 3 sites ``groups[g]`` (a smaller one repeats its
+    first), pairs c = (0,0) (0,1) (0,2) (1,1) (1,2) (2,2) in one loop over the coordinates, into ``dots[rows[g, c], b,
+    p]`` where that row is >= 0; for each ``norm_of[j] = (site, row)`` with ``sqrt(dots[row]) > eps``, the site's unit
+    vector added to ``totals[b, j]`` and 1 to ``counts[b, j]``. Products of float32 numbers are exact in float64."""
     n_pos, d = pos.shape[0], sites[0].shape[2]
     for t in range(t0, t1):
         b, p = t // n_pos, t % n_pos

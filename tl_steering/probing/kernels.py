@@ -112,7 +112,9 @@ def gram_sets(sets: list[Tensor], cols: bool = False) -> Tensor:
     return H
 
 
-# the threads of in_parts (started on first use)
+# the threads of in_parts (started on first use); ONE_PASS_SPLIT: kept tokens x d_model of a layer from which
+# one_pass splits it over them (smaller: torch's OpenMP workers, spinning after the forward's last op, slow the split)
+ONE_PASS_SPLIT = 1 << 20
 POOL = concurrent.futures.ThreadPoolExecutor(max(1, usable_cores() - 1), "tl_steering-part")
 
 
@@ -157,6 +159,7 @@ def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str]
     group_sites, rows, norm_of, r_of = _TABLES[key] if key in _TABLES else _TABLES.setdefault(key, _pair_tables(*key))
     b, d, n = acts[0].shape[0], acts[0].shape[2], pos.numel()
     dots, at = np.empty((int(rows.max()) + 1, b, n)), np.ascontiguousarray(pos)
+    n_parts = n_parts if b * n * d >= ONE_PASS_SPLIT else 1  # below it, one part is faster (docs/probe.md)
 
     def part(t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
         totals, counts = np.zeros((b, len(todo), d)), np.zeros((b, len(todo)))
@@ -167,10 +170,8 @@ def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str]
     finite, sums = math.isfinite(float(dots.sum())), None
     if todo and finite:  # set-major [len(todo) * batch], as diversity_sums
         total, cnt = sum(p[0] for p in parts), torch.from_numpy(sum(p[1] for p in parts).T.ravel())
-        sums = [torch.from_numpy(np.einsum("bjd,bjd->jb", total, total).ravel()), cnt, torch.zeros_like(cnt),
-                torch.zeros_like(cnt)]
-    D = torch.from_numpy(dots)
-    return (lambda s1, s2: D[r_of[s1, s2]]), finite, sums
+        sums = [torch.from_numpy(np.einsum("bjd,bjd->jb", total, total).ravel()), cnt, *[torch.zeros_like(cnt)] * 2]
+    return (lambda s1, s2, D=torch.from_numpy(dots): D[r_of[s1, s2]]), finite, sums
 
 
 def _pair_tables(names: tuple[str, ...], groups: tuple[tuple[str, ...], ...], todo: tuple[str, ...]) -> tuple:

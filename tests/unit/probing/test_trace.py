@@ -493,11 +493,14 @@ def test_diversity_kernel_equals_full_gram_formula(n):
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 @pytest.mark.parametrize("n_parts", [2, 3])
-def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
+def test_kernels_split_over_threads_equal_one_thread(batch, n_parts, monkeypatch):
     """diversity_sums on row parts of a batch, one per thread (the probe's path when torch has >= 2 threads), put
     side by side per set, and one_pass on parts of the token grid give the numbers of the whole batch on one
     thread; in_parts cuts consecutive ranges (sizes within one, the larger first) and waits for every part."""
+    from tl_steering.probing import kernels
     from tl_steering.probing.kernels import diversity_sums, in_parts, one_pass
+
+    monkeypatch.setattr(kernels, "ONE_PASS_SPLIT", 0)  # these layers are tiny: split them anyway
 
     assert in_parts(lambda a, b: (a, b), 5, 3) == [(0, 2), (2, 4), (4, 5)]
     assert in_parts(lambda a, b: (a, b), 2, 3) == [(0, 1), (1, 2)] and in_parts(lambda a, b: (a, b), 7, 1) == [(0, 7)]
@@ -546,13 +549,30 @@ def test_kernels_split_over_threads_equal_one_thread(batch, n_parts):
     assert torch.allclose(dot("y", "y"), (ref["y"] ** 2).sum(-1), rtol=1e-14, atol=1e-14)
 
 
+def test_one_pass_splits_only_large_layers(monkeypatch):
+    """one_pass runs a layer on one part below ONE_PASS_SPLIT kept tokens x d_model (torch's spinning OpenMP workers
+    make a split slower there), on the parts asked for from it."""
+    from tl_steering.probing import kernels
+
+    asked = []
+    monkeypatch.setattr(kernels, "in_parts", lambda fn, n, parts: asked.append(parts) or [fn(0, n)])
+    acts = {s: torch.randn(2, 9, 16) for s in ("x", "a")}
+    pos = torch.arange(1, 9)
+    kernels.one_pass(acts, [["x", "a"]], ["x"], pos, 3)
+    monkeypatch.setattr(kernels, "ONE_PASS_SPLIT", 2 * 8 * 16)
+    kernels.one_pass(acts, [["x", "a"]], ["x"], pos, 3)
+    assert asked == [1, 3]
+
+
 def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, monkeypatch):
     """Each layer's Grams and per-sequence sums taken on two or three parts of the batch, one per thread (the probe's
     path when torch has >= 2 threads), equal those of the whole batch on one thread: every metric, per position
     bin, batches of 1-3 sequences; a non-finite activation on that path still raises, naming its layer and site."""
     import tl_steering.probing.trace as trace_mod
     from tl_steering.errors import NonFiniteError
+    from tl_steering.probing import kernels
 
+    monkeypatch.setattr(kernels, "ONE_PASS_SPLIT", 0)  # the tiny model's layers would run on one part
     for metrics in ("all", None):  # None: no spectrum, so one sequence splits its positions
         runs = {}
         for split in (1, 2, 3):
