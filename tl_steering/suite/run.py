@@ -203,15 +203,15 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         parts = c.tokens.split(min(c.s.parallel_timing_windows, c.s.batch_size))
         models = [c.model] + [p for _, p in copies]
         calls, rows = [0] * len(models), [{} for _ in models]  # per model: part -> per-window CE sums
+        full = [k for k, p in enumerate(parts) if len(p) == len(parts[0])]  # the timed batches: all of one shape
 
-        def call(i: int) -> tuple[int, int, Tensor]:
-            k, calls[i] = calls[i] % len(parts), calls[i] + 1
+        def call(i: int, k: int | None = None) -> tuple[int, int, Tensor]:
+            k, calls[i] = (full[calls[i] % len(full)], calls[i] + 1) if k is None else (k, calls[i])
             return i, k, models[i](parts[k], return_type="logits")
 
-        def keep(out: tuple[int, int, Tensor]) -> None:
-            i, k, logits = out
-            if i and k not in rows[i]:
-                rows[i][k] = token_losses(logits, parts[k]).sum(-1).cpu()
+        def keep(out: tuple[int, int, Tensor]) -> None:  # copy i's CE sums of batch k, from its first pass over it
+            if out[0] and out[1] not in rows[out[0]]:
+                rows[out[0]][out[1]] = token_losses(out[2], parts[out[1]]).sum(-1).cpu()
 
         fns = [lambda i=i: call(i) for i in range(len(models))]
         fns.insert(1, fns[0])  # the A/A control: the original again
@@ -220,8 +220,8 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
         for i, ((info, par), t_par) in enumerate(zip(copies, times[2:]), 1):
             info.set_times(times[0], times[1], t_par)
             with torch.no_grad():
-                while len(rows[i]) < len(parts):  # more timing batches than timed calls: the rest untimed
-                    keep(call(i))
+                for k in [k for k in range(len(parts)) if k not in rows[i]]:  # no timed call reached them: untimed
+                    keep(call(i, k))
             info.loss = token_mean(torch.cat([rows[i][k] for k in range(len(parts))]), c.tokens)
             info.delta_ce = info.loss - clean
     del copies

@@ -140,6 +140,12 @@ def test_executor_loss_reads_the_timing_passes():
     assert few.status == many.status == "ok" and few.layers == many.layers and len(many.timing_parallel_s) == 5
     assert few.loss == pytest.approx(many.loss, rel=1e-12)
     assert few.loss == pytest.approx(mean_loss(model, tokens, parallel_blocks(model, few.layers)), abs=1e-5)
+    # 5 windows in timing batches of 2: only the two full batches are timed (one shape), the last window untimed
+    five = torch.randint(0, 100, (5, 8), generator=torch.Generator().manual_seed(1))
+    s.parallel_timing_windows = 2
+    ex = run_suite(model, five, s, progress=False).executor
+    assert ex.status == "ok" and ex.timing_shape == [2, 8]
+    assert ex.loss == pytest.approx(mean_loss(model, five, parallel_blocks(model, ex.layers)), abs=1e-5)
 
 
 @pytest.mark.parametrize("suffix", [".json", ".safetensors"])
