@@ -224,7 +224,6 @@ def stage_parallel(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
                     keep(call(i, k))
             info.loss = token_mean(torch.cat([rows[i][k] for k in range(len(parts))]), c.tokens)
             info.delta_ce = info.loss - clean
-    del copies
     res.executor = runs[0][0]
     res.executor_choice = runs[1][0] if len(runs) > 1 else None
     tick("timed")

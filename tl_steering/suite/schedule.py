@@ -54,8 +54,9 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
     n_ks = len(s.plan_choice_k_values) if s.plan_choice_k_values is not None else 2
     choice = 0.0 if not s.plan_choice_strategies else 4.0 + 5.3 * len(s.plan_choice_strategies) * max(1, n_ks - 1)
     copies = 2 if s.plan_choice_strategies and "plan_choice" in s.stages else 1
-    timed = (2 + copies) * (s.parallel_repeats + 1) * (tw := min(s.parallel_timing_windows, s.batch_size)) / n_windows
-    untimed = max(0, math.ceil(n_windows / tw) - s.parallel_repeats - 1) * tw / n_windows  # a copy's loss, untimed
+    tw = min(s.parallel_timing_windows, s.batch_size, n_windows)  # the executor's timing batch
+    timed = (2 + copies) * (s.parallel_repeats + 1) * tw / n_windows
+    untimed = (max(0, n_windows // tw - s.parallel_repeats - 1) * tw + n_windows % tw) / n_windows  # a copy's loss
     fixed = 256.0 / max(1, n_windows * length)  # work that does not grow with the tokens, in forwards of them
     return {
         "checks": (1.0, 0.0, 1.0 / n_windows),
@@ -63,8 +64,7 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
         "ablation": (1.25 * (1 + n_var), 0.0, 0.0),
         "diversity": (1.3 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
         "defect": (3.0 + 1.5 * s.defect_brackets + 4.3 * (not s.defect_evaluate), plans + gold,
-                   3.0 * s.timing_repeats * s.defect_timing * min(s.parallel_timing_windows, s.batch_size)
-                   / min(n_windows, s.batch_size)),  # the sub-modules are timed on the executor's batch
+                   3.0 * s.timing_repeats * s.defect_timing * tw / min(n_windows, s.batch_size)),  # timed on tw
         "plan_choice": (0.0, 0.0, choice),
         "parallel": (0.0, 0.0, (2.4 * fixed + 0.85 * untimed) * copies + 0.85 * timed),
         "gates": (0.0, 0.0, 4.5),
