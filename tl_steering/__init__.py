@@ -14,41 +14,22 @@ from ._util.lazy import lazy_attributes
 # name imports its module on first use (a name equal to its module's last part is the module itself).
 PUBLIC: dict[str, str] = {
     # primitives and the backend
-    "errors": ".errors",
-    "geometry": ".geometry",
-    "hooks": ".hooks",
-    "Result": ".results",
-    "adapt": ".backends",
-    "load_model": ".backends",
-    "tiny_model": ".backends",
-    "tl_version": ".backends",
+    "errors": ".errors", "geometry": ".geometry", "hooks": ".hooks", "Result": ".results", "adapt": ".backends",
+    "load_model": ".backends", "tiny_model": ".backends", "tl_version": ".backends",
     # data
-    "TokenWindows": ".data.windows",
-    "text_tokens": ".data.windows",
-    "text_windows": ".data.windows",
+    "TokenWindows": ".data.windows", "text_tokens": ".data.windows", "text_windows": ".data.windows",
     # the probe
-    "probe": ".probing.trace",
-    "scan": ".probing.scan",
+    "probe": ".probing.trace", "scan": ".probing.scan",
     # protocols and diagnostics
-    "angular_deficit": ".protocols.deficit",
-    "ffn_ablation": ".protocols.ablation",
-    "diversity": ".protocols.diversity",
-    "calibrate_gates": ".protocols.gates",
-    "prefix_sensitivity": ".protocols.prefix",
-    "prefix_statistics": ".protocols.prefix",
-    "critical_points": ".critical.model",
-    "critical_census": ".critical.model",
-    "find_equilibria": ".critical.finder",
+    "angular_deficit": ".protocols.deficit", "ffn_ablation": ".protocols.ablation",
+    "diversity": ".protocols.diversity", "calibrate_gates": ".protocols.gates",
+    "prefix_sensitivity": ".protocols.prefix", "prefix_statistics": ".protocols.prefix",
+    "critical_points": ".critical.model", "critical_census": ".critical.model", "find_equilibria": ".critical.finder",
     # parallel blocks
-    "parallel_defect": ".parallel.defect",
-    "parallel_scores": ".parallel.scores",
-    "plan_parallel": ".parallel.plan",
-    "ParallelPlan": ".parallel.plan_result",
-    "parallelize": ".parallel.apply",
+    "parallel_defect": ".parallel.defect", "parallel_scores": ".parallel.scores", "plan_parallel": ".parallel.plan",
+    "ParallelPlan": ".parallel.plan_result", "parallelize": ".parallel.apply",
     # the suite and its report
-    "run_suite": ".suite.run",
-    "SuiteSettings": ".suite.settings",
-    "render_report": ".report"}
+    "run_suite": ".suite.run", "SuiteSettings": ".suite.settings", "render_report": ".report"}
 
 __getattr__, __dir__ = lazy_attributes(__name__, PUBLIC, globals())
 __all__ = list(PUBLIC)

@@ -384,45 +384,68 @@ class ModelAdapter:
 
 class _CleanForwards:
     """The hook-free forwards of one model inside :func:`shared_clean_forwards`: per token batch, its logits and
-    its activations at :meth:`ModelAdapter.identity_names` (and any other name asked for), up to ``max_bytes``."""
+    its activations at :meth:`ModelAdapter.identity_names` (and any other name asked for), up to ``max_bytes``; and
+    the per-window values of :func:`shared_rows`, per tag."""
 
     def __init__(self, model: Any, max_bytes: int):
         self.model, self.left = model, max_bytes
-        self.runs: dict[tuple, tuple[Tensor, dict[str, Tensor]]] = {}
+        self.runs: dict[tuple, dict[str, Tensor]] = {}  # tokens -> logits ("logits") and activations
         self.sizes: dict[tuple, int] = {}  # bytes each kept run counts against max_bytes
+        self.kept: dict[Any, dict[tuple, dict[str, Tensor]]] = {}  # shared_rows: tag -> tokens -> values
 
     def forward(self, ad: ModelAdapter, tokens: Tensor, names: list[str]) -> tuple[Tensor, dict]:
-        key = (tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes())
-        run = self.runs.get(key)
-        if run is None and (part := self._rows(key, names)) is not None:
-            return part
-        if run is None or not set(names) <= run[1].keys():
-            wanted = list(dict.fromkeys(names + ad.identity_names()))
-            size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
-            freed = self.sizes.get(key, 0)  # a run with fewer names is replaced: its bytes come back
-            token = _SHARED.set(None)
-            try:
-                if size > self.left + freed:  # too big to keep: an ordinary forward
-                    return ad.run_with_cache(tokens, names)
-                run = self.runs[key] = ad.run_with_cache(tokens, wanted)
-                self.left += freed - size
-                self.sizes[key] = size
-            finally:
-                _SHARED.reset(token)
-        return run[0].clone(), {n: run[1][n].clone() for n in names}  # a caller may write into what it gets
+        key = _token_key(tokens)
+        got = _rows_of(self.runs, key, names + ["logits"])
+        if got is not None:
+            return got.pop("logits"), got
+        wanted = list(dict.fromkeys(names + ad.identity_names()))
+        size = tokens.numel() * (int(ad.cfg.d_vocab) + len(wanted) * ad.d_model) * torch.finfo(ad.dtype).bits // 8
+        freed = self.sizes.get(key, 0)  # a run with fewer names is replaced: its bytes come back
+        token = _SHARED.set(None)
+        try:
+            if size > self.left + freed:  # too big to keep: an ordinary forward
+                return ad.run_with_cache(tokens, names)
+            logits, cache = ad.run_with_cache(tokens, wanted)
+            self.runs[key] = {"logits": logits, **cache}
+            self.left += freed - size
+            self.sizes[key] = size
+        finally:
+            _SHARED.reset(token)
+        return logits.clone(), {n: cache[n].clone() for n in names}  # a caller may write into what it gets
 
-    def _rows(self, key: tuple, names: list[str]) -> tuple[Tensor, dict] | None:
-        """The rows of a kept run that holds the tokens of ``key`` (shape, device, bytes) as consecutive windows (a
-        window's forward does not depend on the other windows of its batch), else None."""
-        want_shape, want_device, want = key
-        n, row = want_shape[0], len(want) // max(1, want_shape[0])  # windows, bytes per window
-        for (shape, device, raw), (logits, cache) in self.runs.items():
-            if shape[1:] == want_shape[1:] and device == want_device and len(raw) == shape[0] * row \
-                    and set(names) <= cache.keys():
-                for i in range(shape[0] - n + 1):
-                    if raw[i * row:(i + n) * row] == want:
-                        return logits[i:i + n].clone(), {m: cache[m][i:i + n].clone() for m in names}
-        return None
+
+def _token_key(tokens: Tensor) -> tuple:
+    return tuple(tokens.shape), str(tokens.device), tokens.cpu().numpy().tobytes()
+
+
+def _rows_of(runs: dict[tuple, dict[str, Tensor]], key: tuple, names: list[str]) -> dict[str, Tensor] | None:
+    """Copies of ``names`` at the rows of a kept run (values whose dim 0 is its windows) that hold the tokens of
+    ``key`` (shape, device, bytes) as consecutive windows (a window's values do not depend on the other windows of
+    its batch), else None."""
+    want_shape, want_device, want = key
+    n, row = want_shape[0], len(want) // max(1, want_shape[0])  # windows, bytes per window
+    for (shape, device, raw), run in runs.items():
+        if shape[1:] == want_shape[1:] and device == want_device and len(raw) == shape[0] * row \
+                and set(names) <= run.keys():
+            for i in range(shape[0] - n + 1):
+                if raw[i * row:(i + n) * row] == want:
+                    return {m: run[m][i:i + n].clone() for m in names}
+    return None
+
+
+def shared_rows(model: Any, tag: Any, tokens: Tensor, names: list[str], compute: Callable[[], dict[str, Tensor]],
+                reuse: bool = True) -> dict[str, Tensor]:
+    """``compute()``: small per-window values (dim 0: the windows of ``tokens``). Inside :func:`shared_clean_forwards`
+    they are kept under ``tag`` (what else they depend on), and with ``reuse`` a call whose windows a kept call
+    held as consecutive rows, with every one of ``names``, gets those rows instead (docs/suite.md, "Stages")."""
+    memo = _shared(model)
+    if memo is None:
+        return compute()
+    runs, key = memo.kept.setdefault(tag, {}), _token_key(tokens)
+    got = _rows_of(runs, key, names) if reuse else None
+    if got is None:
+        got = runs[key] = compute()
+    return dict(got)
 
 
 _SHARED: contextvars.ContextVar[_CleanForwards | None] = contextvars.ContextVar("tl_steering_clean", default=None)
@@ -451,4 +474,4 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "shared_clean_forwards"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "shared_clean_forwards", "shared_rows"]

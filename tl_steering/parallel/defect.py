@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import geometry as geo
 from .._util.timing import median_seconds
 from ..backends import autodiff, check_finite
+from ..backends.adapter import shared_rows
 from ..backends.ownership import exclusive
 from ..data.batching import iter_batches
 from ..data.sharding import World, batch_slices, gather_rows, my_batches, on_rank0
@@ -139,9 +140,25 @@ def _k_values(k_values: Sequence[int] | None, n_candidates: int) -> list[int]:
 
 def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep: Tensor, brackets: bool,
              batch_size: int, world: World | None) -> tuple["_Sums", dict[str, Tensor], list[float]]:
-    """The float64 sums of every layer over this rank's batches (gathered in window order), or with fewer batches than
-    ranks over every batch for this rank's layers (``i % size``; gathered by layer): the defect terms, the peers'
-    terms and the Phi check's error per sequence."""
+    """The float64 sums of every layer per window (:func:`_window_sums`; inside a suite run, the rows of an earlier
+    call on windows holding these: ``shared_rows``): the defect terms, the peers' terms and the Phi check's error."""
+    n, n_seq = len(sel), tokens.shape[0]
+    names = [p + k for p in ("", "cf_") for k in ("d", "ja", "tan", "phi", "res")] + ["dx", "__phi_check"] + [
+        "__peer_" + k for k in PEER_SCORES] + (list(BRACKET_TERMS) if brackets else [])
+    got = shared_rows(ad.model, ("parallel_defect", tuple(sel), tuple(parallel), keep.cpu().numpy().tobytes()),
+                      tokens, names, lambda: _window_sums(ad, tokens, sel, parallel, keep, brackets, batch_size,
+                                                          world),
+                      reuse=world is None or not world.active)  # the ranks of a group compute alike
+    phi_rows, peer_sums = got.pop("__phi_check"), {k: got.pop("__peer_" + k) for k in PEER_SCORES}
+    sums = _Sums(n_seq, n)
+    sums.v = got
+    return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)
+
+
+def _window_sums(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep: Tensor, brackets: bool,
+                 batch_size: int, world: World | None) -> dict[str, Tensor]:
+    """The sums ``[window, layer]`` of :func:`_collect` over this rank's batches (gathered in window order), or with
+    fewer batches than ranks over every batch for this rank's layers (``i % size``; gathered by layer)."""
     n, n_seq = len(sel), tokens.shape[0]
     sums = _Sums(n_seq, n)
     peer_sums = {name: torch.zeros(n_seq, n, dtype=torch.float64) for name in PEER_SCORES}
@@ -164,12 +181,8 @@ def _collect(ad: Any, tokens: Tensor, sel: list[int], parallel: list[bool], keep
            **{"__peer_" + k: v for k, v in peer_sums.items()}}
     if by_layer:  # the other ranks' layer columns (gathered as rows of the transposes)
         got = gather_rows({k: v.T.contiguous() for k, v in got.items()}, [slice(i, i + 1) for i in todo], world)
-        got = {k: v.T.contiguous() for k, v in got.items()}  # the one-process layout: its sums, bit for bit
-    else:  # the other ranks' rows
-        got = gather_rows(got, mine, world)
-    phi_rows, peer_sums = got.pop("__phi_check"), {k: got.pop("__peer_" + k) for k in PEER_SCORES}
-    sums.v = got
-    return sums, peer_sums, (phi_rows.max(0).values.tolist() if n_seq else [0.0] * n)
+        return {k: v.T.contiguous() for k, v in got.items()}  # the one-process layout: its sums, bit for bit
+    return gather_rows(got, mine, world)  # the other ranks' rows
 
 
 def _layer_sums(ad: Any, cache: Any, lay: int, i: int, par: bool, rows: slice, keep: Tensor, brackets: bool,

@@ -287,15 +287,9 @@ def stage_prefix(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
 
 #: stage name -> (function, number of progress ticks)
 STAGE_FUNCTIONS: dict[str, tuple[Callable[[_Ctx, SuiteResult, Tick], None], int]] = {
-    "checks": (stage_checks, 2),
-    "deficit": (stage_deficit, 1),
-    "ablation": (stage_ablation, 1),
-    "diversity": (stage_diversity, 1),
-    "defect": (stage_defect, 2),
-    "plan_choice": (stage_plan_choice, 2),
-    "parallel": (stage_parallel, 2),
-    "gates": (stage_gates, 1),
-    "critical": (stage_critical, 1),
+    "checks": (stage_checks, 2), "deficit": (stage_deficit, 1), "ablation": (stage_ablation, 1),
+    "diversity": (stage_diversity, 1), "defect": (stage_defect, 2), "plan_choice": (stage_plan_choice, 2),
+    "parallel": (stage_parallel, 2), "gates": (stage_gates, 1), "critical": (stage_critical, 1),
     "prefix": (stage_prefix, 1)}
 
 

@@ -11,16 +11,10 @@ from .settings import STAGES, SuiteSettings
 
 #: the fields of :class:`~tl_steering.suite.result.SuiteResult` each stage fills
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
-    "checks": ("checks",),
-    "deficit": ("deficit",),
-    "ablation": ("ablation",),
-    "diversity": ("diversity",),
-    "defect": ("defect", "defect_gold", "planner", "plan", "speedup"),
-    "plan_choice": ("plan_choice",),
-    "parallel": ("executor", "executor_choice"),
-    "gates": ("gates",),
-    "critical": ("critical", "critical_fixed_point"),
-    "prefix": ("prefix",)}
+    "checks": ("checks",), "deficit": ("deficit",), "ablation": ("ablation",), "diversity": ("diversity",),
+    "defect": ("defect", "defect_gold", "planner", "plan", "speedup"), "plan_choice": ("plan_choice",),
+    "parallel": ("executor", "executor_choice"), "gates": ("gates",), "prefix": ("prefix",),
+    "critical": ("critical", "critical_fixed_point")}
 _PRODUCER = {f: stage for stage, fields in STAGE_FIELDS.items() for f in fields}
 
 #: stage -> (the stages it reads when it starts, the stages it reads only when its own work is done)

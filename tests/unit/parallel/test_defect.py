@@ -326,6 +326,39 @@ def test_speedup_formula():
 # hygiene, serialisation, display, errors
 
 
+def test_suite_run_reuses_the_window_sums_of_an_earlier_call(tiny, tiny_tokens, monkeypatch):
+    """Inside a suite run (shared_clean_forwards) a call on consecutive windows of an earlier call's windows, with no
+    more terms than it measured, measures nothing: its scores are the earlier call's sums at those rows, equal to a
+    fresh call's up to float32 rounding of the batch; a call asking for brackets the earlier one lacks, or on other
+    windows, measures."""
+    import tl_steering.parallel.defect as defect_module
+    from tl_steering.backends.adapter import shared_clean_forwards
+
+    measured = []
+    real = defect_module._window_sums
+    monkeypatch.setattr(defect_module, "_window_sums", lambda ad, tokens, *a: measured.append(tokens) or
+                        real(ad, tokens, *a))
+    part = tiny_tokens[1:3]
+    assert tiny_tokens.shape[0] == 3
+    fresh = parallel_defect(tiny, part, brackets=True)
+    with shared_clean_forwards(tiny):
+        parallel_defect(tiny, tiny_tokens, brackets=False)
+        with_brackets = parallel_defect(tiny, part, brackets=True)  # the kept sums lack the brackets: measured
+        reused = parallel_defect(tiny, part)  # rows 1-2 of the call with brackets, or of the first: not measured
+        parallel_defect(tiny, tiny_tokens.flip(0)[:2])  # windows in another order: measured
+    assert [t.shape[0] for t in measured] == [2, 3, 2, 2]
+    assert torch.equal(measured[3], tiny_tokens.flip(0)[:2])
+    for got in (reused, with_brackets):
+        for name in DEFECT_VARIANTS:
+            torch.testing.assert_close(got.scores[name], fresh.scores[name], rtol=1e-5, atol=1e-9, equal_nan=True)
+        for name, value in fresh.peer_scores.items():
+            torch.testing.assert_close(got.peer_scores[name], value, rtol=1e-5, atol=1e-9, equal_nan=True)
+        assert got.n_tokens == fresh.n_tokens
+    assert reused.brackets == {} and set(with_brackets.brackets) == set(BRACKET_TERMS)
+    for name in BRACKET_TERMS:
+        torch.testing.assert_close(with_brackets.brackets[name], fresh.brackets[name], rtol=1e-5, atol=1e-9)
+
+
 def test_no_hooks_left_and_weights_unchanged(tiny, tiny_tokens):
     before = weights_fingerprint(tiny)
     k_values = [0] if _arch(tiny) == "neox" else [0, 1]
