@@ -219,6 +219,5 @@ def check_weights_finite(model: torch.nn.Module, layers: Sequence[int] | None = 
 
 
 __all__ = [
-    "all_finite",
-    "as_bool", "as_choice", "as_choices", "as_device", "as_float", "as_int", "as_int_list", "as_layer",
+    "all_finite", "as_bool", "as_choice", "as_choices", "as_device", "as_float", "as_int", "as_int_list", "as_layer",
     "as_layers", "as_positions", "check_length", "check_weights_finite", "same_device"]

@@ -438,14 +438,22 @@ def shared_rows(model: Any, tag: Any, tokens: Tensor, names: list[str], compute:
     """``compute()``: small per-window values (dim 0: the windows of ``tokens``). Inside :func:`shared_clean_forwards`
     they are kept under ``tag`` (what else they depend on), and with ``reuse`` a call whose windows a kept call
     held as consecutive rows, with every one of ``names``, gets those rows instead (docs/suite.md, "Stages")."""
+    got = kept_rows(model, tag, tokens, names) if reuse else None
+    return dict(got) if got is not None else keep_rows(model, tag, tokens, compute())
+
+
+def kept_rows(model: Any, tag: Any, tokens: Tensor, names: list[str]) -> dict[str, Tensor] | None:
+    """The rows of :func:`shared_rows`' kept values of ``tag`` that hold ``tokens``' windows, else None."""
     memo = _shared(model)
-    if memo is None:
-        return compute()
-    runs, key = memo.kept.setdefault(tag, {}), _token_key(tokens)
-    got = _rows_of(runs, key, names) if reuse else None
-    if got is None:
-        got = runs[key] = compute()
-    return dict(got)
+    return None if memo is None else _rows_of(memo.kept.get(tag, {}), _token_key(tokens), names)
+
+
+def keep_rows(model: Any, tag: Any, tokens: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Keep ``values`` (per window of ``tokens``) under ``tag`` inside :func:`shared_clean_forwards`; a copy of the
+    dict (the same tensors)."""
+    if (memo := _shared(model)) is not None:
+        memo.kept.setdefault(tag, {})[_token_key(tokens)] = values
+    return dict(values)
 
 
 _SHARED: contextvars.ContextVar[_CleanForwards | None] = contextvars.ContextVar("tl_steering_clean", default=None)
@@ -474,4 +482,5 @@ def adapt(model: Any) -> ModelAdapter:
     return ModelAdapter(model)
 
 
-__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "shared_clean_forwards", "shared_rows"]
+__all__ = ["ModelAdapter", "ModelInfo", "adapt", "check_finite", "keep_rows", "kept_rows", "shared_clean_forwards",
+           "shared_rows"]

@@ -87,16 +87,10 @@ def _setup(dim: Any, n_starts: Any, eigensolver: str, opts: FinderOptions, dtype
     return dim, solver, torch.device(device)
 
 
-def find_equilibria(
-    field: Field,
-    dim: int,
-    n_starts: int = DEFAULT_N_STARTS,
-    starts: Float[Tensor, "m d_model"] | None = None,
-    seed: int = 0,
-    options: FinderOptions | dict[str, Any] | None = None,
-    eigensolver: Eigensolver = "auto",
-    dtype: torch.dtype = torch.float64,
-    device: torch.device | str | None = None) -> EquilibriaResult:
+def find_equilibria(field: Field, dim: int, n_starts: int = DEFAULT_N_STARTS,
+                    starts: Float[Tensor, "m d_model"] | None = None, seed: int = 0,
+                    options: FinderOptions | dict[str, Any] | None = None, eigensolver: Eigensolver = "auto",
+                    dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> EquilibriaResult:
     """Find and classify the equilibria u* ∈ S^{d-1} of a field, F(u*) = λ u* (docs/critical_points.md).
 
     The one finder (:data:`~tl_steering.critical.options.DEFAULT_FINDER`, docs/critical_points.md "The one way in",

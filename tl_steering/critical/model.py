@@ -287,13 +287,10 @@ def critical_points(model: Any, layers: Sequence[int] | int | None = None, field
     i64 = torch.int64
     return CriticalPointsResult(
         provenance=ad.provenance(tokens, corpus=corpus, seed=seed, protocol="critical_points", layers=sel,
-                                 field=kind,
-                                 radius=radius if isinstance(radius, str) else float(radius), n_starts=n_starts,
-                                 eigensolver=eigensolver, radius_scales=list(scales),
+                                 field=kind, radius=radius if isinstance(radius, str) else float(radius),
+                                 n_starts=n_starts, eigensolver=eigensolver, radius_scales=list(scales),
                                  method=DEFAULT_FINDER, finder_options=opts.as_dict()),
-        layers=sel,
-        field=kind,
-        counts=counts.reshape(len(sel), len(LABELS)),
+        layers=sel, field=kind, counts=counts.reshape(len(sel), len(LABELS)),
         rotational=torch.tensor([int(sum(r.rotational)) for r in results], dtype=i64),
         rotational_pairs=torch.tensor([int(sum(r.rotational_pairs())) for r in results], dtype=i64),
         n_points=torch.tensor([r.n_points for r in results], dtype=i64),

@@ -58,12 +58,8 @@ def _label_spectrum(eigs: Tensor) -> _Spectrum:
     rot = im.abs() > torch.clamp(ROT_RATIO * re.abs(), min=tol)
     ratio = torch.where(im.abs() > tol, im.abs() / re.abs(), torch.zeros_like(re))
     return _Spectrum(
-        eigenvalues=eigs,
-        label=label,
-        rotational=bool(rot.any()),
-        index=int((re > tol).sum()),
-        spectral_abscissa=max_re,
-        near_zero=int((re.abs() <= tol).sum()),
+        eigenvalues=eigs, label=label, rotational=bool(rot.any()), index=int((re > tol).sum()),
+        spectral_abscissa=max_re, near_zero=int((re.abs() <= tol).sum()),
         max_im_re=float(ratio.max()), rotational_fraction=float(rot.double().mean()))
 
 

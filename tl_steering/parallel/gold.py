@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._util.progress import forward_done
 from ..backends import adapt
+from ..backends.adapter import keep_rows, kept_rows
 from ..data.batching import loss_block_sums, token_mean
 from ..data.sharding import batch_slices, split_map
 from ..hooks import Write, parallel_blocks, parallel_hooks
@@ -123,19 +124,34 @@ class PlanLoss:
 
     @property
     def passes(self) -> int:
-        """Passes over the windows run so far (the clean pass that builds the shared prefix counts once)."""
+        """Passes over the windows its plans cost so far (the clean pass that builds the shared prefix counts once)."""
         return sum(self._counted.values())
 
     def __call__(self, layers: Sequence[int]) -> float:
         key = self._key(layers)
-        if key not in self.memo:
+        if key not in self.memo and not self._reused(key):
             self._store(key, self._measure(key))
         return self.memo[key]
+
+    #: a plain plan's block sums depend on the windows and the plan alone: a suite run shares them (``keep_rows``)
+    shared = True
+
+    def _reused(self, key: tuple[int, ...]) -> bool:
+        """Whether the plan's block sums were kept in this suite run on windows holding these (then they are taken,
+        no pass run, and :attr:`passes` counts the pass as if run: the same on any placement of the stages); a loss
+        on an active process group always measures (its ranks then measure alike)."""
+        active = self.world is not None and self.world.active
+        got = kept_rows(self.model, ("PlanLoss", key), self.tokens, ["ce"]) if self.shared and not active else None
+        if got is not None:
+            self._store(key, got["ce"])
+        return got is not None
 
     def _store(self, key: tuple[int, ...], blocks: Tensor) -> None:
         """Keep a measured plan's block sums and token-weighted mean CE (and the passes its measurement ran)."""
         self._counted.setdefault(key, self.cost_of(key))
         self.blocks[key], self.memo[key] = blocks, token_mean(blocks, self.tokens)
+        if self.shared:
+            keep_rows(self.model, ("PlanLoss", key), self.tokens, {"ce": blocks})
 
     def work(self, layers: Sequence[int]) -> float:
         """The relative cost of measuring the plan ``layers``, in blocks over the windows: the blocks a pass runs (from
@@ -148,7 +164,7 @@ class PlanLoss:
         """Measure every plan of ``plans`` not known yet, split over the ranks of :attr:`world` by :meth:`work`
         (:func:`tl_steering.data.sharding.split_map`; every rank calls it with the same plans; ``load``: the work
         ranks 0, 1, ... have besides, in the same unit)."""
-        keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo]
+        keys = [k for k in dict.fromkeys(self._key(p) for p in plans) if k not in self.memo and not self._reused(k)]
         cost = [self.work(k) for k in keys] if self.world is not None and self.world.active else None
         for k, blocks in zip(keys, split_map(self._measure, keys, self.world, cost, load) if keys else []):
             self._store(k, blocks)

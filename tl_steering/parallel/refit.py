@@ -142,6 +142,8 @@ class RefitLoss(PlanLoss):
     counts the fits); ``crossfit`` (default: for ``refit="linear"`` on 2+ windows): each half's fit measured on the
     other half (docs/parallel.md "Refit")."""
 
+    shared = False  # a plan's block sums depend on its fit too
+
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, refit: str = "affine",
                  share_prefix: bool = True, crossfit: bool | None = None, carry: bool = False):
         super().__init__(model, tokens, batch_size, world, share_prefix)
@@ -199,6 +201,8 @@ class RefitLoss(PlanLoss):
 class FittedLoss(PlanLoss):
     """Mean CE of the corrected plans on other (held-out) windows, with the corrections ``source`` (a
     :class:`RefitLoss` on the calibration windows) fitted for each plan: nothing is fitted on these windows."""
+
+    shared = False
 
     def __init__(self, model: Any, tokens: Tensor, batch_size: int = 8, world: Any = None, *, source: RefitLoss,
                  share_prefix: bool = True):

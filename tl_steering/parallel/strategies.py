@@ -118,9 +118,7 @@ def random(ctx: Any, ks: Sequence[int]) -> tuple[list[list[int]], Cost]:
 
 
 STRATEGIES: dict[str, Strategy] = {
-    **{name: lowest_score(name) for name in SCORE_STRATEGIES},
-    "sleb": sleb,
-    "random": random}
+    **{name: lowest_score(name) for name in SCORE_STRATEGIES}, "sleb": sleb, "random": random}
 """Every strategy of the planner (docs/parallel.md "Planning", the table of strategies)."""
 
 

@@ -68,8 +68,7 @@ class DeficitResult(Result):
     def summary(self) -> dict[str, Any]:
         d = self.deficit
         return {
-            "deficit_mean": self.mean,
-            "deficit_mean_ci": list(self.mean_ci),
+            "deficit_mean": self.mean, "deficit_mean_ci": list(self.mean_ci),
             "deficit_mean_excluding_first": self.mean_excluding_first,
             "deficit_min": float(d.min()) if d.numel() else math.nan,
             "deficit_max": float(d.max()) if d.numel() else math.nan,

@@ -116,8 +116,7 @@ SECTIONS: list[tuple[str, str, str, list[str]]] = [
         ["critical_counts", "critical_spectra", "critical_fixed_point_counts", "critical_fixed_point_spectra"]),
     ("prefix", "Prefix-indexed causal dynamics",
         "A small perturbation of the residual at position j spreads only forward: positions i &lt; j must be "
-        "unchanged, later ones change with distance.", ["prefix"]),
-]
+        "unchanged, later ones change with distance.", ["prefix"])]
 
 
 #: headline key of SuiteResult.nan_reasons() -> (section, key of that section's summary) where its number shows
@@ -143,8 +142,7 @@ def render_html(suite: SuiteResult, figs: dict[str, Any]) -> str:
         "<nav><a href='#summary'>Summary vs paper</a>"
         + "".join(f"<a href='#{key}'>{_esc(key)}</a>" for key, *_ in SECTIONS)
         + "<a href='#parallel'>parallel executor</a><a href='#provenance'>Provenance</a></nav>",
-        summary_section(suite),
-    ]
+        summary_section(suite)]
     claims = suite.claims()
     reasons = suite.nan_reasons()
     for key, title, text, names in SECTIONS:

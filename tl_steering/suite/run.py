@@ -152,8 +152,8 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     """A cheap comparison of planner strategies (``settings.plan_choice_strategies``, one-shot scores by default)
     with the closed-form correction ``settings.plan_choice_refit``, chosen by calibration dCE on the first half of
     the windows, reported on the second half, beside the lowest-C plan (uncorrected) on the same held-out windows."""
-    from ..hooks import parallel_blocks
     from ..parallel import plan_parallel
+    from ..parallel.gold import PlanLoss
 
     s = c.s
     fisher = s.plan_choice_fisher_samples
@@ -177,8 +177,8 @@ def stage_plan_choice(c: _Ctx, res: SuiteResult, tick: Tick) -> None:
     if res.defect is not None:  # the paper's k lowest-C layers (the suite's plan unless plan_strategy names another)
         low = list(res.plan.layers) if res.plan is not None and res.plan.strategy == PLANNER.reference else \
             list(res.defect.plan(min(k, len(res.defect.candidates))))
-        loss = mean_loss(ad, held, parallel_blocks(c.model, low), s.batch_size)
-        out.lowest_c_layers, out.lowest_c_held_out_delta_ce = low, (d := loss - plan.clean_loss_held_out)
+        d = PlanLoss(c.model, held, s.batch_size).delta(low)  # in a report: the gold standard's rows of that plan
+        out.lowest_c_layers, out.lowest_c_held_out_delta_ce = low, d
         out.ratio_to_lowest_c = plan.held_out_delta_ce / d if d != 0 else math.nan
     res.plan_choice = out
     tick("lowest-C on held-out")

@@ -53,15 +53,12 @@ def stage_costs(s: SuiteSettings, n_windows: int, length: int,
     untimed = (max(0, n_windows // tw - s.parallel_repeats - 1) * tw + n_windows % tw) / n_windows  # a copy's loss
     fixed = 256.0 / max(1, n_windows * length)  # work that does not grow with the tokens, in forwards of them
     return {
-        "checks": (1.0, 0.0, 1.0 / n_windows),
-        "deficit": (1.0, 0.0, 0.0),
-        "ablation": (1.25 * (1 + n_var), 0.0, 0.0),
+        "checks": (1.0, 0.0, 1.0 / n_windows), "deficit": (1.0, 0.0, 0.0), "ablation": (1.25 * (1 + n_var), 0.0, 0.0),
         "diversity": (1.3 * (1 + len(s.diversity_ablations) + len(s.diversity_gains)), 0.0, 0.0),
         "defect": (3.0 + 1.5 * s.defect_brackets + 4.3 * (not s.defect_evaluate), plans + gold,
                    3.0 * s.timing_repeats * s.defect_timing * tw / min(n_windows, s.batch_size)),  # timed on tw
-        "plan_choice": (0.0, 0.0, choice),
+        "plan_choice": (0.0, 0.0, choice), "gates": (0.0, 0.0, 4.5),
         "parallel": (0.0, 0.0, (2.4 * fixed + 0.85 * untimed) * copies + 0.85 * timed),
-        "gates": (0.0, 0.0, 4.5),
         "critical": (0.0, CRITICAL_WEIGHT * (CRITICAL_SETUP + s.critical_n_starts) * len(s.critical_layers)
                      * jacobian_per_forward(dims) / max(1, n_windows * length), 0.0),
         "prefix": (0.0, 0.0, 0.7 * (1 + len(s.prefix_positions)))}

@@ -99,6 +99,36 @@ def test_one_clean_pass_per_set_of_windows(tiny):
     assert plain.passes == 2  # the two plans; the clean pass was a's
 
 
+def test_a_suite_run_shares_plain_plans_between_losses(tiny):
+    """Inside a suite run (shared_clean_forwards) a plain plan measured on some windows is not measured again on
+    consecutive windows of them (no pass; the same block sums, equal to a fresh loss's up to the rounding of another
+    batch); a corrected plan (RefitLoss) and other windows are measured."""
+    from tl_steering._util.progress import reporting
+    from tl_steering.backends.adapter import shared_clean_forwards
+
+    toks = _tokens(5, 16)
+    part = toks[1:4]
+    fresh = PlanLoss(tiny, part, batch_size=2)
+    expected = {plan: fresh.delta(plan) for plan in ((1,), (0, 1))}
+    assert fresh.passes == 3
+    with shared_clean_forwards(tiny):
+        whole = PlanLoss(tiny, toks, batch_size=5)
+        whole.prefetch([[1], [0, 1]])
+        reused = PlanLoss(tiny, part, batch_size=2)
+        with reporting(lambda _: None) as fw:
+            for plan, value in expected.items():
+                assert reused.delta(plan) == pytest.approx(value, abs=1e-6)
+                assert torch.equal(reused.blocks[plan], whole.blocks[plan][1:4])
+        assert fw.forwards == 0
+        assert reused.passes == fresh.passes == 3  # counted as the passes they stand for
+        other = PlanLoss(tiny, toks.flip(0)[:3], batch_size=2)
+        other([1])
+        assert other.passes == 2  # its clean pass and the plan
+        refit = RefitLoss(tiny, part, batch_size=4, refit="gate")
+        refit([1])
+        assert (1,) in refit._fits  # fitted and measured here
+
+
 def test_run_blocks_and_batch_slices_refuse_bad_input(tiny):
     from tl_steering.errors import InputError, LayerIndexError
     from tl_steering.data.sharding import batch_slices
