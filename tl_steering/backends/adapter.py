@@ -419,17 +419,18 @@ def _token_key(tokens: Tensor) -> tuple:
 
 
 def _rows_of(runs: dict[tuple, dict[str, Tensor]], key: tuple, names: list[str]) -> dict[str, Tensor] | None:
-    """Copies of ``names`` at the rows of a kept run (values whose dim 0 is its windows) that hold the tokens of
-    ``key`` (shape, device, bytes) as consecutive windows (a window's values do not depend on the other windows of
-    its batch), else None."""
+    """Copies of ``names`` at the rows of a kept run (values whose dim 0 is its windows) that hold the windows of
+    ``key`` (shape, device, bytes), in its order (a window's values do not depend on the other windows of its
+    batch), else None."""
     want_shape, want_device, want = key
     n, row = want_shape[0], len(want) // max(1, want_shape[0])  # windows, bytes per window
     for (shape, device, raw), run in runs.items():
         if shape[1:] == want_shape[1:] and device == want_device and len(raw) == shape[0] * row \
                 and set(names) <= run.keys():
-            for i in range(shape[0] - n + 1):
-                if raw[i * row:(i + n) * row] == want:
-                    return {m: run[m][i:i + n].clone() for m in names}
+            at = {raw[i * row:(i + 1) * row]: i for i in range(shape[0])}
+            idx = [at.get(want[i * row:(i + 1) * row], -1) for i in range(n)]
+            if min(idx, default=-1) >= 0:
+                return {m: run[m][torch.tensor(idx, device=run[m].device)] for m in names}  # indexing copies
     return None
 
 
@@ -437,7 +438,7 @@ def shared_rows(model: Any, tag: Any, tokens: Tensor, names: list[str], compute:
                 reuse: bool = True) -> dict[str, Tensor]:
     """``compute()``: small per-window values (dim 0: the windows of ``tokens``). Inside :func:`shared_clean_forwards`
     they are kept under ``tag`` (what else they depend on), and with ``reuse`` a call whose windows a kept call
-    held as consecutive rows, with every one of ``names``, gets those rows instead (docs/suite.md, "Stages")."""
+    held, with every one of ``names``, gets those rows instead (docs/suite.md, "Stages")."""
     got = kept_rows(model, tag, tokens, names) if reuse else None
     return dict(got) if got is not None else keep_rows(model, tag, tokens, compute())
 

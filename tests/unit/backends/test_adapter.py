@@ -225,8 +225,8 @@ def test_tiny_model_is_deterministic():
 
 def test_shared_clean_forwards_run_once_and_give_the_same_numbers(tiny, tiny_tokens):
     """Inside shared_clean_forwards a hook-free forward of a batch seen before runs no forward and returns copies of
-    the first one's logits and activations, equal to a fresh forward's; a batch of consecutive windows of a kept
-    run is cut from it (equal to its own forward up to float32 rounding); hooked forwards and other batches run; a
+    the first one's logits and activations, equal to a fresh forward's; a batch of windows a kept run holds (in any
+    order) is cut from it (equal to its own forward up to float32 rounding); hooked forwards and other batches run; a
     batch over the budget runs as an ordinary forward each time."""
     from tl_steering._util.progress import reporting
     from tl_steering.backends.adapter import shared_clean_forwards
@@ -244,8 +244,10 @@ def test_shared_clean_forwards_run_once_and_give_the_same_numbers(tiny, tiny_tok
             again, cache = ad.run_with_cache(tiny_tokens, [name])
             ad.run_with_hooks(tiny_tokens, attention_gain(tiny, 2.0))
             row, part = ad.run_with_cache(tiny_tokens[1:2], [name])
+            _, shuffled = ad.run_with_cache(tiny_tokens[[2, 0]], [name])
             ad.run_with_cache(tiny_tokens.flip(-1), [name])
-        assert fw.forwards == runs
+        assert fw.forwards == runs + (budget == 0)
+        torch.testing.assert_close(shuffled[name], fresh[name][[2, 0]])
         assert torch.equal(again, fresh_logits) and torch.equal(cache[name], fresh[name])
         torch.testing.assert_close(row, fresh_row)
         torch.testing.assert_close(part[name], fresh_part[name])

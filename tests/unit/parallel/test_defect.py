@@ -327,7 +327,7 @@ def test_speedup_formula():
 
 
 def test_suite_run_reuses_the_window_sums_of_an_earlier_call(tiny, tiny_tokens, monkeypatch):
-    """Inside a suite run (shared_clean_forwards) a call on consecutive windows of an earlier call's windows, with no
+    """Inside a suite run (shared_clean_forwards) a call on windows an earlier call held (in any order), with no
     more terms than it measured, measures nothing: its scores are the earlier call's sums at those rows, equal to a
     fresh call's up to float32 rounding of the batch; a call asking for brackets the earlier one lacks, or on other
     windows, measures."""
@@ -345,9 +345,12 @@ def test_suite_run_reuses_the_window_sums_of_an_earlier_call(tiny, tiny_tokens, 
         parallel_defect(tiny, tiny_tokens, brackets=False)
         with_brackets = parallel_defect(tiny, part, brackets=True)  # the kept sums lack the brackets: measured
         reused = parallel_defect(tiny, part)  # rows 1-2 of the call with brackets, or of the first: not measured
-        parallel_defect(tiny, tiny_tokens.flip(0)[:2])  # windows in another order: measured
+        flipped = parallel_defect(tiny, part.flip(0))  # the same windows in the other order: not measured
+        parallel_defect(tiny, part.flip(-1))  # other windows: measured
     assert [t.shape[0] for t in measured] == [2, 3, 2, 2]
-    assert torch.equal(measured[3], tiny_tokens.flip(0)[:2])
+    assert torch.equal(measured[3], part.flip(-1))
+    for name in DEFECT_VARIANTS:
+        torch.testing.assert_close(flipped.scores[name], reused.scores[name], rtol=1e-12, atol=0.0, equal_nan=True)
     for got in (reused, with_brackets):
         for name in DEFECT_VARIANTS:
             torch.testing.assert_close(got.scores[name], fresh.scores[name], rtol=1e-5, atol=1e-9, equal_nan=True)

@@ -101,8 +101,8 @@ def test_one_clean_pass_per_set_of_windows(tiny):
 
 def test_a_suite_run_shares_plain_plans_between_losses(tiny):
     """Inside a suite run (shared_clean_forwards) a plain plan measured on some windows is not measured again on
-    consecutive windows of them (no pass; the same block sums, equal to a fresh loss's up to the rounding of another
-    batch); a corrected plan (RefitLoss) and other windows are measured."""
+    windows among them (no pass; the same block sums, equal to a fresh loss's up to the rounding of another batch); a
+    corrected plan (RefitLoss) and other windows are measured."""
     from tl_steering._util.progress import reporting
     from tl_steering.backends.adapter import shared_clean_forwards
 
@@ -114,14 +114,15 @@ def test_a_suite_run_shares_plain_plans_between_losses(tiny):
     with shared_clean_forwards(tiny):
         whole = PlanLoss(tiny, toks, batch_size=5)
         whole.prefetch([[1], [0, 1]])
-        reused = PlanLoss(tiny, part, batch_size=2)
+        reused, shuffled = PlanLoss(tiny, part, batch_size=2), PlanLoss(tiny, toks[[3, 0]], batch_size=2)
         with reporting(lambda _: None) as fw:
             for plan, value in expected.items():
                 assert reused.delta(plan) == pytest.approx(value, abs=1e-6)
                 assert torch.equal(reused.blocks[plan], whole.blocks[plan][1:4])
+            assert torch.equal(shuffled.delta_blocks([1]), whole.delta_blocks([1])[[3, 0]])  # windows in any order
         assert fw.forwards == 0
         assert reused.passes == fresh.passes == 3  # counted as the passes they stand for
-        other = PlanLoss(tiny, toks.flip(0)[:3], batch_size=2)
+        other = PlanLoss(tiny, toks.flip(-1)[:3], batch_size=2)
         other([1])
         assert other.passes == 2  # its clean pass and the plan
         refit = RefitLoss(tiny, part, batch_size=4, refit="gate")
