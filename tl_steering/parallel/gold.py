@@ -143,14 +143,14 @@ class PlanLoss:
         active = self.world is not None and self.world.active
         got = kept_rows(self.model, ("PlanLoss", key), self.tokens, ["ce"]) if self.shared and not active else None
         if got is not None:
-            self._store(key, got["ce"])
+            self._store(key, got["ce"], keep=False)  # kept already
         return got is not None
 
-    def _store(self, key: tuple[int, ...], blocks: Tensor) -> None:
-        """Keep a measured plan's block sums and token-weighted mean CE (and the passes its measurement ran)."""
+    def _store(self, key: tuple[int, ...], blocks: Tensor, keep: bool = True) -> None:
+        """Keep a plan's block sums, token-weighted mean CE and passes; ``keep``: also for the run's other losses."""
         self._counted.setdefault(key, self.cost_of(key))
         self.blocks[key], self.memo[key] = blocks, token_mean(blocks, self.tokens)
-        if self.shared:
+        if self.shared and keep:
             keep_rows(self.model, ("PlanLoss", key), self.tokens, {"ce": blocks})
 
     def work(self, layers: Sequence[int]) -> float:

@@ -2,6 +2,7 @@
 docs/probe.md)."""
 
 import concurrent.futures
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -155,8 +156,7 @@ def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str]
 
     dtype = F64 if any(a.dtype == F64 for a in arrays.values()) else torch.float32  # float16/bfloat16: exact in it
     names, acts = tuple(arrays), tuple(a.to(dtype).contiguous().numpy() for a in arrays.values())
-    key = (names, tuple(map(tuple, groups)), tuple(todo))
-    group_sites, rows, norm_of, r_of = _TABLES[key] if key in _TABLES else _TABLES.setdefault(key, _pair_tables(*key))
+    group_sites, rows, norm_of, r_of = _pair_tables(names, tuple(map(tuple, groups)), tuple(todo))
     b, d, n = acts[0].shape[0], acts[0].shape[2], pos.numel()
     dots, at = np.empty((int(rows.max()) + 1, b, n)), np.ascontiguousarray(pos)
     n_parts = n_parts if b * n * d >= ONE_PASS_SPLIT else 1  # below it, one part is faster (docs/probe.md)
@@ -174,6 +174,7 @@ def one_pass(arrays: dict[str, Tensor], groups: list[list[str]], todo: list[str]
     return (lambda s1, s2, D=torch.from_numpy(dots): D[r_of[s1, s2]]), finite, sums
 
 
+@functools.cache  # a handful of layouts per model
 def _pair_tables(names: tuple[str, ...], groups: tuple[tuple[str, ...], ...], todo: tuple[str, ...]) -> tuple:
     """:func:`one_pass`'s kernel tables: the groups' site indices, the rows of their pairs, ``(site, row)`` of each
     set of ``todo``, and ``{(site1, site2): row}``."""
@@ -191,8 +192,6 @@ def _pair_tables(names: tuple[str, ...], groups: tuple[tuple[str, ...], ...], to
     norm_of = np.array([(names.index(s), r_of[s, s]) for s in todo], dtype=np.int64).reshape(-1, 2)
     return group_sites, rows, norm_of, r_of
 
-
-_TABLES: dict[tuple, tuple] = {}  # one_pass's tables by (sites, groups, todo): a handful per model
 
 
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
