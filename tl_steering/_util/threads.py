@@ -18,16 +18,16 @@ def _blas() -> Any:
 
 
 @contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch and numpy's BLAS (threadpoolctl) on one thread for the duration, restoring both (why: docs/probe.md,
-    "Cost"); process-wide: run no other torch or numpy work in parallel threads inside this block."""
+def single_threaded(blas: bool = True) -> Iterator[None]:
+    """Run torch and (``blas``) numpy's BLAS (threadpoolctl) on one thread for the duration, restoring both (why:
+    docs/probe.md, "Cost"); process-wide: run no other torch or numpy work in parallel threads inside this block."""
     import torch  # here: usable_cores serves the CLI's launcher, which imports no torch
 
     before = torch.get_num_threads()
-    blas = _blas()
     with contextlib.ExitStack() as stack:  # undone in reverse order, also on an exception
-        if any(lib.num_threads > 1 for lib in blas.lib_controllers):
-            stack.enter_context(blas.limit(limits=1))
+        for lib in [c for c in (_blas().lib_controllers if blas else ()) if c.num_threads > 1]:  # not .limit(): slow
+            stack.callback(lib.set_num_threads, lib.num_threads)
+            lib.set_num_threads(1)
         if before != 1:
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, before)

@@ -261,40 +261,20 @@ class Accumulator:
         self.s_sum = torch.zeros(len(seq_q), n_layers, dtype=F64, device=device)
         self.s_cnt = torch.zeros(len(seq_q), n_layers, dtype=torch.int64, device=device)
         self.s_msk = torch.zeros_like(self.s_cnt)
-        self._index: dict[tuple[bool, tuple[str, ...]], Tensor] = {}
 
     def _rows(self, names: list[str], token: bool) -> Tensor:
-        """Accumulator rows of ``names`` (an index tensor, built once per distinct list)."""
-        key = (token, tuple(names))
-        idx = self._index.get(key)
-        if idx is None:
-            table = self.tq if token else self.sq
-            idx = self._index[key] = torch.tensor([table[q] for q in names], device=self.t_sum.device)
-        return idx
+        """Accumulator rows of ``names`` (an index tensor)."""
+        return torch.tensor([(self.tq if token else self.sq)[q] for q in names], device=self.t_sum.device)
 
-    def add_tokens(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor,
-                   bins: Tensor | None) -> None:
-        """Add ``values`` ``[q, batch, pos]`` (where ``valid``; the others count as masked) to the sums of ``names``
-        at ``layer_row``, per position bin ``bins`` ``[pos]`` (None: one bin)."""
-        q = self._rows(names, True)
-        kept = torch.where(valid, values, torch.zeros_like(values))
-        if bins is None:
-            c = valid.sum((1, 2))
-            self.t_sum[q, layer_row, 0] += kept.sum((1, 2))
-            self.t_cnt[q, layer_row, 0] += c
-            self.t_msk[q, layer_row, 0] += valid[0].numel() - c
-            return
-        s = kept.sum(1)  # [q, pos]
-        c = valid.sum(1)
-        m = valid.shape[1] - c
-        for tgt, src in ((self.t_sum, s), (self.t_cnt, c), (self.t_msk, m)):
-            binned = torch.zeros(len(names), tgt.shape[-1], dtype=tgt.dtype, device=tgt.device)
-            tgt[q, layer_row] += binned.index_add_(1, bins, src.to(tgt.dtype))
-
-    def add_sequences(self, layer_row: int, names: list[str], values: Tensor, valid: Tensor) -> None:
-        """Add per-sequence ``values`` ``[q, batch]`` (where ``valid``) to the sums of ``names``."""
-        q = self._rows(names, False)
-        self.s_sum[q, layer_row] += torch.where(valid, values, torch.zeros_like(values)).sum(-1)
-        c = valid.sum(-1)
-        self.s_cnt[q, layer_row] += c
-        self.s_msk[q, layer_row] += valid.shape[-1] - c
+    def add(self, token: bool, rows: Tensor, names: list[str], values: Tensor, valid: Tensor,
+            bins: Tensor | None = None) -> None:
+        """Add ``values`` ``[q, layers, batch, pos]`` (per-sequence ones: ``[q, layers, batch, 1]``) where ``valid``
+        (the others count as masked) to the sums of ``names`` at the accumulator rows ``rows`` ``[layers]`` (each any
+        number of times), per position bin ``bins`` ``[pos]`` (None: one bin)."""
+        sums = (self.t_sum, self.t_cnt, self.t_msk) if token else (self.s_sum[..., None], self.s_cnt[..., None],
+                                                                  self.s_msk[..., None])
+        at, c = (self._rows(names, token)[:, None], rows.to(self.t_sum.device)[None, :]), valid.sum(2)
+        for tgt, src in zip(sums, (torch.where(valid, values, 0.0).sum(2), c, valid.shape[2] - c)):
+            src = src.to(tgt.dtype)  # [q, layers, pos]
+            tgt.index_put_(at, src.sum(-1, keepdim=True) if bins is None else
+                           src.new_zeros(*src.shape[:2], tgt.shape[-1]).index_add_(2, bins, src), accumulate=True)

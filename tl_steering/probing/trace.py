@@ -2,6 +2,7 @@
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
 import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -73,6 +74,7 @@ class ProbeTrace:
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
+        self._pending: list[tuple] = []  # the layers not summed yet (_flush)
         self._buf: Tensor | None = None  # the float64 copies of a layer's sites where the one-pass kernel does not run
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
@@ -232,6 +234,7 @@ class ProbeTrace:
         self._carry = self._buf = None
         try:
             drop_identity_conversions(self._conversions)
+            self._flush()  # the layers of a forward that stopped before its last one
         finally:
             stack, self._stack = self._stack, None
             if stack is not None:
@@ -272,14 +275,12 @@ class ProbeTrace:
             raise InputError(f"probe: the {', '.join(changed)} activation of layer {layer} was changed in place after "
                              "its hook ran (by a hook of yours or the model); the probe reads a layer's activations at "
                              "its resid_post. Return an edited copy from such a hook (act + delta) instead.")
-        self._update_layer(layer, st, parts_for(st["resid_pre"].device))
+        with single_threaded(blas="effective_rank" in self.metrics or "participation_ratio" in self.metrics):
+            self._update_layer(layer, st, parts_for(st["resid_pre"].device))  # only the spectra use numpy's BLAS
 
-    @single_threaded()
     def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int) -> None:
-        acc, row = self._acc, self._row[layer]
         div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity
-        parallel = self.ad.is_parallel(layer)
-        pre = st["resid_pre"]
+        parallel, pre = self.ad.is_parallel(layer), st["resid_pre"]
         idx, _, pos = self._positions(pre.shape[-2], pre.device)
         if pos.numel() == 0:  # every position excluded
             return
@@ -291,8 +292,7 @@ class ProbeTrace:
         elif has_mid:
             groups.append(["resid_mid"])
         which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
-        div_pre = div_from.get("_div_post")
-        todo = [_SITE_OF[w] for w in which if not (w == "pre" and div_pre is not None)] if self._div_stats else []
+        todo = [_SITE_OF[w] for w in which if not (w == "pre" and div_from)] if self._div_stats else []
         spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
         arrays = {s_: st[s_].detach() for s_ in dict.fromkeys([*(s_ for g in groups for s_ in g), *todo])}
         if not (spectrum or gram) and one_pass_runs(list(arrays.values())):
@@ -309,20 +309,39 @@ class ProbeTrace:
                 f"probe: non-finite activation at layer {layer}, {', '.join(bad) or 'unknown site'} (NaN or Inf "
                 "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
                 "hooks of yours on that point; in float16 try float32 or bfloat16.")
-        if acc.tq:
-            names, values, valid = token_quantities(dot, self.metrics, parallel, has_mid, has_attn, has_mlp)
+        # the rest is batched over the layers of a forward: at its last layer (or on exit, or before a result)
+        self._pending.append(((parallel, has_mid, has_attn, has_mlp, id(st["bins"]), *pre.shape[:-1], pre.device),
+                              self._row[layer], st, dot, sums if todo else None, len(todo), div_from))
+        if layer == self._last_layer:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The metrics of the pending layers from their dot products and sums, batched per layout and batch size;
+        the per-sequence ones in forward order (a resid_pre's can be the previous layer's resid_post's)."""
+        pending, self._pending = self._pending, []
+        spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
+        for key in dict.fromkeys(p[0] for p in pending) if self._acc.tq else ():
+            items = [p for p in pending if p[0] == key]
+            dot = functools.cache(lambda s1, s2, dots=[p[3] for p in items]: torch.stack([d(s1, s2) for d in dots]))
+            names, values, valid = token_quantities(dot, self.metrics, *key[:4])
             if names:
-                acc.add_tokens(row, names, values, valid, st["bins"])
-        if todo:
-            values, valid = diversity([pre] * len(todo), spectrum=spectrum, gram=gram, sums=sums)
-            if div_pre is not None:
-                values = torch.cat([div_pre[0], values])
-                valid = torch.cat([div_pre[1], valid])
-            post = which.index("post")
-            st["_div_post"] = (values[post:post + 1], valid[post:post + 1])
-            keep = self._div_stats
-            acc.add_sequences(row, self._div_names[has_mid], values[:, keep].flatten(0, 1),
-                              valid[:, keep].flatten(0, 1))
+                self._acc.add(True, torch.tensor([p[1] for p in items]), names, values, valid, items[0][2]["bins"])
+        seq = [p for p in pending if p[4] is not None]
+        for b in dict.fromkeys(p[0][5] for p in seq):  # batch sizes
+            items = [p for p in seq if p[0][5] == b]
+            values, valid = diversity([torch.empty(b)] * sum(p[5] for p in items), spectrum, gram,
+                                      sums=[torch.cat([p[4][i] for p in items]) for i in range(4)])
+            out: dict[bool, list] = {}
+            for (key, row, st, *_, n, div_from), v, ok in zip(items, *(x.split([p[5] for p in items])
+                                                                         for x in (values, valid))):
+                if div_from:  # resid_pre is the previous layer's resid_post: the statistics are its ones
+                    v, ok = (torch.cat([a, x]) for a, x in zip(div_from["_div_post"], (v, ok)))
+                st["_div_post"] = (v[-1:], ok[-1:])
+                out.setdefault(key[1], []).append((row, v[:, self._div_stats].flatten(0, 1)[..., None],
+                                                   ok[:, self._div_stats].flatten(0, 1)[..., None]))
+            for has_mid, (rows, vs, oks) in ((m, zip(*r)) for m, r in out.items()):
+                self._acc.add(False, torch.tensor(rows), self._div_names[has_mid], torch.stack(vs, 1),
+                              torch.stack(oks, 1))
 
     def _in_float64(self, buf: Tensor, groups: list[list[str]], todo: list[str], spectrum: bool, gram: bool,
                     n_parts: int) -> tuple[Callable[[str, str], Tensor], bool, list[Tensor] | None]:
@@ -370,6 +389,7 @@ class ProbeTrace:
                              "`with ts.probe(model) as trace: model(tokens)`, or feed a cache with "
                              "trace.add_cache(cache)")
         self._check_positions()
+        self._flush()
         acc = self._acc
         rows = [(q, acc.t_sum[i], acc.t_cnt[i], acc.t_msk[i]) for q, i in acc.tq.items()] + [
             (q, acc.s_sum[i, :, None], acc.s_cnt[i, :, None], acc.s_msk[i, :, None]) for q, i in acc.sq.items()]

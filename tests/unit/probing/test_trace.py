@@ -297,6 +297,33 @@ def test_state_size_independent_of_forwards(tiny, tiny_tokens):
     assert trace.result().n_forwards == 4
 
 
+@pytest.mark.parametrize("n_stopped", [1, 2])
+def test_forward_stopped_midway_then_another(tiny, tiny_tokens, n_stopped):
+    """The layers of a forward that a hook stopped midway count once, summed with a later forward of another batch
+    size or the same one (the probe sums a forward's layers at its last one, a layer's rows then twice in one
+    batch): equal to the two runs probed apart, merged."""
+    ad = adapt(tiny)
+    stop = [(ad.hook_name(ad.n_layers - 1, "resid_pre"), lambda act, hook: (_ for _ in ()).throw(KeyError("stop")))]
+
+    def stopped_then_full(trace):
+        with pytest.raises(KeyError):
+            tiny.run_with_hooks(tiny_tokens[:n_stopped], fwd_hooks=stop)
+        if trace is not None:
+            tiny(tiny_tokens[1:])
+
+    with probe(tiny, metrics="all", position_bins=True) as both:
+        stopped_then_full(both)
+    with probe(tiny, metrics="all", position_bins=True) as first:
+        stopped_then_full(None)
+    with probe(tiny, metrics="all", position_bins=True) as second:
+        tiny(tiny_tokens[1:])
+    got, want = both.result(), first.result().merge(second.result())
+    assert got.counts["tangent_alignment"].sum(-1).tolist() == [(n_stopped + 2) * 15] * (ad.n_layers - 1) + [2 * 15]
+    for q in want.quantities:
+        assert torch.equal(got.counts[q], want.counts[q]) and torch.equal(got.masked[q], want.masked[q]), q
+        assert torch.allclose(got.sums[q], want.sums[q], rtol=1e-12, atol=1e-12), q
+
+
 def test_no_activation_buffer_held_between_forwards(tiny, tiny_tokens):
     """No activation and no float64 buffer outlive a forward: the buffer of the path without the one-pass kernel
     (every metric) lives only while the probed layers run, released at the last probed layer's resid_post, before
