@@ -161,10 +161,11 @@ def _probe_parts(run, repeats: int) -> dict[str, float]:
     parts = {"hooks: per-layer metrics (all below)": (trace.ProbeTrace, "_update"),
              "  one-pass kernel (dot products, direction sums)": (trace, "one_pass"),
              "  float64 copies (without the one-pass kernel)": (trace.ProbeTrace, "_buffer"),
-             "  token quantities": (trace, "token_quantities"),
              "  diversity sums of this thread's half (all below)": (trace, "diversity_sums"),
              "    Gram matrices (numpy dsyrk)": (kernels, "gram_sets"), "    eigvalsh": (torch.linalg, "eigvalsh"),
-             "  diversity from its sums": (trace, "diversity"),
+             "  the forward's layers in one batch (all below)": (trace.ProbeTrace, "_flush"),
+             "    token quantities": (trace, "token_quantities"),
+             "    diversity from its sums": (trace, "diversity"),
              "probe(): set-up": (trace.ProbeTrace, "__init__"), "entry (hook guard, hooks)": (trace.ProbeTrace, "__enter__"),
              "exit (hook restore)": (trace.ProbeTrace, "__exit__"), "result (provenance)": (trace.ProbeTrace, "result")}
     saved = []

@@ -275,8 +275,9 @@ class ProbeTrace:
             raise InputError(f"probe: the {', '.join(changed)} activation of layer {layer} was changed in place after "
                              "its hook ran (by a hook of yours or the model); the probe reads a layer's activations at "
                              "its resid_post. Return an edited copy from such a hook (act + delta) instead.")
+        n_parts = parts_for(st["resid_pre"].device)  # before the cap: torch's threads, one part each
         with single_threaded(blas="effective_rank" in self.metrics or "participation_ratio" in self.metrics):
-            self._update_layer(layer, st, parts_for(st["resid_pre"].device))  # only the spectra use numpy's BLAS
+            self._update_layer(layer, st, n_parts)  # only the spectra use numpy's BLAS
 
     def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int) -> None:
         div_from = st.pop("_div_from", {})  # the previous layer's state: its resid_post diversity

@@ -615,6 +615,19 @@ def test_layer_update_split_over_threads_equals_one_thread(tiny, tiny_tokens, mo
                 assert torch.equal(a.counts[q], b.counts[q]) and torch.equal(a.masked[q], b.masked[q]), q
                 # the same float64 operations on the same rows, per part: only the order of a few sums may differ
                 assert torch.allclose(a.sums[q], b.sums[q], rtol=1e-13, atol=1e-13, equal_nan=True), q
+    # the parts follow torch's threads as they are outside the layer update's one-thread cap
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "usable_cores", lambda: 4)
+    seen, in_float64 = [], trace_mod.ProbeTrace._in_float64
+    monkeypatch.setattr(trace_mod.ProbeTrace, "_in_float64", lambda self, *a: seen.append(a[-1]) or in_float64(self, *a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with probe(tiny, metrics="all"):
+            tiny(tiny_tokens)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {3}
     bad = [(adapt(tiny).hook_name(1, "mlp_out"), lambda act, hook: act * float("nan"))]
     with pytest.raises(NonFiniteError, match="layer 1, .*mlp_out"):
         with probe(tiny, metrics="all") as trace:
