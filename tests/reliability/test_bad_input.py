@@ -5,7 +5,7 @@ import torch
 
 import tl_steering as ts
 from tl_steering import errors as E
-from tl_steering.backends import adapt, weights_fingerprint
+from tl_steering.backends import adapt, hooked_available, weights_fingerprint
 
 from ._calls import FORWARD_CALLS, PUBLIC_CALLS, tokens_for
 
@@ -74,6 +74,25 @@ def test_missing_and_never_firing_hooks(model):
     # hook_mlp_in is listed in hook_dict but does not fire unless use_hook_mlp_in is on
     with pytest.raises(E.HookNotFoundError, match="never fire"):
         ad.run_with_cache(tokens_for(model), ["blocks.0.hook_mlp_in"])
+
+
+@pytest.mark.skipif(not hooked_available(), reason="attention-only models: HookedTransformer (TL 3.x) only")
+def test_attention_only_model_named_when_the_ffn_is_measured():
+    """An attention-only model (TL's attn-only-2l kind) has no FFN: a measurement of it says so, not only that the
+    mlp hooks never fired; the probe still measures its attention (FFN quantities NaN)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    import tl_steering as ts
+
+    model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=32, n_ctx=32, d_head=8, n_heads=4,
+                                                      d_vocab=50, attn_only=True, normalization_type="LN"))
+    tokens = torch.randint(1, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(E.HookNotFoundError, match="no MLP blocks .cfg.attn_only."):
+        ts.parallel_defect(model, tokens)
+    with ts.probe(model) as trace:
+        model(tokens)
+    res = trace.result()
+    assert torch.isnan(res.get("radial_coef_ffn")).all() and torch.isfinite(res.get("radial_coef_attn")).all()
 
 
 def test_nan_in_activations_names_layer_and_site(model):

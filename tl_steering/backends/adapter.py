@@ -269,7 +269,9 @@ class ModelAdapter:
         logits = self.run_with_hooks(tokens, hooks, return_type="logits")
         missing = [n for n in names if n not in store]
         if missing:
-            raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
+            raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model" + (
+                ": it has no MLP blocks (cfg.attn_only), and this measures their FFN; use a model with MLP blocks"
+                if getattr(self.cfg, "attn_only", False) and any("mlp" in n for n in missing) else ""))
         for n in names:  # blocks.3.hook_x -> layer 3, site hook_x
             m = re.fullmatch(r"blocks\.(\d+)\.(.+)", n)
             check_finite(store[n], int(m[1]) if m else None, m[2] if m else n)

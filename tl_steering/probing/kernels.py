@@ -268,13 +268,14 @@ class Accumulator:
 
     def add(self, token: bool, rows: Tensor, names: list[str], values: Tensor, valid: Tensor,
             bins: Tensor | None = None) -> None:
-        """Add ``values`` ``[q, layers, batch, pos]`` (per-sequence ones: ``[q, layers, batch, 1]``) where ``valid``
-        (the others count as masked) to the sums of ``names`` at the accumulator rows ``rows`` ``[layers]`` (each any
-        number of times), per position bin ``bins`` ``[pos]`` (None: one bin)."""
-        sums = (self.t_sum, self.t_cnt, self.t_msk) if token else (self.s_sum[..., None], self.s_cnt[..., None],
-                                                                  self.s_msk[..., None])
+        """Add ``values`` ``[q, layers, batch, pos]`` (per-sequence ones: ``[q, layers, batch]``) where ``valid`` (the
+        others count as masked) to the sums of ``names`` at the accumulator rows ``rows`` ``[layers]`` (each any number
+        of times), per position bin ``bins`` ``[pos]`` (None: one bin)."""
+        sums = (self.t_sum, self.t_cnt, self.t_msk) if token else (self.s_sum, self.s_cnt, self.s_msk)
         at, c = (self._rows(names, token)[:, None], rows.to(self.t_sum.device)[None, :]), valid.sum(2)
         for tgt, src in zip(sums, (torch.where(valid, values, 0.0).sum(2), c, valid.shape[2] - c)):
-            src = src.to(tgt.dtype)  # [q, layers, pos]
-            tgt.index_put_(at, src.sum(-1, keepdim=True) if bins is None else
-                           src.new_zeros(*src.shape[:2], tgt.shape[-1]).index_add_(2, bins, src), accumulate=True)
+            src = src.to(tgt.dtype)  # [q, layers(, pos)]
+            if token:  # per position bin: [q, layers, bins]
+                src = src.sum(-1, True) if bins is None else \
+                    src.new_zeros(*src.shape[:2], tgt.shape[-1]).index_add_(2, bins, src)
+            tgt.index_put_(at, src, accumulate=True)

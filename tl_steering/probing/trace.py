@@ -110,9 +110,7 @@ class ProbeTrace:
         key = (n_pos, str(device))
         if key not in self._pos_cache:
             keep = torch.ones(n_pos, dtype=torch.bool)
-            for p in self.exclude_positions:
-                if -n_pos <= p < n_pos:
-                    keep[p] = False
+            keep[[p for p in self.exclude_positions if -n_pos <= p < n_pos]] = False
             pos = torch.arange(n_pos)[keep]
             idx: Tensor | slice | None
             if bool(keep.all()):
@@ -328,9 +326,8 @@ class ProbeTrace:
             if names:
                 self._acc.add(True, torch.tensor([p[1] for p in items]), names, values, valid, items[0][2]["bins"])
         seq = [p for p in pending if p[4] is not None]
-        for b in dict.fromkeys(p[0][5] for p in seq):  # batch sizes
-            items = [p for p in seq if p[0][5] == b]
-            values, valid = diversity([torch.empty(b)] * sum(p[5] for p in items), spectrum, gram,
+        for items in ([p for p in seq if p[0][5] == b] for b in dict.fromkeys(p[0][5] for p in seq)):  # batch sizes
+            values, valid = diversity([torch.empty(items[0][0][5])] * sum(p[5] for p in items), spectrum, gram,
                                       sums=[torch.cat([p[4][i] for p in items]) for i in range(4)])
             out: dict[bool, list] = {}
             for (key, row, st, *_, n, div_from), v, ok in zip(items, *(x.split([p[5] for p in items])
@@ -338,8 +335,7 @@ class ProbeTrace:
                 if div_from:  # resid_pre is the previous layer's resid_post: the statistics are its ones
                     v, ok = (torch.cat([a, x]) for a, x in zip(div_from["_div_post"], (v, ok)))
                 st["_div_post"] = (v[-1:], ok[-1:])
-                out.setdefault(key[1], []).append((row, v[:, self._div_stats].flatten(0, 1)[..., None],
-                                                   ok[:, self._div_stats].flatten(0, 1)[..., None]))
+                out.setdefault(key[1], []).append((row, *(x[:, self._div_stats].flatten(0, 1) for x in (v, ok))))
             for has_mid, (rows, vs, oks) in ((m, zip(*r)) for m, r in out.items()):
                 self._acc.add(False, torch.tensor(rows), self._div_names[has_mid], torch.stack(vs, 1),
                               torch.stack(oks, 1))
