@@ -19,12 +19,16 @@ d_mlp 1536, 8 heads / 4 KV heads here -- SmolLM2 has 9 / 3 --, 30 layers; the vo
 import argparse
 import json
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-import tl_steering as ts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+
+import tl_steering as ts  # noqa: E402
 from tl_steering.backends import adapt
 from tl_steering.backends.loading import tiny_hf_model
 from tl_steering.backends import wrap_hf

@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+
 VARIANTS = ("plain", "probe", "cache")
 
 

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-import tl_steering as ts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
+
+import tl_steering as ts  # noqa: E402
 from tl_steering.critical import classify_point, clopper_pearson, critical_field
 
 DEFAULT = Path(__file__).parent / "data" / "critical_homotopy_points.json.gz"
