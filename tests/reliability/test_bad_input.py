@@ -6,6 +6,7 @@ import torch
 import tl_steering as ts
 from tl_steering import errors as E
 from tl_steering.backends import adapt, hooked_available, weights_fingerprint
+from tests.helpers import assert_no_hooks
 
 from ._calls import FORWARD_CALLS, PUBLIC_CALLS, tokens_for
 
@@ -78,8 +79,9 @@ def test_missing_and_never_firing_hooks(model):
 
 @pytest.mark.skipif(not hooked_available(), reason="attention-only models: HookedTransformer (TL 3.x) only")
 def test_attention_only_model_named_when_the_ffn_is_measured():
-    """An attention-only model (TL's attn-only-2l kind) has no FFN: a measurement of it says so, not only that the
-    mlp hooks never fired; the probe still measures its attention (FFN quantities NaN)."""
+    """An attention-only model (TL's attn-only-2l kind) has no FFN: a measurement that hooks it says so before its
+    forward (before, the mlp hooks never fired, or autograd found the gate unused); the probe still measures its
+    attention (FFN quantities NaN)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     import tl_steering as ts
@@ -87,8 +89,10 @@ def test_attention_only_model_named_when_the_ffn_is_measured():
     model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=32, n_ctx=32, d_head=8, n_heads=4,
                                                       d_vocab=50, attn_only=True, normalization_type="LN"))
     tokens = torch.randint(1, 50, (2, 16), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(E.HookNotFoundError, match="no MLP blocks .cfg.attn_only."):
-        ts.parallel_defect(model, tokens)
+    for call in (ts.parallel_defect, ts.ffn_ablation, ts.calibrate_gates):  # hooks reading / changing the FFN output
+        with pytest.raises(E.ModelNotSupportedError, match="no MLP blocks .cfg.attn_only."):
+            call(model, tokens)
+    assert_no_hooks(model)
     with ts.probe(model) as trace:
         model(tokens)
     res = trace.result()

@@ -242,6 +242,9 @@ class ModelAdapter:
         ``grad=True`` keeps autograd on (gradients w.r.t. hooked activations)."""
         if not fwd_hooks and return_type == "logits" and not grad and not kwargs and _shared(self.model):
             return self.run_with_cache(tokens, [])[0]
+        if getattr(self.cfg, "attn_only", False) and any("mlp" in str(name) for name, _ in fwd_hooks):
+            raise ModelNotSupportedError("this model has no MLP blocks (cfg.attn_only), and this call reads or changes "
+                                         "their FFN output: use a model with MLP blocks")
         return _lifecycle.run_with_hooks(self.model, tokens, fwd_hooks, return_type=return_type, grad=grad, **kwargs)
 
     def loss_per_token(self, tokens: Tensor, fwd_hooks: list[tuple[Any, Callable]] = ()
@@ -269,9 +272,7 @@ class ModelAdapter:
         logits = self.run_with_hooks(tokens, hooks, return_type="logits")
         missing = [n for n in names if n not in store]
         if missing:
-            raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model" + (
-                ": it has no MLP blocks (cfg.attn_only), and this measures their FFN; use a model with MLP blocks"
-                if getattr(self.cfg, "attn_only", False) and any("mlp" in n for n in missing) else ""))
+            raise HookNotFoundError(f"hook(s) {missing} exist but never fired on this model")
         for n in names:  # blocks.3.hook_x -> layer 3, site hook_x
             m = re.fullmatch(r"blocks\.(\d+)\.(.+)", n)
             check_finite(store[n], int(m[1]) if m else None, m[2] if m else n)
