@@ -193,7 +193,6 @@ def _pair_tables(names: tuple[str, ...], groups: tuple[tuple[str, ...], ...], to
     return group_sites, rows, norm_of, r_of
 
 
-
 def _inverse_norms(nt: Tensor) -> tuple[Tensor, Tensor]:
     """(1 / norm where the norm exceeds ``EPS_NORM``, else 0; that validity mask): scaling a row by it gives its
     unit direction, or a zero row that no diversity sum sees."""

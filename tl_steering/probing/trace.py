@@ -1,6 +1,7 @@
 """The streaming geometry probe, ``with tl_steering.probe(model, metrics=[...]) as trace:``: per-layer residual
 geometry accumulated in float64 during ordinary forwards, no activation kept (specification: docs/probe.md)."""
 
+import collections
 import contextlib
 import functools
 import math
@@ -25,6 +26,7 @@ from .._util.threads import single_threaded
 from ..stats import position_bin_edges, position_bin_index
 
 _SITE_OF = {"pre": "resid_pre", "mid": "resid_mid", "post": "resid_post"}
+_Pending = collections.namedtuple("_Pending", "key batch row st dot sums n_sets div_from")  # a layer for _flush
 
 
 def _sites_needed(metrics: Sequence[str]) -> set[str]:
@@ -74,7 +76,8 @@ class ProbeTrace:
         self._stack: contextlib.ExitStack | None = None
         self._entered = False
         self._carry: dict[str, Any] | None = None
-        self._pending: list[tuple] = []  # the layers not summed yet (_flush)
+        self._pending: list[_Pending] = []  # the layers not summed yet
+        self._spectrum, self._gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
         self._buf: Tensor | None = None  # the float64 copies of a layer's sites where the one-pass kernel does not run
         # the per-sequence statistics asked for (rows of the diversity kernel's output)
         asked = {q.rsplit("_", 1)[0] for m in self.metrics if m in SEQUENCE_METRICS for q in QUANTITIES[m]}
@@ -274,7 +277,7 @@ class ProbeTrace:
                              "its hook ran (by a hook of yours or the model); the probe reads a layer's activations at "
                              "its resid_post. Return an edited copy from such a hook (act + delta) instead.")
         n_parts = parts_for(st["resid_pre"].device)  # before the cap: torch's threads, one part each
-        with single_threaded(blas="effective_rank" in self.metrics or "participation_ratio" in self.metrics):
+        with single_threaded(blas=self._spectrum or self._gram):
             self._update_layer(layer, st, n_parts)  # only the spectra use numpy's BLAS
 
     def _update_layer(self, layer: int, st: dict[str, Any], n_parts: int) -> None:
@@ -292,13 +295,12 @@ class ProbeTrace:
             groups.append(["resid_mid"])
         which = [w for w in ("pre", "mid", "post") if w != "mid" or has_mid]
         todo = [_SITE_OF[w] for w in which if not (w == "pre" and div_from)] if self._div_stats else []
-        spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
         arrays = {s_: st[s_].detach() for s_ in dict.fromkeys([*(s_ for g in groups for s_ in g), *todo])}
-        if not (spectrum or gram) and one_pass_runs(list(arrays.values())):
+        if not (self._spectrum or self._gram) and one_pass_runs(list(arrays.values())):
             dot, finite, sums = one_pass(arrays, groups, todo, pos, n_parts)
         else:
-            dot, finite, sums = self._in_float64(self._buffer(st, idx), groups, todo, spectrum, gram, n_parts)
-        has_attn, has_mlp = "attn_out" in st, "mlp_out" in st
+            dot, finite, sums = self._in_float64(self._buffer(st, idx), groups, todo, n_parts)
+        key = (parallel, has_mid, "attn_out" in st, "mlp_out" in st, id(st["bins"]), *pre.shape[:-1], pre.device)
         for s_ in SLOT_ORDER:  # the activations are read: the carried state keeps only the diversity
             st.pop(s_, None)
         if not finite:  # a NaN/Inf in a site shows in its squared norm: name layer and site
@@ -309,8 +311,8 @@ class ProbeTrace:
                 "in the residual stream). Check the model weights (a NaN weight spreads from its layer on) and any "
                 "hooks of yours on that point; in float16 try float32 or bfloat16.")
         # the rest is batched over the layers of a forward: at its last layer (or on exit, or before a result)
-        self._pending.append(((parallel, has_mid, has_attn, has_mlp, id(st["bins"]), *pre.shape[:-1], pre.device),
-                              self._row[layer], st, dot, sums if todo else None, len(todo), div_from))
+        self._pending.append(_Pending(key, pre.shape[0], self._row[layer], st, dot, sums if todo else None, len(todo),
+                                      div_from))
         if layer == self._last_layer:
             self._flush()
 
@@ -318,30 +320,29 @@ class ProbeTrace:
         """The metrics of the pending layers from their dot products and sums, batched per layout and batch size;
         the per-sequence ones in forward order (a resid_pre's can be the previous layer's resid_post's)."""
         pending, self._pending = self._pending, []
-        spectrum, gram = "effective_rank" in self.metrics, "participation_ratio" in self.metrics
-        for key in dict.fromkeys(p[0] for p in pending) if self._acc.tq else ():
-            items = [p for p in pending if p[0] == key]
-            dot = functools.cache(lambda s1, s2, dots=[p[3] for p in items]: torch.stack([d(s1, s2) for d in dots]))
+        for key in dict.fromkeys(p.key for p in pending) if self._acc.tq else ():
+            items = [p for p in pending if p.key == key]
+            dot = functools.cache(lambda s1, s2, dots=[p.dot for p in items]: torch.stack([d(s1, s2) for d in dots]))
             names, values, valid = token_quantities(dot, self.metrics, *key[:4])
             if names:
-                self._acc.add(True, torch.tensor([p[1] for p in items]), names, values, valid, items[0][2]["bins"])
-        seq = [p for p in pending if p[4] is not None]
-        for items in ([p for p in seq if p[0][5] == b] for b in dict.fromkeys(p[0][5] for p in seq)):  # batch sizes
-            values, valid = diversity([torch.empty(items[0][0][5])] * sum(p[5] for p in items), spectrum, gram,
-                                      sums=[torch.cat([p[4][i] for p in items]) for i in range(4)])
+                self._acc.add(True, torch.tensor([p.row for p in items]), names, values, valid, items[0].st["bins"])
+        seq = [p for p in pending if p.sums is not None]
+        for b in dict.fromkeys(p.batch for p in seq):
+            items = [p for p in seq if p.batch == b]
+            values, valid = diversity([torch.empty(b)] * sum(p.n_sets for p in items), self._spectrum, self._gram,
+                                      sums=[torch.cat([p.sums[i] for p in items]) for i in range(4)])
             out: dict[bool, list] = {}
-            for (key, row, st, *_, n, div_from), v, ok in zip(items, *(x.split([p[5] for p in items])
-                                                                         for x in (values, valid))):
-                if div_from:  # resid_pre is the previous layer's resid_post: the statistics are its ones
-                    v, ok = (torch.cat([a, x]) for a, x in zip(div_from["_div_post"], (v, ok)))
-                st["_div_post"] = (v[-1:], ok[-1:])
-                out.setdefault(key[1], []).append((row, *(x[:, self._div_stats].flatten(0, 1) for x in (v, ok))))
+            for p, v, ok in zip(items, *(x.split([p.n_sets for p in items]) for x in (values, valid))):
+                if p.div_from:  # resid_pre is the previous layer's resid_post: the statistics are its ones
+                    v, ok = (torch.cat([a, x]) for a, x in zip(p.div_from["_div_post"], (v, ok)))
+                p.st["_div_post"] = (v[-1:], ok[-1:])
+                out.setdefault(p.key[1], []).append((p.row, *(x[:, self._div_stats].flatten(0, 1) for x in (v, ok))))
             for has_mid, (rows, vs, oks) in ((m, zip(*r)) for m, r in out.items()):
                 self._acc.add(False, torch.tensor(rows), self._div_names[has_mid], torch.stack(vs, 1),
                               torch.stack(oks, 1))
 
-    def _in_float64(self, buf: Tensor, groups: list[list[str]], todo: list[str], spectrum: bool, gram: bool,
-                    n_parts: int) -> tuple[Callable[[str, str], Tensor], bool, list[Tensor] | None]:
+    def _in_float64(self, buf: Tensor, groups: list[list[str]], todo: list[str], n_parts: int
+                    ) -> tuple[Callable[[str, str], Tensor], bool, list[Tensor] | None]:
         """(dot products ``dot(site1, site2)`` ``[batch, pos]``, whether all are finite, the per-sequence sums of
         :func:`diversity`) from the float64 copies ``buf`` in torch: the path without :func:`one_pass`."""
         k, views, at = self._slots, [], []
@@ -362,7 +363,7 @@ class ProbeTrace:
             if not todo or not finite:
                 return grams, None, finite
             return grams, diversity_sums([buf[k[s_]][a:b] for s_ in todo], [dot(grams, s_, s_) for s_ in todo],
-                                         spectrum, gram), True
+                                         self._spectrum, self._gram), True
 
         parts = in_parts(part, buf.shape[1], n_parts)
         grams = [torch.cat(g) for g in zip(*(p[0] for p in parts))] if len(parts) > 1 else parts[0][0]
