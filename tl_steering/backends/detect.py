@@ -1,6 +1,7 @@
 """Which TransformerLens is installed and which model class a model is, the site vocabulary and the bit-exact
 weight fingerprint. See docs/architecture.md."""
 
+import functools
 import importlib.metadata
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ except ImportError:  # TL 4.x
     _HookedTransformer = None
 
 
+@functools.cache  # the imported package cannot change inside a process; parsing its metadata costs ~1 ms a call
 def tl_version() -> str:
     """Installed TransformerLens version (from the package metadata)."""
     try:

@@ -30,15 +30,15 @@ def modules_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
     stack = [model]
+    pop, push, add, append = stack.pop, stack.extend, seen.add, out.append
     while stack:
-        m = stack.pop()
+        m = pop()
         if id(m) in seen:
             continue
-        seen.add(id(m))
-        out.append(m)
-        children = [c for c in m._modules.values() if c is not None]
-        children.reverse()
-        stack.extend(children)
+        add(id(m))
+        append(m)
+        if m._modules:  # most modules (every HookPoint) are leaves
+            push(reversed([c for c in m._modules.values() if c is not None]))
     return out
 
 

@@ -3,7 +3,7 @@
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -57,17 +57,22 @@ class _Snapshot:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
         torch.set_grad_enabled(self.grad_enabled)
         fw, fp, bw, bp = _HOOK_DICTS
+        points, hooked_at = self.points, self.hooked
         for m in modules_of(self.model):
             md = m.__dict__
-            ds = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
-            point = self.points.get(id(m))
-            hooked = self.hooked.get(id(m), _EMPTY)
-            hp = isinstance(m, HookPoint)
-            if not hooked and not any(ds) and (not hp or not (m.fwd_hooks or m.bwd_hooks)):
-                # no hook then, none now (most modules): nothing to do unless a HookPoint's dict was swapped or TL
-                # listed a handle at entry
-                if point is None or (all(a is b for a, b in zip(ds, point[0])) and not point[1] and not point[2]):
+            a, b, c, d = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
+            point = points.get(id(m))
+            if not (a or b or c or d) and id(m) not in hooked_at:
+                # no hook then, none now (most modules): nothing to do unless a HookPoint's dict was swapped, TL
+                # listed a handle at entry, or lists one now
+                if point is None:
                     continue
+                p = point[0]
+                if (a is p[0] and b is p[1] and c is p[2] and d is p[3] and not point[1] and not point[2]
+                        and not m.fwd_hooks and not m.bwd_hooks):
+                    continue
+            hooked = hooked_at.get(id(m), _EMPTY)
+            hp = isinstance(m, HookPoint)
             for i, attr in enumerate(_HOOK_DICTS):
                 orig, before, flags = hooked.get(attr, _NO_HOOKS)
                 if point is not None:
@@ -226,7 +231,7 @@ def run_with_hooks(model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[Any, Ca
                 out = model(tokens, return_type=return_type, **kwargs)
         finally:
             shielded(lambda: close_suspended(tl_hooks))
-        drop_identity_conversions(conversion_records(model))
+        drop_identity_conversions(conversion_records(hook_points(model)))
     _progress.forward_done(tokens.numel() if isinstance(tokens, Tensor) else 0)  # ticks, tokens/s (_util/progress.py)
     return out
 
@@ -239,11 +244,11 @@ def close_suspended(cm: Any) -> None:
         gen.close()
 
 
-def conversion_records(model: torch.nn.Module) -> list[dict]:
-    """TransformerLens's per-tensor conversion records on ``model``'s hook points (a bridge's attention hook points
-    keep one per converted tensor and never drop it: docs/probe.md). Empty for a HookedTransformer."""
+def conversion_records(points: Iterable[HookPoint]) -> list[dict]:
+    """TransformerLens's per-tensor conversion records on a model's hook ``points`` (a bridge's attention hook
+    points keep one per converted tensor and never drop it: docs/probe.md). Empty for a HookedTransformer."""
     out: dict[int, dict] = {}
-    for hp in hook_points(model):
+    for hp in points:
         state = getattr(getattr(hp, "hook_conversion", None), "_conversion_state", None)
         if isinstance(state, dict):
             out[id(state)] = state

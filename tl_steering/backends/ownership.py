@@ -171,8 +171,10 @@ def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, .
     users: list[str] = []
     found: set[str] = set()
     for hp, names in points:
-        descs = [intervention_of(f) for attr in _SILENCED for f in (getattr(hp, attr, None) or {}).values()
-                 if not is_ours(f)]
+        md = hp.__dict__  # torch keeps the hook dicts there; most points carry none
+        if not (md.get(_SILENCED[0]) or md.get(_SILENCED[1]) or md.get(_SILENCED[2])):
+            continue
+        descs = [intervention_of(f) for attr in _SILENCED for f in (md.get(attr) or {}).values() if not is_ours(f)]
         found.update(d for d in descs if d is not None)
         if None in descs:  # a hook neither ours nor factory-made: the user's
             users.extend(names)

@@ -750,15 +750,15 @@ def test_no_transformerlens_conversion_records_pile_up(tiny, tiny_tokens):
     4.3): about 0.4 kB per hooked attention site and forward, for the life of the model. The probe drops the
     records of unchanged tensors after each forward (and on exit), the adapter's run_with_hooks after its forward;
     a record of a real conversion (a transposed attention pattern) is kept."""
-    from tl_steering.backends.lifecycle import conversion_records, drop_identity_conversions
+    from tl_steering.backends.lifecycle import conversion_records, drop_identity_conversions, hook_points
 
-    records = conversion_records(tiny)
+    records = conversion_records(hook_points(tiny))
     if not records:
         assert backend_of(tiny) == "hooked", "a bridge without conversion records: the check would be empty"
         return
 
     def count():
-        return sum(len(r) for r in conversion_records(tiny))
+        return sum(len(r) for r in conversion_records(hook_points(tiny)))
 
     with probe(tiny) as trace:
         for i in range(3):
