@@ -31,8 +31,12 @@ class _Snapshot:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        # id(HookPoint) -> (its four hook dicts at entry, fwd_hooks, bwd_hooks as tuples)
-        self.points: dict[int, tuple] = {}
+        # id(HookPoint) -> i: its four hook dicts at entry are dicts[i:i + 4]. Flat, and an int-keyed dict of ints
+        # (which the garbage collector does not track): a tuple per point would add ~2,500 tracked objects a call on a
+        # bridge, and with them full collections (~0.3 s each) every few dozen calls
+        self.at: dict[int, int] = {}
+        self.dicts: list[Any] = []
+        self.lists: dict[int, tuple] = {}  # id(HookPoint) -> (fwd_hooks, bwd_hooks) as tuples, where TL listed any
         # id(module) -> {attr: (dict at entry, copy, {flag attr: (flag dict, copy)})} for its non-empty dicts
         self.hooked: dict[int, dict[str, tuple]] = {}
         fw, fp, bw, bp = _HOOK_DICTS
@@ -40,8 +44,10 @@ class _Snapshot:
             md = m.__dict__  # torch keeps the hook dicts there (plain attribute reads, no generator per module)
             ds = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
             if isinstance(m, HookPoint):
-                fh, bh = m.fwd_hooks, m.bwd_hooks
-                self.points[id(m)] = (ds, tuple(fh) if fh else (), tuple(bh) if bh else ())
+                self.at[id(m)] = len(self.dicts)
+                self.dicts += ds
+                if m.fwd_hooks or m.bwd_hooks:
+                    self.lists[id(m)] = (tuple(m.fwd_hooks), tuple(m.bwd_hooks))
             if ds[0] or ds[1] or ds[2] or ds[3]:
                 self.hooked[id(m)] = {
                     attr: (d, dict(d), {f: (getattr(m, f, None), dict(getattr(m, f, {}) or {}))
@@ -57,26 +63,25 @@ class _Snapshot:
         """Put the state back (idempotent: calling it twice, or after a partial run, gives the same state)."""
         torch.set_grad_enabled(self.grad_enabled)
         fw, fp, bw, bp = _HOOK_DICTS
-        points, hooked_at = self.points, self.hooked
+        at, dicts, lists, hooked_at = self.at, self.dicts, self.lists, self.hooked
         for m in modules_of(self.model):
             md = m.__dict__
             a, b, c, d = (md.get(fw), md.get(fp), md.get(bw), md.get(bp))
-            point = points.get(id(m))
+            j = at.get(id(m))
             if not (a or b or c or d) and id(m) not in hooked_at:
                 # no hook then, none now (most modules): nothing to do unless a HookPoint's dict was swapped, TL
                 # listed a handle at entry, or lists one now
-                if point is None:
+                if j is None:
                     continue
-                p = point[0]
-                if (a is p[0] and b is p[1] and c is p[2] and d is p[3] and not point[1] and not point[2]
-                        and not m.fwd_hooks and not m.bwd_hooks):
+                if (a is dicts[j] and b is dicts[j + 1] and c is dicts[j + 2] and d is dicts[j + 3]
+                        and id(m) not in lists and not m.fwd_hooks and not m.bwd_hooks):
                     continue
             hooked = hooked_at.get(id(m), _EMPTY)
             hp = isinstance(m, HookPoint)
             for i, attr in enumerate(_HOOK_DICTS):
                 orig, before, flags = hooked.get(attr, _NO_HOOKS)
-                if point is not None:
-                    orig = point[0][i]
+                if j is not None:
+                    orig = dicts[j + i]
                 if orig is not None and getattr(m, attr, None) is not orig:
                     # a dict swapped in (hooks_silenced): put the original object back, since torch's and
                     # TransformerLens's handles remove hooks from the object they were registered in
@@ -105,7 +110,7 @@ class _Snapshot:
                         if fd is not None:
                             fd.update({k: v for k, v in saved.items() if k in d})
             if hp:
-                fwd, bwd = point[1:] if point is not None else ((), ())
+                fwd, bwd = lists.get(id(m), ((), ()))
                 if tuple(m.fwd_hooks) != fwd:
                     m.fwd_hooks = list(fwd)
                 if tuple(m.bwd_hooks) != bwd:

@@ -152,25 +152,26 @@ def exclusive(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def named_hook_points(model: Any, hook_dict: Any = None) -> list[tuple[Any, tuple[str, ...]]]:
+def named_hook_points(model: Any, hook_dict: Any = None) -> dict[Any, tuple[str, ...]]:
     """Each hook point of ``model`` once, with every name it has in ``model.hook_dict`` (a bridge's legacy aliases
-    included); ``hook_dict``: a snapshot of it the caller took already (a bridge rebuilds it on every access)."""
+    included); ``hook_dict``: a snapshot of it the caller took already (a bridge rebuilds it on every access). One
+    dict, not a pair per point: a probe keeps it for its whole block (tracked objects: see lifecycle._Snapshot)."""
     named = getattr(model, "hook_dict", None) if hook_dict is None else hook_dict
     if not isinstance(named, dict) or not named:
-        return [(hp, (str(getattr(hp, "name", "?")),)) for hp in hook_points(model)]
-    by_id: dict[int, tuple[Any, list[str]]] = {}
+        return {hp: (str(getattr(hp, "name", "?")),) for hp in hook_points(model)}
+    out: dict[Any, tuple[str, ...]] = {}
     for name, hp in named.items():
-        by_id.setdefault(id(hp), (hp, []))[1].append(name)
-    return [(hp, tuple(names)) for hp, names in by_id.values()]
+        out[hp] = (*out[hp], name) if hp in out else (name,)
+    return out
 
 
-def hooks_among(points: list[tuple[Any, tuple[str, ...]]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def hooks_among(points: dict[Any, tuple[str, ...]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """One scan of ``points`` (from :func:`named_hook_points`): ``(user hook points, interventions)``, both sorted:
     the names of the points carrying a hook neither ours nor factory-made, and the descriptions of the factory-made
     hooks found (docs/hooks.md, "The user's own hooks, and the package's hook factories")."""
     users: list[str] = []
     found: set[str] = set()
-    for hp, names in points:
+    for hp, names in points.items():
         md = hp.__dict__  # torch keeps the hook dicts there; most points carry none
         if not (md.get(_SILENCED[0]) or md.get(_SILENCED[1]) or md.get(_SILENCED[2])):
             continue

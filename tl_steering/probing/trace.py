@@ -86,7 +86,7 @@ class ProbeTrace:
                                  for i in self._div_stats] for mid in (False, True)}
         hook_dict = self.model.hook_dict  # one snapshot: a bridge rebuilds this dict on every access
         self._points = named_hook_points(self.model, hook_dict)  # the hooks seen during forwards: provenance
-        self._conversions = conversion_records(hp for hp, _ in self._points)
+        self._conversions = conversion_records(self._points)
         self._sites_of = {layer: self._find_sites(layer, hook_dict) for layer in self.layers}
         slot_sites = {s_ for layer in self.layers for s_, _ in self._sites_of[layer]}
         self._slots = {s_: i for i, s_ in enumerate(s_ for s_ in SLOT_ORDER if s_ in slot_sites)}
