@@ -71,9 +71,10 @@ class _Snapshot:
             if not (a or b or c or d) and id(m) not in hooked_at:
                 # no hook then, none now (most modules): nothing to do unless a HookPoint's dict was swapped, TL
                 # listed a handle at entry, or lists one now
-                if j is None:
-                    continue
-                if (a is dicts[j] and b is dicts[j + 1] and c is dicts[j + 2] and d is dicts[j + 3]
+                if j is None:  # not a HookPoint at entry: one made in the block may list a stale handle
+                    if not isinstance(m, HookPoint) or not (m.fwd_hooks or m.bwd_hooks):
+                        continue
+                elif (a is dicts[j] and b is dicts[j + 1] and c is dicts[j + 2] and d is dicts[j + 3]
                         and id(m) not in lists and not m.fwd_hooks and not m.bwd_hooks):
                     continue
             hooked = hooked_at.get(id(m), _EMPTY)

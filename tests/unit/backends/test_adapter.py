@@ -154,6 +154,31 @@ def test_hook_guard_removes_hooks_even_on_error_and_keeps_user_hooks(tiny, tiny_
         tiny.reset_hooks(including_permanent=True)
 
 
+def test_hook_guard_restores_the_hook_points_it_recorded_and_one_made_inside(tiny):
+    """The restore's fast path skips modules with no hook then and none now, and still puts back a HookPoint's
+    swapped hook dict and clears a handle TL lists without its hook, on a HookPoint recorded at entry and on one
+    made inside the block."""
+    from transformer_lens.hook_points import HookPoint
+
+    hp = tiny.hook_dict["blocks.0.hook_resid_pre"]
+    orig = hp._forward_hooks
+    made = HookPoint()
+    try:
+        with hook_guard(tiny):
+            tiny.blocks[0].extra_point = made  # a submodule: the restore's walk finds it
+            for point in (hp, made):
+                point.add_hook(lambda act, hook: None)
+                point.fwd_hooks[0].hook.remove()  # the torch hook gone, TL's handle still listed
+                assert point.fwd_hooks and not point._forward_hooks
+            hp._forward_hooks = type(orig)()  # an empty dict swapped in
+        assert hp._forward_hooks is orig and not hp.fwd_hooks and not made.fwd_hooks
+    finally:
+        if hasattr(tiny.blocks[0], "extra_point"):
+            del tiny.blocks[0].extra_point
+        hp._forward_hooks = orig
+        tiny.reset_hooks(including_permanent=True)
+
+
 def test_dtype_device_from_parameters(tiny):
     ad = adapt(tiny)
     assert ad.dtype == torch.float32
