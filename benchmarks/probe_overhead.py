@@ -24,7 +24,8 @@ at 128 KiB in those subprocesses so that freed buffers leave RSS (otherwise the 
 and every variant reads the same peak).
 
 Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]
-[--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b] [--profile] [--no-memory]``
+[--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b] [--profile] [--no-memory]
+[--steady-malloc]``
 (``--threads``: torch intra-op threads in every subprocess; default: torch's own default). The per-sequence spectra of the diversity metric cost O(length^3) per
 sequence against the forward's O(length) (plus attention's O(length^2)), so the ratio grows with ``--length``.
 """
@@ -141,13 +142,16 @@ def child_timing(repeats: int, backend: str, threads: int | None = None, profile
         run(v)
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    faults: dict[str, list[int]] = {v: [] for v in VARIANTS}
     for _ in range(repeats):
         for v in VARIANTS:
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             run(v)
             wall[v].append(time.perf_counter() - t0)
             cpu[v].append(time.process_time() - c0)
-    return {**info, "wall": wall, "cpu": cpu, "parts": _probe_parts(run, repeats) if profile else {}}
+            faults[v].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return {**info, "wall": wall, "cpu": cpu, "faults": faults,
+            "parts": _probe_parts(run, repeats) if profile else {}}
 
 
 def _probe_parts(run, repeats: int) -> dict[str, float]:
@@ -198,6 +202,11 @@ def _probe_parts(run, repeats: int) -> dict[str, float]:
 # HookedTransformer: 300/300/302 MiB). A fixed threshold sends every buffer >= 128 KiB to its own mmap, returned
 # to the OS on free: RSS then follows live memory. Memory children only (mmap per buffer costs time).
 _EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# --steady-malloc (timing child): glibc keeps freed memory (no mmap per large buffer, no trim), so that no forward
+# pays page faults for buffers the one before returned to the OS; which variant pays them otherwise depends on the
+# heap's state (docs/probe.md, "Cost")
+_STEADY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                      "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
 def _child(args: list[str], env: dict[str, str] | None = None) -> dict:
@@ -223,6 +232,8 @@ def main() -> None:
                     "default, DEFAULT_METRICS)")
     ap.add_argument("--profile", action="store_true", help="also the CPU seconds of the probe's parts per forward")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    ap.add_argument("--steady-malloc", action="store_true", help="time with glibc's mmap and trim thresholds at 1 GiB "
+                    "(no page faults from buffers returned to the OS between forwards)")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 5:
@@ -239,7 +250,7 @@ def main() -> None:
     common = ["--backend", args.backend, "--threads", str(args.threads), "--model", args.model,
               "--windows", str(args.windows), "--length", str(args.length), "--metrics", args.metrics]
     timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common,
-                     *(["--profile"] if args.profile else [])])
+                     *(["--profile"] if args.profile else [])], _STEADY_MALLOC_ENV if args.steady_malloc else None)
     nan = {"run_peak_mib": float("nan"), "maxrss_mib": float("nan"), "peak_method": "not measured"}
     mem = {v: nan if args.no_memory else _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
     med = {k: {v: statistics.median(timing[k][v]) for v in VARIANTS} for k in ("wall", "cpu")}
@@ -258,6 +269,9 @@ def main() -> None:
               f"{rng:>16}{mem[v]['run_peak_mib']:>14.0f}{mem[v]['maxrss_mib']:>12.0f}")
     print("median over repeats of the ratio to the plain forward of the same repeat, wall / CPU: "
           + ", ".join(f"{v} {ratio['wall'][v]:.3f} / {ratio['cpu'][v]:.3f}" for v in VARIANTS[1:]))
+    print("minor page faults per forward (median): " + ", ".join(
+        f"{v} {statistics.median(timing['faults'][v]):.0f}" for v in VARIANTS)
+        + (" (--steady-malloc)" if args.steady_malloc else ""))
     if timing["parts"]:
         print(f"CPU s per probed forward by part (plain forward {med['cpu']['plain']:.3f} CPU s):")
         for label, sec in timing["parts"].items():
