@@ -11,7 +11,9 @@ Three variants:
   the same metrics computed afterwards from the cache (``ProbeTrace.add_cache``: the probe's own arithmetic,
   so only the route differs).
 
-Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) times after a warm-up each, and
+Time: one subprocess runs the three variants interleaved, ``--repeats`` (>= 5) times after a warm-up each, each
+timed run right after an untimed run of the same variant, the variants' order rotating over their 6 orders
+(``--order fixed``: plain, probe, cache every repeat, no untimed runs; docs/probe.md "Cost" says why), and
 reports the medians of wall and process-CPU seconds (CPU time is the steadier number on a shared machine) and the
 median over repeats of each repeat's ratio to the plain forward run next to it (the load of a shared machine
 changes between repeats more than within one). ``--profile``: also the CPU seconds per forward spent in each part
@@ -25,7 +27,7 @@ and every variant reads the same peak).
 
 Run: ``.venv-tl4/bin/python benchmarks/probe_overhead.py [--repeats 5] [--backend bridge] [--threads N]
 [--model smollm2-135m|gemma-3-270m] [--windows 8] [--length 128] [--metrics a,b] [--profile] [--no-memory]
-[--steady-malloc]``
+[--steady-malloc] [--order rotate|fixed]``
 (``--threads``: torch intra-op threads in every subprocess; default: torch's own default). The per-sequence spectra of the diversity metric cost O(length^3) per
 sequence against the forward's O(length) (plus attention's O(length^2)), so the ratio grows with ``--length``.
 """
@@ -133,18 +135,27 @@ def child_memory(variant: str, backend: str, threads: int | None = None, **shape
             "peak_method": "VmHWM" if hwm else "sampler"}
 
 
-def child_timing(repeats: int, backend: str, threads: int | None = None, profile: bool = False, **shape) -> dict:
-    """All variants in one process, interleaved (plain, probe, cache, plain, ...) after one warm-up each, so
-    that the load of a shared machine hits them alike; wall and process-CPU seconds. ``profile``: then the CPU
-    seconds per forward of the probe's parts (:func:`_probe_parts`)."""
+def child_timing(repeats: int, backend: str, threads: int | None = None, profile: bool = False,
+                 fixed_order: bool = False, **shape) -> dict:
+    """All variants in one process, interleaved, so that the load of a shared machine hits them alike; each timed
+    run follows an untimed run of the same variant (a user's probed forwards follow each other: what ran before decides
+    how many of a forward's large buffers glibc serves from pages it already holds, docs/probe.md "Cost"), and repeat
+    i takes the variants in the i-th of their 6 orders; ``fixed_order``: plain, probe, cache every repeat, each timed
+    run right after the previous variant's (the design before 2026-12-08). Wall and process-CPU seconds.
+    ``profile``: then the CPU seconds per forward of the probe's parts (:func:`_probe_parts`)."""
+    import itertools
+
     run, info = _setup(backend, threads, **shape)
     for v in VARIANTS:
         run(v)
+    orders = [VARIANTS] if fixed_order else list(itertools.permutations(VARIANTS))
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     faults: dict[str, list[int]] = {v: [] for v in VARIANTS}
-    for _ in range(repeats):
-        for v in VARIANTS:
+    for i in range(repeats):
+        for v in orders[i % len(orders)]:
+            if not fixed_order:
+                run(v)
             t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             run(v)
             wall[v].append(time.perf_counter() - t0)
@@ -234,6 +245,9 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     ap.add_argument("--steady-malloc", action="store_true", help="time with glibc's mmap and trim thresholds at 1 GiB "
                     "(no page faults from buffers returned to the OS between forwards)")
+    ap.add_argument("--order", default="rotate", choices=["rotate", "fixed"], help="rotate (default): each timed run "
+                    "after an untimed one of the same variant, repeat i in the i-th of the 6 orders; fixed: plain, "
+                    "probe, cache every repeat, no untimed runs (before 2026-12-08)")
     ap.add_argument("--child", choices=["timing", *VARIANTS], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.repeats < 5:
@@ -241,7 +255,8 @@ def main() -> None:
     shape = {"model_name": args.model, "windows": args.windows, "length": args.length,
              "metrics": (args.metrics if args.metrics == "all" else args.metrics.split(",")) if args.metrics else None}
     if args.child == "timing":
-        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, args.profile, **shape)),
+        print("RESULT " + json.dumps(child_timing(args.repeats, args.backend, args.threads, args.profile,
+                                                         args.order == "fixed", **shape)),
               flush=True)
         return
     if args.child:
@@ -249,7 +264,7 @@ def main() -> None:
         return
     common = ["--backend", args.backend, "--threads", str(args.threads), "--model", args.model,
               "--windows", str(args.windows), "--length", str(args.length), "--metrics", args.metrics]
-    timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common,
+    timing = _child(["--child", "timing", "--repeats", str(args.repeats), *common, "--order", args.order,
                      *(["--profile"] if args.profile else [])], _STEADY_MALLOC_ENV if args.steady_malloc else None)
     nan = {"run_peak_mib": float("nan"), "maxrss_mib": float("nan"), "peak_method": "not measured"}
     mem = {v: nan if args.no_memory else _child(["--child", v, *common], _EXACT_RSS_ENV) for v in VARIANTS}
@@ -257,7 +272,7 @@ def main() -> None:
     ratio = {k: {v: statistics.median(a / b for a, b in zip(timing[k][v], timing[k]["plain"])) for v in VARIANTS}
              for k in ("wall", "cpu")}
     print(f"{timing['model']} ({timing['backend']}), tokens {timing['tokens'][0]}x{timing['tokens'][1]}, torch threads "
-          f"{timing['threads']}; medians of {args.repeats} interleaved repeats after 1 warm-up; "
+          f"{timing['threads']}; medians of {args.repeats} interleaved repeats ({args.order} order) after 1 warm-up; "
           f"{'metrics ' + args.metrics if args.metrics else 'the default metrics'}, all layers")
     print(f"{'variant':<24}{'wall s':>8}{'x plain':>9}{'cpu s':>8}{'x plain':>9}{'wall min..max':>16}"
           f"{'run peak MiB':>14}{'maxrss MiB':>12}")
