@@ -4,13 +4,18 @@ import copy
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Parameter
 
 
-def deepcopy_module(module: Any) -> Any:
+def deepcopy_module(module: Any, share_parameters: bool = False) -> Any:
     """``copy.deepcopy`` that survives transient non-leaf tensors some bridge components keep from the last
     forward run with autograd on (``deepcopy`` refuses non-leaf tensors): those are copied detached. The
-    parameters and buffers are copied as ``deepcopy`` does."""
+    parameters and buffers are copied as ``deepcopy`` does; ``share_parameters``: each parameter is a new
+    ``Parameter`` on the same storage (no second copy of the weights: ``.to()``, ``.half()`` or ``requires_grad_``
+    on the copy leave ``module`` as it is, an in-place write into a weight of the copy writes into ``module``'s)."""
     memo: dict[int, Any] = {}
+    if share_parameters:  # tied weights stay tied: one Parameter object, one entry
+        memo.update({id(p): Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()})
 
     def seed(v: Any, depth: int = 0) -> None:
         if isinstance(v, Tensor):

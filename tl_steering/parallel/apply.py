@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: bool = True, streams: bool = False,
                 verify: bool = True, gates: Mapping[int, float] | None = None,
                 biases: Mapping[int, Tensor] | None = None, linears: Mapping[int, Tensor] | None = None) -> Any:
-    """A new model (a deep copy; ``model`` is never modified) in which exactly the chosen blocks compute
+    """A new model (a copy on ``model``'s weights, which stay unmodified) in which exactly the chosen blocks compute
     x + A(x) + Phi(x) (parallel attention/MLP): ``layers`` a ``ParallelPlan`` (run as fitted) or block indices;
     every argument in docs/parallel.md "API" ("Design: the fused block", "Hooks")."""
     layers, gates, biases, linears = _plan_arguments(layers, gates, biases, linears)
@@ -43,7 +43,8 @@ def parallelize(model: Any, layers: "ParallelPlan | Sequence[int] | int", fuse: 
     g_of, b_of, w_of = checked_corrections(ad, todo, gates, biases, "parallelize", linears)
     corrections = {lay: (g_of.get(lay, 1.0), b_of.get(lay), w_of.get(lay))
                    for lay in sorted(set(g_of) | set(b_of) | set(w_of))}
-    new = route_cache_keyword(deepcopy_module(model))  # the copy is ours: generate()'s KV cache works on it
+    # the copy is ours (generate()'s KV cache works on it); its weights are model's, the fused blocks' are new
+    new = route_cache_keyword(deepcopy_module(model, share_parameters=True))
     if not todo:
         return new
     with torch.no_grad():

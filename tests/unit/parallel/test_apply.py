@@ -85,6 +85,21 @@ def test_original_untouched(seq_tiny, tiny_tokens, par_cache):
     assert {id(t) for t in m.parameters()}.isdisjoint({id(t) for t in p.parameters()})
 
 
+def test_copy_shares_the_weights_and_leaves_the_original(seq_tiny, tiny_tokens):
+    """The copy's parameters sit on the original's storage (no second copy of the model), tied ones stay tied,
+    and converting the copy or its grad flags leaves the original as it is."""
+    m = seq_tiny
+    before, fp = m(tiny_tokens), weights_fingerprint(m)
+    p = parallelize(m, [0])
+    ptr = lambda model: [t.untyped_storage().data_ptr() for t in model.parameters()]  # noqa: E731
+    assert ptr(p) == ptr(m) and len(list(p.parameters())) == len(list(m.parameters()))
+    out = p(tiny_tokens)
+    p.double().requires_grad_(False)
+    assert all(t.dtype == torch.float32 and t.requires_grad for t in m.parameters())
+    assert weights_fingerprint(m) == fp and torch.equal(m(tiny_tokens), before)
+    assert rel(p(tiny_tokens.clone()), out) < 1e-5  # the float64 copy computes the same model
+
+
 def test_adapter_sees_parallel_blocks(seq_tiny, par_cache):
     p = _par(seq_tiny, [1], par_cache)
     ad = adapt(p)
