@@ -173,7 +173,7 @@ def hooks_among(points: dict[Any, tuple[str, ...]]) -> tuple[tuple[str, ...], tu
     found: set[str] = set()
     for hp, names in points.items():
         md = hp.__dict__  # torch keeps the hook dicts there; most points carry none
-        if not (md.get(_SILENCED[0]) or md.get(_SILENCED[1]) or md.get(_SILENCED[2])):
+        if not any(map(md.get, _SILENCED)):
             continue
         descs = [intervention_of(f) for attr in _SILENCED for f in (md.get(attr) or {}).values() if not is_ours(f)]
         found.update(d for d in descs if d is not None)
